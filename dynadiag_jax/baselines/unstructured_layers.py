@@ -1,0 +1,121 @@
+"""Unstructured sparse linear layers as a JAX user would write them (speed baselines).
+
+Both layers take the constructor arguments of ``dd.nn.DiagonalDense`` (``features``, then
+keyword-only ``sparsity``, ``use_bias``, ``dtype``, ``param_dtype``) and keep exactly
+``num_active(in * out, sparsity)`` weights at random positions drawn from the ``"params"`` RNG
+at ``init``. The positions live in the non-param collection
+``"sparsity"``; pass it to ``apply`` with the params.
+
+* :class:`MaskedDense`: ``x @ (kernel * mask)``; a dense ``[in, out]`` kernel and a bool mask
+  (``variables["sparsity"][...]["mask"]``): dense compute and memory, what jaxpruner/RigL do.
+* :class:`BCOODense`: ``x @ W`` with ``W`` a ``jax.experimental.sparse.BCOO`` matrix: params
+  ``{"data": [nse]}``, ``variables["sparsity"][...]["indices"]`` ``[nse, 2]`` int32 (row-major
+  sorted ``(in, out)`` coordinates). Sparse compute and memory.
+
+Parameters follow ``flax.linen.Dense`` (kernel ``[in, out]``, LeCun-normal init, zero bias); the
+BCOO data are the dense initialiser's values at the chosen positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.experimental import sparse
+
+from dynadiag_jax.baselines.masks import num_active, random_mask
+
+__all__ = ["MaskedDense", "BCOODense"]
+
+COLLECTION = "sparsity"
+
+
+def _check(layer, x):
+    if not 0.0 < float(layer.sparsity) < 1.0:
+        raise ValueError(f"sparsity must be in (0, 1), got {layer.sparsity!r}")
+    if not isinstance(layer.features, int) or layer.features < 1:
+        raise ValueError(f"features must be a positive int, got {layer.features!r}")
+    if x.ndim < 1:
+        raise ValueError("x must have shape [..., in_features], got a scalar")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x must be a floating array, got dtype {x.dtype}")
+
+
+def _structure(layer, name: str, init_fn):
+    if not layer.is_initializing() and not layer.has_variable(COLLECTION, name):
+        raise ValueError(
+            f"{type(layer).__name__} needs its {COLLECTION!r} collection: "
+            f"call apply({{'params': ..., '{COLLECTION}': variables['{COLLECTION}']}}, x)")
+    return layer.variable(COLLECTION, name, init_fn).value
+
+
+class MaskedDense(nn.Module):
+    """``y = x @ (kernel * mask) + bias``; ``x[..., in] -> y[..., features]``."""
+
+    features: int
+    _: dataclasses.KW_ONLY
+    sparsity: float
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Any = nn.initializers.lecun_normal()
+    bias_init: Any = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, x):
+        _check(self, x)
+        shape = (x.shape[-1], self.features)
+        kernel = self.param("kernel", self.kernel_init, shape, self.param_dtype)
+        n = num_active(shape[0] * shape[1], float(self.sparsity))
+        mask = _structure(self, "mask", lambda: random_mask(self.make_rng("params"), shape, n))
+        bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+                if self.use_bias else None)
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        y = jnp.dot(x, jnp.where(mask, kernel, jnp.zeros_like(kernel)))
+        return _add_bias(y, bias)
+
+
+def _add_bias(y, bias):
+    return y if bias is None else y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+def _random_indices(key, shape, n):
+    flat = jnp.sort(jax.random.choice(key, shape[0] * shape[1], (n,), replace=False))
+    return jnp.stack([flat // shape[1], flat % shape[1]], axis=1).astype(jnp.int32)
+
+
+class BCOODense(nn.Module):
+    """``y = x @ W + bias`` with ``W[in, features]`` stored as BCOO; ``x[..., in] -> y[..., features]``."""
+
+    features: int
+    _: dataclasses.KW_ONLY
+    sparsity: float
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Any = nn.initializers.lecun_normal()
+    bias_init: Any = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, x):
+        _check(self, x)
+        shape = (x.shape[-1], self.features)
+        n = num_active(shape[0] * shape[1], float(self.sparsity))
+        indices = _structure(self, "indices",
+                             lambda: _random_indices(self.make_rng("params"), shape, n))
+        data = self.param(
+            "data", lambda key: self.kernel_init(key, shape, self.param_dtype)[
+                indices[:, 0], indices[:, 1]])
+        if data.shape != (n,) or indices.shape != (n, 2):
+            raise ValueError(f"data {data.shape} and indices {indices.shape} must be [{n}] and "
+                             f"[{n}, 2] for a {shape} kernel at sparsity {self.sparsity}")
+        bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+                if self.use_bias else None)
+        x, data, bias = nn.dtypes.promote_dtype(x, data, bias, dtype=self.dtype)
+        w = sparse.BCOO((data, indices), shape=shape, indices_sorted=True, unique_indices=True)
+        lead = x.shape[:-1]
+        y = (x.reshape((-1, shape[0])) @ w).reshape(lead + (self.features,))
+        return _add_bias(y, bias)
