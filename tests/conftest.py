@@ -1,4 +1,4 @@
-"""Strict numerics for every test: no silent dtype or rank promotion (see docs/STYLE in the design)."""
+"""Strict numerics for every test: no silent dtype or rank promotion."""
 
 import jax
 import pytest

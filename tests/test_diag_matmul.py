@@ -174,7 +174,7 @@ def test_check_grads_on_jax_impl_in_float64(rng):
         for in_f, out_f in [(5, 8), (8, 5), (6, 6)]:
             x, values, offsets = make_case(rng, in_f, out_f, 3, batch=(2,), dtype=np.float64)
 
-            def f(x, v):
+            def f(x, v, offsets=offsets, out_f=out_f):
                 return jnp.tanh(dd.diag_matmul(x, v, offsets, out_features=out_f, impl="jax"))
 
             check_grads(f, (x, values), order=2, modes=("rev",))

@@ -41,7 +41,7 @@ class PlatformKernels(NamedTuple):
 
 
 def platform_of_default_backend() -> str:
-    """Lowering platform name of the default backend: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``."""
+    """Lowering platform of the default backend: ``"cpu"``, ``"cuda"``, ``"rocm"`` or ``"tpu"``."""
     backend = jax.default_backend()
     if backend != "gpu":
         return backend

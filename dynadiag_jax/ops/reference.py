@@ -63,7 +63,7 @@ def diag_matmul_fwd_reference(x2, values, offsets, *, out_features: int):
     offsets = offsets.astype(jnp.int32)
 
     if geo.tall:
-        # Diagonal d adds x[:, j] * v[j] into row (j + d) % out: rows d .. d + in of a buffer [B, P + D].
+        # Diagonal d adds x[:, j] * v[j] into row (j + d) % out: rows d .. d + in of [B, P + D].
         def body(buf, kv):
             d, v = kv
             cur = jax.lax.dynamic_slice(buf, (jnp.int32(0), d), (batch, d_len))
