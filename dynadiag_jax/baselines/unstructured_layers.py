@@ -52,8 +52,8 @@ def _structure(layer, name: str, init_fn):
     return layer.variable(COLLECTION, name, init_fn).value
 
 
-class MaskedDense(nn.Module):
-    """``y = x @ (kernel * mask) + bias``; ``x[..., in] -> y[..., features]``."""
+class _UnstructuredDense(nn.Module):
+    """Fields shared by the unstructured layers (those of ``flax.linen.Dense`` plus ``sparsity``)."""
 
     features: int
     _: dataclasses.KW_ONLY
@@ -64,15 +64,23 @@ class MaskedDense(nn.Module):
     kernel_init: Any = nn.initializers.lecun_normal()
     bias_init: Any = nn.initializers.zeros_init()
 
-    @nn.compact
-    def __call__(self, x):
+    def _setup(self, x):
+        """Validate, and return ``(kernel shape [in, features], active count, bias or None)``."""
         _check(self, x)
         shape = (x.shape[-1], self.features)
-        kernel = self.param("kernel", self.kernel_init, shape, self.param_dtype)
-        n = num_active(shape[0] * shape[1], float(self.sparsity))
-        mask = _structure(self, "mask", lambda: random_mask(self.make_rng("params"), shape, n))
         bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
                 if self.use_bias else None)
+        return shape, num_active(shape[0] * shape[1], float(self.sparsity)), bias
+
+
+class MaskedDense(_UnstructuredDense):
+    """``y = x @ (kernel * mask) + bias``; ``x[..., in] -> y[..., features]``."""
+
+    @nn.compact
+    def __call__(self, x):
+        shape, n, bias = self._setup(x)
+        kernel = self.param("kernel", self.kernel_init, shape, self.param_dtype)
+        mask = _structure(self, "mask", lambda: random_mask(self.make_rng("params"), shape, n))
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
         y = jnp.dot(x, jnp.where(mask, kernel, jnp.zeros_like(kernel)))
         return _add_bias(y, bias)
@@ -87,23 +95,12 @@ def _random_indices(key, shape, n):
     return jnp.stack([flat // shape[1], flat % shape[1]], axis=1).astype(jnp.int32)
 
 
-class BCOODense(nn.Module):
+class BCOODense(_UnstructuredDense):
     """``y = x @ W + bias`` with ``W[in, features]`` stored as BCOO; ``x[..., in] -> y[..., features]``."""
-
-    features: int
-    _: dataclasses.KW_ONLY
-    sparsity: float
-    use_bias: bool = True
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    kernel_init: Any = nn.initializers.lecun_normal()
-    bias_init: Any = nn.initializers.zeros_init()
 
     @nn.compact
     def __call__(self, x):
-        _check(self, x)
-        shape = (x.shape[-1], self.features)
-        n = num_active(shape[0] * shape[1], float(self.sparsity))
+        shape, n, bias = self._setup(x)
         indices = _structure(self, "indices",
                              lambda: _random_indices(self.make_rng("params"), shape, n))
         data = self.param(
@@ -112,8 +109,6 @@ class BCOODense(nn.Module):
         if data.shape != (n,) or indices.shape != (n, 2):
             raise ValueError(f"data {data.shape} and indices {indices.shape} must be [{n}] and "
                              f"[{n}, 2] for a {shape} kernel at sparsity {self.sparsity}")
-        bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-                if self.use_bias else None)
         x, data, bias = nn.dtypes.promote_dtype(x, data, bias, dtype=self.dtype)
         w = sparse.BCOO((data, indices), shape=shape, indices_sorted=True, unique_indices=True)
         lead = x.shape[:-1]
