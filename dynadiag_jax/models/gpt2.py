@@ -27,7 +27,7 @@ class GPT2Size(NamedTuple):
 
 SIZES = {
     "mu": GPT2Size(32, 2, 2),  # tests and smoke runs only
-    "mini": GPT2Size(256, 4, 4),  # CPU-sized runs of train/lm.py
+    "mini": GPT2Size(128, 4, 4),  # CPU-sized runs of train/lm.py
     "small": GPT2Size(768, 12, 12),
     "medium": GPT2Size(1024, 24, 16),
 }

@@ -30,17 +30,28 @@ class Classification(NamedTuple):
       num_classes: number of classes.
       label_smoothing: mass spread uniformly over all classes in training targets.
       mixup: batch mixing applied to training inputs (``None``: no mixing).
+      normalize: ``(mean, std)`` per channel for uint8 images in [0, 255] (e.g.
+        ``dynadiag_jax.data.IMAGENET_MEAN_STD``); ``None``: images are used as given.
     """
 
     num_classes: int
     label_smoothing: float = 0.0
     mixup: MixupCutmix | None = None
+    normalize: tuple | None = None
+
+    def _images(self, batch):
+        images = batch["image"]
+        if self.normalize is None:
+            return images
+        shape = (1,) * (images.ndim - 1) + (-1,)
+        mean, std = (jnp.asarray(v, jnp.float32).reshape(shape) for v in self.normalize)
+        return (images.astype(jnp.float32) / 255.0 - mean) / std
 
     def train_inputs(self, batch, key):
         """``(inputs, soft targets [B, num_classes])`` for a training step."""
         targets = optax.smooth_labels(jax.nn.one_hot(batch["label"], self.num_classes, dtype=jnp.float32),
                                       self.label_smoothing)
-        images = batch["image"]
+        images = self._images(batch)
         if self.mixup is not None:
             images, targets = self.mixup(key, images, targets)
         return images, targets
@@ -52,7 +63,7 @@ class Classification(NamedTuple):
         return loss, {"loss": loss, "accuracy": accuracy}
 
     def eval_inputs(self, batch):
-        return batch["image"]
+        return self._images(batch)
 
     def eval_sums(self, logits, batch):
         """Sums of per-example loss and correct predictions over the unmasked examples."""
