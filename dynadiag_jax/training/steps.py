@@ -48,7 +48,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, t
         params = optax.apply_updates(state.params, updates)
         updated = dict(updated)
         metrics = {**metrics, **layer_metrics(updated.pop("intermediates", {})),
-                   "grad_norm": optax.global_norm(grads)}
+                   "grad_norm": optax.tree.norm(grads)}
         if searching and gate is not None:
             metrics[gate.name] = jnp.asarray(gate.schedule(state.step), jnp.float32)
         collections = {**collections, **updated}
