@@ -1,0 +1,161 @@
+"""ImageNet-1k through ``tfds.data_source("imagenet2012")`` (array_record, no TensorFlow) and grain.
+
+Prepare once (TensorFlow needed for that step only; see the README)::
+
+    builder = tfds.builder("imagenet2012", data_dir=DATA_DIR, file_format="array_record")
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=TARS))
+
+Training example number ``g`` (counted over the whole run) is image ``perm_e[g % N]`` of epoch
+``e = g // N`` with ``perm_e = default_rng([seed, e]).permutation(N)``, augmented with
+``default_rng([seed, g])``; step ``t`` holds examples ``t * B ... t * B + B - 1``, and each
+process takes its contiguous share. Hence batches depend only on ``(seed, step)``: resuming needs
+nothing but the step. Images leave the pipeline as uint8; the jitted step normalises them
+(:class:`dynadiag_jax.training.Classification` with ``normalize=IMAGENET_MEAN_STD``).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Iterator
+
+import numpy as np
+
+from dynadiag_jax.data.arrays import _process_share
+from dynadiag_jax.data.augment import RandAugment, flip, random_resized_crop, resize_center_crop
+
+__all__ = ["IMAGENET_MEAN_STD", "ImageNetEval", "ImageNetTrain", "check_imagenet_dir", "imagenet_source"]
+
+IMAGENET_MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+DATASET = "imagenet2012"
+
+
+def check_imagenet_dir(data_dir) -> pathlib.Path:
+    """Raise a ``FileNotFoundError`` that says what to do unless ``data_dir`` holds a prepared
+    ``imagenet2012`` (array_record) data set; returns the directory."""
+    import tensorflow_datasets as tfds
+
+    if data_dir is None:
+        raise FileNotFoundError("ImageNet needs data_dir: the tfds data directory in which imagenet2012 "
+                                "was prepared (see the README, 'Preparing ImageNet')")
+    root = pathlib.Path(data_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"ImageNet data_dir {root} does not exist")
+    builder = tfds.builder(DATASET, data_dir=str(root))
+    if not builder.is_prepared():
+        raise FileNotFoundError(f"{root} holds no prepared {DATASET} (expected {builder.data_dir}); "
+                                "prepare it with tfds from ILSVRC2012_img_{train,val}.tar (README)")
+    if not any(pathlib.Path(builder.data_dir).glob("*.array_record*")):
+        raise FileNotFoundError(f"{builder.data_dir} was not prepared as array_record "
+                                "(tfds.builder(..., file_format='array_record'))")
+    return root
+
+
+def imagenet_source(split: str, data_dir):
+    """Random-access source of ``{"image": uint8 [H, W, 3], "label": int}`` examples."""
+    import tensorflow_datasets as tfds
+
+    return tfds.data_source(DATASET, split=split, data_dir=None if data_dir is None else str(data_dir),
+                            download=False)
+
+
+def _read_options(num_threads: int, prefetch: int):
+    import grain
+
+    return grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
+
+
+class ImageNetTrain:
+    """Augmented training batches ``{"image": uint8 [B, S, S, 3], "label": int32 [B]}`` by step.
+
+    Args:
+      source: a random-access source (:func:`imagenet_source`, or any sequence of examples).
+      global_batch_size: examples per step over all processes.
+      seed: data order and augmentation seed.
+      image_size: output side ``S``.
+      randaugment: :class:`~dynadiag_jax.data.augment.RandAugment` or ``None``.
+      num_threads, prefetch: grain's reader threads and prefetch buffer (examples).
+    """
+
+    def __init__(self, source, global_batch_size: int, *, seed: int, image_size: int = 224,
+                 randaugment: RandAugment | None = RandAugment(), num_threads: int = 16, prefetch: int = 512,
+                 process_index: int | None = None, process_count: int | None = None):
+        self.source = source
+        self.num_examples = len(source)
+        if not 0 < global_batch_size <= self.num_examples:
+            raise ValueError(f"batch size {global_batch_size} must be in [1, {self.num_examples}]")
+        self.global_batch_size = int(global_batch_size)
+        self.seed, self.image_size, self.randaugment = int(seed), int(image_size), randaugment
+        self.num_threads, self.prefetch = num_threads, prefetch
+        self._share = _process_share(self.global_batch_size, process_index, process_count)
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        # Reader threads share this cache; a race only computes the same permutation twice.
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+            self._perms = {epoch: perm, **{e: p for e, p in self._perms.items() if e == epoch - 1}}
+        return perm
+
+    def example(self, g: int) -> dict:
+        """Training example number ``g`` of the run, augmented."""
+        epoch, i = divmod(int(g), self.num_examples)
+        ex = self.source[int(self._permutation(epoch)[i])]
+        rng = np.random.default_rng([self.seed, int(g)])
+        image = random_resized_crop(np.asarray(ex["image"]), self.image_size, rng)
+        image = flip(image, rng)
+        if self.randaugment is not None:
+            image = self.randaugment(image, rng)
+        return {"image": image, "label": np.int32(ex["label"])}
+
+    def iterate(self, start_step: int) -> Iterator[dict[str, np.ndarray]]:
+        import grain
+
+        b, share = self.global_batch_size, self._share
+        local = share.stop - share.start
+
+        def global_index(k):
+            return (k // local) * b + share.start + k % local
+
+        ds = (grain.MapDataset.range(int(start_step) * local, np.iinfo(np.int64).max // b)
+              .map(lambda k: self.example(global_index(k)))
+              .to_iter_dataset(_read_options(self.num_threads, self.prefetch))
+              .batch(local, drop_remainder=True))
+        return iter(ds)
+
+
+class ImageNetEval:
+    """Every example of ``source`` once, resized and centre-cropped, in padded batches with ``"mask"``."""
+
+    def __init__(self, source, global_batch_size: int, *, image_size: int = 224, crop_fraction: float = 0.875,
+                 num_threads: int = 16, prefetch: int = 512, max_examples: int | None = None,
+                 process_index: int | None = None, process_count: int | None = None):
+        self.source = source
+        n = len(source)
+        self.num_examples = n if max_examples is None else min(n, int(max_examples))
+        self.global_batch_size = int(global_batch_size)
+        self.image_size, self.crop_fraction = int(image_size), float(crop_fraction)
+        self.num_threads, self.prefetch = num_threads, prefetch
+        self._share = _process_share(self.global_batch_size, process_index, process_count)
+
+    def _example(self, g: int) -> dict:
+        valid = g < self.num_examples
+        ex = self.source[int(g) if valid else 0]
+        image = resize_center_crop(np.asarray(ex["image"]), self.image_size, crop_fraction=self.crop_fraction)
+        return {"image": image, "label": np.int32(ex["label"]), "mask": np.float32(valid)}
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        import grain
+
+        b, share = self.global_batch_size, self._share
+        local = share.stop - share.start
+        num_batches = -(-self.num_examples // b)
+
+        def global_index(k):
+            return (k // local) * b + share.start + k % local
+
+        ds = (grain.MapDataset.range(0, num_batches * local)
+              .map(lambda k: self._example(global_index(k)))
+              .to_iter_dataset(_read_options(self.num_threads, self.prefetch))
+              .batch(local, drop_remainder=True))
+        return iter(ds)

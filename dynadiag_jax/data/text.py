@@ -1,0 +1,178 @@
+"""Byte-level text corpora for language modelling, and batches of token windows.
+
+Tokens are the UTF-8 bytes of the text (vocabulary 256), so no tokenizer file is needed.
+Corpora: ``"fortunes"`` (Debian ``fortunes``), ``"stdlib"`` (the Python standard library's
+``.py`` sources), ``"wikitext"`` (WikiText-103 raw: ``wiki.{train,valid,test}.raw`` in a directory).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sysconfig
+from typing import Iterator, NamedTuple
+
+import numpy as np
+
+from dynadiag_jax.data.arrays import _process_share
+
+__all__ = ["BYTE_VOCAB_SIZE", "Corpus", "TokenWindows", "WindowEvalBatches", "decode_bytes", "encode_bytes",
+           "load_corpus"]
+
+BYTE_VOCAB_SIZE = 256
+FORTUNES_DIR = pathlib.Path("/usr/share/games/fortunes")
+WIKITEXT_FILES = {"train": "wiki.train.raw", "valid": "wiki.valid.raw", "test": "wiki.test.raw"}
+CORPORA = ("fortunes", "stdlib", "wikitext")
+
+
+class Corpus(NamedTuple):
+    """Token streams: ``train`` and ``valid`` int32 ``[N]``; ``name`` says where they came from."""
+
+    train: np.ndarray
+    valid: np.ndarray
+    name: str
+
+
+def encode_bytes(text: str) -> np.ndarray:
+    """UTF-8 bytes of ``text`` as int32 tokens in ``[0, 256)``."""
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+
+def decode_bytes(tokens) -> str:
+    """Inverse of :func:`encode_bytes` (invalid UTF-8 sequences become U+FFFD)."""
+    return np.asarray(tokens, np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def _split(data: bytes, valid_fraction: float, name: str) -> Corpus:
+    tokens = np.frombuffer(data, np.uint8).astype(np.int32)
+    cut = int(len(tokens) * (1.0 - valid_fraction))
+    return Corpus(tokens[:cut], tokens[cut:], name)
+
+
+def _fortunes(path) -> Corpus:
+    root = FORTUNES_DIR if path is None else pathlib.Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"fortunes directory {root} does not exist (Debian/Ubuntu: apt-get install fortunes)")
+    files = sorted(p for p in root.iterdir() if p.is_file() and not p.is_symlink() and p.suffix != ".dat")
+    if not files:
+        raise FileNotFoundError(f"{root} holds no fortune files")
+    return _split(b"".join(p.read_bytes() for p in files), 0.05, f"fortunes ({root}, {len(files)} files)")
+
+
+def _stdlib(path, max_bytes: int) -> Corpus:
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"] if path is None else path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"source directory {root} does not exist")
+    skip = {"test", "tests", "site-packages", "idlelib", "__pycache__"}
+    chunks, total = [], 0
+    for p in sorted(root.rglob("*.py")):
+        if skip.intersection(p.relative_to(root).parts):
+            continue
+        data = p.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not chunks:
+        raise FileNotFoundError(f"{root} holds no .py files")
+    return _split(b"".join(chunks), 0.05, f"stdlib ({root}, {total} bytes)")
+
+
+def _wikitext(path) -> Corpus:
+    if path is None:
+        raise ValueError("the wikitext corpus needs a path to the directory holding "
+                         f"{', '.join(WIKITEXT_FILES.values())} (WikiText-103 raw)")
+    root = pathlib.Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"WikiText directory {root} does not exist")
+    missing = [f for f in ("train", "valid") if not (root / WIKITEXT_FILES[f]).exists()]
+    if missing:
+        raise FileNotFoundError(f"{root} is not a WikiText-103 raw directory: missing "
+                                f"{', '.join(WIKITEXT_FILES[f] for f in missing)}")
+    read = lambda split: np.frombuffer((root / WIKITEXT_FILES[split]).read_bytes(), np.uint8).astype(np.int32)  # noqa: E731
+    return Corpus(read("train"), read("valid"), f"wikitext ({root})")
+
+
+def load_corpus(name: str = "fortunes", path=None, *, max_bytes: int = 16 << 20) -> Corpus:
+    """Load a byte-level corpus.
+
+    Args:
+      name: ``"fortunes"``, ``"stdlib"`` or ``"wikitext"``.
+      path: the corpus directory (``None``: the system default; required for ``wikitext``).
+      max_bytes: cap on the ``stdlib`` corpus size.
+
+    Raises:
+      ValueError: unknown ``name``; FileNotFoundError: the directory or its files are missing.
+    """
+    if name not in CORPORA:
+        raise ValueError(f"unknown corpus {name!r}; expected one of {CORPORA}")
+    if name == "fortunes":
+        return _fortunes(path)
+    if name == "stdlib":
+        return _stdlib(path, max_bytes)
+    return _wikitext(path)
+
+
+def _num_windows(tokens: np.ndarray, seq_len: int) -> int:
+    if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    n = (len(tokens) - 1) // seq_len
+    if n < 1:
+        raise ValueError(f"{len(tokens)} tokens are too few for one window of {seq_len} + 1")
+    return n
+
+
+class TokenWindows:
+    """Training batches ``{"tokens": int32 [B, seq_len + 1]}`` of non-overlapping windows.
+
+    Epoch ``e`` visits the windows in the order ``default_rng([seed, e]).permutation``; step ``t``
+    is a pure function of ``(seed, t)``, as for :class:`~dynadiag_jax.data.ArrayBatches`.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, *, seed: int,
+                 process_index: int | None = None, process_count: int | None = None):
+        self.tokens = np.asarray(tokens, np.int32)
+        self.seq_len = int(seq_len)
+        self.num_windows = _num_windows(self.tokens, seq_len)
+        if not isinstance(global_batch_size, (int, np.integer)) or global_batch_size < 1:
+            raise ValueError(f"batch size must be a positive integer, got {global_batch_size!r}")
+        if global_batch_size > self.num_windows:
+            raise ValueError(f"batch size {global_batch_size} exceeds the {self.num_windows} windows of the corpus")
+        self.global_batch_size = int(global_batch_size)
+        self.steps_per_epoch = self.num_windows // self.global_batch_size
+        self.seed = int(seed)
+        self._share = _process_share(self.global_batch_size, process_index, process_count)
+
+    def _windows(self, starts: np.ndarray) -> np.ndarray:
+        return self.tokens[starts[:, None] + np.arange(self.seq_len + 1)[None, :]]
+
+    def iterate(self, start_step: int) -> Iterator[dict[str, np.ndarray]]:
+        step, epoch, perm, b = int(start_step), None, None, self.global_batch_size
+        while True:
+            e, i = divmod(step, self.steps_per_epoch)
+            if e != epoch:
+                epoch, perm = e, np.random.default_rng([self.seed, e]).permutation(self.num_windows)
+            starts = perm[i * b:(i + 1) * b][self._share] * self.seq_len
+            yield {"tokens": self._windows(starts)}
+            step += 1
+
+
+class WindowEvalBatches:
+    """Every window of ``tokens`` once (optionally at most ``max_windows``), padded with a ``"mask"``."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, *, max_windows: int | None = None,
+                 process_index: int | None = None, process_count: int | None = None):
+        self.tokens = np.asarray(tokens, np.int32)
+        self.seq_len = int(seq_len)
+        n = _num_windows(self.tokens, seq_len)
+        self.num_windows = n if max_windows is None else min(n, int(max_windows))
+        self.global_batch_size = int(global_batch_size)
+        self._share = _process_share(self.global_batch_size, process_index, process_count)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        b = self.global_batch_size
+        for first in range(0, self.num_windows, b):
+            idx = np.arange(first, first + b)
+            mask = idx < self.num_windows
+            starts = np.where(mask, idx, 0)[self._share] * self.seq_len
+            yield {"tokens": self.tokens[starts[:, None] + np.arange(self.seq_len + 1)[None, :]],
+                   "mask": mask[self._share].astype(np.float32)}

@@ -1,0 +1,49 @@
+"""A multi-layer perceptron classifier (the authors' MNIST model: 784 -> 256 -> 256 -> 10)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from dynadiag_jax.models.routing import Dense, linear, resolve_dense
+
+__all__ = ["MLP", "DENSE", "SPARSE_LAYERS"]
+
+DENSE = nn.Dense
+# The hidden layers are diagonal-sparse; the head (named "head") stays dense.
+SPARSE_LAYERS = (r"hidden_\d+",)
+
+
+class MLP(nn.Module):
+    """``head(relu(hidden_{n-1}(... relu(hidden_0(flatten(x))))))``.
+
+    Attributes:
+      num_classes: output width of the dense head.
+      hidden: widths of the replaceable hidden layers, named ``hidden_0``, ``hidden_1``, ...
+      dense: the hidden layers' constructor or a :class:`~dynadiag_jax.models.ByPath`.
+      dtype: computation dtype (``None``: the input's).
+    """
+
+    num_classes: int
+    hidden: Sequence[int] = (256, 256)
+    dense: Dense = DENSE
+    dtype: Any = None
+
+    def __post_init__(self):
+        if not self.hidden or any(int(h) < 1 for h in self.hidden):
+            raise ValueError(f"hidden must be a non-empty sequence of positive widths, got {self.hidden!r}")
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x, *, train: bool = False):
+        """``x[B, ...]`` (flattened) -> logits ``[B, num_classes]``. ``train`` is unused."""
+        del train
+        dense = resolve_dense(self.dense, DENSE)
+        x = x.reshape(x.shape[0], -1)
+        if self.dtype is not None:
+            x = x.astype(self.dtype)
+        for i, width in enumerate(self.hidden):
+            x = nn.relu(linear(self, dense, int(width), name=f"hidden_{i}", dtype=self.dtype)(x))
+        return nn.Dense(self.num_classes, name="head", dtype=self.dtype)(x).astype(jnp.float32)

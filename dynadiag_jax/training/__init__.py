@@ -1,0 +1,25 @@
+"""The training library behind every script in ``train/``: explicit arguments, no configs.
+
+:func:`train` runs the loop (search phase with a gate schedule, freeze, evaluation, metrics to
+TensorBoard and JSONL, Orbax checkpoints, data parallelism over every device).
+"""
+
+from dynadiag_jax.training.checkpoint import Checkpointer
+from dynadiag_jax.training.loop import BatchSource, TrainResult, evaluate, train
+from dynadiag_jax.training.metrics import MetricWriter, read_jsonl
+from dynadiag_jax.training.mixup import MixupCutmix
+from dynadiag_jax.training.optimizer import NO_DECAY, adamw
+from dynadiag_jax.training.parallel import (check_batch_size, data_mesh, global_batch, initialize_distributed)
+from dynadiag_jax.training.sparsity import (GateSchedule, ParameterCounts, apply_gate, freeze_state, is_searching,
+                                            kept_offsets, layer_metrics, parameter_counts)
+from dynadiag_jax.training.state import TrainState, create_train_state, variables_of
+from dynadiag_jax.training.steps import make_eval_step, make_train_step
+from dynadiag_jax.training.tasks import Classification, LanguageModeling
+
+__all__ = [
+    "BatchSource", "Checkpointer", "Classification", "GateSchedule", "LanguageModeling", "MetricWriter",
+    "MixupCutmix", "NO_DECAY", "ParameterCounts", "TrainResult", "TrainState", "adamw", "apply_gate",
+    "check_batch_size", "create_train_state", "data_mesh", "evaluate", "freeze_state", "global_batch",
+    "initialize_distributed", "is_searching", "kept_offsets", "layer_metrics", "make_eval_step",
+    "make_train_step", "parameter_counts", "read_jsonl", "train", "variables_of",
+]

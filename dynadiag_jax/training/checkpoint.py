@@ -1,0 +1,133 @@
+"""Checkpoints with Orbax's ``CheckpointManager``: keep the last N, write asynchronously, commit atomically.
+
+A checkpoint holds the :class:`~dynadiag_jax.training.state.TrainState` and a small JSON ``meta``
+record (the phase, and whatever describes the run: model, variant, sparsity). A checkpoint
+interrupted mid-write stays a temporary directory that Orbax ignores, so the latest *committed*
+step is always complete. Restoring checks every stored shape against the expected one first and
+names the mismatching parameters instead of failing deep inside TensorStore.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Mapping
+
+import jax
+import orbax.checkpoint as ocp
+
+from dynadiag_jax.training.state import TrainState
+
+__all__ = ["Checkpointer"]
+
+
+def _shape_of(leaf) -> tuple[int, ...] | None:
+    shape = getattr(leaf, "shape", None)
+    return None if shape is None else tuple(shape)
+
+
+class Checkpointer:
+    """Save and restore training states under ``directory``.
+
+    Args:
+      directory: where the step directories live (created if missing).
+      max_to_keep: number of most recent checkpoints kept.
+      async_save: write in a background thread (``save`` returns after the device-to-host copy).
+    """
+
+    def __init__(self, directory, *, max_to_keep: int = 3, async_save: bool = True):
+        if int(max_to_keep) < 1:
+            raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep!r}")
+        self.directory = pathlib.Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=int(max_to_keep), create=True,
+                                               enable_async_checkpointing=async_save)
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None`` if there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def save(self, state: TrainState, *, meta: Mapping[str, Any]) -> None:
+        """Save ``state`` under its ``step`` (a no-op if that step is already saved)."""
+        step = int(jax.device_get(state.step))
+        if step in self._manager.all_steps():
+            return
+        self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))))
+
+    def read_meta(self, step: int) -> dict:
+        """The JSON record saved with ``step``."""
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def check_compatible(self, step: int, target: TrainState, *, meta: Mapping[str, Any] | None = None) -> None:
+        """Raise ``ValueError`` if the state stored at ``step`` does not have ``target``'s shapes.
+
+        ``meta`` (this run's description) is shown next to the checkpoint's in the message.
+        """
+        stored = self._manager.item_metadata(step)["state"]
+        stored = getattr(stored, "tree", stored)
+        problems = []
+        stored_params = _by_path(stored["params"])
+        target_params = _by_path(target.params)
+        for path in sorted(set(stored_params) | set(target_params)):
+            a, b = stored_params.get(path), target_params.get(path)
+            if a is None:
+                problems.append(f"params/{path}: missing in the checkpoint (this run: {b})")
+            elif b is None:
+                problems.append(f"params/{path}: in the checkpoint {a}, absent in this run")
+            elif a != b:
+                problems.append(f"params/{path}: checkpoint {a}, this run {b}")
+        if not problems:
+            a_leaves = [_shape_of(x) for x in jax.tree.leaves(stored["opt_state"])]
+            b_leaves = [_shape_of(x) for x in jax.tree.leaves(target.opt_state)]
+            if a_leaves != b_leaves:
+                problems.append("opt_state: a different optimizer state structure "
+                                f"({len(a_leaves)} arrays stored, {len(b_leaves)} expected)")
+            a_coll, b_coll = _by_path(stored["collections"]), _by_path(target.collections)
+            if a_coll != b_coll:
+                diff = sorted(set(a_coll.items()) ^ set(b_coll.items()))[:3]
+                problems.append(f"collections differ, e.g. {diff}")
+        if problems:
+            shown = "\n  ".join(problems[:8]) + ("\n  ..." if len(problems) > 8 else "")
+            ckpt_meta = self.read_meta(step)
+            raise ValueError(
+                f"checkpoint {self.directory}/{step} does not fit this model "
+                f"(another sparsity, size or phase?):\n  {shown}\n"
+                f"checkpoint run: {ckpt_meta}\nthis run: {dict(meta or {})}\n"
+                f"use another workdir, or the settings the checkpoint was written with")
+
+    def restore(self, step: int, target: TrainState, *, meta: Mapping[str, Any] | None = None) -> TrainState:
+        """Restore ``step`` into the structure, shapes and shardings of ``target``.
+
+        ``target`` may be abstract (``jax.ShapeDtypeStruct`` leaves, with ``sharding`` set).
+        Raises ``ValueError`` (see :meth:`check_compatible`) before reading any array.
+        """
+        self.check_compatible(step, target, meta=meta)
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        return restored["state"]
+
+    def wait(self) -> None:
+        """Block until every pending asynchronous save is committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish pending saves and release the manager."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def _by_path(tree) -> dict[str, tuple[int, ...] | None]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(_key_name(k) for k in path): _shape_of(leaf) for path, leaf in flat}
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+

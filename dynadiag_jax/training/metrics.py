@@ -1,0 +1,110 @@
+"""Metric records: scalars to TensorBoard (tensorboardX) and every record to ``metrics.jsonl``.
+
+A resumed run starts from a checkpoint at some step ``s``; records written after ``s`` by the
+interrupted run are dropped (JSONL rewritten atomically, TensorBoard events purged), so the log of a
+resumed run reads exactly like the log of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import pathlib
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+__all__ = ["MetricWriter", "read_jsonl"]
+
+JSONL_NAME = "metrics.jsonl"
+
+
+def read_jsonl(path) -> Iterator[dict]:
+    """The records of a metrics file, skipping a torn last line (a kill mid-write)."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        return
+    with path.open() as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON-serialisable Python data (numpy/JAX scalars and arrays included)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (str, bool)) or value is None:
+        return value
+    arr = np.asarray(value)
+    if arr.ndim:
+        return arr.tolist()
+    return arr.item()
+
+
+class MetricWriter:
+    """Writes ``{"step": s, "kind": ..., **values}`` records.
+
+    Args:
+      logdir: directory for ``metrics.jsonl`` and the TensorBoard event files.
+      start_step: the step training starts from; records with a larger step are dropped.
+      tensorboard: also write numeric scalars as TensorBoard events.
+      enabled: False on every process but the first of a multi-host run (nothing is written).
+    """
+
+    def __init__(self, logdir, *, start_step: int = 0, tensorboard: bool = True,
+                 enabled: bool = True):
+        self.enabled = enabled
+        self.path = pathlib.Path(logdir) / JSONL_NAME
+        self._tb = None
+        self._file = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= start_step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        with tmp.open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(tmp, self.path)
+        self._file = self.path.open("a")
+        if tensorboard:
+            import tensorboardX
+
+            self._tb = tensorboardX.SummaryWriter(str(self.path.parent), purge_step=start_step + 1)
+
+    def write(self, step: int, kind: str, values: Mapping[str, Any]) -> None:
+        """Append one record; numeric finite scalars also go to TensorBoard as ``kind/name``."""
+        if not self.enabled:
+            return
+        record = {"step": int(step), "kind": kind, **_plain(values)}
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for name, v in record.items():
+                if name in ("step", "kind") or isinstance(v, bool):
+                    continue
+                if isinstance(v, numbers.Real) and math.isfinite(v):
+                    self._tb.add_scalar(f"{kind}/{name}", v, int(step))
+
+    def flush(self) -> None:
+        """Push everything written so far to disk (called before each checkpoint)."""
+        if not self.enabled:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if not self.enabled or self._file is None:
+            return
+        self.flush()
+        self._file.close()
+        self._file = None
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,73 @@
+"""Data parallelism with ``jax.sharding``: one mesh axis ``"data"`` over every device.
+
+Parameters and optimizer state are replicated; each batch is split along its first axis. On
+several hosts, call :func:`initialize_distributed` first; every process then feeds its own slice
+of the global batch (:func:`global_batch`), and ``jax.jit`` runs one program over all devices.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = ["DATA_AXIS", "check_batch_size", "data_mesh", "global_batch", "initialize_distributed",
+           "replicated", "batch_sharded"]
+
+DATA_AXIS = "data"
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+    """Start ``jax.distributed`` for a multi-host run; a no-op for one process.
+
+    With no arguments, JAX's own cluster detection is used (SLURM, Open MPI, TPU pods, or the
+    ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID`` variables). Must run before
+    anything else touches the devices.
+    """
+    explicit = coordinator_address is not None or num_processes not in (None, 1)
+    detected = any(v in os.environ for v in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID",
+                                             "OMPI_COMM_WORLD_SIZE"))
+    if not explicit and not detected:
+        return
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+
+
+def data_mesh(devices=None) -> Mesh:
+    """A 1-D mesh with axis ``"data"`` over ``devices`` (default: every device of every host)."""
+    devices = jax.devices() if devices is None else list(devices)
+    return Mesh(np.asarray(devices), (DATA_AXIS,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The sharding of parameters and optimizer state: a full copy on every device."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharded(mesh: Mesh) -> NamedSharding:
+    """The sharding of a batch: split along the first axis."""
+    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+
+
+def check_batch_size(batch_size: int, mesh: Mesh, *, name: str = "batch_size") -> int:
+    """The per-process batch size; raises ``ValueError`` when ``batch_size`` cannot be split evenly.
+
+    Call it before building anything: the message names the device and process counts.
+    """
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"{name} must be a positive integer, got {batch_size!r}")
+    devices = mesh.devices.size
+    if batch_size % devices:
+        raise ValueError(f"{name}={batch_size} is not divisible by the number of devices ({devices}); "
+                         f"use a multiple of {devices}")
+    return batch_size // jax.process_count()
+
+
+def global_batch(local: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, Any]:
+    """Assemble each process's slice of a batch into global arrays sharded over ``"data"``."""
+    sharding = batch_sharded(mesh)
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}

@@ -1,0 +1,133 @@
+"""The DynaDiag-specific part of training: gate schedule, freeze, selection and layer metrics.
+
+Everything here reads DiagonalDense's variables as ``dd.nn.DiagonalDense`` documents them:
+search phase ``params/<path>/{alpha, values}`` and ``dynadiag/<path>/{strength | temperature,
+score, topk}``; frozen phase ``params/<path>/values`` and ``diagonals/<path>/offsets``. A model
+without DiagonalDense layers passes through every function unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+import dynadiag_jax as dd
+from dynadiag_jax.training.state import TrainState
+
+__all__ = ["GateSchedule", "apply_gate", "freeze_state", "is_searching", "kept_offsets", "layer_metrics",
+           "parameter_counts", "ParameterCounts"]
+
+# Intermediates sown by DiagonalDense, renamed for the metric logs.
+_METRIC_NAMES = {"gate_nonzero": "effective_k"}
+
+
+class GateSchedule(NamedTuple):
+    """How the gate's hyper-parameter moves during the search phase.
+
+    Attributes:
+      name: ``"strength"`` (``gate="sparse_topk"``) or ``"temperature"`` (``gate="softmax"``).
+      schedule: ``step -> value`` (e.g. ``dd.schedules.cosine(5.0, 0.05, freeze_step)``).
+      score_every: for ``explore="dense_score"`` layers, score every diagonal on each step that
+        is a multiple of this (0: never).
+    """
+
+    name: str
+    schedule: Callable
+    score_every: int = 0
+
+    def check(self) -> "GateSchedule":
+        if self.name not in ("strength", "temperature"):
+            raise ValueError(f"gate name must be 'strength' or 'temperature', got {self.name!r}")
+        if int(self.score_every) < 0:
+            raise ValueError(f"score_every must be >= 0, got {self.score_every!r}")
+        return self
+
+
+def _layers(tree, leaf: str) -> dict[str, Mapping]:
+    """``{path: layer dict}`` for every dict in ``tree`` that holds ``leaf``."""
+    flat = traverse_util.flatten_dict(tree) if tree else {}
+    return {"/".join(k[:-1]): v for k, v in flat.items() if k[-1] == leaf}
+
+
+def is_searching(params) -> bool:
+    """Whether any DiagonalDense layer in ``params`` is in the search phase (has ``alpha``)."""
+    return bool(_layers(params, "alpha"))
+
+
+def apply_gate(collections: dict, gate: GateSchedule | None, step) -> dict:
+    """``collections`` with every layer's gate hyper-parameter set for ``step`` (jit-able)."""
+    if gate is None or "dynadiag" not in collections:
+        return collections
+    kwargs = {gate.name: gate.schedule(step)}
+    if gate.score_every:
+        kwargs["score"] = (step % gate.score_every) == 0
+    return dict(dd.nn.set_gate(collections, **kwargs))
+
+
+def freeze_state(state: TrainState) -> TrainState:
+    """The compact frozen form of ``state``: hard top-K by ``alpha`` in every search-phase layer.
+
+    Parameters, collections and the optimizer state all switch (``alpha`` and its optimizer
+    moments are dropped; the kept rows of ``values`` keep theirs). Pure and jit-able.
+    """
+    before = {"params": state.params, **state.collections}
+    after = dict(dd.freeze_tree(before))
+    params = after.pop("params")
+    opt_state = dd.freeze_opt_state(state.opt_state, state.params, params)
+    return state._replace(params=params, opt_state=opt_state, collections=after)
+
+
+def kept_offsets(collections) -> dict[str, np.ndarray]:
+    """``{layer path: offsets}``: the frozen diagonals, or during search the current top-K by alpha."""
+    out = {p: v["offsets"] for p, v in _layers(collections.get("diagonals", {}), "offsets").items()}
+    for p, v in _layers(collections.get("dynadiag", {}), "topk").items():
+        out.setdefault(p, v["topk"])
+    return {p: np.asarray(jax.device_get(v)) for p, v in sorted(out.items())}
+
+
+def layer_metrics(intermediates) -> dict[str, jax.Array]:
+    """Flatten sown per-layer scalars to ``{"<name>/<layer path>": value}`` (``effective_k`` etc.)."""
+    flat = traverse_util.flatten_dict(intermediates) if intermediates else {}
+    out = {}
+    for key, value in flat.items():
+        name = _METRIC_NAMES.get(key[-1], key[-1])
+        value = value[0] if isinstance(value, tuple) else value
+        out[f"{name}/{'/'.join(key[:-1])}"] = jnp.asarray(value, jnp.float32)
+    return out
+
+
+class ParameterCounts(NamedTuple):
+    """Parameter counts of a model's variables.
+
+    Attributes:
+      total: every parameter (search phase: all ``P`` candidate diagonals and ``alpha``).
+      diagonal: entries of diagonal ``values`` (frozen: exactly the non-zero weights ``K * D``).
+      alpha: selection scores (0 once frozen).
+      other: every other parameter (dense layers, embeddings, norms, biases).
+    """
+
+    total: int
+    diagonal: int
+    alpha: int
+    other: int
+
+
+def parameter_counts(params) -> ParameterCounts:
+    """Count the parameters of ``params`` by role (see :class:`ParameterCounts`)."""
+    diag_layers = set(_layers(params, "values"))
+    flat = traverse_util.flatten_dict(params)
+    diagonal = alpha = other = 0
+    for key, leaf in flat.items():
+        n = int(np.prod(np.shape(leaf)))
+        layer = "/".join(key[:-1])
+        if layer in diag_layers and key[-1] == "values":
+            diagonal += n
+        elif layer in diag_layers and key[-1] == "alpha":
+            alpha += n
+        else:
+            other += n
+    return ParameterCounts(diagonal + alpha + other, diagonal, alpha, other)

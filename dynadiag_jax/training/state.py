@@ -1,0 +1,60 @@
+"""The training state: one pytree holding everything a checkpoint must restore."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = ["TrainState", "create_train_state", "variables_of"]
+
+
+class TrainState(NamedTuple):
+    """Everything that changes during training.
+
+    Attributes:
+      step: int32 scalar, the number of optimizer steps taken.
+      params: the ``"params"`` collection.
+      opt_state: the optimizer state for ``params``.
+      collections: the model's other variable collections (e.g. DiagonalDense's gate values in
+        ``"dynadiag"`` and, once frozen, its offsets in ``"diagonals"``).
+      rng: raw key data (``jax.random.key_data``) of the run's base key; step ``t`` uses
+        ``fold_in(key, t)``, so randomness depends only on the seed and the step.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    collections: Any
+    rng: jax.Array
+
+
+def variables_of(state: TrainState) -> dict:
+    """``{"params": ..., **collections}``, ready for ``model.apply``."""
+    return {"params": state.params, **state.collections}
+
+
+def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation, example_input, *,
+                       seed: int) -> TrainState:
+    """Initialise parameters from ``seed`` and the optimizer state for them.
+
+    Args:
+      model: a flax.linen model called as ``model(x, train=...)``.
+      optimizer: the optax transformation used for training.
+      example_input: an input batch (or ``jax.ShapeDtypeStruct``) with the training shapes.
+      seed: the run's seed; the initialisation key and the per-step base key are both split
+        from ``jax.random.key(seed)``.
+
+    Works under ``jax.eval_shape`` (for abstract checkpoint targets).
+    """
+    key = jax.random.key(seed)
+    init_key, run_key = jax.random.split(key)
+    x = jnp.zeros(example_input.shape, example_input.dtype)
+    variables = model.init({"params": init_key, "dropout": init_key}, x, train=False)
+    variables = {k: v for k, v in variables.items() if k != "intermediates"}
+    params = variables.pop("params")
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                      collections=variables, rng=jax.random.key_data(run_key))

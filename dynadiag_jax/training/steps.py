@@ -1,0 +1,68 @@
+"""The jitted training and evaluation steps (pure functions of the state and a batch)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from dynadiag_jax.training.sparsity import GateSchedule, apply_gate, is_searching, layer_metrics
+from dynadiag_jax.training.state import TrainState
+
+__all__ = ["make_eval_step", "make_train_step"]
+
+
+def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, task, *,
+                    gate: GateSchedule | None = None) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    """``(state, batch) -> (state, metrics)``: one optimizer step on a (global) batch.
+
+    Randomness: dropout and augmentation keys are ``fold_in(state.rng, state.step)``. In the search
+    phase the gate's hyper-parameter is set from ``gate.schedule(state.step)`` and DiagonalDense's
+    ``"dynadiag"`` collection is updated (its top-K tracking); the per-layer scalars the layers sow
+    come back as metrics (``effective_k/<path>``, ...). The same function serves both phases: the
+    frozen state has another structure, so ``jax.jit`` compiles it once more after the freeze.
+    """
+
+    def train_step(state: TrainState, batch):
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        k_drop, k_data = jax.random.split(key)
+        inputs, targets = task.train_inputs(batch, k_data)
+        searching = is_searching(state.params)
+        collections = apply_gate(state.collections, gate, state.step) if searching else state.collections
+        mutable = ["intermediates", "dynadiag"] if searching and "dynadiag" in collections else ["intermediates"]
+
+        def loss_fn(params):
+            logits, updated = model.apply({"params": params, **collections}, inputs, train=True,
+                                          rngs={"dropout": k_drop}, mutable=mutable)
+            loss, metrics = task.loss(logits, targets, batch)
+            return loss, (metrics, updated)
+
+        (_, (metrics, updated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        # optax mixes Python floats with int32 step counts (bias correction), which strict dtype
+        # promotion rejects; the arithmetic is well defined under the standard rules.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        updated = dict(updated)
+        metrics = {**metrics, **layer_metrics(updated.pop("intermediates", {})),
+                   "grad_norm": optax.tree.norm(grads)}
+        if searching and gate is not None:
+            metrics[gate.name] = jnp.asarray(gate.schedule(state.step), jnp.float32)
+        collections = {**collections, **updated}
+        return TrainState(state.step + 1, params, opt_state, collections, state.rng), metrics
+
+    return train_step
+
+
+def make_eval_step(model: nn.Module, task) -> Callable[[TrainState, Any], dict]:
+    """``(state, batch) -> sums``: the task's additive evaluation sums for one batch."""
+
+    def eval_step(state: TrainState, batch):
+        logits = model.apply({"params": state.params, **state.collections}, task.eval_inputs(batch),
+                             train=False)
+        return task.eval_sums(logits, batch)
+
+    return eval_step

@@ -1,0 +1,113 @@
+"""What a model is trained to do: the loss and the evaluation metrics of a batch.
+
+A task turns a batch (a dict of arrays) into model inputs and targets, computes the training loss,
+and reduces evaluation batches to sums that add up across batches (so the last, padded batch of an
+evaluation set counts only its real examples: batches carry a ``"mask"`` of 1s and 0s).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dynadiag_jax.training.mixup import MixupCutmix
+
+__all__ = ["Classification", "LanguageModeling"]
+
+
+def _mask(batch, n):
+    return batch["mask"].astype(jnp.float32) if "mask" in batch else jnp.ones((n,), jnp.float32)
+
+
+class Classification(NamedTuple):
+    """Image (or any input) classification from ``{"image": [B, ...], "label": [B] int}``.
+
+    Attributes:
+      num_classes: number of classes.
+      label_smoothing: mass spread uniformly over all classes in training targets.
+      mixup: batch mixing applied to training inputs (``None``: no mixing).
+      normalize: ``(mean, std)`` per channel for uint8 images in [0, 255] (e.g.
+        ``dynadiag_jax.data.IMAGENET_MEAN_STD``); ``None``: images are used as given.
+    """
+
+    num_classes: int
+    label_smoothing: float = 0.0
+    mixup: MixupCutmix | None = None
+    normalize: tuple | None = None
+
+    def _images(self, batch):
+        images = batch["image"]
+        if self.normalize is None:
+            return images
+        shape = (1,) * (images.ndim - 1) + (-1,)
+        mean, std = (jnp.asarray(v, jnp.float32).reshape(shape) for v in self.normalize)
+        return (images.astype(jnp.float32) / 255.0 - mean) / std
+
+    def train_inputs(self, batch, key):
+        """``(inputs, soft targets [B, num_classes])`` for a training step."""
+        targets = optax.smooth_labels(jax.nn.one_hot(batch["label"], self.num_classes, dtype=jnp.float32),
+                                      self.label_smoothing)
+        images = self._images(batch)
+        if self.mixup is not None:
+            images, targets = self.mixup(key, images, targets)
+        return images, targets
+
+    def loss(self, logits, targets, batch):
+        """Mean soft-target cross-entropy and the training metrics (accuracy vs the hard label)."""
+        loss = optax.softmax_cross_entropy(logits, targets).mean()
+        accuracy = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32).mean()
+        return loss, {"loss": loss, "accuracy": accuracy}
+
+    def eval_inputs(self, batch):
+        return self._images(batch)
+
+    def eval_sums(self, logits, batch):
+        """Sums of per-example loss and correct predictions over the unmasked examples."""
+        m = _mask(batch, logits.shape[0])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+        correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+        return {"loss": (ce * m).sum(), "correct": (correct * m).sum(), "count": m.sum()}
+
+    @staticmethod
+    def summarise(sums):
+        """``{"loss", "accuracy", "count"}`` from accumulated :meth:`eval_sums`."""
+        n = max(float(sums["count"]), 1.0)
+        return {"loss": float(sums["loss"]) / n, "accuracy": float(sums["correct"]) / n,
+                "count": int(sums["count"])}
+
+
+class LanguageModeling(NamedTuple):
+    """Next-token prediction from ``{"tokens": [B, T + 1] int}``: inputs ``[:, :-1]``, targets ``[:, 1:]``.
+
+    Metrics: mean cross-entropy per token (nats), perplexity, and bits per token.
+    """
+
+    def train_inputs(self, batch, key):
+        del key
+        return batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+
+    def loss(self, logits, targets, batch):
+        del batch
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return loss, {"loss": loss, "perplexity": jnp.exp(loss)}
+
+    def eval_inputs(self, batch):
+        return batch["tokens"][:, :-1]
+
+    def eval_sums(self, logits, batch):
+        """Summed token cross-entropy and token count over the unmasked sequences."""
+        m = _mask(batch, logits.shape[0])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
+        return {"loss": (ce.sum(-1) * m).sum(), "count": m.sum() * ce.shape[1]}
+
+    @staticmethod
+    def summarise(sums):
+        """``{"loss", "perplexity", "bits_per_token", "count"}`` from accumulated :meth:`eval_sums`."""
+        n = max(float(sums["count"]), 1.0)
+        loss = float(sums["loss"]) / n
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "bits_per_token": loss / math.log(2),
+                "count": int(sums["count"])}

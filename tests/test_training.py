@@ -1,0 +1,176 @@
+"""The training library: loop, resumption, checkpoint shape checks, compile counts, metrics, tasks."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from training_helpers import CompileCounter, blobs, comparable, train_tiny
+
+from dynadiag_jax import data as D
+from dynadiag_jax import models
+from dynadiag_jax import training as T
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_at(step):
+    def hook(s, state):
+        if s == step:
+            raise Crash(s)
+    return hook
+
+
+def test_loss_goes_down_and_eval_is_reported(tmp_path):
+    result = train_tiny(tmp_path, num_steps=30, eval_every=10)
+    records = list(T.read_jsonl(tmp_path / "metrics.jsonl"))
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 31))
+    assert np.mean([r["loss"] for r in train[-5:]]) < 0.5 * np.mean([r["loss"] for r in train[:5]])
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [10, 20, 30]
+    assert result.eval_metrics["count"] == 100 and result.eval_metrics["accuracy"] > 0.8
+    assert {"grad_norm", "step_time_s", "examples_per_s"} <= set(train[-1])
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-1] == "30"
+
+
+def test_resumed_run_matches_uninterrupted_run(tmp_path):
+    full = train_tiny(tmp_path / "full", num_steps=12, eval_every=4)
+    with pytest.raises(Crash):
+        train_tiny(tmp_path / "cut", num_steps=12, eval_every=4, hooks=[crash_at(7)])
+    resumed = train_tiny(tmp_path / "cut", num_steps=12, eval_every=4)
+    assert resumed.start_step == 6  # the last checkpoint before the crash
+    assert resumed.eval_metrics == full.eval_metrics
+    jax.tree.map(np.testing.assert_array_equal, resumed.state.params, full.state.params)
+    a = comparable(T.read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    b = comparable(T.read_jsonl(tmp_path / "cut" / "metrics.jsonl"))
+    assert a == b  # records written after step 6 by the crashed run were replaced
+
+
+def test_restoring_another_shape_fails_clearly(tmp_path):
+    train_tiny(tmp_path, num_steps=2)
+    wider = models.MLP(4, hidden=(32, 48))
+    with CompileCounter() as compiles, pytest.raises(ValueError) as err:
+        T.train(model=wider, optimizer=T.adamw(1e-2, weight_decay=0.0), task=T.Classification(4),
+                train_data=D.ArrayBatches(blobs(), 16, seed=0), num_steps=4,
+                example_input=jax.ShapeDtypeStruct((16, 16), jnp.float32), seed=0, workdir=tmp_path,
+                progress=False, run_info={"hidden": [32, 48]})
+    message = str(err.value)
+    assert "does not fit this model" in message
+    assert "params/hidden_1/kernel: checkpoint (32, 32), this run (32, 48)" in message
+    assert "{'hidden': [32, 48], 'seed': 0}" in message
+    assert compiles.count == 0
+
+
+def test_other_seed_in_the_same_workdir_is_refused(tmp_path):
+    train_tiny(tmp_path, num_steps=2)
+    with pytest.raises(ValueError, match="written with seed 0, this run has seed 1"):
+        train_tiny(tmp_path, num_steps=4, seed=1)
+
+
+def test_no_recompilation_as_training_goes_on():
+    counts = []
+    for steps in (3, 9):
+        with CompileCounter() as c:
+            train_tiny(num_steps=steps, eval_every=2)
+        counts.append(c.count)
+    assert counts[0] == counts[1], f"compilations grew with the number of steps: {counts}"
+
+
+def test_bad_arguments_fail_before_compiling(tmp_path):
+    with CompileCounter() as c:
+        with pytest.raises(ValueError, match="batch_size=6 is not divisible by the number of devices"):
+            train_tiny(batch_size=6, mesh=_fake_mesh(4))
+        with pytest.raises(ValueError, match="freeze_step must be"):
+            train_tiny(freeze_step=13)
+        with pytest.raises(ValueError, match="checkpoint_every needs a workdir"):
+            T.train(model=None, optimizer=None, task=None, train_data=None, num_steps=2, example_input=None,
+                    seed=0, checkpoint_every=2)
+    assert c.count == 0
+
+
+def _fake_mesh(n):
+    class FakeMesh:  # only .devices.size is consulted before anything else
+        devices = np.empty(n)
+    return FakeMesh()
+
+
+def test_metric_writer_drops_records_after_the_resume_step(tmp_path):
+    w = T.MetricWriter(tmp_path, tensorboard=False)
+    for s in (1, 2, 3):
+        w.write(s, "train", {"loss": np.float32(s), "v": jnp.arange(2)})
+    w.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "kind": "tra')  # torn line from a kill mid-write
+    w = T.MetricWriter(tmp_path, start_step=2, tensorboard=False)
+    w.write(3, "train", {"loss": 30.0})
+    w.close()
+    records = list(T.read_jsonl(tmp_path / "metrics.jsonl"))
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert records[0]["v"] == [0, 1]
+
+
+def test_tensorboard_events_are_written(tmp_path):
+    w = T.MetricWriter(tmp_path)
+    w.write(1, "train", {"loss": 1.5, "note": "text is skipped"})
+    w.close()
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["note"] == "text is skipped"
+
+
+def test_mixup_and_cutmix_keep_target_mass():
+    key = jax.random.key(0)
+    images = jax.random.normal(key, (8, 16, 16, 3))
+    targets = jax.nn.one_hot(jnp.arange(8) % 4, 4)
+    for mix in (T.MixupCutmix(0.8, 0.0), T.MixupCutmix(0.0, 1.0), T.MixupCutmix()):
+        mixed = jax.jit(lambda *a, mix=mix: mix(*a))
+        for k in range(4):
+            out_i, out_t = mixed(jax.random.key(k), images, targets)
+            assert out_i.shape == images.shape and out_t.shape == targets.shape
+            np.testing.assert_allclose(out_t.sum(-1), 1.0, rtol=1e-6)
+            lam = float(out_t[0, 0])  # example 0 (class 0) is paired with example 7 (class 3)
+            if mix.mixup_alpha == 0:  # cutmix: pixels come from exactly one of the two images
+                same = np.isclose(out_i, images) | np.isclose(out_i, images[::-1])
+                assert same.all()
+                np.testing.assert_allclose(np.isclose(out_i[0], images[0]).all(-1).mean(), lam, atol=1e-6)
+    assert T.MixupCutmix(0.0, 0.0)(key, images, targets)[0] is images
+
+
+def test_classification_and_lm_tasks():
+    task = T.Classification(3, label_smoothing=0.1, normalize=((0.5,) * 3, (0.25,) * 3))
+    batch = {"image": jnp.full((2, 4, 4, 3), 255, jnp.uint8), "label": jnp.array([0, 2]),
+             "mask": jnp.array([1.0, 0.0])}
+    x, t = task.train_inputs(batch, jax.random.key(0))
+    np.testing.assert_allclose(x, 2.0)
+    np.testing.assert_allclose(t[0], [0.1 / 3 + 0.9, 0.1 / 3, 0.1 / 3], rtol=1e-6)
+    logits = jnp.array([[5.0, 0, 0], [5.0, 0, 0]])
+    sums = task.eval_sums(logits, batch)
+    assert task.summarise(sums) == pytest.approx({"loss": float(optax.softmax_cross_entropy_with_integer_labels(
+        logits[:1], jnp.array([0]))[0]), "accuracy": 1.0, "count": 1})
+    lm = T.LanguageModeling()
+    tokens = jnp.array([[1, 2, 3, 4]])
+    inputs, targets = lm.train_inputs({"tokens": tokens}, None)
+    assert inputs.tolist() == [[1, 2, 3]] and targets.tolist() == [[2, 3, 4]]
+    uniform = jnp.zeros((1, 3, 8))
+    summary = lm.summarise(lm.eval_sums(uniform, {"tokens": tokens}))
+    assert summary["perplexity"] == pytest.approx(8.0) and summary["bits_per_token"] == pytest.approx(3.0)
+
+
+def test_optimizer_decays_only_matrices_outside_no_decay():
+    params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}, "ln": {"scale": jnp.ones(2)},
+              "layer": {"alpha": jnp.ones(3), "values": jnp.ones((3, 2))}, "pos_embed": jnp.ones((1, 2, 2))}
+    tx = T.adamw(1.0, weight_decay=0.5)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    with jax.numpy_dtype_promotion("standard"):
+        updates, _ = tx.update(zeros, tx.init(params), params)
+    decayed = jax.tree.map(lambda u: bool((u != 0).any()), updates)
+    assert decayed == {"dense": {"kernel": True, "bias": False}, "ln": {"scale": False},
+                       "layer": {"alpha": False, "values": True}, "pos_embed": False}
+    tx = T.adamw(1.0, weight_decay=0.0, alpha_lr_scale=0.1)
+    grads = jax.tree.map(jnp.ones_like, params)
+    with jax.numpy_dtype_promotion("standard"):
+        updates, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(updates["layer"]["alpha"], 0.1 * updates["layer"]["values"][:, 0], rtol=1e-6)

@@ -1,0 +1,184 @@
+"""Config -> library adapters shared by the training scripts (the library itself never reads a config).
+
+Each ``build_*`` takes one section of an ``ml_collections`` config and returns library objects;
+:func:`check_config` compares a config against the script's reference config, so an unknown or a
+missing key is reported before anything is built or compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import sys
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import ml_collections
+import optax
+from flax import traverse_util
+
+import dynadiag_jax as dd
+from dynadiag_jax import models
+from dynadiag_jax import training as T
+
+MODELS = {"mlp": models.MLP, "vit": models.ViT, "mixer": models.MlpMixer, "gpt2": models.GPT2}
+MODEL_MODULES = {"mlp": models.mlp, "vit": models.vit, "mixer": models.mixer, "gpt2": models.gpt2}
+GATE_HYPER = {"sparse_topk": "strength", "softmax": "temperature"}
+
+
+class ConfigError(ValueError):
+    """A configuration or input problem, reported to the user without a traceback."""
+
+
+def _flat_keys(config, prefix="") -> dict[str, Any]:
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, (ml_collections.ConfigDict, Mapping)) and value:
+            out.update(_flat_keys(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def check_config(config, reference, *, free=("model",)) -> None:
+    """Raise :class:`ConfigError` for keys of ``config`` not in ``reference`` and vice versa.
+
+    Sections named in ``free`` are only checked for presence (their keys are validated by the
+    builder that consumes them, e.g. model constructor arguments).
+    """
+    got, want = _flat_keys(config), _flat_keys(reference)
+    is_free = lambda k: any(k == f or k.startswith(f + ".") for f in free)  # noqa: E731
+    unknown = sorted(k for k in got if k not in want and not is_free(k))
+    missing = sorted(k for k in want if k not in got and not is_free(k))
+    problems = []
+    if unknown:
+        problems.append(f"unknown config keys: {', '.join(unknown)}")
+    if missing:
+        problems.append(f"missing config keys: {', '.join(missing)}")
+    if problems:
+        raise ConfigError("; ".join(problems) + f" (known keys: {', '.join(sorted(want))})")
+
+
+def sparse_layer(cfg) -> functools.partial:
+    """``DiagonalDense`` bound to the config's sparsity, gate, slack and exploration mode."""
+    if cfg.gate not in GATE_HYPER:
+        raise ConfigError(f"dynadiag.gate must be one of {sorted(GATE_HYPER)}, got {cfg.gate!r}")
+    return functools.partial(dd.nn.DiagonalDense, sparsity=float(cfg.sparsity), gate=cfg.gate,
+                             slack=float(cfg.slack), explore=cfg.explore)
+
+
+def build_model(model_cfg, dynadiag_cfg, **overrides) -> nn.Module:
+    """The model named ``model_cfg.name`` with the config's arguments; replaceable layers matching
+    ``dynadiag_cfg.layers`` become DiagonalDense unless ``dynadiag_cfg.sparsity == 0`` (dense)."""
+    kwargs = {**dict(model_cfg), **overrides}
+    name = kwargs.pop("name", None)
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; known models: {', '.join(MODELS)}")
+    cls = MODELS[name]
+    fields = {f.name for f in dataclasses.fields(cls)} - {"parent", "name", "dense"}
+    unknown = sorted(set(kwargs) - fields)
+    if unknown:
+        raise ConfigError(f"unknown {name} model arguments: {', '.join(unknown)}; accepted: "
+                          f"{', '.join(sorted(fields))}")
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+    sparsity = float(dynadiag_cfg.sparsity)
+    if sparsity != 0.0:
+        if not 0.0 < sparsity < 1.0:
+            raise ConfigError(f"dynadiag.sparsity must be 0 (dense) or in (0, 1), got {sparsity}")
+        kwargs["dense"] = models.ByPath(tuple(dynadiag_cfg.layers), sparse=sparse_layer(dynadiag_cfg))
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model {name}: {e}") from None
+
+
+def check_layer_patterns(model: nn.Module, example_input, dynadiag_cfg) -> list[str]:
+    """The replaceable layers that the patterns select; raises if a pattern selects nothing."""
+    paths = models.replaceable_layers(model, example_input)
+    if float(dynadiag_cfg.sparsity) == 0.0:
+        return []
+    unmatched = models.unmatched_patterns(tuple(dynadiag_cfg.layers), paths)
+    if unmatched:
+        raise ConfigError(f"dynadiag.layers patterns {unmatched} match no replaceable layer; "
+                          f"the model's replaceable layers are: {', '.join(paths)}")
+    selected = [p for p in paths if models.ByPath(tuple(dynadiag_cfg.layers), sparse=nn.Dense).matches(p)]
+    return selected
+
+
+def layer_shapes(model: nn.Module, example_input) -> dict[str, tuple[int, int]]:
+    """``{path: (in_features, out_features)}`` of every replaceable layer (traced, not compiled)."""
+    dense = model.clone(dense=nn.Dense)
+    shapes = jax.eval_shape(dense.init, jax.random.key(0), example_input)["params"]
+    flat = traverse_util.flatten_dict(shapes)
+    paths = set(models.replaceable_layers(model, example_input))
+    return {"/".join(k[:-1]): tuple(v.shape) for k, v in flat.items()
+            if k[-1] == "kernel" and "/".join(k[:-1]) in paths}
+
+
+def gate_schedule(dynadiag_cfg, freeze_step: int | None, num_steps: int) -> T.GateSchedule | None:
+    """The gate's schedule over the search phase (``None`` for a dense model)."""
+    if float(dynadiag_cfg.sparsity) == 0.0:
+        return None
+    sched = dict(dynadiag_cfg.gate_schedule)
+    name = sched.pop("name")
+    steps = max(1, freeze_step if freeze_step is not None else num_steps)
+    try:
+        if name == "constant":
+            schedule = dd.schedules.by_name(name, value=sched["init_value"])
+        else:
+            schedule = dd.schedules.by_name(name, steps=steps, **sched)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"dynadiag.gate_schedule: {e}") from None
+    return T.GateSchedule(GATE_HYPER[dynadiag_cfg.gate], schedule, int(dynadiag_cfg.score_every))
+
+
+def freeze_step(dynadiag_cfg, num_steps: int) -> int | None:
+    """Step of the freeze: ``search_fraction`` of training (``None`` for dense models)."""
+    if float(dynadiag_cfg.sparsity) == 0.0:
+        return None
+    frac = float(dynadiag_cfg.search_fraction)
+    if not 0.0 <= frac <= 1.0:
+        raise ConfigError(f"dynadiag.search_fraction must be in [0, 1], got {frac}")
+    return int(round(frac * num_steps))
+
+
+def learning_rate(opt_cfg, num_steps: int, warmup: int):
+    """Linear warm-up over ``warmup`` steps to ``learning_rate``, then cosine decay to ``end_learning_rate``."""
+    if not 0 <= warmup < num_steps:
+        raise ConfigError(f"the warm-up ({warmup} steps) must be shorter than training ({num_steps} steps)")
+    return optax.warmup_cosine_decay_schedule(0.0 if warmup else float(opt_cfg.learning_rate),
+                                              float(opt_cfg.learning_rate), warmup, num_steps,
+                                              float(opt_cfg.end_learning_rate))
+
+
+def build_optimizer(opt_cfg, dynadiag_cfg, num_steps: int, warmup_steps: int):
+    """``(optimizer, learning-rate schedule)`` from the config's optimizer section."""
+    lr = learning_rate(opt_cfg, num_steps, warmup_steps)
+    clip = float(opt_cfg.clip_norm) or None
+    tx = T.adamw(lr, weight_decay=float(opt_cfg.weight_decay), b1=float(opt_cfg.b1), b2=float(opt_cfg.b2),
+                 clip_norm=clip, alpha_lr_scale=float(dynadiag_cfg.alpha_lr_scale))
+    return tx, lr
+
+
+def run_info(config) -> dict:
+    """What a checkpoint records about the run (shown when a checkpoint does not fit)."""
+    return {"model": dict(config.model), "sparsity": float(config.dynadiag.sparsity),
+            "gate": config.dynadiag.gate}
+
+
+def die(message: str) -> None:
+    """Print ``error: message`` and exit with status 2 (bad input, no traceback)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def repo_root() -> pathlib.Path:
+    return pathlib.Path(__file__).resolve().parents[1]
+
+
+def device_summary() -> str:
+    devices = jax.devices()
+    return f"{len(devices)} x {devices[0].platform} ({jax.process_count()} process(es))"

@@ -1,0 +1,1 @@
+"""Experiment configurations (ml_collections), one ``get_config(arg)`` per file."""

@@ -1,0 +1,62 @@
+"""ViT on ImageNet-1k with the DeiT recipe (DESIGN.md section 5): dense or DynaDiag at any sparsity.
+
+300 epochs, AdamW lr 1e-3 at batch 1024 (5 warm-up epochs, cosine decay), weight decay 0.05 (none
+on alpha, biases, norms, position embedding, class token), label smoothing 0.1, RandAugment
+(m9, mstd 0.5), mixup 0.8 / cutmix 1.0, drop path 0.1. DynaDiag: qkv, proj, fc1, fc2 of every
+block; search phase = the first 30% of steps, then the selection freezes.
+
+  python train/imagenet.py --workdir=runs/vit_b16_dense --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0 \\
+      --config.data.data_dir=$TFDS_DATA_DIR
+  python train/imagenet.py --workdir=runs/vit_b16_s90 --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9 \\
+      --config.data.data_dir=$TFDS_DATA_DIR
+  (variants: B/16, S/16, Ti/16; sparsity: 0 (dense), 0.8, 0.9, 0.95)
+"""
+
+import ml_collections
+
+from train.configs.arg import parse_arg
+
+SPARSE_LAYERS = (r".*/attn/(qkv|proj)", r".*/mlp/(fc1|fc2)")
+
+
+def get_config(arg=None):
+    arg = parse_arg(arg, variant="B/16", sparsity=0.9, gate="sparse_topk", runlocal=False)
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+    config.model = dict(name="vit", variant=arg.variant, drop_path=0.1, dropout=0.0)
+    config.dynadiag = dict(
+        sparsity=arg.sparsity,  # 0 trains the dense baseline
+        layers=SPARSE_LAYERS,
+        gate=arg.gate,
+        slack=0.25,
+        explore="buckets",
+        gate_schedule=dict(name="cosine", init_value=1.0 if arg.gate == "sparse_topk" else 5.0,
+                           end_value=0.01 if arg.gate == "sparse_topk" else 0.05),
+        search_fraction=0.3,
+        score_every=0,
+        alpha_lr_scale=1.0,
+    )
+    config.data = dict(data_dir="", train_split="train", eval_split="validation", image_size=224,
+                       randaugment=dict(num_ops=2, magnitude=9.0, magnitude_std=0.5, prob=0.5),
+                       num_threads=16, prefetch=512, eval_max_examples=0)
+    config.mixup = dict(mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5, prob=1.0)
+    config.train = dict(batch_size=1024, epochs=300, num_steps=0,  # num_steps > 0 overrides epochs
+                        eval_batch_size=1000, log_every=100, eval_every=5000, checkpoint_every=1000,
+                        keep_checkpoints=3, selection_every=1000)
+    config.optimizer = dict(learning_rate=1e-3, end_learning_rate=1e-5, warmup_epochs=5, weight_decay=0.05,
+                            b1=0.9, b2=0.999, clip_norm=0.0, label_smoothing=0.1)
+    if arg.runlocal:  # a smoke run: tiny model, small images, a few steps
+        config.model.variant = "mu/4"
+        config.data.image_size = 32
+        config.data.num_threads = 2
+        config.data.prefetch = 16
+        config.data.eval_max_examples = 16
+        config.train.batch_size = 8
+        config.train.eval_batch_size = 8
+        config.train.num_steps = 6
+        config.train.log_every = 2
+        config.train.eval_every = 0
+        config.train.checkpoint_every = 2
+        config.train.selection_every = 1
+        config.optimizer.warmup_epochs = 0
+    return config

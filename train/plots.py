@@ -1,0 +1,89 @@
+"""Figures of the learned diagonals, drawn from a run's ``metrics.jsonl`` (matplotlib, headless)."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Mapping
+
+import numpy as np
+
+from dynadiag_jax.layout import diag_indices
+from dynadiag_jax.training import read_jsonl
+
+
+def selection_history(metrics_path) -> tuple[list[int], dict[str, list[np.ndarray]]]:
+    """``(steps, {layer: [offsets at each step]})`` from the run's ``"selection"`` records."""
+    steps, history = [], {}
+    for record in read_jsonl(metrics_path):
+        if record.get("kind") != "selection":
+            continue
+        steps.append(record["step"])
+        for layer, offsets in record["offsets"].items():
+            history.setdefault(layer, []).append(np.asarray(offsets, np.int64))
+    return steps, history
+
+
+def support_mask(offsets, in_features: int, out_features: int) -> np.ndarray:
+    """``[out, in]`` 0/1 image of the entries the diagonals ``offsets`` cover."""
+    rows, cols = (np.asarray(a) for a in diag_indices(np.asarray(offsets, np.int32), in_features, out_features))
+    mask = np.zeros((out_features, in_features), np.uint8)
+    mask[rows.ravel(), cols.ravel()] = 1
+    return mask
+
+
+def plot_diagonals(metrics_path, kept: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, int]],
+                   out_path, *, freeze_step: int | None = None, title: str = "") -> pathlib.Path:
+    """Write a PNG with one row per layer: the kept diagonals as a weight-support image, and the
+    evolution of the top-K selection (offset x step) during the search phase.
+
+    Args:
+      metrics_path: the run's ``metrics.jsonl`` (its ``"selection"`` records).
+      kept: ``{layer path: offsets}`` of the final (frozen) model.
+      shapes: ``{layer path: (in_features, out_features)}``.
+      out_path: the PNG to write.
+      freeze_step: drawn as a vertical line.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, history = selection_history(metrics_path)
+    layers = sorted(kept)
+    fig, axes = plt.subplots(len(layers), 2, figsize=(12, 4.2 * len(layers)), squeeze=False,
+                             gridspec_kw={"width_ratios": [1, 1.6]})
+    for row, layer in zip(axes, layers):
+        fan_in, fan_out = shapes[layer]
+        offsets = np.sort(np.asarray(kept[layer]))
+        p = max(fan_in, fan_out)
+        row[0].imshow(support_mask(offsets, fan_in, fan_out), cmap="Greys", interpolation="nearest",
+                      aspect="auto")
+        row[0].set_title(f"{layer}: {len(offsets)} of {p} diagonals kept ({fan_in}->{fan_out})")
+        row[0].set_xlabel("input")
+        row[0].set_ylabel("output")
+        snaps = history.get(layer, [])
+        if snaps:
+            grid = np.zeros((p, len(snaps)), np.uint8)
+            for j, sel in enumerate(snaps):
+                grid[sel, j] = 1
+            extent = (steps[0], steps[-1] if len(steps) > 1 else steps[0] + 1, p - 0.5, -0.5)
+            row[1].imshow(grid, cmap="Blues", interpolation="nearest", aspect="auto", extent=extent)
+            churn = [0] + [len(np.setdiff1d(b, a)) for a, b in zip(snaps, snaps[1:])]
+            twin = row[1].twinx()
+            twin.plot(steps, churn, color="tab:red", lw=1)
+            twin.set_ylabel("diagonals swapped in since previous snapshot", color="tab:red")
+            if freeze_step is not None:
+                row[1].axvline(freeze_step, color="k", ls="--", lw=1)
+            row[1].set_title("top-K selection during the search phase (dashed: freeze)")
+        else:
+            row[1].set_title("no selection snapshots recorded")
+        row[1].set_xlabel("step")
+        row[1].set_ylabel("diagonal offset")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out_path = pathlib.Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path
