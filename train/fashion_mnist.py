@@ -30,7 +30,7 @@ from ml_collections import config_flags
 
 from dynadiag_jax import data as D
 from dynadiag_jax import training as T
-from train import common, plots
+from train import baselines, common, plots
 from train.configs import fashion_mnist as default_config
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -52,36 +52,37 @@ def prepare(config):
     steps = int(config.train.epochs) * (len(data.train["label"]) // batch)
     if steps < 1:
         raise common.ConfigError(f"train.epochs={config.train.epochs} gives no training step")
-    runs = [("dense", 0.0)] if config.compare_dense or not config.dynadiag.sparsity else []
-    if config.dynadiag.sparsity:
-        runs.append((f"dynadiag_s{round(100 * config.dynadiag.sparsity)}", float(config.dynadiag.sparsity)))
+    sparsity = float(config.dynadiag.sparsity)
+    method = config.method if sparsity else "dense"
+    runs = [("dense", "dense", 0.0)] if config.compare_dense or method == "dense" else []
+    if method != "dense":
+        runs.append((f"{method}_s{round(100 * sparsity)}", method, sparsity))
     models = {}
     example = jax.ShapeDtypeStruct((batch, *data.train["image"].shape[1:]), jnp.float32)
-    for name, sparsity in runs:
-        cfg = config.dynadiag.copy_and_resolve_references()
-        with cfg.unlocked():
-            cfg.sparsity = sparsity
-        model = common.build_model(config.model, cfg, num_classes=data.num_classes)
-        common.check_layer_patterns(model, example, cfg)
-        models[name] = (model, cfg)
+    for name, run_method, run_sparsity in runs:
+        built = baselines.build(run_method, model_cfg=config.model, dynadiag_cfg=config.dynadiag,
+                                unstructured_cfg=config.unstructured, optimizer_cfg=config.optimizer,
+                                sparsity=run_sparsity, num_classes=data.num_classes, num_steps=steps,
+                                seed=config.seed)
+        common.check_layer_patterns(built.model, example, config.dynadiag)
+        models[name] = (built, run_sparsity)
     return data, steps, example, models
 
 
-def train_one(name, model, dyn_cfg, config, data, steps, example, workdir):
-    optimizer, lr = common.build_optimizer(config.optimizer, dyn_cfg, steps, int(config.optimizer.warmup_steps))
-    freeze_at = common.freeze_step(dyn_cfg, steps)
-    info = {**common.run_info(config), "sparsity": float(dyn_cfg.sparsity)}
+def train_one(name, built, sparsity, config, data, steps, example, workdir):
+    info = {**common.run_info(config), "method": built.name, "sparsity": sparsity}
     start = time.perf_counter()
     result = T.train(
-        model=model, optimizer=optimizer, task=T.Classification(data.num_classes, config.optimizer.label_smoothing),
+        model=built.model, optimizer=built.optimizer,
+        task=T.Classification(data.num_classes, config.optimizer.label_smoothing),
         train_data=D.ArrayBatches(data.train, config.train.batch_size, seed=config.seed),
         eval_data=D.EvalBatches(data.test, 1000), num_steps=steps, example_input=example, seed=config.seed,
-        freeze_step=freeze_at, gate=common.gate_schedule(dyn_cfg, freeze_at, steps), workdir=workdir,
+        freeze_step=built.freeze_step, gate=built.gate, workdir=workdir,
         eval_every=config.train.eval_every, checkpoint_every=config.train.checkpoint_every,
         keep_checkpoints=config.train.keep_checkpoints, log_every=config.train.log_every,
-        selection_every=config.train.selection_every, learning_rate=lr, run_info=info,
+        selection_every=config.train.selection_every, learning_rate=built.learning_rate, run_info=info,
         progress=_PROGRESS.value)
-    return result, time.perf_counter() - start, freeze_at
+    return result, time.perf_counter() - start, built.freeze_step
 
 
 def main(argv):
@@ -96,10 +97,10 @@ def main(argv):
     print(f"data: {data.name}: {len(data.train['label'])} train / {len(data.test['label'])} test; "
           f"{steps} steps of batch {config.train.batch_size} on {common.device_summary()}")
     summary = []
-    for name, (model, dyn_cfg) in models.items():
+    for name, (built, sparsity) in models.items():
         print(f"== {name}")
         try:
-            result, seconds, freeze_at = train_one(name, model, dyn_cfg, config, data, steps, example,
+            result, seconds, freeze_at = train_one(name, built, sparsity, config, data, steps, example,
                                                    workdir / name)
         except KeyboardInterrupt as e:
             print(f"\ninterrupted ({e}); run the same command to resume from {workdir / name}/checkpoints")
@@ -110,12 +111,12 @@ def main(argv):
         print(f"{name}: test accuracy {acc:.4f}, {counts.total:,} parameters "
               f"({counts.diagonal:,} in diagonals), {seconds:.0f}s{resumed}")
         summary.append((name, acc, counts.total, seconds))
-        if float(dyn_cfg.sparsity):
+        if built.name == "dynadiag":
             kept = T.kept_offsets(result.state.collections)
-            shapes = common.layer_shapes(model, example)
+            shapes = common.layer_shapes(built.model, example)
             png = plots.plot_diagonals(workdir / name / "metrics.jsonl", kept, shapes, workdir / "diagonals.png",
                                        freeze_step=freeze_at,
-                                       title=f"DynaDiag MLP, sparsity {dyn_cfg.sparsity:g}: test accuracy {acc:.4f}")
+                                       title=f"DynaDiag MLP, sparsity {sparsity:g}: test accuracy {acc:.4f}")
             print(f"figure: {png}")
     print("\nmodel                test accuracy   parameters   time")
     for name, acc, params, seconds in summary:

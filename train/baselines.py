@@ -1,0 +1,131 @@
+"""Config -> sparse-training method for the training scripts: the model's layers and the optimizer.
+
+A method is one of :data:`METHODS`, built from the same config sections as the DynaDiag runs so
+that every method trains the same layers (``dynadiag.layers``) at the same sparsity with the same
+recipe:
+
+* ``dense``: ``flax.linen.Dense`` everywhere;
+* ``dynadiag``: DiagonalDense with the learned selection (search, then freeze);
+* ``static_diagonals``: DiagonalDense in its frozen form from the start, ``K`` random offsets;
+* ``rigl``, ``set``, ``mest``: dense layers whose selected kernels an optimizer wrapper keeps
+  unstructured-sparse (masks in the optimizer state, :mod:`dynadiag_jax.baselines`).
+
+The ``unstructured`` config section holds the drop-and-grow schedule (see :func:`check`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import ml_collections
+
+import dynadiag_jax as dd
+from dynadiag_jax import baselines as B
+from dynadiag_jax import models
+from train import common
+
+METHODS = ("dense", "dynadiag", "static_diagonals", "rigl", "set", "mest")
+UNSTRUCTURED = {"rigl": B.rigl, "set": B.set_, "mest": B.mest}
+DISTRIBUTIONS = {"uniform": B.uniform, "erk": B.erk}
+# Folded into the run's seed for the masks' key, apart from the initialisation and data keys.
+MASK_STREAM = 0x6D61736B
+
+
+def unstructured_defaults() -> ml_collections.ConfigDict:
+    """The ``unstructured`` section: RigL's schedule (delta T = 100, stop at 75%, drop 0.3 cosine).
+
+    ``mutation_ratio`` and ``soft_bound`` are MEST's (EM&S: grow 20% above the budget).
+    """
+    return ml_collections.ConfigDict(dict(distribution="uniform", update_every=100, end_fraction=0.75,
+                                          drop_fraction=0.3, mutation_ratio=0.2, soft_bound=True))
+
+
+class Method(NamedTuple):
+    """What a training run needs for one method (the arguments of :func:`dynadiag_jax.training.train`).
+
+    Attributes:
+      name: the method.
+      model: the flax model.
+      optimizer: the optax transformation (wrapped for unstructured methods).
+      learning_rate: the learning-rate schedule (for logging).
+      gate: the gate schedule (``dynadiag`` only, else ``None``).
+      freeze_step: the freeze step (``dynadiag`` only, else ``None``).
+    """
+
+    name: str
+    model: Any
+    optimizer: Any
+    learning_rate: Callable
+    gate: Any
+    freeze_step: int | None
+
+
+def check(method: str, unstructured_cfg) -> None:
+    """Raise :class:`common.ConfigError` for an unknown method or a bad ``unstructured`` section."""
+    if method not in METHODS:
+        raise common.ConfigError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if unstructured_cfg.distribution not in DISTRIBUTIONS:
+        raise common.ConfigError(f"unstructured.distribution must be one of {sorted(DISTRIBUTIONS)}, "
+                                 f"got {unstructured_cfg.distribution!r}")
+    if not 0.0 < float(unstructured_cfg.end_fraction) <= 1.0:
+        raise common.ConfigError(f"unstructured.end_fraction must be in (0, 1], got {unstructured_cfg.end_fraction}")
+    if int(unstructured_cfg.update_every) < 1:
+        raise common.ConfigError(f"unstructured.update_every must be >= 1, got {unstructured_cfg.update_every}")
+
+
+def kernel_include(layer_patterns) -> Callable:
+    """``(path, leaf) -> bool`` selecting the kernels of the layers ``dynadiag.layers`` names."""
+    return B.include_paths([f"^(?:{p})/kernel$" for p in layer_patterns])
+
+
+def _with_sparsity(dynadiag_cfg, sparsity: float):
+    cfg = dynadiag_cfg.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.sparsity = float(sparsity)
+    return cfg
+
+
+def model_with_layer(model_cfg, dynadiag_cfg, layer: Callable, *, num_classes: int):
+    """The model with ``layer`` (a constructor like ``partial(BCOODense, sparsity=0.9)``) in place
+    of every layer that ``dynadiag_cfg.layers`` selects; the other layers stay dense."""
+    return common.build_model(model_cfg, _with_sparsity(dynadiag_cfg, 0.0), num_classes=num_classes,
+                              dense=models.ByPath(tuple(dynadiag_cfg.layers), sparse=layer))
+
+
+def build(method: str, *, model_cfg, dynadiag_cfg, unstructured_cfg, optimizer_cfg, sparsity: float,
+          num_classes: int, num_steps: int, seed: int) -> Method:
+    """The model, optimizer, gate schedule and freeze step of ``method`` at ``sparsity``.
+
+    ``sparsity`` is ignored for ``dense``. Raises :class:`common.ConfigError` on bad settings.
+    """
+    check(method, unstructured_cfg)
+    if method != "dense" and not 0.0 < float(sparsity) < 1.0:
+        raise common.ConfigError(f"{method} needs a sparsity in (0, 1), got {sparsity}")
+    diag_cfg = _with_sparsity(dynadiag_cfg, sparsity if method == "dynadiag" else 0.0)
+    warmup = int(optimizer_cfg.warmup_steps)
+    optimizer, lr = common.build_optimizer(optimizer_cfg, diag_cfg, num_steps, warmup)
+    gate = freeze = None
+    if method == "dynadiag":
+        model = common.build_model(model_cfg, diag_cfg, num_classes=num_classes)
+        freeze = common.freeze_step(diag_cfg, num_steps)
+        gate = common.gate_schedule(diag_cfg, freeze, num_steps)
+    elif method == "static_diagonals":
+        static = functools.partial(dd.nn.DiagonalDense, sparsity=float(sparsity), init_phase="frozen")
+        model = model_with_layer(model_cfg, dynadiag_cfg, static, num_classes=num_classes)
+    else:
+        model = common.build_model(model_cfg, diag_cfg, num_classes=num_classes)
+    if method in UNSTRUCTURED:
+        u = unstructured_cfg
+        distribution = functools.partial(DISTRIBUTIONS[u.distribution], sparsity=float(sparsity),
+                                         include=kernel_include(dynadiag_cfg.layers))
+        kwargs = dict(distribution=distribution, update_every=int(u.update_every),
+                      end_step=max(1, round(float(u.end_fraction) * num_steps)),
+                      key=jax.random.fold_in(jax.random.key(seed), MASK_STREAM))
+        if method == "mest":
+            kwargs.update(mutation_ratio=float(u.mutation_ratio), soft_bound=bool(u.soft_bound))
+        else:
+            kwargs.update(drop_fraction=float(u.drop_fraction))
+        optimizer = UNSTRUCTURED[method](optimizer, **kwargs)
+    return Method(method, model, optimizer, lr, gate, freeze)

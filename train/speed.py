@@ -1,0 +1,108 @@
+"""Side-by-side timings of the training step and inference of every method (results command).
+
+Each group (one model at one sparsity) holds jitted functions on one fixed batch: dense, the
+diagonal layers (DynaDiag after its freeze and the static-diagonal baseline run exactly this
+product, through ``diag_matmul``'s default implementation), unstructured sparsity as masked dense
+layers (training: dense layers under the RigL optimizer wrapper, i.e. the real RigL/SET/MEST step;
+inference: ``MaskedDense``), and unstructured sparsity as ``jax.experimental.sparse`` BCOO layers
+(``BCOODense``, trained with the plain optimizer). After warm-up the group's functions run
+round-robin ``repeats`` times; each reports its median, so every ratio to dense compares timings
+taken under the same machine load.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+
+import dynadiag_jax as dd
+from dynadiag_jax import baselines as B
+from dynadiag_jax import training as T
+from train import baselines
+
+VARIANTS = ("dense", "diagonal", "unstructured_masked", "unstructured_bcoo")
+
+
+def machine() -> dict:
+    """Where the timings were taken."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores_visible": len(os.sched_getaffinity(0)), "platform": platform.platform(),
+            "python": platform.python_version(), "jax": jax.__version__,
+            "devices": [str(d) for d in jax.devices()], "load_average_at_start": list(os.getloadavg()),
+            "diag_impl": "ffi (compiled kernel)" if "ffi" in dd.available_impls() else "jax (pure-JAX path)"}
+
+
+def _time_round_robin(fns: dict, repeats: int, warmup: int) -> dict[str, float]:
+    for f in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(f())
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(f())
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def _train_and_infer(model, optimizer, example, batch, task, infer_inputs, gate=None):
+    """``(train_fn, {batch_size: infer_fn})`` on one state, nothing donated (the state is reused)."""
+    state = jax.jit(lambda: T.create_train_state(model, optimizer, example, seed=0))()
+    step = jax.jit(T.make_train_step(model, optimizer, task, gate=gate))
+    variables = T.variables_of(state)
+    forward = jax.jit(lambda v, x: model.apply(v, x, train=False))
+    return (lambda: step(state, batch),
+            {b: functools.partial(forward, variables, x) for b, x in infer_inputs.items()})
+
+
+def measure(config, data, build, example_input, steps_of, *, progress: bool = True) -> dict:
+    """Timings of every variant for every model and sparsity of ``config`` (seconds, medians)."""
+    start = time.perf_counter()
+    out = {"machine": machine(), "repeats": int(config.speed.repeats), "models": {}}
+    groups = [(name, s) for name in config.models for s in config.sparsities]
+    for name, sparsity in tqdm.tqdm(groups, unit="group", disable=not progress, desc="timing"):
+        m = config.models[name]
+        steps = steps_of(m, data)
+        task = T.Classification(data.num_classes)
+        n = int(config.speed.train_batch)
+        batch = {"image": jnp.asarray(data.train["image"][:n]), "label": jnp.asarray(data.train["label"][:n])}
+        example = jax.ShapeDtypeStruct(batch["image"].shape, jnp.float32)
+        infer_inputs = {int(b): jnp.asarray(data.test["image"][:int(b)]) for b in config.speed.inference_batches}
+        make = functools.partial(build, config, name, sparsity=sparsity, seed=0, data=data, steps=steps)
+        dense, rigl, static = make(method="dense"), make(method="rigl"), make(method="static_diagonals")
+
+        def layered(layer):
+            return baselines.model_with_layer(m.model, m.dynadiag, functools.partial(layer, sparsity=sparsity),
+                                              num_classes=data.num_classes)
+
+        train_fns, infer_fns = {}, {}
+        for variant, model, optimizer in (("dense", dense.model, dense.optimizer),
+                                          ("diagonal", static.model, static.optimizer),
+                                          ("unstructured_masked", rigl.model, rigl.optimizer),
+                                          ("unstructured_bcoo", layered(B.BCOODense), dense.optimizer)):
+            train_fns[variant], infer = _train_and_infer(model, optimizer, example, batch, task, infer_inputs)
+            if variant == "unstructured_masked":  # inference of a masked model: MaskedDense layers
+                _, infer = _train_and_infer(layered(B.MaskedDense), dense.optimizer, example, batch, task,
+                                            infer_inputs)
+            for b, f in infer.items():
+                infer_fns[(variant, b)] = f
+        fns = {("train", v): f for v, f in train_fns.items()}
+        fns.update({(f"infer_b{b}", v): f for (v, b), f in infer_fns.items()})
+        medians = _time_round_robin(fns, int(config.speed.repeats), int(config.speed.warmup))
+        group = out["models"].setdefault(name, {}).setdefault(f"{sparsity:g}", {})
+        for (kind, variant), seconds in medians.items():
+            group.setdefault(variant, {})[kind] = seconds
+    out["seconds"] = time.perf_counter() - start
+    return out
