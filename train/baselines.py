@@ -90,8 +90,8 @@ def _with_sparsity(dynadiag_cfg, sparsity: float):
 def model_with_layer(model_cfg, dynadiag_cfg, layer: Callable, *, num_classes: int):
     """The model with ``layer`` (a constructor like ``partial(BCOODense, sparsity=0.9)``) in place
     of every layer that ``dynadiag_cfg.layers`` selects; the other layers stay dense."""
-    return common.build_model(model_cfg, _with_sparsity(dynadiag_cfg, 0.0), num_classes=num_classes,
-                              dense=models.ByPath(tuple(dynadiag_cfg.layers), sparse=layer))
+    dense = common.build_model(model_cfg, _with_sparsity(dynadiag_cfg, 0.0), num_classes=num_classes)
+    return dense.clone(dense=models.ByPath(tuple(dynadiag_cfg.layers), sparse=layer))
 
 
 def build(method: str, *, model_cfg, dynadiag_cfg, unstructured_cfg, optimizer_cfg, sparsity: float,
