@@ -17,27 +17,40 @@ G = jnp.array([0.2, -4.0, 0.1, 0.0, 2.5, -0.3, 1.0, 0.7])
 
 
 # Drop by |w| among {0: .5, 2: 3, 3: .1, 6: 1}; grow by |g| among the rest.
-@pytest.mark.parametrize("num_drop,expected", [
-    (0, [1, 0, 1, 1, 0, 0, 1, 0]),
-    (1, [1, 1, 1, 0, 0, 0, 1, 0]),   # drop 3; grow 1 (|g| = 4)
-    (2, [0, 1, 1, 0, 1, 0, 1, 0]),   # drop 3, 0; grow 1, 4
-    (3, [0, 1, 1, 0, 1, 0, 1, 0]),   # drop 3, 0, 6; grow 1, 4 and 6 again (|g| = 1 > .7)
-    (4, [0, 1, 0, 0, 1, 0, 1, 1]),   # drop all; grow the 4 largest |g|
-])
+@pytest.mark.parametrize(
+    "num_drop,expected",
+    [
+        (0, [1, 0, 1, 1, 0, 0, 1, 0]),
+        (1, [1, 1, 1, 0, 0, 0, 1, 0]),  # drop 3; grow 1 (|g| = 4)
+        (2, [0, 1, 1, 0, 1, 0, 1, 0]),  # drop 3, 0; grow 1, 4
+        (3, [0, 1, 1, 0, 1, 0, 1, 0]),  # drop 3, 0, 6; grow 1, 4 and 6 again (|g| = 1 > .7)
+        (4, [0, 1, 0, 0, 1, 0, 1, 1]),  # drop all; grow the 4 largest |g|
+    ],
+)
 def test_rigl_drop_and_grow_hand_case(num_drop, expected):
     new = B.drop_and_grow(MASK, jnp.abs(W), jnp.abs(G), num_drop)
     np.testing.assert_array_equal(new, np.array(expected, bool))
 
 
-@pytest.mark.parametrize("drop_fraction,expected", [
-    (0.25, [1, 1, 1, 0, 0, 0, 1, 0]), (0.3, [1, 1, 1, 0, 0, 0, 1, 0]),   # round(1.2) = 1
-    (0.5, [0, 1, 1, 0, 1, 0, 1, 0]), (1.0, [0, 1, 0, 0, 1, 0, 1, 1]),
-])
+@pytest.mark.parametrize(
+    "drop_fraction,expected",
+    [
+        (0.25, [1, 1, 1, 0, 0, 0, 1, 0]),
+        (0.3, [1, 1, 1, 0, 0, 0, 1, 0]),  # round(1.2) = 1
+        (0.5, [0, 1, 1, 0, 1, 0, 1, 0]),
+        (1.0, [0, 1, 0, 0, 1, 0, 1, 1]),
+    ],
+)
 def test_rigl_wrapper_update_matches_hand_case(drop_fraction, expected):
-    tx = B.rigl(optax.sgd(0.0), distribution=functools.partial(B.uniform, sparsity=0.5,
-                                                               include=lambda p, x: True),
-                key=jax.random.key(0), update_every=1, start_step=0, end_step=10,
-                drop_fraction=lambda t: drop_fraction)
+    tx = B.rigl(
+        optax.sgd(0.0),
+        distribution=functools.partial(B.uniform, sparsity=0.5, include=lambda p, x: True),
+        key=jax.random.key(0),
+        update_every=1,
+        start_step=0,
+        end_step=10,
+        drop_fraction=lambda t: drop_fraction,
+    )
     params = {"w": W}
     state = tx.init(params)._replace(masks={"w": MASK})
     updates, state = tx.update({"w": G}, state, params)
@@ -52,8 +65,15 @@ def test_set_keeps_the_largest_weights_and_grows_at_random():
     dist = functools.partial(B.uniform, sparsity=0.9)
 
     def run(key):
-        tx = B.set_(optax.sgd(0.0), distribution=dist, key=key, update_every=1, start_step=0,
-                    end_step=10, drop_fraction=lambda t: 0.5)
+        tx = B.set_(
+            optax.sgd(0.0),
+            distribution=dist,
+            key=key,
+            update_every=1,
+            start_step=0,
+            end_step=10,
+            drop_fraction=lambda t: 0.5,
+        )
         state = tx.init(params)
         p = B.apply_masks(params, state.masks)
         _, new = tx.update({"w": jnp.ones(shape)}, state, p)
@@ -92,8 +112,10 @@ PARAM_SHAPES = {"a": (12, 20), "b": (20, 7), "conv": (3, 3, 2, 4)}
 
 def _params(seed=0):
     rng = np.random.default_rng(seed)
-    return {k: {"kernel": jnp.asarray(rng.standard_normal(s, np.float32)),
-                "bias": jnp.zeros(s[-1:])} for k, s in PARAM_SHAPES.items()}
+    return {
+        k: {"kernel": jnp.asarray(rng.standard_normal(s, np.float32)), "bias": jnp.zeros(s[-1:])}
+        for k, s in PARAM_SHAPES.items()
+    }
 
 
 def _run(tx, steps, *, seed=0):
@@ -147,8 +169,10 @@ def test_active_count_stays_at_budget_after_every_update(method, dist, sparsity)
         assert _counts(state) == budget
         _check_masked(state, params)
         if previous is not None:
-            changed += sum(int(jnp.sum(a != b)) for a, b in
-                           zip(jax.tree.leaves(previous), jax.tree.leaves(state.masks)))
+            changed += sum(
+                int(jnp.sum(a != b))
+                for a, b in zip(jax.tree.leaves(previous), jax.tree.leaves(state.masks))
+            )
         previous = state.masks
     assert changed > 0, "the masks never changed"
 
@@ -157,8 +181,15 @@ def test_active_count_stays_at_budget_after_every_update(method, dist, sparsity)
 def test_mest_soft_bound_within_bound_between_and_at_budget_after_prune_back(sparsity):
     distribution = functools.partial(B.erk, sparsity=sparsity)
     ratio = 0.5
-    tx = B.mest(optax.sgd(0.1), distribution=distribution, key=jax.random.key(2), update_every=3,
-                start_step=2, end_step=11, mutation_ratio=lambda t: ratio)
+    tx = B.mest(
+        optax.sgd(0.1),
+        distribution=distribution,
+        key=jax.random.key(2),
+        update_every=3,
+        start_step=2,
+        end_step=11,
+        mutation_ratio=lambda t: ratio,
+    )
     budget = jax.tree.leaves(B.budgets(distribution, _params()))
     bound = [n + round(ratio * n) for n in budget]
     sizes = [int(np.prod(s)) for _, s in sorted(PARAM_SHAPES.items())]
@@ -176,8 +207,15 @@ def test_mest_soft_bound_within_bound_between_and_at_budget_after_prune_back(spa
 
 def test_mest_prunes_back_the_smallest_of_all_active_weights():
     distribution = functools.partial(B.uniform, sparsity=0.8)
-    tx = B.mest(optax.sgd(0.1), distribution=distribution, key=jax.random.key(4), update_every=2,
-                start_step=1, end_step=9, mutation_ratio=lambda t: 0.25)
+    tx = B.mest(
+        optax.sgd(0.1),
+        distribution=distribution,
+        key=jax.random.key(4),
+        update_every=2,
+        start_step=1,
+        end_step=9,
+        mutation_ratio=lambda t: 0.25,
+    )
     history = list(_run(tx, 6))
     budget = jax.tree.leaves(B.budgets(distribution, _params()))
     # The mutation at step 3 judges the weights left by step 2 (grown at step 1, trained since).
@@ -202,9 +240,15 @@ def _sgd_momentum_case(tx):
 
 
 def test_moments_of_regrown_weights_restart_from_zero_sgd_momentum():
-    tx = B.rigl(optax.sgd(0.1, momentum=0.9), distribution=functools.partial(B.uniform, sparsity=0.5),
-                key=jax.random.key(0), update_every=1, start_step=0, end_step=5,
-                drop_fraction=lambda t: 0.5)
+    tx = B.rigl(
+        optax.sgd(0.1, momentum=0.9),
+        distribution=functools.partial(B.uniform, sparsity=0.5),
+        key=jax.random.key(0),
+        update_every=1,
+        start_step=0,
+        end_step=5,
+        drop_fraction=lambda t: 0.5,
+    )
     old, new, g = _sgd_momentum_case(tx)
     m = new.masks["w"]
     grown, kept, off = m & ~old, m & old, ~m
@@ -215,12 +259,16 @@ def test_moments_of_regrown_weights_restart_from_zero_sgd_momentum():
     np.testing.assert_allclose(trace[off], 0.9, rtol=1e-6)
 
 
-@pytest.mark.parametrize("make_inner", [
-    lambda: optax.adam(1e-3),
-    lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1)),
-    lambda: optax.multi_transform({"a": optax.adam(1e-3), "b": optax.sgd(1e-3)},
-                                  {"w": "a", "v": "b"}),
-])
+@pytest.mark.parametrize(
+    "make_inner",
+    [
+        lambda: optax.adam(1e-3),
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1)),
+        lambda: optax.multi_transform(
+            {"a": optax.adam(1e-3), "b": optax.sgd(1e-3)}, {"w": "a", "v": "b"}
+        ),
+    ],
+)
 def test_reset_moments_finds_every_params_shaped_state(make_inner):
     inner = make_inner()
     params = {"w": jnp.ones((3, 4)), "v": jnp.ones((5,))}
@@ -238,9 +286,15 @@ def test_reset_moments_finds_every_params_shaped_state(make_inner):
 
 
 def test_moments_of_regrown_weights_are_zero_with_adam():
-    tx = B.rigl(optax.adam(1e-3), distribution=functools.partial(B.uniform, sparsity=0.5),
-                key=jax.random.key(0), update_every=1, start_step=0, end_step=5,
-                drop_fraction=lambda t: 0.5)
+    tx = B.rigl(
+        optax.adam(1e-3),
+        distribution=functools.partial(B.uniform, sparsity=0.5),
+        key=jax.random.key(0),
+        update_every=1,
+        start_step=0,
+        end_step=5,
+        drop_fraction=lambda t: 0.5,
+    )
     params = {"w": jax.random.normal(jax.random.key(0), (6, 8))}
     state = tx.init(params)
     state = state._replace(inner_state=jax.tree.map(jnp.ones_like, state.inner_state))
@@ -257,16 +311,30 @@ def test_moments_of_regrown_weights_are_zero_with_adam():
 
 def test_no_update_outside_the_schedule_and_state_is_checkpointable():
     distribution = functools.partial(B.uniform, sparsity=0.9)
-    tx = B.rigl(optax.sgd(0.1), distribution=distribution, key=jax.random.key(0), update_every=3,
-                start_step=3, end_step=7)
+    tx = B.rigl(
+        optax.sgd(0.1),
+        distribution=distribution,
+        key=jax.random.key(0),
+        update_every=3,
+        start_step=3,
+        end_step=7,
+    )
     states = [s for _, s, _ in _run(tx, 10)]
     first = states[0].masks
-    changes = [t for t in range(1, 10) if any(bool(jnp.any(a != b)) for a, b in zip(
-        jax.tree.leaves(states[t - 1].masks), jax.tree.leaves(states[t].masks)))]
+    changes = [
+        t
+        for t in range(1, 10)
+        if any(
+            bool(jnp.any(a != b))
+            for a, b in zip(jax.tree.leaves(states[t - 1].masks), jax.tree.leaves(states[t].masks))
+        )
+    ]
     assert set(changes) <= {3, 6}
     assert 3 in changes
-    assert all(bool(jnp.all(a == b)) for a, b in zip(jax.tree.leaves(first),
-                                                     jax.tree.leaves(states[2].masks)))
+    assert all(
+        bool(jnp.all(a == b))
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(states[2].masks))
+    )
     for leaf in jax.tree.leaves(states[-1]):
         assert isinstance(leaf, jax.Array)
     assert states[-1].key.dtype == jnp.uint32 and int(states[-1].count) == 10
@@ -274,8 +342,14 @@ def test_no_update_outside_the_schedule_and_state_is_checkpointable():
 
 def test_same_key_same_run():
     def masks(seed):
-        tx = B.set_(optax.sgd(0.1), distribution=functools.partial(B.erk, sparsity=0.9),
-                    key=jax.random.key(seed), update_every=1, start_step=0, end_step=8)
+        tx = B.set_(
+            optax.sgd(0.1),
+            distribution=functools.partial(B.erk, sparsity=0.9),
+            key=jax.random.key(seed),
+            update_every=1,
+            start_step=0,
+            end_step=8,
+        )
         return [s.masks for _, s, _ in _run(tx, 1)][-1]
 
     a, b, c = masks(0), masks(0), masks(1)
@@ -285,8 +359,9 @@ def test_same_key_same_run():
 
 def test_cosine_drop_fraction_decays_to_zero_at_end():
     f = B.cosine_decay(0.3, 100)
-    np.testing.assert_allclose([f(jnp.int32(t)) for t in (0, 50, 100, 200)],
-                               [0.3, 0.15, 0.0, 0.0], atol=1e-7)
+    np.testing.assert_allclose(
+        [f(jnp.int32(t)) for t in (0, 50, 100, 200)], [0.3, 0.15, 0.0, 0.0], atol=1e-7
+    )
 
 
 def test_periodic_schedule():
@@ -296,21 +371,33 @@ def test_periodic_schedule():
     assert [t for t in range(15) if with_end(jnp.int32(t))] == [2, 5, 8, 11]
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(update_every=0, end_step=5), "update_every"),
-    (dict(update_every=2, end_step=1), "end_step"),
-    (dict(update_every=2, end_step=5, drop_fraction=1.5), "drop_fraction"),
-    (dict(update_every=2.5, end_step=5), "update_every"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(update_every=0, end_step=5), "update_every"),
+        (dict(update_every=2, end_step=1), "end_step"),
+        (dict(update_every=2, end_step=5, drop_fraction=1.5), "drop_fraction"),
+        (dict(update_every=2.5, end_step=5), "update_every"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        B.rigl(optax.sgd(0.1), distribution=functools.partial(B.uniform, sparsity=0.9),
-               key=jax.random.key(0), **kwargs)
+        B.rigl(
+            optax.sgd(0.1),
+            distribution=functools.partial(B.uniform, sparsity=0.9),
+            key=jax.random.key(0),
+            **kwargs,
+        )
 
 
 def test_update_needs_params():
-    tx = B.rigl(optax.sgd(0.1), distribution=functools.partial(B.uniform, sparsity=0.9),
-                key=jax.random.key(0), update_every=2, end_step=5)
+    tx = B.rigl(
+        optax.sgd(0.1),
+        distribution=functools.partial(B.uniform, sparsity=0.9),
+        key=jax.random.key(0),
+        update_every=2,
+        end_step=5,
+    )
     params = _params()
     with pytest.raises(ValueError, match="params"):
         tx.update(params, tx.init(params))

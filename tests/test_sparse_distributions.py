@@ -13,9 +13,13 @@ SHAPES = {"l1": (784, 256), "l2": (256, 256), "l3": (256, 10), "conv": (3, 3, 16
 
 
 def _params():
-    return {name: {"kernel": jax.ShapeDtypeStruct(shape, jnp.float32),
-                   "bias": jax.ShapeDtypeStruct(shape[-1:], jnp.float32)}
-            for name, shape in SHAPES.items()}
+    return {
+        name: {
+            "kernel": jax.ShapeDtypeStruct(shape, jnp.float32),
+            "bias": jax.ShapeDtypeStruct(shape[-1:], jnp.float32),
+        }
+        for name, shape in SHAPES.items()
+    }
 
 
 def _totals(params, sparsities):
@@ -89,8 +93,9 @@ def test_include_paths_rejects_a_bare_string():
         B.include_paths("l1")
 
 
-@pytest.mark.parametrize("size,sparsity,expected", [(10, 0.9, 1), (8, 0.5, 4), (200704, 0.9, 20071),
-                                                    (3, 0.99, 1)])
+@pytest.mark.parametrize(
+    "size,sparsity,expected", [(10, 0.9, 1), (8, 0.5, 4), (200704, 0.9, 20071), (3, 0.99, 1)]
+)
 def test_num_active(size, sparsity, expected):
     assert B.num_active(size, sparsity) == expected
 

@@ -1,4 +1,4 @@
-"""MaskedDense and BCOODense: the unstructured speed baselines behind the DiagonalDense interface."""
+"""MaskedDense and BCOODense: unstructured speed baselines behind the DiagonalDense interface."""
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,8 @@ def test_masked_dense_matches_reference_and_keeps_exact_budget(in_f, out_f, spar
     expected = x @ w + variables["params"]["bias"][None, None]
     np.testing.assert_allclose(jax.jit(layer.apply)(variables, x), expected, rtol=RTOL, atol=ATOL)
     grad = jax.grad(lambda p: jnp.sum(layer.apply({**variables, "params": p}, x) ** 2))(
-        variables["params"])
+        variables["params"]
+    )
     assert not np.any(np.asarray(grad["kernel"])[~np.asarray(mask)] != 0)
 
 
@@ -51,9 +52,13 @@ def test_bcoo_dense_matches_dense_reference_forward_and_grad(in_f, out_f, sparsi
         w = _dense_from_bcoo({"params": params, "sparsity": variables["sparsity"]}, (in_f, out_f))
         return x @ w + params["bias"][None]
 
-    np.testing.assert_allclose(jax.jit(layer.apply)(variables, x), reference(variables["params"]),
-                               rtol=RTOL, atol=ATOL)
-    loss = lambda f: lambda p: jnp.sum(jnp.sin(f(p)))
+    np.testing.assert_allclose(
+        jax.jit(layer.apply)(variables, x), reference(variables["params"]), rtol=RTOL, atol=ATOL
+    )
+
+    def loss(f):
+        return lambda p: jnp.sum(jnp.sin(f(p)))
+
     got = jax.grad(loss(lambda p: layer.apply({**variables, "params": p}, x)))(variables["params"])
     want = jax.grad(loss(reference))(variables["params"])
     for k in ("data", "bias"):

@@ -16,7 +16,8 @@ The ``unstructured`` config section holds the drop-and-grow schedule (see :func:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -38,12 +39,20 @@ def unstructured_defaults() -> ml_collections.ConfigDict:
 
     ``mutation_ratio`` and ``soft_bound`` are MEST's (EM&S: grow 20% above the budget).
     """
-    return ml_collections.ConfigDict(dict(distribution="uniform", update_every=100, end_fraction=0.75,
-                                          drop_fraction=0.3, mutation_ratio=0.2, soft_bound=True))
+    return ml_collections.ConfigDict(
+        dict(
+            distribution="uniform",
+            update_every=100,
+            end_fraction=0.75,
+            drop_fraction=0.3,
+            mutation_ratio=0.2,
+            soft_bound=True,
+        )
+    )
 
 
 class Method(NamedTuple):
-    """What a training run needs for one method (the arguments of :func:`dynadiag_jax.training.train`).
+    """What a run of one method needs (arguments of :func:`dynadiag_jax.training.train`).
 
     Attributes:
       name: the method.
@@ -67,12 +76,18 @@ def check(method: str, unstructured_cfg) -> None:
     if method not in METHODS:
         raise common.ConfigError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if unstructured_cfg.distribution not in DISTRIBUTIONS:
-        raise common.ConfigError(f"unstructured.distribution must be one of {sorted(DISTRIBUTIONS)}, "
-                                 f"got {unstructured_cfg.distribution!r}")
+        raise common.ConfigError(
+            f"unstructured.distribution must be one of {sorted(DISTRIBUTIONS)}, "
+            f"got {unstructured_cfg.distribution!r}"
+        )
     if not 0.0 < float(unstructured_cfg.end_fraction) <= 1.0:
-        raise common.ConfigError(f"unstructured.end_fraction must be in (0, 1], got {unstructured_cfg.end_fraction}")
+        raise common.ConfigError(
+            f"unstructured.end_fraction must be in (0, 1], got {unstructured_cfg.end_fraction}"
+        )
     if int(unstructured_cfg.update_every) < 1:
-        raise common.ConfigError(f"unstructured.update_every must be >= 1, got {unstructured_cfg.update_every}")
+        raise common.ConfigError(
+            f"unstructured.update_every must be >= 1, got {unstructured_cfg.update_every}"
+        )
 
 
 def kernel_include(layer_patterns) -> Callable:
@@ -90,12 +105,24 @@ def _with_sparsity(dynadiag_cfg, sparsity: float):
 def model_with_layer(model_cfg, dynadiag_cfg, layer: Callable, *, num_classes: int):
     """The model with ``layer`` (a constructor like ``partial(BCOODense, sparsity=0.9)``) in place
     of every layer that ``dynadiag_cfg.layers`` selects; the other layers stay dense."""
-    dense = common.build_model(model_cfg, _with_sparsity(dynadiag_cfg, 0.0), num_classes=num_classes)
+    dense = common.build_model(
+        model_cfg, _with_sparsity(dynadiag_cfg, 0.0), num_classes=num_classes
+    )
     return dense.clone(dense=models.ByPath(tuple(dynadiag_cfg.layers), sparse=layer))
 
 
-def build(method: str, *, model_cfg, dynadiag_cfg, unstructured_cfg, optimizer_cfg, sparsity: float,
-          num_classes: int, num_steps: int, seed: int) -> Method:
+def build(
+    method: str,
+    *,
+    model_cfg,
+    dynadiag_cfg,
+    unstructured_cfg,
+    optimizer_cfg,
+    sparsity: float,
+    num_classes: int,
+    num_steps: int,
+    seed: int,
+) -> Method:
     """The model, optimizer, gate schedule and freeze step of ``method`` at ``sparsity``.
 
     ``sparsity`` is ignored for ``dense``. Raises :class:`common.ConfigError` on bad settings.
@@ -112,17 +139,25 @@ def build(method: str, *, model_cfg, dynadiag_cfg, unstructured_cfg, optimizer_c
         freeze = common.freeze_step(diag_cfg, num_steps)
         gate = common.gate_schedule(diag_cfg, freeze, num_steps)
     elif method == "static_diagonals":
-        static = functools.partial(dd.nn.DiagonalDense, sparsity=float(sparsity), init_phase="frozen")
+        static = functools.partial(
+            dd.nn.DiagonalDense, sparsity=float(sparsity), init_phase="frozen"
+        )
         model = model_with_layer(model_cfg, dynadiag_cfg, static, num_classes=num_classes)
     else:
         model = common.build_model(model_cfg, diag_cfg, num_classes=num_classes)
     if method in UNSTRUCTURED:
         u = unstructured_cfg
-        distribution = functools.partial(DISTRIBUTIONS[u.distribution], sparsity=float(sparsity),
-                                         include=kernel_include(dynadiag_cfg.layers))
-        kwargs = dict(distribution=distribution, update_every=int(u.update_every),
-                      end_step=max(1, round(float(u.end_fraction) * num_steps)),
-                      key=jax.random.fold_in(jax.random.key(seed), MASK_STREAM))
+        distribution = functools.partial(
+            DISTRIBUTIONS[u.distribution],
+            sparsity=float(sparsity),
+            include=kernel_include(dynadiag_cfg.layers),
+        )
+        kwargs = dict(
+            distribution=distribution,
+            update_every=int(u.update_every),
+            end_step=max(1, round(float(u.end_fraction) * num_steps)),
+            key=jax.random.fold_in(jax.random.key(seed), MASK_STREAM),
+        )
         if method == "mest":
             kwargs.update(mutation_ratio=float(u.mutation_ratio), soft_bound=bool(u.soft_bound))
         else:

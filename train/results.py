@@ -12,12 +12,11 @@ checkpoint, and the same command carries on. A run whose settings changed is tra
 
   python train/results.py                                          # every model, method, seed
   python train/results.py --config=train/configs/results.py:quick  # a smoke run (1 seed, 1 epoch)
-  python train/results.py --report_only                            # rewrite the report from the logs
+  python train/results.py --report_only                            # the report from the logs
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pathlib
 import sys
@@ -26,144 +25,35 @@ import time
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import tqdm
 from absl import app, flags, logging
-from flax import traverse_util
 from ml_collections import config_flags
 
-from dynadiag_jax import data as D
-from dynadiag_jax import training as T
-from train import baselines, common, results_report, speed
+from train import common, results_report, speed
 from train.configs import results as default_config
+from train.results_runs import (
+    ACCURACY_FILE,
+    SPEED_FILE,
+    build,
+    fingerprint,
+    prepare,
+    read_records,
+    run_plan,
+    steps_of,
+    train_run,
+)
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", str(pathlib.Path(default_config.__file__)), "results config file", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", "runs/results", "run directories, accuracy.jsonl and speed.json")
+    "config", str(pathlib.Path(default_config.__file__)), "results config file", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", "runs/results", "run directories, accuracy.jsonl and speed.json"
+)
 _DOCS = flags.DEFINE_string("docs", "docs", "where RESULTS.md and its PNG plots are written")
-_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "only rewrite the report from the logs in --workdir")
+_REPORT_ONLY = flags.DEFINE_bool(
+    "report_only", False, "only rewrite the report from the logs in --workdir"
+)
 _PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar")
-
-ACCURACY_FILE = "accuracy.jsonl"
-SPEED_FILE = "speed.json"
-
-
-def run_plan(config) -> list[tuple[str, str, float, int]]:
-    """``(model, method, sparsity, seed)`` of every training run; dense runs once per seed."""
-    plan = []
-    for model in config.models:
-        for seed in range(int(config.seeds)):
-            for method in config.methods:
-                for sparsity in ((0.0,) if method == "dense" else config.sparsities):
-                    plan.append((model, method, float(sparsity), seed))
-    return plan
-
-
-def steps_of(model_cfg, data) -> int:
-    return int(model_cfg.epochs) * (len(data.train["label"]) // int(model_cfg.batch_size))
-
-
-def build(config, model_name: str, method: str, sparsity: float, seed: int, data, steps: int) -> baselines.Method:
-    m = config.models[model_name]
-    return baselines.build(method, model_cfg=m.model, dynadiag_cfg=m.dynadiag, unstructured_cfg=config.unstructured,
-                           optimizer_cfg=m.optimizer, sparsity=sparsity, num_classes=data.num_classes,
-                           num_steps=steps, seed=seed)
-
-
-def example_input(model_cfg, data) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((int(model_cfg.batch_size), *data.train["image"].shape[1:]), jnp.float32)
-
-
-def prepare(config):
-    """Check the config and load the data; every problem is reported here, before any compilation."""
-    common.check_config(config, default_config.get_config(), free=("models",))
-    unknown = sorted(set(config.methods) - set(baselines.METHODS))
-    if unknown:
-        raise common.ConfigError(f"unknown methods {unknown}; known: {', '.join(baselines.METHODS)}")
-    if int(config.seeds) < 1 or not config.models or not config.sparsities:
-        raise common.ConfigError("need at least one seed, one model and one sparsity")
-    try:
-        data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
-    except (FileNotFoundError, ValueError) as e:
-        raise common.ConfigError(str(e)) from None
-    for name, m in config.models.items():
-        T.check_batch_size(int(m.batch_size), T.data_mesh())
-        steps = steps_of(m, data)
-        if steps <= int(config.unstructured.update_every):
-            raise common.ConfigError(f"model {name}: {steps} training steps leave no room for a mask update "
-                                     f"every {config.unstructured.update_every} steps")
-        for method in config.methods:
-            for sparsity in ((0.0,) if method == "dense" else config.sparsities):
-                built = build(config, name, method, sparsity, 0, data, steps)
-                common.check_layer_patterns(built.model, example_input(m, data), m.dynadiag)
-    return data
-
-
-def fingerprint(config, model_name: str, method: str, steps: int) -> str:
-    """Hash of every setting a run's result depends on (a changed setting retrains the run)."""
-    m = config.models[model_name]
-    parts = {"model": m.to_dict(), "steps": steps, "data": config.data.to_dict(), "method": method}
-    if method in baselines.UNSTRUCTURED:
-        parts["unstructured"] = config.unstructured.to_dict()
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def sparse_layer_density(params, shapes: dict[str, tuple[int, int]]) -> float:
-    """Non-zero weights over dense weights in the replaceable layers (dense: 1; frozen diagonals: K*D/(in*out))."""
-    flat = traverse_util.flatten_dict(params, sep="/")
-    nonzero = total = 0
-    for path, (n_in, n_out) in shapes.items():
-        total += n_in * n_out
-        if f"{path}/kernel" in flat:
-            nonzero += int(np.count_nonzero(np.asarray(flat[f"{path}/kernel"])))
-        elif f"{path}/values" in flat and f"{path}/alpha" not in flat:
-            nonzero += int(np.asarray(flat[f"{path}/values"]).size)
-        else:
-            raise ValueError(f"layer {path}: neither a dense kernel nor frozen diagonal values in {sorted(flat)}")
-    return nonzero / total
-
-
-def mean_step_time(metrics_path, start: int = 0, stop: int | None = None) -> float | None:
-    """Mean of the logged ``step_time_s`` over training records with ``start < step <= stop``."""
-    times = [r["step_time_s"] for r in T.read_jsonl(metrics_path)
-             if r.get("kind") == "train" and "step_time_s" in r and r["step"] > start
-             and (stop is None or r["step"] <= stop)]
-    return float(np.mean(times)) if times else None
-
-
-def train_run(config, data, spec, steps: int, workdir: pathlib.Path, fp: str) -> dict:
-    """Train one ``(model, method, sparsity, seed)`` run and return its record."""
-    model_name, method, sparsity, seed = spec
-    m = config.models[model_name]
-    built = build(config, model_name, method, sparsity, seed, data, steps)
-    example = example_input(m, data)
-    start = time.perf_counter()
-    result = T.train(
-        model=built.model, optimizer=built.optimizer,
-        task=T.Classification(data.num_classes, float(m.optimizer.label_smoothing)),
-        train_data=D.ArrayBatches(data.train, int(m.batch_size), seed=seed), eval_data=D.EvalBatches(data.test, 1000),
-        num_steps=steps, example_input=example, seed=seed, freeze_step=built.freeze_step, gate=built.gate,
-        workdir=workdir, checkpoint_every=len(data.train["label"]) // int(m.batch_size), keep_checkpoints=1,
-        log_every=50, learning_rate=built.learning_rate, progress=False, tensorboard=False,
-        run_info={"model": model_name, "method": method, "sparsity": sparsity, "fingerprint": fp})
-    seconds = time.perf_counter() - start
-    shapes = common.layer_shapes(built.model, example)
-    metrics_path = workdir / "metrics.jsonl"
-    record = {"model": model_name, "method": method, "sparsity": sparsity, "seed": seed, "fingerprint": fp,
-              "accuracy": result.eval_metrics["accuracy"], "loss": result.eval_metrics["loss"], "steps": steps,
-              "seconds": seconds, "resumed_at": result.start_step,
-              "density": sparse_layer_density(result.state.params, shapes),
-              "step_time_s": mean_step_time(metrics_path)}
-    if built.freeze_step is not None:
-        record["search_step_time_s"] = mean_step_time(metrics_path, 0, built.freeze_step)
-        record["frozen_step_time_s"] = mean_step_time(metrics_path, built.freeze_step)
-    return record
-
-
-def read_records(path: pathlib.Path) -> list[dict]:
-    return list(T.read_jsonl(path))
 
 
 def main(argv):
@@ -179,9 +69,15 @@ def main(argv):
     workdir.mkdir(parents=True, exist_ok=True)
     accuracy_path = workdir / ACCURACY_FILE
     if not _REPORT_ONLY.value:
-        done = {(r["model"], r["method"], r["sparsity"], r["seed"], r["fingerprint"]) for r in read_records(accuracy_path)}
+        done = {
+            (r["model"], r["method"], r["sparsity"], r["seed"], r["fingerprint"])
+            for r in read_records(accuracy_path)
+        }
         plan = run_plan(config)
-        print(f"data: {data.name}; {len(plan)} training runs on {common.device_summary()}; logs in {workdir}")
+        print(
+            f"data: {data.name}; {len(plan)} training runs on {common.device_summary()}; "
+            f"logs in {workdir}"
+        )
         bar = tqdm.tqdm(plan, unit="run", disable=not _PROGRESS.value, dynamic_ncols=True)
         for spec in bar:
             model_name, method, sparsity, seed = spec
@@ -194,23 +90,36 @@ def main(argv):
             try:
                 record = train_run(config, data, spec, steps, run_dir, fp)
             except KeyboardInterrupt:
-                print(f"\ninterrupted; run the same command to resume ({run_dir} keeps its checkpoint)")
+                print(f"\ninterrupted; the same command resumes ({run_dir} keeps its checkpoint)")
                 raise SystemExit(130) from None
             with accuracy_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            bar.write(f"{model_name:6s} {method:17s} s={sparsity:<5g} seed={seed}: accuracy {record['accuracy']:.4f} "
-                      f"({record['seconds']:.0f}s)")
+            bar.write(
+                f"{model_name:6s} {method:17s} s={sparsity:<5g} seed={seed}: "
+                f"accuracy {record['accuracy']:.4f} "
+                f"({record['seconds']:.0f}s)"
+            )
         print("timing every method side by side ...")
-        timings = speed.measure(config, data, build, example_input, steps_of, progress=_PROGRESS.value)
+        timings = speed.measure(config, data, build, steps_of, progress=_PROGRESS.value)
         (workdir / SPEED_FILE).write_text(json.dumps(timings, indent=1))
     if not (workdir / SPEED_FILE).exists():
         common.die(f"{workdir / SPEED_FILE} is missing: run without --report_only first")
-    records = [r for r in read_records(accuracy_path) if r["model"] in config.models
-               and r["fingerprint"] == fingerprint(config, r["model"], r["method"],
-                                                   steps_of(config.models[r["model"]], data))]
+    records = [
+        r
+        for r in read_records(accuracy_path)
+        if r["model"] in config.models
+        and r["fingerprint"]
+        == fingerprint(config, r["model"], r["method"], steps_of(config.models[r["model"]], data))
+    ]
     timings = json.loads((workdir / SPEED_FILE).read_text())
-    path = results_report.write(docs, config, records, timings, data_name=data.name,
-                                invocation_seconds=time.perf_counter() - begun)
+    path = results_report.write(
+        docs,
+        config,
+        records,
+        timings,
+        data_name=data.name,
+        invocation_seconds=time.perf_counter() - begun,
+    )
     print(f"report: {path}")
 
 

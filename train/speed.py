@@ -38,10 +38,18 @@ def machine() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores_visible": len(os.sched_getaffinity(0)), "platform": platform.platform(),
-            "python": platform.python_version(), "jax": jax.__version__,
-            "devices": [str(d) for d in jax.devices()], "load_average_at_start": list(os.getloadavg()),
-            "diag_impl": "ffi (compiled kernel)" if "ffi" in dd.available_impls() else "jax (pure-JAX path)"}
+    return {
+        "cpu": cpu,
+        "cores_visible": len(os.sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "devices": [str(d) for d in jax.devices()],
+        "load_average_at_start": list(os.getloadavg()),
+        "diag_impl": "ffi (compiled kernel)"
+        if "ffi" in dd.available_impls()
+        else "jax (pure-JAX path)",
+    }
 
 
 def _time_round_robin(fns: dict, repeats: int, warmup: int) -> dict[str, float]:
@@ -58,48 +66,73 @@ def _time_round_robin(fns: dict, repeats: int, warmup: int) -> dict[str, float]:
 
 
 def _train_and_infer(model, optimizer, example, batch, task, infer_inputs, gate=None):
-    """``(train_fn, {batch_size: infer_fn})`` on one state, nothing donated (the state is reused)."""
+    """``(train_fn, {batch_size: infer_fn})`` on one state (not donated: it is reused)."""
     state = jax.jit(lambda: T.create_train_state(model, optimizer, example, seed=0))()
     step = jax.jit(T.make_train_step(model, optimizer, task, gate=gate))
     variables = T.variables_of(state)
     forward = jax.jit(lambda v, x: model.apply(v, x, train=False))
-    return (lambda: step(state, batch),
-            {b: functools.partial(forward, variables, x) for b, x in infer_inputs.items()})
+    return (
+        lambda: step(state, batch),
+        {b: functools.partial(forward, variables, x) for b, x in infer_inputs.items()},
+    )
 
 
-def measure(config, data, build, example_input, steps_of, *, progress: bool = True) -> dict:
-    """Timings of every variant for every model and sparsity of ``config`` (seconds, medians)."""
+def _group(config, data, name: str, sparsity: float, build, steps_of) -> dict:
+    """``{(kind, variant): fn}`` of one model at one sparsity; ``kind`` is ``train`` or
+    ``infer_b<batch>``."""
+    m = config.models[name]
+    task = T.Classification(data.num_classes)
+    n = int(config.speed.train_batch)
+    batch = {
+        "image": jnp.asarray(data.train["image"][:n]),
+        "label": jnp.asarray(data.train["label"][:n]),
+    }
+    example = jax.ShapeDtypeStruct(batch["image"].shape, jnp.float32)
+    infer_inputs = {
+        int(b): jnp.asarray(data.test["image"][: int(b)]) for b in config.speed.inference_batches
+    }
+    make = functools.partial(
+        build, config, name, sparsity=sparsity, seed=0, data=data, steps=steps_of(m, data)
+    )
+    dense, rigl, static = make(method="dense"), make(method="rigl"), make(method="static_diagonals")
+
+    def layered(layer):
+        return baselines.model_with_layer(
+            m.model,
+            m.dynadiag,
+            functools.partial(layer, sparsity=sparsity),
+            num_classes=data.num_classes,
+        )
+
+    fns = {}
+    for variant, model, optimizer, infer_model in (
+        ("dense", dense.model, dense.optimizer, None),
+        ("diagonal", static.model, static.optimizer, None),
+        # A masked model's inference runs MaskedDense layers.
+        ("unstructured_masked", rigl.model, rigl.optimizer, layered(B.MaskedDense)),
+        ("unstructured_bcoo", layered(B.BCOODense), dense.optimizer, None),
+    ):
+        fns[("train", variant)], infer = _train_and_infer(
+            model, optimizer, example, batch, task, infer_inputs
+        )
+        if infer_model is not None:
+            _, infer = _train_and_infer(
+                infer_model, dense.optimizer, example, batch, task, infer_inputs
+            )
+        fns.update({(f"infer_b{b}", variant): f for b, f in infer.items()})
+    return fns
+
+
+def measure(config, data, build, steps_of, *, progress: bool = True) -> dict:
+    """Timings of every variant for every model and sparsity of ``config`` (seconds, medians).
+
+    ``build`` and ``steps_of`` are :func:`train.results_runs.build` and ``steps_of``.
+    """
     start = time.perf_counter()
     out = {"machine": machine(), "repeats": int(config.speed.repeats), "models": {}}
     groups = [(name, s) for name in config.models for s in config.sparsities]
     for name, sparsity in tqdm.tqdm(groups, unit="group", disable=not progress, desc="timing"):
-        m = config.models[name]
-        steps = steps_of(m, data)
-        task = T.Classification(data.num_classes)
-        n = int(config.speed.train_batch)
-        batch = {"image": jnp.asarray(data.train["image"][:n]), "label": jnp.asarray(data.train["label"][:n])}
-        example = jax.ShapeDtypeStruct(batch["image"].shape, jnp.float32)
-        infer_inputs = {int(b): jnp.asarray(data.test["image"][:int(b)]) for b in config.speed.inference_batches}
-        make = functools.partial(build, config, name, sparsity=sparsity, seed=0, data=data, steps=steps)
-        dense, rigl, static = make(method="dense"), make(method="rigl"), make(method="static_diagonals")
-
-        def layered(layer):
-            return baselines.model_with_layer(m.model, m.dynadiag, functools.partial(layer, sparsity=sparsity),
-                                              num_classes=data.num_classes)
-
-        train_fns, infer_fns = {}, {}
-        for variant, model, optimizer in (("dense", dense.model, dense.optimizer),
-                                          ("diagonal", static.model, static.optimizer),
-                                          ("unstructured_masked", rigl.model, rigl.optimizer),
-                                          ("unstructured_bcoo", layered(B.BCOODense), dense.optimizer)):
-            train_fns[variant], infer = _train_and_infer(model, optimizer, example, batch, task, infer_inputs)
-            if variant == "unstructured_masked":  # inference of a masked model: MaskedDense layers
-                _, infer = _train_and_infer(layered(B.MaskedDense), dense.optimizer, example, batch, task,
-                                            infer_inputs)
-            for b, f in infer.items():
-                infer_fns[(variant, b)] = f
-        fns = {("train", v): f for v, f in train_fns.items()}
-        fns.update({(f"infer_b{b}", v): f for (v, b), f in infer_fns.items()})
+        fns = _group(config, data, name, sparsity, build, steps_of)
         medians = _time_round_robin(fns, int(config.speed.repeats), int(config.speed.warmup))
         group = out["models"].setdefault(name, {}).setdefault(f"{sparsity:g}", {})
         for (kind, variant), seconds in medians.items():

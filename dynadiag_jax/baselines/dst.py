@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Callable, Union
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,7 @@ from dynadiag_jax.baselines.sparse_state import map_masks, random_scores, sparse
 
 __all__ = ["rigl", "set_", "drop_and_grow", "cosine_decay", "periodic"]
 
-Schedule = Union[float, Callable[[jax.Array], jax.Array]]
+Schedule = float | Callable[[jax.Array], jax.Array]
 
 
 def _nonneg_int(value, name: str) -> int:
@@ -104,8 +104,9 @@ def _check_fraction(value: Schedule, name: str) -> None:
         raise ValueError(f"{name} must be in [0, 1] or a schedule, got {value!r}")
 
 
-def _drop_grow_wrapper(inner, *, distribution, key, update_every, end_step, start_step,
-                       drop_fraction, grow_scores):
+def _drop_grow_wrapper(
+    inner, *, distribution, key, update_every, end_step, start_step, drop_fraction, grow_scores
+):
     _check_fraction(drop_fraction, "drop_fraction")
     if start_step is None:
         start_step = update_every
@@ -122,13 +123,21 @@ def _drop_grow_wrapper(inner, *, distribution, key, update_every, end_step, star
 
         return map_masks(one, masks, params, scores)
 
-    return sparse_wrapper(inner, distribution=distribution, rule=rule, is_update_step=is_update,
-                          key=key)
+    return sparse_wrapper(
+        inner, distribution=distribution, rule=rule, is_update_step=is_update, key=key
+    )
 
 
-def rigl(inner: optax.GradientTransformation, *, distribution, key, update_every: int,
-         end_step: int, start_step: int | None = None,
-         drop_fraction: Schedule = 0.3) -> optax.GradientTransformationExtraArgs:
+def rigl(
+    inner: optax.GradientTransformation,
+    *,
+    distribution,
+    key,
+    update_every: int,
+    end_step: int,
+    start_step: int | None = None,
+    drop_fraction: Schedule = 0.3,
+) -> optax.GradientTransformationExtraArgs:
     """RigL: drop the smallest weights, grow where the dense gradient is largest.
 
     Args:
@@ -148,14 +157,28 @@ def rigl(inner: optax.GradientTransformation, *, distribution, key, update_every
         del params, key
         return map_masks(lambda m, g: jnp.abs(g), masks, grads)
 
-    return _drop_grow_wrapper(inner, distribution=distribution, key=key, update_every=update_every,
-                              end_step=end_step, start_step=start_step, drop_fraction=drop_fraction,
-                              grow_scores=grow_scores)
+    return _drop_grow_wrapper(
+        inner,
+        distribution=distribution,
+        key=key,
+        update_every=update_every,
+        end_step=end_step,
+        start_step=start_step,
+        drop_fraction=drop_fraction,
+        grow_scores=grow_scores,
+    )
 
 
-def set_(inner: optax.GradientTransformation, *, distribution, key, update_every: int,
-         end_step: int, start_step: int | None = None,
-         drop_fraction: Schedule = 0.3) -> optax.GradientTransformationExtraArgs:
+def set_(
+    inner: optax.GradientTransformation,
+    *,
+    distribution,
+    key,
+    update_every: int,
+    end_step: int,
+    start_step: int | None = None,
+    drop_fraction: Schedule = 0.3,
+) -> optax.GradientTransformationExtraArgs:
     """SET: drop the smallest weights, grow uniformly at random.
 
     Named with a trailing underscore so that it does not shadow the builtin ``set``. Arguments
@@ -166,6 +189,13 @@ def set_(inner: optax.GradientTransformation, *, distribution, key, update_every
         del grads
         return random_scores(key, masks, params)
 
-    return _drop_grow_wrapper(inner, distribution=distribution, key=key, update_every=update_every,
-                              end_step=end_step, start_step=start_step, drop_fraction=drop_fraction,
-                              grow_scores=grow_scores)
+    return _drop_grow_wrapper(
+        inner,
+        distribution=distribution,
+        key=key,
+        update_every=update_every,
+        end_step=end_step,
+        start_step=start_step,
+        drop_fraction=drop_fraction,
+        grow_scores=grow_scores,
+    )

@@ -16,7 +16,7 @@ __all__ = ["num_active", "top_n_mask", "random_mask"]
 
 
 def num_active(size: int, sparsity: float) -> int:
-    """Weights kept in a layer of ``size`` entries at ``sparsity``: ``size - floor(sparsity * size)``.
+    """Weights kept in a layer of ``size`` entries: ``size - floor(sparsity * size)``.
 
     This is the RigL/jaxpruner convention; it keeps at least one weight for any ``sparsity < 1``.
 

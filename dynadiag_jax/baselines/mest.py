@@ -51,9 +51,18 @@ def prune_and_grow(mask, prune_score, grow_score, num_keep, num_grow):
     return keep | grow
 
 
-def mest(inner: optax.GradientTransformation, *, distribution, key, update_every: int,
-         end_step: int, start_step: int | None = None, mutation_ratio: Schedule = 0.2,
-         soft_bound: bool = True, grad_weight: float = 0.0) -> optax.GradientTransformationExtraArgs:
+def mest(
+    inner: optax.GradientTransformation,
+    *,
+    distribution,
+    key,
+    update_every: int,
+    end_step: int,
+    start_step: int | None = None,
+    mutation_ratio: Schedule = 0.2,
+    soft_bound: bool = True,
+    grad_weight: float = 0.0,
+) -> optax.GradientTransformationExtraArgs:
     """MEST elastic mutation as an optax wrapper.
 
     Args:
@@ -91,11 +100,14 @@ def mest(inner: optax.GradientTransformation, *, distribution, key, update_every
             m = jnp.round(r * jnp.float32(n)).astype(jnp.int32)
             num_keep = jnp.int32(n) if soft_bound else jnp.maximum(jnp.int32(n) - m, 0)
             score = jnp.abs(p).astype(jnp.float32) + jnp.float32(grad_weight) * jnp.abs(g).astype(
-                jnp.float32)
-            return prune_and_grow(mask, score, random, num_keep,
-                                  m if soft_bound else jnp.int32(n) - num_keep)
+                jnp.float32
+            )
+            return prune_and_grow(
+                mask, score, random, num_keep, m if soft_bound else jnp.int32(n) - num_keep
+            )
 
         return map_masks(one, masks, params, grads, n_budget, scores)
 
-    return sparse_wrapper(inner, distribution=distribution, rule=rule, is_update_step=is_update,
-                          key=key)
+    return sparse_wrapper(
+        inner, distribution=distribution, rule=rule, is_update_step=is_update, key=key
+    )

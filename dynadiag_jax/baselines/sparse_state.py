@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,18 @@ import optax
 
 from dynadiag_jax.baselines.masks import num_active, top_n_mask
 
-__all__ = ["SparseState", "sparse_wrapper", "apply_masks", "active_counts", "reset_moments",
-           "budgets", "key_data", "typed_key", "map_masks", "random_scores"]
+__all__ = [
+    "SparseState",
+    "sparse_wrapper",
+    "apply_masks",
+    "active_counts",
+    "reset_moments",
+    "budgets",
+    "key_data",
+    "typed_key",
+    "map_masks",
+    "random_scores",
+]
 
 # (masks, params, grads, count, key) -> new masks; every argument a pytree or array.
 MaskRule = Callable[..., Any]
@@ -54,14 +65,16 @@ def _is_none(x) -> bool:
 
 def map_masks(f, masks, *trees):
     """``f(mask, *leaves)`` on sparsified leaves; ``None`` stays ``None``."""
-    return jax.tree.map(lambda m, *xs: None if m is None else f(m, *xs), masks, *trees,
-                        is_leaf=_is_none)
+    return jax.tree.map(
+        lambda m, *xs: None if m is None else f(m, *xs), masks, *trees, is_leaf=_is_none
+    )
 
 
 def _map_masked(f, masks, tree, *rest):
     """``f(mask, leaf, *rest)`` on sparsified leaves; dense leaves of ``tree`` pass through."""
-    return jax.tree.map(lambda m, x, *r: x if m is None else f(m, x, *r), masks, tree, *rest,
-                        is_leaf=_is_none)
+    return jax.tree.map(
+        lambda m, x, *r: x if m is None else f(m, x, *r), masks, tree, *rest, is_leaf=_is_none
+    )
 
 
 def random_scores(key, masks, like):
@@ -95,8 +108,12 @@ def key_data(key) -> jax.Array:
 def budgets(distribution, params):
     """Active-weight budget per sparsified leaf (Python ints; ``None`` for dense leaves)."""
     sparsities = distribution(params)
-    return jax.tree.map(lambda s, p: None if s is None else num_active(p.size, s), sparsities,
-                        params, is_leaf=_is_none)
+    return jax.tree.map(
+        lambda s, p: None if s is None else num_active(p.size, s),
+        sparsities,
+        params,
+        is_leaf=_is_none,
+    )
 
 
 def apply_masks(params, masks):
@@ -138,9 +155,14 @@ def reset_moments(inner_state, grown):
     def visit(node):
         subs = params_like(node)
         if subs is not None:
-            return treedef.unflatten([
-                x if g is False or isinstance(x, optax.MaskedNode)
-                else jnp.where(g, jnp.zeros_like(x), x) for g, x in zip(flags, subs)])
+            return treedef.unflatten(
+                [
+                    x
+                    if g is False or isinstance(x, optax.MaskedNode)
+                    else jnp.where(g, jnp.zeros_like(x), x)
+                    for g, x in zip(flags, subs)
+                ]
+            )
         children, node_def = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
         if jax.tree_util.treedef_is_leaf(node_def):
             return node
@@ -149,9 +171,14 @@ def reset_moments(inner_state, grown):
     return visit(inner_state)
 
 
-def sparse_wrapper(inner: optax.GradientTransformation, *, distribution, rule: MaskRule,
-                   is_update_step: Callable[[jax.Array], jax.Array],
-                   key) -> optax.GradientTransformationExtraArgs:
+def sparse_wrapper(
+    inner: optax.GradientTransformation,
+    *,
+    distribution,
+    rule: MaskRule,
+    is_update_step: Callable[[jax.Array], jax.Array],
+    key,
+) -> optax.GradientTransformationExtraArgs:
     """Wrap ``inner`` so that it trains a sparse subset of the weights chosen by ``rule``.
 
     Args:
@@ -172,27 +199,40 @@ def sparse_wrapper(inner: optax.GradientTransformation, *, distribution, rule: M
         init_key, state_key = jax.random.split(typed_key(key))
         scores = random_scores(init_key, n, params)
         masks = map_masks(lambda b, s: top_n_mask(s, b), n, scores)
-        return SparseState(masks=masks, inner_state=inner.init(params),
-                           count=jnp.zeros((), jnp.int32), key=key_data(state_key))
+        return SparseState(
+            masks=masks,
+            inner_state=inner.init(params),
+            count=jnp.zeros((), jnp.int32),
+            key=key_data(state_key),
+        )
 
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:
-            raise ValueError("sparse training wrappers need params: call update(grads, state, params)")
+            raise ValueError(
+                "sparse training wrappers need params: call update(grads, state, params)"
+            )
         next_key, rule_key = jax.random.split(typed_key(state.key))
 
         def change(masks, inner_state):
             new = rule(masks, params, updates, state.count, rule_key)
-            grown = jax.tree.map(lambda o, n_, _: False if o is None else n_ & ~o, masks, new,
-                                 params, is_leaf=_is_none)
+            grown = jax.tree.map(
+                lambda o, n_, _: False if o is None else n_ & ~o,
+                masks,
+                new,
+                params,
+                is_leaf=_is_none,
+            )
             return new, reset_moments(inner_state, grown)
 
-        masks, inner_state = jax.lax.cond(is_update_step(state.count), change,
-                                          lambda m, s: (m, s), state.masks, state.inner_state)
+        masks, inner_state = jax.lax.cond(
+            is_update_step(state.count), change, lambda m, s: (m, s), state.masks, state.inner_state
+        )
         grads = _map_masked(lambda m, g: jnp.where(m, g, jnp.zeros_like(g)), masks, updates)
         inner_updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
         # -p on inactive weights: params + updates is then exactly zero there.
-        out = _map_masked(lambda m, u, p: jnp.where(m, u, -p.astype(u.dtype)),
-                          masks, inner_updates, params)
+        out = _map_masked(
+            lambda m, u, p: jnp.where(m, u, -p.astype(u.dtype)), masks, inner_updates, params
+        )
         return out, SparseState(masks, inner_state, state.count + 1, key_data(next_key))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

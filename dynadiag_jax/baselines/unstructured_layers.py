@@ -48,12 +48,13 @@ def _structure(layer, name: str, init_fn):
     if not layer.is_initializing() and not layer.has_variable(COLLECTION, name):
         raise ValueError(
             f"{type(layer).__name__} needs its {COLLECTION!r} collection: "
-            f"call apply({{'params': ..., '{COLLECTION}': variables['{COLLECTION}']}}, x)")
+            f"call apply({{'params': ..., '{COLLECTION}': variables['{COLLECTION}']}}, x)"
+        )
     return layer.variable(COLLECTION, name, init_fn).value
 
 
 class _UnstructuredDense(nn.Module):
-    """Fields shared by the unstructured layers (those of ``flax.linen.Dense`` plus ``sparsity``)."""
+    """The unstructured layers' fields: those of ``flax.linen.Dense`` plus ``sparsity``."""
 
     features: int
     _: dataclasses.KW_ONLY
@@ -68,8 +69,11 @@ class _UnstructuredDense(nn.Module):
         """Validate, and return ``(kernel shape [in, features], active count, bias or None)``."""
         _check(self, x)
         shape = (x.shape[-1], self.features)
-        bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-                if self.use_bias else None)
+        bias = (
+            self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+            if self.use_bias
+            else None
+        )
         return shape, num_active(shape[0] * shape[1], float(self.sparsity)), bias
 
 
@@ -96,19 +100,25 @@ def _random_indices(key, shape, n):
 
 
 class BCOODense(_UnstructuredDense):
-    """``y = x @ W + bias`` with ``W[in, features]`` stored as BCOO; ``x[..., in] -> y[..., features]``."""
+    """``y = x @ W + bias``, ``W[in, features]`` in BCOO; ``x[..., in] -> y[..., features]``."""
 
     @nn.compact
     def __call__(self, x):
         shape, n, bias = self._setup(x)
-        indices = _structure(self, "indices",
-                             lambda: _random_indices(self.make_rng("params"), shape, n))
+        indices = _structure(
+            self, "indices", lambda: _random_indices(self.make_rng("params"), shape, n)
+        )
         data = self.param(
-            "data", lambda key: self.kernel_init(key, shape, self.param_dtype)[
-                indices[:, 0], indices[:, 1]])
+            "data",
+            lambda key: self.kernel_init(key, shape, self.param_dtype)[
+                indices[:, 0], indices[:, 1]
+            ],
+        )
         if data.shape != (n,) or indices.shape != (n, 2):
-            raise ValueError(f"data {data.shape} and indices {indices.shape} must be [{n}] and "
-                             f"[{n}, 2] for a {shape} kernel at sparsity {self.sparsity}")
+            raise ValueError(
+                f"data {data.shape} and indices {indices.shape} must be [{n}] and "
+                f"[{n}, 2] for a {shape} kernel at sparsity {self.sparsity}"
+            )
         x, data, bias = nn.dtypes.promote_dtype(x, data, bias, dtype=self.dtype)
         w = sparse.BCOO((data, indices), shape=shape, indices_sorted=True, unique_indices=True)
         lead = x.shape[:-1]
