@@ -37,8 +37,9 @@ def variables_of(state: TrainState) -> dict:
     return {"params": state.params, **state.collections}
 
 
-def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation, example_input, *,
-                       seed: int) -> TrainState:
+def create_train_state(
+    model: nn.Module, optimizer: optax.GradientTransformation, example_input, *, seed: int
+) -> TrainState:
     """Initialise parameters from ``seed`` and the optimizer state for them.
 
     Args:
@@ -56,5 +57,10 @@ def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation
     variables = model.init({"params": init_key, "dropout": init_key}, x, train=False)
     variables = {k: v for k, v in variables.items() if k != "intermediates"}
     params = variables.pop("params")
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                      collections=variables, rng=jax.random.key_data(run_key))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        collections=variables,
+        rng=jax.random.key_data(run_key),
+    )
