@@ -7,8 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from training_helpers import fast_compile  # noqa: F401 - fixture
 
 from dynadiag_jax import models
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 KEY = jax.random.key(0)
 IMG = jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32)

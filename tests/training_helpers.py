@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dynadiag_jax import data as D
 from dynadiag_jax import models
@@ -112,3 +113,12 @@ def comparable(records):
     return [
         {k: v for k, v in r.items() if k not in ("step_time_s", "examples_per_s")} for r in records
     ]
+
+
+@pytest.fixture
+def fast_compile():
+    """Skip most XLA optimisations (as flax's example tests do): tests only check behaviour."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)

@@ -125,7 +125,7 @@ def check_layer_patterns(model: nn.Module, example_input, dynadiag_cfg) -> list[
 def layer_shapes(model: nn.Module, example_input) -> dict[str, tuple[int, int]]:
     """``{path: (in_features, out_features)}`` of every replaceable layer (traced, not compiled)."""
     dense = model.clone(dense=nn.Dense)
-    shapes = jax.eval_shape(dense.init, jax.random.key(0), example_input)["params"]
+    shapes = jax.eval_shape(lambda x: dense.init(jax.random.key(0), x), example_input)["params"]
     flat = traverse_util.flatten_dict(shapes)
     paths = set(models.replaceable_layers(model, example_input))
     return {

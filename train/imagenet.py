@@ -29,6 +29,7 @@ from train import common
 from train.configs import vit_imagenet
 
 FLAGS = flags.FLAGS
+NUM_CLASSES = 1000
 
 
 def prepare(config):

@@ -39,25 +39,23 @@ DATASET = "imagenet2012"
 def check_imagenet_dir(data_dir) -> pathlib.Path:
     """Raise a ``FileNotFoundError`` that says what to do unless ``data_dir`` holds a prepared
     ``imagenet2012`` (array_record) data set; returns the directory."""
-    import tensorflow_datasets as tfds
-
     if data_dir is None:
         raise FileNotFoundError(
-            "ImageNet needs data_dir: the tfds data directory in which imagenet2012 "
-            "was prepared (see the README, 'Preparing ImageNet')"
+            "ImageNet needs data_dir: the tfds data directory in which imagenet2012 was prepared "
+            "(see the README, 'Preparing ImageNet')"
         )
     root = pathlib.Path(data_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"ImageNet data_dir {root} does not exist")
-    builder = tfds.builder(DATASET, data_dir=str(root))
-    if not builder.is_prepared():
+    prepared = sorted((root / DATASET).glob("*/dataset_info.json"))
+    if not prepared:
         raise FileNotFoundError(
-            f"{root} holds no prepared {DATASET} (expected {builder.data_dir}); "
+            f"{root} holds no prepared {DATASET} (no {DATASET}/<version>/dataset_info.json); "
             "prepare it with tfds from ILSVRC2012_img_{train,val}.tar (README)"
         )
-    if not any(pathlib.Path(builder.data_dir).glob("*.array_record*")):
+    if not any(p.parent.glob("*.array_record*") for p in prepared):
         raise FileNotFoundError(
-            f"{builder.data_dir} was not prepared as array_record "
+            f"{prepared[-1].parent} was not prepared as array_record "
             "(tfds.builder(..., file_format='array_record'))"
         )
     return root

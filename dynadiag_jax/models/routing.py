@@ -137,6 +137,7 @@ def replaceable_layers(model: nn.Module, *args, **kwargs) -> list[str]:
     probe. ``args``/``kwargs`` are example inputs for ``model.init`` (shapes matter, not values).
     """
     probe = model.clone(dense=ByPath((".*",), sparse=_Probe))
-    shapes = jax.eval_shape(probe.init, jax.random.key(0), *args, **kwargs)
+    # The key is made inside the traced function: creating one eagerly would compile.
+    shapes = jax.eval_shape(lambda *a, **k: probe.init(jax.random.key(0), *a, **k), *args, **kwargs)
     flat = traverse_util.flatten_dict(shapes["params"])
     return sorted("/".join(path[:-1]) for path in flat if path[-1] == "probe")
