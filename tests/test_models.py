@@ -7,8 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from training_helpers import fast_compile  # noqa: F401 - fixture
 
 from dynadiag_jax import models
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 KEY = jax.random.key(0)
 IMG = jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32)
@@ -30,8 +33,11 @@ def _count(tree):
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
-@pytest.mark.parametrize("make, example, expected", PUBLISHED, ids=lambda v: getattr(v, "args", [""])[-1]
-                         if isinstance(v, functools.partial) else "")
+@pytest.mark.parametrize(
+    "make, example, expected",
+    PUBLISHED,
+    ids=lambda v: getattr(v, "args", [""])[-1] if isinstance(v, functools.partial) else "",
+)
 def test_parameter_counts_match_reference_models(make, example, expected):
     assert _count(jax.eval_shape(make().init, KEY, example)["params"]) == expected
 
@@ -40,7 +46,11 @@ TINY = [
     (models.MLP(10, hidden=(8, 8)), jnp.ones((2, 28, 28, 1)), (2, 10)),
     (models.ViT(10, "mu/4", drop_path=0.1, dropout=0.1), jnp.ones((2, 16, 16, 3)), (2, 10)),
     (models.MlpMixer(10, "mu/4", drop_path=0.1), jnp.ones((2, 16, 16, 3)), (2, 10)),
-    (models.GPT2(256, "mu", block_size=16, dropout=0.1), jnp.ones((2, 16), jnp.int32), (2, 16, 256)),
+    (
+        models.GPT2(256, "mu", block_size=16, dropout=0.1),
+        jnp.ones((2, 16), jnp.int32),
+        (2, 16, 256),
+    ),
 ]
 
 
@@ -48,7 +58,9 @@ TINY = [
 def test_forward_shapes_train_and_eval(model, x, shape):
     variables = jax.jit(model.init)(KEY, x)
     y_eval = jax.jit(model.apply)(variables, x)
-    y_train = jax.jit(functools.partial(model.apply, train=True))(variables, x, rngs={"dropout": KEY})
+    y_train = jax.jit(functools.partial(model.apply, train=True))(
+        variables, x, rngs={"dropout": KEY}
+    )
     assert y_eval.shape == y_train.shape == shape
     assert y_eval.dtype == jnp.float32
     assert np.isfinite(np.asarray(y_train)).all()
@@ -68,17 +80,44 @@ class Marked(nn.Dense):
     """A Dense that is recognisable by its class."""
 
 
-
 EXPECTED_SPARSE = {
-    "mlp": (models.MLP(10, hidden=(8, 8)), jnp.ones((1, 4, 4, 1)), models.mlp.SPARSE_LAYERS,
-            ["hidden_0", "hidden_1"]),
-    "vit": (models.ViT(10, "mu/4"), jnp.ones((1, 8, 8, 3)), models.vit.SPARSE_LAYERS,
-            [f"encoder/block_{i}/{m}" for i in range(2) for m in ("attn/proj", "attn/qkv", "mlp/fc1", "mlp/fc2")]),
-    "mixer": (models.MlpMixer(10, "mu/4"), jnp.ones((1, 8, 8, 3)), models.mixer.SPARSE_LAYERS,
-              [f"block_{i}/{m}/{f}" for i in range(2) for m in ("channel_mixing", "token_mixing")
-               for f in ("fc1", "fc2")]),
-    "gpt2": (models.GPT2(256, "mu", block_size=8), jnp.ones((1, 8), jnp.int32), models.gpt2.SPARSE_LAYERS,
-             [f"block_{i}/{m}" for i in range(2) for m in ("attn/c_attn", "attn/c_proj", "mlp/c_fc", "mlp/c_proj")]),
+    "mlp": (
+        models.MLP(10, hidden=(8, 8)),
+        jnp.ones((1, 4, 4, 1)),
+        models.mlp.SPARSE_LAYERS,
+        ["hidden_0", "hidden_1"],
+    ),
+    "vit": (
+        models.ViT(10, "mu/4"),
+        jnp.ones((1, 8, 8, 3)),
+        models.vit.SPARSE_LAYERS,
+        [
+            f"encoder/block_{i}/{m}"
+            for i in range(2)
+            for m in ("attn/proj", "attn/qkv", "mlp/fc1", "mlp/fc2")
+        ],
+    ),
+    "mixer": (
+        models.MlpMixer(10, "mu/4"),
+        jnp.ones((1, 8, 8, 3)),
+        models.mixer.SPARSE_LAYERS,
+        [
+            f"block_{i}/{m}/{f}"
+            for i in range(2)
+            for m in ("channel_mixing", "token_mixing")
+            for f in ("fc1", "fc2")
+        ],
+    ),
+    "gpt2": (
+        models.GPT2(256, "mu", block_size=8),
+        jnp.ones((1, 8), jnp.int32),
+        models.gpt2.SPARSE_LAYERS,
+        [
+            f"block_{i}/{m}"
+            for i in range(2)
+            for m in ("attn/c_attn", "attn/c_proj", "mlp/c_fc", "mlp/c_proj")
+        ],
+    ),
 }
 
 
@@ -87,7 +126,9 @@ def test_default_patterns_select_the_authors_layers_and_never_heads(name):
     model, x, patterns, expected = EXPECTED_SPARSE[name]
     replaceable = models.replaceable_layers(model, x)  # heads and embeddings are never replaceable
     assert replaceable == sorted(expected)
-    assert [p for p in replaceable if models.ByPath(patterns, sparse=Marked).matches(p)] == replaceable
+    assert [
+        p for p in replaceable if models.ByPath(patterns, sparse=Marked).matches(p)
+    ] == replaceable
     assert models.unmatched_patterns(patterns, expected) == []
     assert models.unmatched_patterns((r".*/head",), expected) == [r".*/head"]
 
@@ -99,10 +140,14 @@ def test_by_path_calls_sparse_constructor_only_for_matching_paths():
         def make(features, **kwargs):
             calls.append((ctor.__name__, kwargs["name"]))
             return ctor(features, **kwargs)
+
         return make
 
-    model = models.MLP(10, hidden=(8, 8, 8), dense=models.ByPath((r"hidden_[02]",), sparse=spy(Marked),
-                                                                   dense=spy(nn.Dense)))
+    model = models.MLP(
+        10,
+        hidden=(8, 8, 8),
+        dense=models.ByPath((r"hidden_[02]",), sparse=spy(Marked), dense=spy(nn.Dense)),
+    )
     jax.eval_shape(model.init, KEY, jnp.ones((1, 4)))
     assert sorted(calls) == [("Dense", "hidden_1"), ("Marked", "hidden_0"), ("Marked", "hidden_2")]
 
@@ -114,14 +159,17 @@ def test_by_path_rejects_bad_patterns():
         models.ByPath(("hidden_(",), sparse=nn.Dense)
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: models.ViT(10, "X/16"), "unknown ViT size 'X'"),
-    (lambda: models.ViT(10, "B16"), "size/patch"),
-    (lambda: models.ViT(10, "B/zero"), "patch size"),
-    (lambda: models.MlpMixer(10, "Q/16"), "known sizes: mu, C, S, B"),
-    (lambda: models.GPT2(256, "huge"), "unknown GPT2 variant"),
-    (lambda: models.MLP(10, hidden=()), "non-empty"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: models.ViT(10, "X/16"), "unknown ViT size 'X'"),
+        (lambda: models.ViT(10, "B16"), "size/patch"),
+        (lambda: models.ViT(10, "B/zero"), "patch size"),
+        (lambda: models.MlpMixer(10, "Q/16"), "known sizes: mu, C, S, B"),
+        (lambda: models.GPT2(256, "huge"), "unknown GPT2 variant"),
+        (lambda: models.MLP(10, hidden=()), "non-empty"),
+    ],
+)
 def test_bad_variants_fail_at_construction(make, match):
     with pytest.raises(ValueError, match=match):
         make()

@@ -1,4 +1,4 @@
-"""The training library: loop, resumption, checkpoint shape checks, compile counts, metrics, tasks."""
+"""The training library: loop, resuming, checkpoint shape checks, compile counts, metrics, tasks."""
 
 import json
 
@@ -22,6 +22,7 @@ def crash_at(step):
     def hook(s, state):
         if s == step:
             raise Crash(s)
+
     return hook
 
 
@@ -54,10 +55,18 @@ def test_restoring_another_shape_fails_clearly(tmp_path):
     train_tiny(tmp_path, num_steps=2)
     wider = models.MLP(4, hidden=(32, 48))
     with CompileCounter() as compiles, pytest.raises(ValueError) as err:
-        T.train(model=wider, optimizer=T.adamw(1e-2, weight_decay=0.0), task=T.Classification(4),
-                train_data=D.ArrayBatches(blobs(), 16, seed=0), num_steps=4,
-                example_input=jax.ShapeDtypeStruct((16, 16), jnp.float32), seed=0, workdir=tmp_path,
-                progress=False, run_info={"hidden": [32, 48]})
+        T.train(
+            model=wider,
+            optimizer=T.adamw(1e-2, weight_decay=0.0),
+            task=T.Classification(4),
+            train_data=D.ArrayBatches(blobs(), 16, seed=0),
+            num_steps=4,
+            example_input=jax.ShapeDtypeStruct((16, 16), jnp.float32),
+            seed=0,
+            workdir=tmp_path,
+            progress=False,
+            run_info={"hidden": [32, 48]},
+        )
     message = str(err.value)
     assert "does not fit this model" in message
     assert "params/hidden_1/kernel: checkpoint (32, 32), this run (32, 48)" in message
@@ -82,19 +91,30 @@ def test_no_recompilation_as_training_goes_on():
 
 def test_bad_arguments_fail_before_compiling(tmp_path):
     with CompileCounter() as c:
-        with pytest.raises(ValueError, match="batch_size=6 is not divisible by the number of devices"):
+        with pytest.raises(
+            ValueError, match="batch_size=6 is not divisible by the number of devices"
+        ):
             train_tiny(batch_size=6, mesh=_fake_mesh(4))
         with pytest.raises(ValueError, match="freeze_step must be"):
             train_tiny(freeze_step=13)
         with pytest.raises(ValueError, match="checkpoint_every needs a workdir"):
-            T.train(model=None, optimizer=None, task=None, train_data=None, num_steps=2, example_input=None,
-                    seed=0, checkpoint_every=2)
+            T.train(
+                model=None,
+                optimizer=None,
+                task=None,
+                train_data=None,
+                num_steps=2,
+                example_input=None,
+                seed=0,
+                checkpoint_every=2,
+            )
     assert c.count == 0
 
 
 def _fake_mesh(n):
     class FakeMesh:  # only .devices.size is consulted before anything else
         devices = np.empty(n)
+
     return FakeMesh()
 
 
@@ -135,42 +155,66 @@ def test_mixup_and_cutmix_keep_target_mass():
             if mix.mixup_alpha == 0:  # cutmix: pixels come from exactly one of the two images
                 same = np.isclose(out_i, images) | np.isclose(out_i, images[::-1])
                 assert same.all()
-                np.testing.assert_allclose(np.isclose(out_i[0], images[0]).all(-1).mean(), lam, atol=1e-6)
+                np.testing.assert_allclose(
+                    np.isclose(out_i[0], images[0]).all(-1).mean(), lam, atol=1e-6
+                )
     assert T.MixupCutmix(0.0, 0.0)(key, images, targets)[0] is images
 
 
 def test_classification_and_lm_tasks():
     task = T.Classification(3, label_smoothing=0.1, normalize=((0.5,) * 3, (0.25,) * 3))
-    batch = {"image": jnp.full((2, 4, 4, 3), 255, jnp.uint8), "label": jnp.array([0, 2]),
-             "mask": jnp.array([1.0, 0.0])}
+    batch = {
+        "image": jnp.full((2, 4, 4, 3), 255, jnp.uint8),
+        "label": jnp.array([0, 2]),
+        "mask": jnp.array([1.0, 0.0]),
+    }
     x, t = task.train_inputs(batch, jax.random.key(0))
     np.testing.assert_allclose(x, 2.0)
     np.testing.assert_allclose(t[0], [0.1 / 3 + 0.9, 0.1 / 3, 0.1 / 3], rtol=1e-6)
     logits = jnp.array([[5.0, 0, 0], [5.0, 0, 0]])
     sums = task.eval_sums(logits, batch)
-    assert task.summarise(sums) == pytest.approx({"loss": float(optax.softmax_cross_entropy_with_integer_labels(
-        logits[:1], jnp.array([0]))[0]), "accuracy": 1.0, "count": 1})
+    assert task.summarise(sums) == pytest.approx(
+        {
+            "loss": float(
+                optax.softmax_cross_entropy_with_integer_labels(logits[:1], jnp.array([0]))[0]
+            ),
+            "accuracy": 1.0,
+            "count": 1,
+        }
+    )
     lm = T.LanguageModeling()
     tokens = jnp.array([[1, 2, 3, 4]])
     inputs, targets = lm.train_inputs({"tokens": tokens}, None)
     assert inputs.tolist() == [[1, 2, 3]] and targets.tolist() == [[2, 3, 4]]
     uniform = jnp.zeros((1, 3, 8))
     summary = lm.summarise(lm.eval_sums(uniform, {"tokens": tokens}))
-    assert summary["perplexity"] == pytest.approx(8.0) and summary["bits_per_token"] == pytest.approx(3.0)
+    assert summary["perplexity"] == pytest.approx(8.0) and summary[
+        "bits_per_token"
+    ] == pytest.approx(3.0)
 
 
 def test_optimizer_decays_only_matrices_outside_no_decay():
-    params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}, "ln": {"scale": jnp.ones(2)},
-              "layer": {"alpha": jnp.ones(3), "values": jnp.ones((3, 2))}, "pos_embed": jnp.ones((1, 2, 2))}
+    params = {
+        "dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)},
+        "ln": {"scale": jnp.ones(2)},
+        "layer": {"alpha": jnp.ones(3), "values": jnp.ones((3, 2))},
+        "pos_embed": jnp.ones((1, 2, 2)),
+    }
     tx = T.adamw(1.0, weight_decay=0.5)
     zeros = jax.tree.map(jnp.zeros_like, params)
     with jax.numpy_dtype_promotion("standard"):
         updates, _ = tx.update(zeros, tx.init(params), params)
     decayed = jax.tree.map(lambda u: bool((u != 0).any()), updates)
-    assert decayed == {"dense": {"kernel": True, "bias": False}, "ln": {"scale": False},
-                       "layer": {"alpha": False, "values": True}, "pos_embed": False}
+    assert decayed == {
+        "dense": {"kernel": True, "bias": False},
+        "ln": {"scale": False},
+        "layer": {"alpha": False, "values": True},
+        "pos_embed": False,
+    }
     tx = T.adamw(1.0, weight_decay=0.0, alpha_lr_scale=0.1)
     grads = jax.tree.map(jnp.ones_like, params)
     with jax.numpy_dtype_promotion("standard"):
         updates, _ = tx.update(grads, tx.init(params), params)
-    np.testing.assert_allclose(updates["layer"]["alpha"], 0.1 * updates["layer"]["values"][:, 0], rtol=1e-6)
+    np.testing.assert_allclose(
+        updates["layer"]["alpha"], 0.1 * updates["layer"]["values"][:, 0], rtol=1e-6
+    )

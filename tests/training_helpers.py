@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dynadiag_jax import data as D
 from dynadiag_jax import models
@@ -18,7 +19,7 @@ FEATURES = 16
 
 
 class CompileCounter:
-    """Counts XLA backend compilations while active (``with CompileCounter() as c: ...; c.count``)."""
+    """Counts XLA backend compilations while active: ``with CompileCounter() as c: ...``."""
 
     def __init__(self):
         self.count = 0
@@ -37,8 +38,10 @@ class CompileCounter:
 
 
 def blobs(n: int = 256, seed: int = 0) -> dict:
-    """``{"image": float32 [n, 16], "label": int32 [n]}``: four Gaussian clusters (fixed centres)."""
-    centres = np.random.default_rng(1234).normal(size=(NUM_CLASSES, FEATURES)).astype(np.float32) * 2
+    """``{"image": float32 [n, 16], "label": int32 [n]}``: four Gaussian clusters."""
+    centres = (
+        np.random.default_rng(1234).normal(size=(NUM_CLASSES, FEATURES)).astype(np.float32) * 2
+    )
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, NUM_CLASSES, n).astype(np.int32)
     images = centres[labels] + rng.normal(size=(n, FEATURES)).astype(np.float32)
@@ -52,28 +55,70 @@ def tiny_mlp(sparsity: float | None = None, hidden=(32, 32), **layer_kwargs) -> 
     import dynadiag_jax as dd
 
     sparse = functools.partial(dd.nn.DiagonalDense, sparsity=sparsity, **layer_kwargs)
-    return models.MLP(NUM_CLASSES, hidden=hidden, dense=models.ByPath(models.mlp.SPARSE_LAYERS, sparse=sparse))
+    return models.MLP(
+        NUM_CLASSES, hidden=hidden, dense=models.ByPath(models.mlp.SPARSE_LAYERS, sparse=sparse)
+    )
 
 
-def train_tiny(workdir=None, *, num_steps: int = 12, sparsity: float | None = None, freeze_step=None,
-               batch_size: int = 16, seed: int = 0, hooks=(), checkpoint_every: int = 2, eval_every: int = 0,
-               selection_every: int = 0, mesh=None, **kwargs) -> T.TrainResult:
+def train_tiny(
+    workdir=None,
+    *,
+    num_steps: int = 12,
+    sparsity: float | None = None,
+    freeze_step=None,
+    batch_size: int = 16,
+    seed: int = 0,
+    hooks=(),
+    checkpoint_every: int = 2,
+    eval_every: int = 0,
+    selection_every: int = 0,
+    mesh=None,
+    **kwargs,
+) -> T.TrainResult:
     """Train :func:`tiny_mlp` on :func:`blobs` (evaluated on a second draw of blobs)."""
     model = tiny_mlp(sparsity)
     gate = None
     if sparsity is not None:
         import dynadiag_jax as dd
 
-        gate = T.GateSchedule("strength", dd.schedules.cosine(1.0, 0.05, max(1, freeze_step or num_steps)))
-    return T.train(model=model, optimizer=T.adamw(1e-2, weight_decay=1e-4), task=T.Classification(NUM_CLASSES),
-                   train_data=D.ArrayBatches(blobs(), batch_size, seed=seed), num_steps=num_steps,
-                   example_input=jax.ShapeDtypeStruct((batch_size, FEATURES), jnp.float32), seed=seed,
-                   eval_data=D.EvalBatches(blobs(100, seed=1), 32), eval_every=eval_every, freeze_step=freeze_step,
-                   gate=gate, workdir=workdir, checkpoint_every=checkpoint_every if workdir else 0,
-                   log_every=1, selection_every=selection_every, mesh=mesh, progress=False, hooks=hooks,
-                   run_info={"sparsity": sparsity}, **kwargs)
+        gate = T.GateSchedule(
+            "strength", dd.schedules.cosine(1.0, 0.05, max(1, freeze_step or num_steps))
+        )
+    return T.train(
+        model=model,
+        optimizer=T.adamw(1e-2, weight_decay=1e-4),
+        task=T.Classification(NUM_CLASSES),
+        train_data=D.ArrayBatches(blobs(), batch_size, seed=seed),
+        num_steps=num_steps,
+        example_input=jax.ShapeDtypeStruct((batch_size, FEATURES), jnp.float32),
+        seed=seed,
+        eval_data=D.EvalBatches(blobs(100, seed=1), 32),
+        eval_every=eval_every,
+        freeze_step=freeze_step,
+        gate=gate,
+        workdir=workdir,
+        checkpoint_every=checkpoint_every if workdir else 0,
+        log_every=1,
+        selection_every=selection_every,
+        mesh=mesh,
+        progress=False,
+        hooks=hooks,
+        run_info={"sparsity": sparsity},
+        **kwargs,
+    )
 
 
 def comparable(records):
     """Metric records without the wall-clock timings (which differ between any two runs)."""
-    return [{k: v for k, v in r.items() if k not in ("step_time_s", "examples_per_s")} for r in records]
+    return [
+        {k: v for k, v in r.items() if k not in ("step_time_s", "examples_per_s")} for r in records
+    ]
+
+
+@pytest.fixture
+def fast_compile():
+    """Skip most XLA optimisations (as flax's example tests do): tests only check behaviour."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)

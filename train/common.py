@@ -1,4 +1,4 @@
-"""Config -> library adapters shared by the training scripts (the library itself never reads a config).
+"""Config -> library adapters shared by the training scripts (the library never reads configs).
 
 Each ``build_*`` takes one section of an ``ml_collections`` config and returns library objects;
 :func:`check_config` compares a config against the script's reference config, so an unknown or a
@@ -11,7 +11,8 @@ import dataclasses
 import functools
 import pathlib
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -66,8 +67,13 @@ def sparse_layer(cfg) -> functools.partial:
     """``DiagonalDense`` bound to the config's sparsity, gate, slack and exploration mode."""
     if cfg.gate not in GATE_HYPER:
         raise ConfigError(f"dynadiag.gate must be one of {sorted(GATE_HYPER)}, got {cfg.gate!r}")
-    return functools.partial(dd.nn.DiagonalDense, sparsity=float(cfg.sparsity), gate=cfg.gate,
-                             slack=float(cfg.slack), explore=cfg.explore)
+    return functools.partial(
+        dd.nn.DiagonalDense,
+        sparsity=float(cfg.sparsity),
+        gate=cfg.gate,
+        slack=float(cfg.slack),
+        explore=cfg.explore,
+    )
 
 
 def build_model(model_cfg, dynadiag_cfg, **overrides) -> nn.Module:
@@ -81,14 +87,18 @@ def build_model(model_cfg, dynadiag_cfg, **overrides) -> nn.Module:
     fields = {f.name for f in dataclasses.fields(cls)} - {"parent", "name", "dense"}
     unknown = sorted(set(kwargs) - fields)
     if unknown:
-        raise ConfigError(f"unknown {name} model arguments: {', '.join(unknown)}; accepted: "
-                          f"{', '.join(sorted(fields))}")
+        raise ConfigError(
+            f"unknown {name} model arguments: {', '.join(unknown)}; accepted: "
+            f"{', '.join(sorted(fields))}"
+        )
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
     sparsity = float(dynadiag_cfg.sparsity)
     if sparsity != 0.0:
         if not 0.0 < sparsity < 1.0:
             raise ConfigError(f"dynadiag.sparsity must be 0 (dense) or in (0, 1), got {sparsity}")
-        kwargs["dense"] = models.ByPath(tuple(dynadiag_cfg.layers), sparse=sparse_layer(dynadiag_cfg))
+        kwargs["dense"] = models.ByPath(
+            tuple(dynadiag_cfg.layers), sparse=sparse_layer(dynadiag_cfg)
+        )
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -102,20 +112,27 @@ def check_layer_patterns(model: nn.Module, example_input, dynadiag_cfg) -> list[
         return []
     unmatched = models.unmatched_patterns(tuple(dynadiag_cfg.layers), paths)
     if unmatched:
-        raise ConfigError(f"dynadiag.layers patterns {unmatched} match no replaceable layer; "
-                          f"the model's replaceable layers are: {', '.join(paths)}")
-    selected = [p for p in paths if models.ByPath(tuple(dynadiag_cfg.layers), sparse=nn.Dense).matches(p)]
+        raise ConfigError(
+            f"dynadiag.layers patterns {unmatched} match no replaceable layer; "
+            f"the model's replaceable layers are: {', '.join(paths)}"
+        )
+    selected = [
+        p for p in paths if models.ByPath(tuple(dynadiag_cfg.layers), sparse=nn.Dense).matches(p)
+    ]
     return selected
 
 
 def layer_shapes(model: nn.Module, example_input) -> dict[str, tuple[int, int]]:
     """``{path: (in_features, out_features)}`` of every replaceable layer (traced, not compiled)."""
     dense = model.clone(dense=nn.Dense)
-    shapes = jax.eval_shape(dense.init, jax.random.key(0), example_input)["params"]
+    shapes = jax.eval_shape(lambda x: dense.init(jax.random.key(0), x), example_input)["params"]
     flat = traverse_util.flatten_dict(shapes)
     paths = set(models.replaceable_layers(model, example_input))
-    return {"/".join(k[:-1]): tuple(v.shape) for k, v in flat.items()
-            if k[-1] == "kernel" and "/".join(k[:-1]) in paths}
+    return {
+        "/".join(k[:-1]): tuple(v.shape)
+        for k, v in flat.items()
+        if k[-1] == "kernel" and "/".join(k[:-1]) in paths
+    }
 
 
 def gate_schedule(dynadiag_cfg, freeze_step: int | None, num_steps: int) -> T.GateSchedule | None:
@@ -146,27 +163,43 @@ def freeze_step(dynadiag_cfg, num_steps: int) -> int | None:
 
 
 def learning_rate(opt_cfg, num_steps: int, warmup: int):
-    """Linear warm-up over ``warmup`` steps to ``learning_rate``, then cosine decay to ``end_learning_rate``."""
+    """Linear warm-up over ``warmup`` steps to ``learning_rate``, then cosine decay to
+    ``end_learning_rate``."""
     if not 0 <= warmup < num_steps:
-        raise ConfigError(f"the warm-up ({warmup} steps) must be shorter than training ({num_steps} steps)")
-    return optax.warmup_cosine_decay_schedule(0.0 if warmup else float(opt_cfg.learning_rate),
-                                              float(opt_cfg.learning_rate), warmup, num_steps,
-                                              float(opt_cfg.end_learning_rate))
+        raise ConfigError(
+            f"the warm-up ({warmup} steps) must be shorter than training ({num_steps} steps)"
+        )
+    return optax.warmup_cosine_decay_schedule(
+        0.0 if warmup else float(opt_cfg.learning_rate),
+        float(opt_cfg.learning_rate),
+        warmup,
+        num_steps,
+        float(opt_cfg.end_learning_rate),
+    )
 
 
 def build_optimizer(opt_cfg, dynadiag_cfg, num_steps: int, warmup_steps: int):
     """``(optimizer, learning-rate schedule)`` from the config's optimizer section."""
     lr = learning_rate(opt_cfg, num_steps, warmup_steps)
     clip = float(opt_cfg.clip_norm) or None
-    tx = T.adamw(lr, weight_decay=float(opt_cfg.weight_decay), b1=float(opt_cfg.b1), b2=float(opt_cfg.b2),
-                 clip_norm=clip, alpha_lr_scale=float(dynadiag_cfg.alpha_lr_scale))
+    tx = T.adamw(
+        lr,
+        weight_decay=float(opt_cfg.weight_decay),
+        b1=float(opt_cfg.b1),
+        b2=float(opt_cfg.b2),
+        clip_norm=clip,
+        alpha_lr_scale=float(dynadiag_cfg.alpha_lr_scale),
+    )
     return tx, lr
 
 
 def run_info(config) -> dict:
     """What a checkpoint records about the run (shown when a checkpoint does not fit)."""
-    return {"model": dict(config.model), "sparsity": float(config.dynadiag.sparsity),
-            "gate": config.dynadiag.gate}
+    return {
+        "model": dict(config.model),
+        "sparsity": float(config.dynadiag.sparsity),
+        "gate": config.dynadiag.gate,
+    }
 
 
 def die(message: str) -> None:

@@ -1,7 +1,8 @@
 """ViT (or MLP-Mixer) on ImageNet-1k: tfds ``data_source("imagenet2012")`` + grain, DeiT recipe.
 
   python train/imagenet.py --workdir=runs/vit_b16_s90 \\
-      --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9 --config.data.data_dir=/data/tfds
+      --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9 \\
+      --config.data.data_dir=/data/tfds
 
 Uses every local device (data parallel); on several hosts, start one process per host with the
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` variables set. Re-running
@@ -27,10 +28,7 @@ from dynadiag_jax import training as T
 from train import common
 from train.configs import vit_imagenet
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints and metrics go here", required=True)
-_PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar")
-
+FLAGS = flags.FLAGS
 NUM_CLASSES = 1000
 
 
@@ -62,13 +60,25 @@ def _prepare(config):
     model = common.build_model(config.model, config.dynadiag, num_classes=NUM_CLASSES)
     common.check_layer_patterns(model, example, config.dynadiag)
     ra = config.data.randaugment
-    train_data = D.ImageNetTrain(train_source, batch, seed=config.seed, image_size=size,
-                                 randaugment=D.RandAugment(int(ra.num_ops), float(ra.magnitude),
-                                                           float(ra.magnitude_std), float(ra.prob)),
-                                 num_threads=int(config.data.num_threads), prefetch=int(config.data.prefetch))
-    eval_data = D.ImageNetEval(eval_source, int(config.train.eval_batch_size), image_size=size,
-                               num_threads=int(config.data.num_threads), prefetch=int(config.data.prefetch),
-                               max_examples=int(config.data.eval_max_examples) or None)
+    train_data = D.ImageNetTrain(
+        train_source,
+        batch,
+        seed=config.seed,
+        image_size=size,
+        randaugment=D.RandAugment(
+            int(ra.num_ops), float(ra.magnitude), float(ra.magnitude_std), float(ra.prob)
+        ),
+        num_threads=int(config.data.num_threads),
+        prefetch=int(config.data.prefetch),
+    )
+    eval_data = D.ImageNetEval(
+        eval_source,
+        int(config.train.eval_batch_size),
+        image_size=size,
+        num_threads=int(config.data.num_threads),
+        prefetch=int(config.data.prefetch),
+        max_examples=int(config.data.eval_max_examples) or None,
+    )
     warmup = int(config.optimizer.warmup_epochs) * steps_per_epoch
     return model, train_data, eval_data, num_steps, warmup, example
 
@@ -83,27 +93,48 @@ def train_and_evaluate(config, workdir, *, progress: bool = True) -> T.TrainResu
     optimizer, lr = common.build_optimizer(config.optimizer, config.dynadiag, num_steps, warmup)
     freeze_at = common.freeze_step(config.dynadiag, num_steps)
     mix = config.mixup
-    task = T.Classification(NUM_CLASSES, float(config.optimizer.label_smoothing),
-                            mixup=T.MixupCutmix(float(mix.mixup_alpha), float(mix.cutmix_alpha),
-                                                float(mix.switch_prob), float(mix.prob)),
-                            normalize=D.IMAGENET_MEAN_STD)
-    return T.train(model=model, optimizer=optimizer, task=task, train_data=train_data, eval_data=eval_data,
-                   num_steps=num_steps, example_input=example, seed=int(config.seed), freeze_step=freeze_at,
-                   gate=common.gate_schedule(config.dynadiag, freeze_at, num_steps), workdir=workdir,
-                   eval_every=int(config.train.eval_every), checkpoint_every=int(config.train.checkpoint_every),
-                   keep_checkpoints=int(config.train.keep_checkpoints), log_every=int(config.train.log_every),
-                   selection_every=int(config.train.selection_every), learning_rate=lr,
-                   run_info=common.run_info(config), progress=progress)
+    task = T.Classification(
+        NUM_CLASSES,
+        float(config.optimizer.label_smoothing),
+        mixup=T.MixupCutmix(
+            float(mix.mixup_alpha), float(mix.cutmix_alpha), float(mix.switch_prob), float(mix.prob)
+        ),
+        normalize=D.IMAGENET_MEAN_STD,
+    )
+    return T.train(
+        model=model,
+        optimizer=optimizer,
+        task=task,
+        train_data=train_data,
+        eval_data=eval_data,
+        num_steps=num_steps,
+        example_input=example,
+        seed=int(config.seed),
+        freeze_step=freeze_at,
+        gate=common.gate_schedule(config.dynadiag, freeze_at, num_steps),
+        workdir=workdir,
+        eval_every=int(config.train.eval_every),
+        checkpoint_every=int(config.train.checkpoint_every),
+        keep_checkpoints=int(config.train.keep_checkpoints),
+        log_every=int(config.train.log_every),
+        selection_every=int(config.train.selection_every),
+        learning_rate=lr,
+        run_info=common.run_info(config),
+        progress=progress,
+    )
 
 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     T.initialize_distributed()
-    if _CONFIG.value is None:
-        common.die("--config is required, e.g. --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9")
+    if FLAGS.config is None:
+        common.die(
+            "--config is required, e.g. "
+            "--config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9"
+        )
     try:
-        result = train_and_evaluate(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
+        result = train_and_evaluate(FLAGS.config, FLAGS.workdir, progress=FLAGS.progress)
     except common.ConfigError as e:
         common.die(str(e))
     except KeyboardInterrupt as e:
@@ -111,8 +142,16 @@ def main(argv):
         raise SystemExit(130) from None
     if jax.process_index() == 0:
         m = result.eval_metrics
-        print(f"top-1 accuracy {m['accuracy']:.4f} on {m['count']} validation images (loss {m['loss']:.4f})")
+        print(
+            f"top-1 accuracy {m['accuracy']:.4f} on {m['count']} validation images "
+            f"(loss {m['loss']:.4f})"
+        )
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags exist only when run as a script (tests import this module)
+    config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
+    flags.DEFINE_string("workdir", None, "checkpoints and metrics go here", required=True)
+    flags.DEFINE_bool("progress", True, "show a progress bar")
+
+    NUM_CLASSES = 1000
     app.run(main)

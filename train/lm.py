@@ -1,7 +1,8 @@
 """GPT-2 on a byte-level corpus, dense or DynaDiag; reports validation perplexity.
 
   python train/lm.py --workdir=runs/lm_fortunes_s90           # mini GPT-2, fortunes, 90% sparse
-  python train/lm.py --workdir=runs/lm --config=train/configs/gpt2_lm.py:corpus=wikitext,variant=small \\
+  python train/lm.py --workdir=runs/lm \\
+      --config=train/configs/gpt2_lm.py:corpus=wikitext,variant=small \\
       --config.data.path=/data/wikitext-103-raw
 
 Corpora: ``fortunes`` (/usr/share/games/fortunes), ``stdlib`` (this Python's standard library
@@ -27,10 +28,7 @@ from dynadiag_jax import training as T
 from train import common
 from train.configs import gpt2_lm
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", str(pathlib.Path(gpt2_lm.__file__)), "experiment config file", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", "runs/lm", "checkpoints and metrics go here")
-_PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar")
+FLAGS = flags.FLAGS
 
 
 def prepare(config):
@@ -53,10 +51,16 @@ def _prepare(config):
     corpus = D.load_corpus(config.data.corpus, config.data.path or None)
     seq_len, batch = int(config.data.seq_len), int(config.train.batch_size)
     train_data = D.TokenWindows(corpus.train, seq_len, batch, seed=int(config.seed))
-    eval_data = D.WindowEvalBatches(corpus.valid, seq_len, int(config.train.eval_batch_size),
-                                    max_windows=int(config.data.eval_windows) or None)
+    eval_data = D.WindowEvalBatches(
+        corpus.valid,
+        seq_len,
+        int(config.train.eval_batch_size),
+        max_windows=int(config.data.eval_windows) or None,
+    )
     example = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
-    model = common.build_model(config.model, config.dynadiag, vocab_size=D.BYTE_VOCAB_SIZE, block_size=seq_len)
+    model = common.build_model(
+        config.model, config.dynadiag, vocab_size=D.BYTE_VOCAB_SIZE, block_size=seq_len
+    )
     common.check_layer_patterns(model, example, config.dynadiag)
     return model, corpus, train_data, eval_data, example
 
@@ -65,17 +69,31 @@ def train_and_evaluate(config, workdir, *, progress: bool = True):
     """Train and evaluate as ``config`` says; returns ``(TrainResult, corpus name)``."""
     model, corpus, train_data, eval_data, example = prepare(config)
     num_steps = int(config.train.num_steps)
-    optimizer, lr = common.build_optimizer(config.optimizer, config.dynadiag, num_steps,
-                                           int(config.optimizer.warmup_steps))
+    optimizer, lr = common.build_optimizer(
+        config.optimizer, config.dynadiag, num_steps, int(config.optimizer.warmup_steps)
+    )
     freeze_at = common.freeze_step(config.dynadiag, num_steps)
-    result = T.train(model=model, optimizer=optimizer, task=T.LanguageModeling(), train_data=train_data,
-                     eval_data=eval_data, num_steps=num_steps, example_input=example, seed=int(config.seed),
-                     freeze_step=freeze_at, gate=common.gate_schedule(config.dynadiag, freeze_at, num_steps),
-                     workdir=workdir, eval_every=int(config.train.eval_every),
-                     checkpoint_every=int(config.train.checkpoint_every),
-                     keep_checkpoints=int(config.train.keep_checkpoints), log_every=int(config.train.log_every),
-                     selection_every=int(config.train.selection_every), learning_rate=lr,
-                     run_info=common.run_info(config), progress=progress)
+    result = T.train(
+        model=model,
+        optimizer=optimizer,
+        task=T.LanguageModeling(),
+        train_data=train_data,
+        eval_data=eval_data,
+        num_steps=num_steps,
+        example_input=example,
+        seed=int(config.seed),
+        freeze_step=freeze_at,
+        gate=common.gate_schedule(config.dynadiag, freeze_at, num_steps),
+        workdir=workdir,
+        eval_every=int(config.train.eval_every),
+        checkpoint_every=int(config.train.checkpoint_every),
+        keep_checkpoints=int(config.train.keep_checkpoints),
+        log_every=int(config.train.log_every),
+        selection_every=int(config.train.selection_every),
+        learning_rate=lr,
+        run_info=common.run_info(config),
+        progress=progress,
+    )
     return result, corpus.name
 
 
@@ -83,9 +101,9 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     T.initialize_distributed()
-    config = _CONFIG.value
+    config = FLAGS.config
     try:
-        result, corpus = train_and_evaluate(config, _WORKDIR.value, progress=_PROGRESS.value)
+        result, corpus = train_and_evaluate(config, FLAGS.workdir, progress=FLAGS.progress)
     except common.ConfigError as e:
         common.die(str(e))
     except KeyboardInterrupt as e:
@@ -93,10 +111,18 @@ def main(argv):
         raise SystemExit(130) from None
     m = result.eval_metrics
     counts = T.parameter_counts(result.state.params)
-    print(f"{corpus}: GPT-2 {config.model.variant}, sparsity {config.dynadiag.sparsity:g}, {counts.total:,} "
-          f"parameters: validation perplexity {m['perplexity']:.3f} per byte "
-          f"({m['bits_per_token']:.3f} bits/byte, {m['count']:,} bytes)")
+    print(
+        f"{corpus}: GPT-2 {config.model.variant}, sparsity {config.dynadiag.sparsity:g}, "
+        f"{counts.total:,} "
+        f"parameters: validation perplexity {m['perplexity']:.3f} per byte "
+        f"({m['bits_per_token']:.3f} bits/byte, {m['count']:,} bytes)"
+    )
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags exist only when run as a script (tests import this module)
+    config_flags.DEFINE_config_file(
+        "config", str(pathlib.Path(gpt2_lm.__file__)), "experiment config file", lock_config=True
+    )
+    flags.DEFINE_string("workdir", "runs/lm", "checkpoints and metrics go here")
+    flags.DEFINE_bool("progress", True, "show a progress bar")
     app.run(main)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pathlib
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -25,14 +25,24 @@ def selection_history(metrics_path) -> tuple[list[int], dict[str, list[np.ndarra
 
 def support_mask(offsets, in_features: int, out_features: int) -> np.ndarray:
     """``[out, in]`` 0/1 image of the entries the diagonals ``offsets`` cover."""
-    rows, cols = (np.asarray(a) for a in diag_indices(np.asarray(offsets, np.int32), in_features, out_features))
+    rows, cols = (
+        np.asarray(a)
+        for a in diag_indices(np.asarray(offsets, np.int32), in_features, out_features)
+    )
     mask = np.zeros((out_features, in_features), np.uint8)
     mask[rows.ravel(), cols.ravel()] = 1
     return mask
 
 
-def plot_diagonals(metrics_path, kept: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, int]],
-                   out_path, *, freeze_step: int | None = None, title: str = "") -> pathlib.Path:
+def plot_diagonals(
+    metrics_path,
+    kept: Mapping[str, np.ndarray],
+    shapes: Mapping[str, tuple[int, int]],
+    out_path,
+    *,
+    freeze_step: int | None = None,
+    title: str = "",
+) -> pathlib.Path:
     """Write a PNG with one row per layer: the kept diagonals as a weight-support image, and the
     evolution of the top-K selection (offset x step) during the search phase.
 
@@ -50,14 +60,23 @@ def plot_diagonals(metrics_path, kept: Mapping[str, np.ndarray], shapes: Mapping
 
     steps, history = selection_history(metrics_path)
     layers = sorted(kept)
-    fig, axes = plt.subplots(len(layers), 2, figsize=(12, 4.2 * len(layers)), squeeze=False,
-                             gridspec_kw={"width_ratios": [1, 1.6]})
+    fig, axes = plt.subplots(
+        len(layers),
+        2,
+        figsize=(12, 4.2 * len(layers)),
+        squeeze=False,
+        gridspec_kw={"width_ratios": [1, 1.6]},
+    )
     for row, layer in zip(axes, layers):
         fan_in, fan_out = shapes[layer]
         offsets = np.sort(np.asarray(kept[layer]))
         p = max(fan_in, fan_out)
-        row[0].imshow(support_mask(offsets, fan_in, fan_out), cmap="Greys", interpolation="nearest",
-                      aspect="auto")
+        row[0].imshow(
+            support_mask(offsets, fan_in, fan_out),
+            cmap="Greys",
+            interpolation="nearest",
+            aspect="auto",
+        )
         row[0].set_title(f"{layer}: {len(offsets)} of {p} diagonals kept ({fan_in}->{fan_out})")
         row[0].set_xlabel("input")
         row[0].set_ylabel("output")

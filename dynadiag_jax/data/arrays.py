@@ -8,7 +8,7 @@ yields its contiguous share of every global batch.
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import jax
 import numpy as np
@@ -29,7 +29,9 @@ def _process_share(global_batch_size: int, process_index, process_count):
     pi = jax.process_index() if process_index is None else process_index
     pc = jax.process_count() if process_count is None else process_count
     if global_batch_size % pc:
-        raise ValueError(f"batch size {global_batch_size} is not divisible by the number of processes ({pc})")
+        raise ValueError(
+            f"batch size {global_batch_size} is not divisible by the number of processes ({pc})"
+        )
     local = global_batch_size // pc
     return slice(pi * local, (pi + 1) * local)
 
@@ -44,8 +46,15 @@ class ArrayBatches:
       process_index, process_count: default to JAX's.
     """
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], global_batch_size: int, *, seed: int,
-                 process_index: int | None = None, process_count: int | None = None):
+    def __init__(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        global_batch_size: int,
+        *,
+        seed: int,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
         n = _check_arrays(arrays)
         if not isinstance(global_batch_size, (int, np.integer)) or global_batch_size < 1:
             raise ValueError(f"batch size must be a positive integer, got {global_batch_size!r}")
@@ -63,7 +72,7 @@ class ArrayBatches:
         epoch, i = divmod(int(step), self.steps_per_epoch)
         perm = np.random.default_rng([self.seed, epoch]).permutation(self._num_examples)
         b = self.global_batch_size
-        return np.sort(perm[i * b:(i + 1) * b][self._share])
+        return np.sort(perm[i * b : (i + 1) * b][self._share])
 
     def iterate(self, start_step: int) -> Iterator[dict[str, np.ndarray]]:
         """Batches of steps ``start_step, start_step + 1, ...``."""
@@ -72,8 +81,11 @@ class ArrayBatches:
         while True:
             e, i = divmod(step, self.steps_per_epoch)
             if e != epoch:
-                epoch, perm = e, np.random.default_rng([self.seed, e]).permutation(self._num_examples)
-            idx = np.sort(perm[i * b:(i + 1) * b][self._share])
+                epoch, perm = (
+                    e,
+                    np.random.default_rng([self.seed, e]).permutation(self._num_examples),
+                )
+            idx = np.sort(perm[i * b : (i + 1) * b][self._share])
             yield {k: v[idx] for k, v in self.arrays.items()}
             step += 1
 
@@ -84,8 +96,14 @@ class EvalBatches:
     Re-iterable; each iteration yields this process's share of every global batch.
     """
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], global_batch_size: int, *,
-                 process_index: int | None = None, process_count: int | None = None):
+    def __init__(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        global_batch_size: int,
+        *,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
         self.num_examples = _check_arrays(arrays)
         if not isinstance(global_batch_size, (int, np.integer)) or global_batch_size < 1:
             raise ValueError(f"batch size must be a positive integer, got {global_batch_size!r}")

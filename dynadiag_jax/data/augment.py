@@ -31,8 +31,14 @@ def _as_array(img: Image.Image, channels: int) -> np.ndarray:
     return arr if arr.ndim == 3 else arr[..., None]
 
 
-def random_resized_crop(image: np.ndarray, size: int, rng: np.random.Generator, *,
-                        scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> np.ndarray:
+def random_resized_crop(
+    image: np.ndarray,
+    size: int,
+    rng: np.random.Generator,
+    *,
+    scale=(0.08, 1.0),
+    ratio=(3 / 4, 4 / 3),
+) -> np.ndarray:
     """A crop of random area fraction in ``scale`` and aspect ratio in ``ratio`` (log-uniform),
     resized to ``size x size`` with bicubic filtering (torchvision's algorithm, 10 attempts, then
     a centre crop). ``image``: uint8 ``[H, W, C]``; returns uint8 ``[size, size, C]``."""
@@ -94,7 +100,9 @@ def _affine(img, rng, m, kind):
     else:
         t = _sign(rng) * m * 0.45
         coeffs = (1, 0, t * w, 0, 1, 0) if kind == "TranslateXRel" else (1, 0, 0, 0, 1, t * h)
-    return img.transform(img.size, Image.AFFINE, coeffs, resample=Image.BILINEAR, fillcolor=_fill(img))
+    return img.transform(
+        img.size, Image.AFFINE, coeffs, resample=Image.BILINEAR, fillcolor=_fill(img)
+    )
 
 
 def _fill(img):
@@ -103,8 +111,12 @@ def _fill(img):
 
 def _enhance(img, rng, m, kind):
     factor = 1.0 + _sign(rng) * m * 0.9
-    enhancer = {"Color": ImageEnhance.Color, "Contrast": ImageEnhance.Contrast,
-                "Brightness": ImageEnhance.Brightness, "Sharpness": ImageEnhance.Sharpness}[kind]
+    enhancer = {
+        "Color": ImageEnhance.Color,
+        "Contrast": ImageEnhance.Contrast,
+        "Brightness": ImageEnhance.Brightness,
+        "Sharpness": ImageEnhance.Sharpness,
+    }[kind]
     return enhancer(img).enhance(factor)
 
 
@@ -114,8 +126,23 @@ def _solarize_add(img, m):
     return Image.fromarray(np.where(arr < 128, added, arr.astype(np.uint8)))
 
 
-_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "SolarizeAdd", "Color",
-        "Contrast", "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
+_OPS = (
+    "AutoContrast",
+    "Equalize",
+    "Invert",
+    "Rotate",
+    "Posterize",
+    "Solarize",
+    "SolarizeAdd",
+    "Color",
+    "Contrast",
+    "Brightness",
+    "Sharpness",
+    "ShearX",
+    "ShearY",
+    "TranslateXRel",
+    "TranslateYRel",
+)
 
 
 class RandAugment(NamedTuple):

@@ -16,37 +16,48 @@ nothing but the step. Images leave the pipeline as uint8; the jitted step normal
 from __future__ import annotations
 
 import pathlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
 from dynadiag_jax.data.arrays import _process_share
 from dynadiag_jax.data.augment import RandAugment, flip, random_resized_crop, resize_center_crop
 
-__all__ = ["IMAGENET_MEAN_STD", "ImageNetEval", "ImageNetTrain", "check_imagenet_dir", "imagenet_source"]
+__all__ = [
+    "IMAGENET_MEAN_STD",
+    "ImageNetEval",
+    "ImageNetTrain",
+    "check_imagenet_dir",
+    "imagenet_source",
+]
 
 IMAGENET_MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+DEIT_RANDAUGMENT = RandAugment()  # rand-m9-mstd0.5-inc1
 DATASET = "imagenet2012"
 
 
 def check_imagenet_dir(data_dir) -> pathlib.Path:
     """Raise a ``FileNotFoundError`` that says what to do unless ``data_dir`` holds a prepared
     ``imagenet2012`` (array_record) data set; returns the directory."""
-    import tensorflow_datasets as tfds
-
     if data_dir is None:
-        raise FileNotFoundError("ImageNet needs data_dir: the tfds data directory in which imagenet2012 "
-                                "was prepared (see the README, 'Preparing ImageNet')")
+        raise FileNotFoundError(
+            "ImageNet needs data_dir: the tfds data directory in which imagenet2012 was prepared "
+            "(see the README, 'Preparing ImageNet')"
+        )
     root = pathlib.Path(data_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"ImageNet data_dir {root} does not exist")
-    builder = tfds.builder(DATASET, data_dir=str(root))
-    if not builder.is_prepared():
-        raise FileNotFoundError(f"{root} holds no prepared {DATASET} (expected {builder.data_dir}); "
-                                "prepare it with tfds from ILSVRC2012_img_{train,val}.tar (README)")
-    if not any(pathlib.Path(builder.data_dir).glob("*.array_record*")):
-        raise FileNotFoundError(f"{builder.data_dir} was not prepared as array_record "
-                                "(tfds.builder(..., file_format='array_record'))")
+    prepared = sorted((root / DATASET).glob("*/dataset_info.json"))
+    if not prepared:
+        raise FileNotFoundError(
+            f"{root} holds no prepared {DATASET} (no {DATASET}/<version>/dataset_info.json); "
+            "prepare it with tfds from ILSVRC2012_img_{train,val}.tar (README)"
+        )
+    if not any(p.parent.glob("*.array_record*") for p in prepared):
+        raise FileNotFoundError(
+            f"{prepared[-1].parent} was not prepared as array_record "
+            "(tfds.builder(..., file_format='array_record'))"
+        )
     return root
 
 
@@ -54,8 +65,9 @@ def imagenet_source(split: str, data_dir):
     """Random-access source of ``{"image": uint8 [H, W, 3], "label": int}`` examples."""
     import tensorflow_datasets as tfds
 
-    return tfds.data_source(DATASET, split=split, data_dir=None if data_dir is None else str(data_dir),
-                            download=False)
+    return tfds.data_source(
+        DATASET, split=split, data_dir=None if data_dir is None else str(data_dir), download=False
+    )
 
 
 def _read_options(num_threads: int, prefetch: int):
@@ -76,9 +88,19 @@ class ImageNetTrain:
       num_threads, prefetch: grain's reader threads and prefetch buffer (examples).
     """
 
-    def __init__(self, source, global_batch_size: int, *, seed: int, image_size: int = 224,
-                 randaugment: RandAugment | None = RandAugment(), num_threads: int = 16, prefetch: int = 512,
-                 process_index: int | None = None, process_count: int | None = None):
+    def __init__(
+        self,
+        source,
+        global_batch_size: int,
+        *,
+        seed: int,
+        image_size: int = 224,
+        randaugment: RandAugment | None = DEIT_RANDAUGMENT,
+        num_threads: int = 16,
+        prefetch: int = 512,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
         self.source = source
         self.num_examples = len(source)
         if not 0 < global_batch_size <= self.num_examples:
@@ -117,19 +139,32 @@ class ImageNetTrain:
         def global_index(k):
             return (k // local) * b + share.start + k % local
 
-        ds = (grain.MapDataset.range(int(start_step) * local, np.iinfo(np.int64).max // b)
-              .map(lambda k: self.example(global_index(k)))
-              .to_iter_dataset(_read_options(self.num_threads, self.prefetch))
-              .batch(local, drop_remainder=True))
+        ds = (
+            grain.MapDataset.range(int(start_step) * local, np.iinfo(np.int64).max // b)
+            .map(lambda k: self.example(global_index(k)))
+            .to_iter_dataset(_read_options(self.num_threads, self.prefetch))
+            .batch(local, drop_remainder=True)
+        )
         return iter(ds)
 
 
 class ImageNetEval:
-    """Every example of ``source`` once, resized and centre-cropped, in padded batches with ``"mask"``."""
+    """Every example of ``source`` once, resized and centre-cropped, in padded batches with a
+    ``"mask"``."""
 
-    def __init__(self, source, global_batch_size: int, *, image_size: int = 224, crop_fraction: float = 0.875,
-                 num_threads: int = 16, prefetch: int = 512, max_examples: int | None = None,
-                 process_index: int | None = None, process_count: int | None = None):
+    def __init__(
+        self,
+        source,
+        global_batch_size: int,
+        *,
+        image_size: int = 224,
+        crop_fraction: float = 0.875,
+        num_threads: int = 16,
+        prefetch: int = 512,
+        max_examples: int | None = None,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
         self.source = source
         n = len(source)
         self.num_examples = n if max_examples is None else min(n, int(max_examples))
@@ -141,7 +176,9 @@ class ImageNetEval:
     def _example(self, g: int) -> dict:
         valid = g < self.num_examples
         ex = self.source[int(g) if valid else 0]
-        image = resize_center_crop(np.asarray(ex["image"]), self.image_size, crop_fraction=self.crop_fraction)
+        image = resize_center_crop(
+            np.asarray(ex["image"]), self.image_size, crop_fraction=self.crop_fraction
+        )
         return {"image": image, "label": np.int32(ex["label"]), "mask": np.float32(valid)}
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
@@ -154,8 +191,10 @@ class ImageNetEval:
         def global_index(k):
             return (k // local) * b + share.start + k % local
 
-        ds = (grain.MapDataset.range(0, num_batches * local)
-              .map(lambda k: self._example(global_index(k)))
-              .to_iter_dataset(_read_options(self.num_threads, self.prefetch))
-              .batch(local, drop_remainder=True))
+        ds = (
+            grain.MapDataset.range(0, num_batches * local)
+            .map(lambda k: self._example(global_index(k)))
+            .to_iter_dataset(_read_options(self.num_threads, self.prefetch))
+            .batch(local, drop_remainder=True)
+        )
         return iter(ds)

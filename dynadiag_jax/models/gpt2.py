@@ -32,8 +32,9 @@ SIZES = {
     "medium": GPT2Size(1024, 24, 16),
 }
 
-DENSE = functools.partial(nn.Dense, kernel_init=nn.initializers.normal(0.02),
-                          bias_init=nn.initializers.zeros)
+DENSE = functools.partial(
+    nn.Dense, kernel_init=nn.initializers.normal(0.02), bias_init=nn.initializers.zeros
+)
 SPARSE_LAYERS = (r".*/attn/(c_attn|c_proj)", r".*/mlp/(c_fc|c_proj)")
 
 
@@ -46,13 +47,25 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, *, deterministic: bool):
         y = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, name="ln_1")(x)
-        x = x + SelfAttention(self.size.num_heads, self.dense, names=("c_attn", "c_proj"), causal=True,
-                              dropout=self.dropout, dtype=self.dtype, name="attn")(
-            y, deterministic=deterministic)
+        x = x + SelfAttention(
+            self.size.num_heads,
+            self.dense,
+            names=("c_attn", "c_proj"),
+            causal=True,
+            dropout=self.dropout,
+            dtype=self.dtype,
+            name="attn",
+        )(y, deterministic=deterministic)
         y = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, name="ln_2")(x)
-        return x + FeedForward(4 * self.size.width, self.dense, names=("c_fc", "c_proj"),
-                               dropout=self.dropout, approximate_gelu=True, dtype=self.dtype,
-                               name="mlp")(y, deterministic=deterministic)
+        return x + FeedForward(
+            4 * self.size.width,
+            self.dense,
+            names=("c_fc", "c_proj"),
+            dropout=self.dropout,
+            approximate_gelu=True,
+            dtype=self.dtype,
+            name="mlp",
+        )(y, deterministic=deterministic)
 
 
 class GPT2(nn.Module):
@@ -83,18 +96,27 @@ class GPT2(nn.Module):
     def __call__(self, tokens, *, train: bool = False):
         """``tokens[B, T]`` int (T <= block_size) -> next-token logits ``[B, T, vocab_size]``."""
         if tokens.ndim != 2 or tokens.shape[1] > self.block_size:
-            raise ValueError(f"GPT2 expects tokens [B, T] with T <= block_size={self.block_size}, "
-                             f"got shape {tokens.shape}")
+            raise ValueError(
+                f"GPT2 expects tokens [B, T] with T <= block_size={self.block_size}, "
+                f"got shape {tokens.shape}"
+            )
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be integers, got dtype {tokens.dtype}")
         size = SIZES[self.variant]
         dense = resolve_dense(self.dense, DENSE)
-        wte = nn.Embed(self.vocab_size, size.width, embedding_init=nn.initializers.normal(0.02),
-                       dtype=self.dtype, name="wte")
+        wte = nn.Embed(
+            self.vocab_size,
+            size.width,
+            embedding_init=nn.initializers.normal(0.02),
+            dtype=self.dtype,
+            name="wte",
+        )
         wpe = self.param("wpe", nn.initializers.normal(0.01), (self.block_size, size.width))
         x = wte(tokens) + wpe[None, : tokens.shape[1]].astype(self.dtype or jnp.float32)
         x = nn.Dropout(self.dropout)(x, deterministic=not train)
         for i in range(size.depth):
-            x = Block(size, dense, self.dropout, self.dtype, name=f"block_{i}")(x, deterministic=not train)
+            x = Block(size, dense, self.dropout, self.dtype, name=f"block_{i}")(
+                x, deterministic=not train
+            )
         x = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, name="ln_f")(x)
         return wte.attend(x).astype(jnp.float32)

@@ -1,7 +1,8 @@
 """MLP-Mixer (Tolstikhin et al. 2021).
 
 Each block mixes tokens (an MLP over the patch axis) and then channels (an MLP over the feature
-axis). Both MLPs are replaceable (``block_i/token_mixing/fc{1,2}``, ``block_i/channel_mixing/fc{1,2}``);
+axis). Both MLPs are replaceable (``block_i/token_mixing/fc{1,2}``,
+``block_i/channel_mixing/fc{1,2}``);
 the patch embedding (``stem``) and the head stay dense.
 """
 
@@ -35,8 +36,9 @@ SIZES = {
     "B": MixerSize(768, 12, 384, 3072),
 }
 
-DENSE = functools.partial(nn.Dense, kernel_init=nn.initializers.xavier_uniform(),
-                          bias_init=nn.initializers.normal(1e-6))
+DENSE = functools.partial(
+    nn.Dense, kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers.normal(1e-6)
+)
 SPARSE_LAYERS = (r".*/(token_mixing|channel_mixing)/(fc1|fc2)",)
 
 
@@ -50,12 +52,14 @@ class MixerBlock(nn.Module):
     def __call__(self, x, *, deterministic: bool):
         """``x[B, tokens, hidden]`` -> same shape."""
         y = nn.LayerNorm(dtype=self.dtype, name="ln_1")(x).swapaxes(1, 2)
-        y = FeedForward(self.size.tokens_mlp_dim, self.dense, dtype=self.dtype,
-                        name="token_mixing")(y, deterministic=deterministic).swapaxes(1, 2)
+        y = FeedForward(
+            self.size.tokens_mlp_dim, self.dense, dtype=self.dtype, name="token_mixing"
+        )(y, deterministic=deterministic).swapaxes(1, 2)
         x = x + DropPath(self.drop_path)(y, deterministic=deterministic)
         y = nn.LayerNorm(dtype=self.dtype, name="ln_2")(x)
-        y = FeedForward(self.size.channels_mlp_dim, self.dense, dtype=self.dtype,
-                        name="channel_mixing")(y, deterministic=deterministic)
+        y = FeedForward(
+            self.size.channels_mlp_dim, self.dense, dtype=self.dtype, name="channel_mixing"
+        )(y, deterministic=deterministic)
         return x + DropPath(self.drop_path)(y, deterministic=deterministic)
 
 
@@ -86,16 +90,26 @@ class MlpMixer(nn.Module):
         """``images[B, H, W, C]`` (H, W divisible by the patch) -> logits ``[B, num_classes]``."""
         size, patch = parse_variant(self.variant, SIZES, model="MlpMixer")
         if images.ndim != 4 or images.shape[1] % patch or images.shape[2] % patch:
-            raise ValueError(f"MlpMixer {self.variant} expects images [B, H, W, C] with H and W "
-                             f"divisible by {patch}, got shape {images.shape}")
+            raise ValueError(
+                f"MlpMixer {self.variant} expects images [B, H, W, C] with H and W "
+                f"divisible by {patch}, got shape {images.shape}"
+            )
         dense = resolve_dense(self.dense, DENSE)
-        x = nn.Conv(size.hidden, (patch, patch), strides=(patch, patch), padding="VALID",
-                    dtype=self.dtype, name="stem")(images)
+        x = nn.Conv(
+            size.hidden,
+            (patch, patch),
+            strides=(patch, patch),
+            padding="VALID",
+            dtype=self.dtype,
+            name="stem",
+        )(images)
         x = x.reshape(x.shape[0], -1, x.shape[-1])
         rates = np.linspace(0.0, self.drop_path, size.depth)
         for i in range(size.depth):
             x = MixerBlock(size, dense, float(rates[i]), self.dtype, name=f"block_{i}")(
-                x, deterministic=not train)
+                x, deterministic=not train
+            )
         x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x).mean(axis=1)
-        return nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, dtype=self.dtype,
-                        name="head")(x).astype(jnp.float32)
+        return nn.Dense(
+            self.num_classes, kernel_init=nn.initializers.zeros, dtype=self.dtype, name="head"
+        )(x).astype(jnp.float32)

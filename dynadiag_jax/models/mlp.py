@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -33,7 +34,9 @@ class MLP(nn.Module):
 
     def __post_init__(self):
         if not self.hidden or any(int(h) < 1 for h in self.hidden):
-            raise ValueError(f"hidden must be a non-empty sequence of positive widths, got {self.hidden!r}")
+            raise ValueError(
+                f"hidden must be a non-empty sequence of positive widths, got {self.hidden!r}"
+            )
         super().__post_init__()
 
     @nn.compact

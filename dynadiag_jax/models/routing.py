@@ -18,15 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-__all__ = ["ByPath", "DenseFactory", "linear", "replaceable_layers", "resolve_dense",
-           "unmatched_patterns"]
+__all__ = [
+    "ByPath",
+    "DenseFactory",
+    "linear",
+    "replaceable_layers",
+    "resolve_dense",
+    "unmatched_patterns",
+]
 
 DenseFactory = Callable[..., nn.Module]
 
@@ -48,8 +55,10 @@ class ByPath:
 
     def __post_init__(self):
         if isinstance(self.patterns, str):
-            raise TypeError(f"patterns must be a sequence of regular expressions, got the string "
-                            f"{self.patterns!r}; write ({self.patterns!r},)")
+            raise TypeError(
+                f"patterns must be a sequence of regular expressions, got the string "
+                f"{self.patterns!r}; write ({self.patterns!r},)"
+            )
         object.__setattr__(self, "patterns", tuple(self.patterns))
         for p in self.patterns:
             try:
@@ -62,7 +71,7 @@ class ByPath:
         return any(re.fullmatch(p, path) for p in self.patterns)
 
 
-Dense = Union[DenseFactory, ByPath]
+Dense = DenseFactory | ByPath
 
 
 def resolve_dense(dense: Dense, default: DenseFactory) -> Dense:
@@ -72,8 +81,16 @@ def resolve_dense(dense: Dense, default: DenseFactory) -> Dense:
     return dense
 
 
-def linear(parent: nn.Module, dense: Dense, features: int, *, name: str, use_bias: bool = True,
-           dtype: Any = None, param_dtype: Any = None) -> nn.Module:
+def linear(
+    parent: nn.Module,
+    dense: Dense,
+    features: int,
+    *,
+    name: str,
+    use_bias: bool = True,
+    dtype: Any = None,
+    param_dtype: Any = None,
+) -> nn.Module:
     """Build the replaceable linear layer ``name`` inside the bound module ``parent``.
 
     Args:
@@ -120,6 +137,7 @@ def replaceable_layers(model: nn.Module, *args, **kwargs) -> list[str]:
     probe. ``args``/``kwargs`` are example inputs for ``model.init`` (shapes matter, not values).
     """
     probe = model.clone(dense=ByPath((".*",), sparse=_Probe))
-    shapes = jax.eval_shape(probe.init, jax.random.key(0), *args, **kwargs)
+    # The key is made inside the traced function: creating one eagerly would compile.
+    shapes = jax.eval_shape(lambda *a, **k: probe.init(jax.random.key(0), *a, **k), *args, **kwargs)
     flat = traverse_util.flatten_dict(shapes["params"])
     return sorted("/".join(path[:-1]) for path in flat if path[-1] == "probe")

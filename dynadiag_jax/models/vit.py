@@ -36,8 +36,9 @@ SIZES = {
     "L": ViTSize(1024, 24, 4096, 16),
 }
 
-DENSE = functools.partial(nn.Dense, kernel_init=nn.initializers.xavier_uniform(),
-                          bias_init=nn.initializers.normal(1e-6))
+DENSE = functools.partial(
+    nn.Dense, kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers.normal(1e-6)
+)
 SPARSE_LAYERS = (r".*/attn/(qkv|proj)", r".*/mlp/(fc1|fc2)")
 
 
@@ -52,13 +53,13 @@ class EncoderBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x, *, deterministic: bool):
-        y = SelfAttention(self.size.num_heads, self.dense, dropout=self.dropout, dtype=self.dtype,
-                          name="attn")(nn.LayerNorm(dtype=self.dtype, name="ln_1")(x),
-                                       deterministic=deterministic)
+        y = SelfAttention(
+            self.size.num_heads, self.dense, dropout=self.dropout, dtype=self.dtype, name="attn"
+        )(nn.LayerNorm(dtype=self.dtype, name="ln_1")(x), deterministic=deterministic)
         x = x + DropPath(self.drop_path)(y, deterministic=deterministic)
-        y = FeedForward(self.size.mlp_dim, self.dense, dropout=self.dropout, dtype=self.dtype,
-                        name="mlp")(nn.LayerNorm(dtype=self.dtype, name="ln_2")(x),
-                                    deterministic=deterministic)
+        y = FeedForward(
+            self.size.mlp_dim, self.dense, dropout=self.dropout, dtype=self.dtype, name="mlp"
+        )(nn.LayerNorm(dtype=self.dtype, name="ln_2")(x), deterministic=deterministic)
         return x + DropPath(self.drop_path)(y, deterministic=deterministic)
 
 
@@ -74,8 +75,9 @@ class Encoder(nn.Module):
         # Stochastic depth grows linearly with depth (DeiT).
         rates = np.linspace(0.0, self.drop_path, self.size.depth)
         for i in range(self.size.depth):
-            x = EncoderBlock(self.size, self.dense, float(rates[i]), self.dropout, self.dtype,
-                             name=f"block_{i}")(x, deterministic=deterministic)
+            x = EncoderBlock(
+                self.size, self.dense, float(rates[i]), self.dropout, self.dtype, name=f"block_{i}"
+            )(x, deterministic=deterministic)
         return nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
 
 
@@ -84,7 +86,7 @@ class ViT(nn.Module):
 
     Attributes:
       num_classes: width of the (dense, zero-initialised) head.
-      variant: ``"<size>/<patch>"`` with size in :data:`SIZES` (``"Ti/16"``, ``"S/16"``, ``"B/16"``).
+      variant: ``"<size>/<patch>"``, size in :data:`SIZES`: ``"Ti/16"``, ``"S/16"``, ``"B/16"``.
       dense: constructor for the replaceable layers, or a :class:`~dynadiag_jax.models.ByPath`.
       drop_path: stochastic-depth rate of the last block.
       dropout: dropout after attention and MLP projections.
@@ -107,11 +109,19 @@ class ViT(nn.Module):
         """``images[B, H, W, C]`` (H, W divisible by the patch) -> logits ``[B, num_classes]``."""
         size, patch = parse_variant(self.variant, SIZES, model="ViT")
         if images.ndim != 4 or images.shape[1] % patch or images.shape[2] % patch:
-            raise ValueError(f"ViT {self.variant} expects images [B, H, W, C] with H and W divisible "
-                             f"by {patch}, got shape {images.shape}")
+            raise ValueError(
+                f"ViT {self.variant} expects images [B, H, W, C] with H and W divisible "
+                f"by {patch}, got shape {images.shape}"
+            )
         dense = resolve_dense(self.dense, DENSE)
-        x = nn.Conv(size.width, (patch, patch), strides=(patch, patch), padding="VALID",
-                    dtype=self.dtype, name="patch_embed")(images)
+        x = nn.Conv(
+            size.width,
+            (patch, patch),
+            strides=(patch, patch),
+            padding="VALID",
+            dtype=self.dtype,
+            name="patch_embed",
+        )(images)
         b, h, w, c = x.shape
         x = x.reshape(b, h * w, c)
         cls = self.param("cls_token", nn.initializers.zeros, (1, 1, c))
@@ -119,6 +129,8 @@ class ViT(nn.Module):
         pos = self.param("pos_embed", nn.initializers.normal(0.02), (1, h * w + 1, c))
         x = nn.Dropout(self.dropout)(x + pos.astype(x.dtype), deterministic=not train)
         x = Encoder(size, dense, self.drop_path, self.dropout, self.dtype, name="encoder")(
-            x, deterministic=not train)
-        return nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, dtype=self.dtype,
-                        name="head")(x[:, 0]).astype(jnp.float32)
+            x, deterministic=not train
+        )
+        return nn.Dense(
+            self.num_classes, kernel_init=nn.initializers.zeros, dtype=self.dtype, name="head"
+        )(x[:, 0]).astype(jnp.float32)

@@ -9,17 +9,54 @@ from dynadiag_jax.training.loop import BatchSource, TrainResult, evaluate, train
 from dynadiag_jax.training.metrics import MetricWriter, read_jsonl
 from dynadiag_jax.training.mixup import MixupCutmix
 from dynadiag_jax.training.optimizer import NO_DECAY, adamw
-from dynadiag_jax.training.parallel import (check_batch_size, data_mesh, global_batch, initialize_distributed)
-from dynadiag_jax.training.sparsity import (GateSchedule, ParameterCounts, apply_gate, freeze_state, is_searching,
-                                            kept_offsets, layer_metrics, parameter_counts)
+from dynadiag_jax.training.parallel import (
+    check_batch_size,
+    data_mesh,
+    global_batch,
+    initialize_distributed,
+)
+from dynadiag_jax.training.sparsity import (
+    GateSchedule,
+    ParameterCounts,
+    apply_gate,
+    freeze_state,
+    is_searching,
+    kept_offsets,
+    layer_metrics,
+    parameter_counts,
+)
 from dynadiag_jax.training.state import TrainState, create_train_state, variables_of
 from dynadiag_jax.training.steps import make_eval_step, make_train_step
 from dynadiag_jax.training.tasks import Classification, LanguageModeling
 
 __all__ = [
-    "BatchSource", "Checkpointer", "Classification", "GateSchedule", "LanguageModeling", "MetricWriter",
-    "MixupCutmix", "NO_DECAY", "ParameterCounts", "TrainResult", "TrainState", "adamw", "apply_gate",
-    "check_batch_size", "create_train_state", "data_mesh", "evaluate", "freeze_state", "global_batch",
-    "initialize_distributed", "is_searching", "kept_offsets", "layer_metrics", "make_eval_step",
-    "make_train_step", "parameter_counts", "read_jsonl", "train", "variables_of",
+    "BatchSource",
+    "Checkpointer",
+    "Classification",
+    "GateSchedule",
+    "LanguageModeling",
+    "MetricWriter",
+    "MixupCutmix",
+    "NO_DECAY",
+    "ParameterCounts",
+    "TrainResult",
+    "TrainState",
+    "adamw",
+    "apply_gate",
+    "check_batch_size",
+    "create_train_state",
+    "data_mesh",
+    "evaluate",
+    "freeze_state",
+    "global_batch",
+    "initialize_distributed",
+    "is_searching",
+    "kept_offsets",
+    "layer_metrics",
+    "make_eval_step",
+    "make_train_step",
+    "parameter_counts",
+    "read_jsonl",
+    "train",
+    "variables_of",
 ]

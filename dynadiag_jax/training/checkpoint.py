@@ -1,4 +1,4 @@
-"""Checkpoints with Orbax's ``CheckpointManager``: keep the last N, write asynchronously, commit atomically.
+"""Checkpoints with Orbax's ``CheckpointManager``: keep the last N, asynchronous, atomic.
 
 A checkpoint holds the :class:`~dynadiag_jax.training.state.TrainState` and a small JSON ``meta``
 record (the phase, and whatever describes the run: model, variant, sparsity). A checkpoint
@@ -10,7 +10,8 @@ names the mismatching parameters instead of failing deep inside TensorStore.
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -38,11 +39,17 @@ class Checkpointer:
         if int(max_to_keep) < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep!r}")
         self.directory = pathlib.Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=int(max_to_keep), create=True,
-                                               enable_async_checkpointing=async_save)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=int(max_to_keep), create=True, enable_async_checkpointing=async_save
+        )
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+            self.directory,
+            options=options,
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
+        )
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` if there is none."""
@@ -56,14 +63,22 @@ class Checkpointer:
         step = int(jax.device_get(state.step))
         if step in self._manager.all_steps():
             return
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))))
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))
+            ),
+        )
 
     def read_meta(self, step: int) -> dict:
         """The JSON record saved with ``step``."""
-        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+            "meta"
+        ]
 
-    def check_compatible(self, step: int, target: TrainState, *, meta: Mapping[str, Any] | None = None) -> None:
+    def check_compatible(
+        self, step: int, target: TrainState, *, meta: Mapping[str, Any] | None = None
+    ) -> None:
         """Raise ``ValueError`` if the state stored at ``step`` does not have ``target``'s shapes.
 
         ``meta`` (this run's description) is shown next to the checkpoint's in the message.
@@ -85,8 +100,10 @@ class Checkpointer:
             # By path: Orbax stores NamedTuple states as dicts, whose leaves flatten in key order.
             a_leaves, b_leaves = _by_path(stored["opt_state"]), _by_path(target.opt_state)
             if a_leaves != b_leaves:
-                problems.append("opt_state: a different optimizer state structure "
-                                f"({len(a_leaves)} arrays stored, {len(b_leaves)} expected)")
+                problems.append(
+                    "opt_state: a different optimizer state structure "
+                    f"({len(a_leaves)} arrays stored, {len(b_leaves)} expected)"
+                )
             a_coll, b_coll = _by_path(stored["collections"]), _by_path(target.collections)
             if a_coll != b_coll:
                 diff = sorted(set(a_coll.items()) ^ set(b_coll.items()))[:3]
@@ -98,16 +115,21 @@ class Checkpointer:
                 f"checkpoint {self.directory}/{step} does not fit this model "
                 f"(another sparsity, size or phase?):\n  {shown}\n"
                 f"checkpoint run: {ckpt_meta}\nthis run: {dict(meta or {})}\n"
-                f"use another workdir, or the settings the checkpoint was written with")
+                f"use another workdir, or the settings the checkpoint was written with"
+            )
 
-    def restore(self, step: int, target: TrainState, *, meta: Mapping[str, Any] | None = None) -> TrainState:
+    def restore(
+        self, step: int, target: TrainState, *, meta: Mapping[str, Any] | None = None
+    ) -> TrainState:
         """Restore ``step`` into the structure, shapes and shardings of ``target``.
 
         ``target`` may be abstract (``jax.ShapeDtypeStruct`` leaves, with ``sharding`` set).
         Raises ``ValueError`` (see :meth:`check_compatible`) before reading any array.
         """
         self.check_compatible(step, target, meta=meta)
-        restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+        )
         return restored["state"]
 
     def wait(self) -> None:
@@ -130,4 +152,3 @@ def _key_name(key) -> str:
         if hasattr(key, attr):
             return str(getattr(key, attr))
     return str(key)
-

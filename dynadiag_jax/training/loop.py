@@ -13,7 +13,8 @@ import pathlib
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Protocol, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import flax.linen as nn
 import jax
@@ -23,7 +24,13 @@ import tqdm
 
 from dynadiag_jax.training.checkpoint import Checkpointer
 from dynadiag_jax.training.metrics import MetricWriter
-from dynadiag_jax.training.parallel import batch_sharded, check_batch_size, data_mesh, global_batch, replicated
+from dynadiag_jax.training.parallel import (
+    batch_sharded,
+    check_batch_size,
+    data_mesh,
+    global_batch,
+    replicated,
+)
 from dynadiag_jax.training.sparsity import GateSchedule, freeze_state, is_searching, kept_offsets
 from dynadiag_jax.training.state import TrainState, create_train_state
 from dynadiag_jax.training.steps import make_eval_step, make_train_step
@@ -110,27 +117,56 @@ def _abstract(tree, sharding):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def _check_args(num_steps, freeze_step, eval_every, checkpoint_every, log_every, selection_every, workdir):
+def _check_args(
+    num_steps, freeze_step, eval_every, checkpoint_every, log_every, selection_every, workdir
+):
     for name, v in (("num_steps", num_steps),):
         if not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    for name, v in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every),
-                    ("log_every", log_every), ("selection_every", selection_every)):
+    for name, v in (
+        ("eval_every", eval_every),
+        ("checkpoint_every", checkpoint_every),
+        ("log_every", log_every),
+        ("selection_every", selection_every),
+    ):
         if not isinstance(v, (int, np.integer)) or v < 0:
             raise ValueError(f"{name} must be an integer >= 0 (0 disables it), got {v!r}")
-    if freeze_step is not None and not (isinstance(freeze_step, (int, np.integer)) and 0 <= freeze_step <= num_steps):
-        raise ValueError(f"freeze_step must be None or an integer in [0, num_steps={num_steps}], got {freeze_step!r}")
+    if freeze_step is not None and not (
+        isinstance(freeze_step, (int, np.integer)) and 0 <= freeze_step <= num_steps
+    ):
+        raise ValueError(
+            f"freeze_step must be None or an integer in [0, num_steps={num_steps}], "
+            f"got {freeze_step!r}"
+        )
     if checkpoint_every and workdir is None:
         raise ValueError("checkpoint_every needs a workdir to write checkpoints to")
 
 
-def train(*, model: nn.Module, optimizer: optax.GradientTransformation, task, train_data: BatchSource,
-          num_steps: int, example_input, seed: int, eval_data: Iterable | None = None, eval_every: int = 0,
-          freeze_step: int | None = None, gate: GateSchedule | None = None, workdir=None,
-          checkpoint_every: int = 0, keep_checkpoints: int = 3, run_info: Mapping[str, Any] | None = None,
-          log_every: int = 50, selection_every: int = 0, learning_rate: Callable | None = None,
-          mesh=None, progress: bool = True, tensorboard: bool = True,
-          hooks: Sequence[Callable[[int, TrainState], None]] = ()) -> TrainResult:
+def train(
+    *,
+    model: nn.Module,
+    optimizer: optax.GradientTransformation,
+    task,
+    train_data: BatchSource,
+    num_steps: int,
+    example_input,
+    seed: int,
+    eval_data: Iterable | None = None,
+    eval_every: int = 0,
+    freeze_step: int | None = None,
+    gate: GateSchedule | None = None,
+    workdir=None,
+    checkpoint_every: int = 0,
+    keep_checkpoints: int = 3,
+    run_info: Mapping[str, Any] | None = None,
+    log_every: int = 50,
+    selection_every: int = 0,
+    learning_rate: Callable | None = None,
+    mesh=None,
+    progress: bool = True,
+    tensorboard: bool = True,
+    hooks: Sequence[Callable[[int, TrainState], None]] = (),
+) -> TrainResult:
     """Train ``model`` for ``num_steps`` optimizer steps (resuming from ``workdir`` if possible).
 
     Args:
@@ -148,7 +184,8 @@ def train(*, model: nn.Module, optimizer: optax.GradientTransformation, task, tr
       gate: the gate schedule of the search phase (required when the model has search-phase
         layers).
       workdir: directory for ``checkpoints/``, ``metrics.jsonl`` and TensorBoard events.
-      checkpoint_every: save every this many steps (and at the freeze, the end and on SIGINT/SIGTERM).
+      checkpoint_every: save every this many steps (and at the freeze, at the end and on
+        SIGINT/SIGTERM).
       keep_checkpoints: how many checkpoints to keep.
       run_info: JSON-able description of the run stored with checkpoints and shown when a
         checkpoint does not fit (model, variant, sparsity, ...).
@@ -169,7 +206,9 @@ def train(*, model: nn.Module, optimizer: optax.GradientTransformation, task, tr
         in ``workdir`` written for another model shape — all before anything is compiled.
       KeyboardInterrupt: after SIGINT/SIGTERM, once the current step is checkpointed.
     """
-    _check_args(num_steps, freeze_step, eval_every, checkpoint_every, log_every, selection_every, workdir)
+    _check_args(
+        num_steps, freeze_step, eval_every, checkpoint_every, log_every, selection_every, workdir
+    )
     mesh = data_mesh() if mesh is None else mesh
     check_batch_size(train_data.global_batch_size, mesh, name="batch_size")
     rep, data_sharding = replicated(mesh), batch_sharded(mesh)
@@ -177,21 +216,35 @@ def train(*, model: nn.Module, optimizer: optax.GradientTransformation, task, tr
     abstract = jax.eval_shape(init)
     sparse = is_searching(abstract.params)
     if sparse and gate is None:
-        raise ValueError("the model has DiagonalDense layers in the search phase: pass gate=GateSchedule(...)")
+        raise ValueError(
+            "the model has DiagonalDense layers in the search phase: pass gate=GateSchedule(...)"
+        )
     if gate is not None:
         gate.check()
     run_info = {**dict(run_info or {}), "seed": int(seed)}
     is_main = jax.process_index() == 0
 
-    ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=keep_checkpoints) if workdir else None
+    ckpt = (
+        Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=keep_checkpoints)
+        if workdir
+        else None
+    )
     writer = _NullWriter()
     try:
         state, start = _initial_state(ckpt, init, abstract, rep, sparse, freeze_step, run_info)
         if workdir is not None:
-            writer = MetricWriter(workdir, start_step=start, tensorboard=tensorboard, enabled=is_main)
-        train_step = jax.jit(make_train_step(model, optimizer, task, gate=gate),
-                             in_shardings=(rep, data_sharding), out_shardings=(rep, rep), donate_argnums=0)
-        eval_step = jax.jit(make_eval_step(model, task), in_shardings=(rep, data_sharding), out_shardings=rep)
+            writer = MetricWriter(
+                workdir, start_step=start, tensorboard=tensorboard, enabled=is_main
+            )
+        train_step = jax.jit(
+            make_train_step(model, optimizer, task, gate=gate),
+            in_shardings=(rep, data_sharding),
+            out_shardings=(rep, rep),
+            donate_argnums=0,
+        )
+        eval_step = jax.jit(
+            make_eval_step(model, task), in_shardings=(rep, data_sharding), out_shardings=rep
+        )
         freeze = jax.jit(freeze_state, in_shardings=rep, out_shardings=rep)
 
         def run_eval(state, log=True):
@@ -213,8 +266,14 @@ def train(*, model: nn.Module, optimizer: optax.GradientTransformation, task, tr
             save(state, True)
 
         step, eval_metrics, pending = start, {}, []
-        bar = tqdm.tqdm(total=num_steps, initial=start, unit="step", dynamic_ncols=True,
-                        disable=not (progress and is_main), desc="search" if searching else "train")
+        bar = tqdm.tqdm(
+            total=num_steps,
+            initial=start,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (progress and is_main),
+            desc="search" if searching else "train",
+        )
         with _stop_requests() as stop, contextlib.closing(bar):
             data_iter = iter(train_data.iterate(start))
             timer, timed_steps, fresh = time.perf_counter(), 0, True
@@ -233,21 +292,37 @@ def train(*, model: nn.Module, optimizer: optax.GradientTransformation, task, tr
                     if timed_steps:
                         elapsed = time.perf_counter() - timer
                         record["step_time_s"] = elapsed / timed_steps
-                        record["examples_per_s"] = train_data.global_batch_size * timed_steps / elapsed
+                        record["examples_per_s"] = (
+                            train_data.global_batch_size * timed_steps / elapsed
+                        )
                     if learning_rate is not None:
                         record["learning_rate"] = float(learning_rate(step - 1))
                     writer.write(step, "train", record)
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
                     timer, timed_steps = time.perf_counter(), 0
-                if eval_data is not None and eval_every and step % eval_every == 0 and step < num_steps:
+                if (
+                    eval_data is not None
+                    and eval_every
+                    and step % eval_every == 0
+                    and step < num_steps
+                ):
                     eval_metrics = run_eval(state)
                     timer, timed_steps = time.perf_counter(), 0
-                if searching and selection_every and step % selection_every == 0:
+                if (
+                    searching
+                    and selection_every
+                    and step % selection_every == 0
+                    and step != freeze_step
+                ):
                     writer.write(step, "selection", {"offsets": kept_offsets(state.collections)})
                 if searching and step == freeze_step:
-                    if selection_every and step % selection_every:
-                        writer.write(step, "selection", {"offsets": kept_offsets(state.collections)})
                     state, searching, fresh = freeze(state), False, True
+                    if (
+                        selection_every
+                    ):  # the selection the freeze made (replaces a periodic record)
+                        writer.write(
+                            step, "selection", {"offsets": kept_offsets(state.collections)}
+                        )
                     bar.set_description("frozen")
                     save(state, True)
                 elif checkpoint_every and step % checkpoint_every == 0:
@@ -258,8 +333,10 @@ def train(*, model: nn.Module, optimizer: optax.GradientTransformation, task, tr
                 bar.update(1)
             if step < num_steps:
                 save(state, not searching and sparse)
-                raise KeyboardInterrupt(f"stopped at step {step} of {num_steps}; "
-                                        f"{'saved in ' + str(workdir) if workdir else 'no workdir, nothing saved'}")
+                raise KeyboardInterrupt(
+                    f"stopped at step {step} of {num_steps}; "
+                    f"{'saved in ' + str(workdir) if workdir else 'no workdir, nothing saved'}"
+                )
         if eval_data is not None:  # a run resumed at its last step already logged this evaluation
             eval_metrics = run_eval(state, log=step > start)
         save(state, not searching and sparse)
@@ -277,8 +354,10 @@ def _initial_state(ckpt, init, abstract, rep, sparse, freeze_step, run_info):
         return jax.jit(init, out_shardings=rep)(), 0
     meta = ckpt.read_meta(latest)
     if meta.get("seed") is not None and meta["seed"] != run_info["seed"]:
-        raise ValueError(f"checkpoint {ckpt.directory}/{latest} was written with seed {meta['seed']}, "
-                         f"this run has seed {run_info['seed']}; use another workdir or the same seed")
+        raise ValueError(
+            f"checkpoint {ckpt.directory}/{latest} was written with seed {meta['seed']}, "
+            f"this run has seed {run_info['seed']}; use another workdir or the same seed"
+        )
     target = abstract
     if meta.get("frozen") and sparse:
         target = jax.eval_shape(freeze_state, abstract)
@@ -287,8 +366,10 @@ def _initial_state(ckpt, init, abstract, rep, sparse, freeze_step, run_info):
 
 
 def _average(records: list[dict]) -> dict:
-    """Mean of each metric over the steps of a logging interval."""
-    out = {}
-    for name in records[0]:
-        out[name] = float(np.mean([np.asarray(r[name], np.float64) for r in records]))
-    return out
+    """Mean of each metric over the steps of a logging interval that report it (per-layer gate
+    metrics stop at the freeze)."""
+    names = dict.fromkeys(name for r in records for name in r)
+    return {
+        name: float(np.mean([np.asarray(r[name], np.float64) for r in records if name in r]))
+        for name in names
+    }

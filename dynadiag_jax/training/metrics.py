@@ -12,7 +12,8 @@ import math
 import numbers
 import os
 import pathlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -58,8 +59,9 @@ class MetricWriter:
       enabled: False on every process but the first of a multi-host run (nothing is written).
     """
 
-    def __init__(self, logdir, *, start_step: int = 0, tensorboard: bool = True,
-                 enabled: bool = True):
+    def __init__(
+        self, logdir, *, start_step: int = 0, tensorboard: bool = True, enabled: bool = True
+    ):
         self.enabled = enabled
         self.path = pathlib.Path(logdir) / JSONL_NAME
         self._tb = None

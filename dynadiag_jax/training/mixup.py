@@ -58,5 +58,7 @@ class MixupCutmix(NamedTuple):
         pasted = jnp.where(box[None, :, :, None], other, images)
         applied = lam < 1.0
         images = jnp.where(applied & use_cut, pasted, jnp.where(applied, mixed, images))
-        targets = lam.astype(targets.dtype) * targets + (1 - lam).astype(targets.dtype) * targets[::-1]
+        targets = (
+            lam.astype(targets.dtype) * targets + (1 - lam).astype(targets.dtype) * targets[::-1]
+        )
         return images, targets

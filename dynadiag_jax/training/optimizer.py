@@ -1,4 +1,4 @@
-"""AdamW for DynaDiag models: no weight decay on scores, biases and norms; a learning-rate multiplier for ``alpha``.
+"""AdamW for DynaDiag models: no weight decay on scores, biases and norms; alpha's own rate.
 
 The state holds only step counters and parameter-shaped moments (no per-label sub-states), so the
 freeze can map it to the compact parameters like the parameters themselves.
@@ -7,7 +7,7 @@ freeze can map it to the compact parameters like the parameters themselves.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import optax
@@ -36,9 +36,17 @@ def path_mask(patterns: Sequence[str], *, match: bool = True, min_ndim: int = 0)
     return mask
 
 
-def adamw(learning_rate, *, weight_decay: float, b1: float = 0.9, b2: float = 0.999,
-          eps: float = 1e-8, clip_norm: float | None = None, no_decay: Sequence[str] = NO_DECAY,
-          alpha_lr_scale: float = 1.0) -> optax.GradientTransformation:
+def adamw(
+    learning_rate,
+    *,
+    weight_decay: float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    clip_norm: float | None = None,
+    no_decay: Sequence[str] = NO_DECAY,
+    alpha_lr_scale: float = 1.0,
+) -> optax.GradientTransformation:
     """AdamW with decoupled weight decay on matrices only.
 
     Args:
@@ -52,8 +60,10 @@ def adamw(learning_rate, *, weight_decay: float, b1: float = 0.9, b2: float = 0.
     parts = []
     if clip_norm is not None:
         parts.append(optax.clip_by_global_norm(clip_norm))
-    parts += [optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
-              optax.add_decayed_weights(weight_decay, mask=path_mask(no_decay, match=False, min_ndim=2))]
+    parts += [
+        optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+        optax.add_decayed_weights(weight_decay, mask=path_mask(no_decay, match=False, min_ndim=2)),
+    ]
     if alpha_lr_scale != 1.0:
         parts.append(optax.masked(optax.scale(alpha_lr_scale), path_mask((r".*alpha",))))
     parts.append(optax.scale_by_learning_rate(learning_rate))

@@ -8,20 +8,31 @@ of the global batch (:func:`global_batch`), and ``jax.jit`` runs one program ove
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["DATA_AXIS", "check_batch_size", "data_mesh", "global_batch", "initialize_distributed",
-           "replicated", "batch_sharded"]
+__all__ = [
+    "DATA_AXIS",
+    "check_batch_size",
+    "data_mesh",
+    "global_batch",
+    "initialize_distributed",
+    "replicated",
+    "batch_sharded",
+]
 
 DATA_AXIS = "data"
 
 
-def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
     """Start ``jax.distributed`` for a multi-host run; a no-op for one process.
 
     With no arguments, JAX's own cluster detection is used (SLURM, Open MPI, TPU pods, or the
@@ -29,12 +40,14 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     anything else touches the devices.
     """
     explicit = coordinator_address is not None or num_processes not in (None, 1)
-    detected = any(v in os.environ for v in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID",
-                                             "OMPI_COMM_WORLD_SIZE"))
+    detected = any(
+        v in os.environ for v in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
+    )
     if not explicit and not detected:
         return
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
 
 
 def data_mesh(devices=None) -> Mesh:
@@ -62,12 +75,16 @@ def check_batch_size(batch_size: int, mesh: Mesh, *, name: str = "batch_size") -
         raise ValueError(f"{name} must be a positive integer, got {batch_size!r}")
     devices = mesh.devices.size
     if batch_size % devices:
-        raise ValueError(f"{name}={batch_size} is not divisible by the number of devices ({devices}); "
-                         f"use a multiple of {devices}")
+        raise ValueError(
+            f"{name}={batch_size} is not divisible by the number of devices ({devices}); "
+            f"use a multiple of {devices}"
+        )
     return batch_size // jax.process_count()
 
 
 def global_batch(local: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, Any]:
     """Assemble each process's slice of a batch into global arrays sharded over ``"data"``."""
     sharding = batch_sharded(mesh)
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}
+    return {
+        k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()
+    }

@@ -8,7 +8,8 @@ without DiagonalDense layers passes through every function unchanged.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +19,16 @@ from flax import traverse_util
 import dynadiag_jax as dd
 from dynadiag_jax.training.state import TrainState
 
-__all__ = ["GateSchedule", "apply_gate", "freeze_state", "is_searching", "kept_offsets", "layer_metrics",
-           "parameter_counts", "ParameterCounts"]
+__all__ = [
+    "GateSchedule",
+    "apply_gate",
+    "freeze_state",
+    "is_searching",
+    "kept_offsets",
+    "layer_metrics",
+    "parameter_counts",
+    "ParameterCounts",
+]
 
 # Intermediates sown by DiagonalDense, renamed for the metric logs.
 _METRIC_NAMES = {"gate_nonzero": "effective_k"}
@@ -39,7 +48,7 @@ class GateSchedule(NamedTuple):
     schedule: Callable
     score_every: int = 0
 
-    def check(self) -> "GateSchedule":
+    def check(self) -> GateSchedule:
         if self.name not in ("strength", "temperature"):
             raise ValueError(f"gate name must be 'strength' or 'temperature', got {self.name!r}")
         if int(self.score_every) < 0:
@@ -47,15 +56,15 @@ class GateSchedule(NamedTuple):
         return self
 
 
-def _layers(tree, leaf: str) -> dict[str, Mapping]:
-    """``{path: layer dict}`` for every dict in ``tree`` that holds ``leaf``."""
+def _leaves(tree, name: str) -> dict[str, Any]:
+    """``{layer path: leaf}`` for every leaf called ``name`` in the nested dict ``tree``."""
     flat = traverse_util.flatten_dict(tree) if tree else {}
-    return {"/".join(k[:-1]): v for k, v in flat.items() if k[-1] == leaf}
+    return {"/".join(k[:-1]): v for k, v in flat.items() if k[-1] == name}
 
 
 def is_searching(params) -> bool:
     """Whether any DiagonalDense layer in ``params`` is in the search phase (has ``alpha``)."""
-    return bool(_layers(params, "alpha"))
+    return bool(_leaves(params, "alpha"))
 
 
 def apply_gate(collections: dict, gate: GateSchedule | None, step) -> dict:
@@ -82,15 +91,15 @@ def freeze_state(state: TrainState) -> TrainState:
 
 
 def kept_offsets(collections) -> dict[str, np.ndarray]:
-    """``{layer path: offsets}``: the frozen diagonals, or during search the current top-K by alpha."""
-    out = {p: v["offsets"] for p, v in _layers(collections.get("diagonals", {}), "offsets").items()}
-    for p, v in _layers(collections.get("dynadiag", {}), "topk").items():
-        out.setdefault(p, v["topk"])
+    """``{layer path: offsets}``: the frozen diagonals, or while searching the top-K by alpha."""
+    out = _leaves(collections.get("diagonals", {}), "offsets")
+    for p, v in _leaves(collections.get("dynadiag", {}), "topk").items():
+        out.setdefault(p, v)
     return {p: np.asarray(jax.device_get(v)) for p, v in sorted(out.items())}
 
 
 def layer_metrics(intermediates) -> dict[str, jax.Array]:
-    """Flatten sown per-layer scalars to ``{"<name>/<layer path>": value}`` (``effective_k`` etc.)."""
+    """Sown per-layer scalars as ``{"<name>/<layer path>": value}`` (``effective_k`` etc.)."""
     flat = traverse_util.flatten_dict(intermediates) if intermediates else {}
     out = {}
     for key, value in flat.items():
@@ -118,7 +127,7 @@ class ParameterCounts(NamedTuple):
 
 def parameter_counts(params) -> ParameterCounts:
     """Count the parameters of ``params`` by role (see :class:`ParameterCounts`)."""
-    diag_layers = set(_layers(params, "values"))
+    diag_layers = set(_leaves(params, "values"))
     flat = traverse_util.flatten_dict(params)
     diagonal = alpha = other = 0
     for key, leaf in flat.items():

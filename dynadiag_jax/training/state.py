@@ -39,8 +39,9 @@ def variables_of(state: TrainState) -> dict:
     return {"params": state.params, **state.collections}
 
 
-def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation, example_input, *,
-                       seed: int) -> TrainState:
+def create_train_state(
+    model: nn.Module, optimizer: optax.GradientTransformation, example_input, *, seed: int
+) -> TrainState:
     """Initialise parameters from ``seed`` and the optimizer state for them.
 
     Args:
@@ -61,5 +62,10 @@ def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation
     opt_state = optimizer.init(params)
     if isinstance(opt_state, SparseState):  # unstructured baselines: train from the masked weights
         params = apply_masks(params, opt_state.masks)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                      collections=variables, rng=jax.random.key_data(run_key))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        collections=variables,
+        rng=jax.random.key_data(run_key),
+    )

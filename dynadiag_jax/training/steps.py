@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -15,8 +16,13 @@ from dynadiag_jax.training.state import TrainState
 __all__ = ["make_eval_step", "make_train_step"]
 
 
-def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, task, *,
-                    gate: GateSchedule | None = None) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+def make_train_step(
+    model: nn.Module,
+    optimizer: optax.GradientTransformation,
+    task,
+    *,
+    gate: GateSchedule | None = None,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
     """``(state, batch) -> (state, metrics)``: one optimizer step on a (global) batch.
 
     Randomness: dropout and augmentation keys are ``fold_in(state.rng, state.step)``. In the search
@@ -31,12 +37,23 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, t
         k_drop, k_data = jax.random.split(key)
         inputs, targets = task.train_inputs(batch, k_data)
         searching = is_searching(state.params)
-        collections = apply_gate(state.collections, gate, state.step) if searching else state.collections
-        mutable = ["intermediates", "dynadiag"] if searching and "dynadiag" in collections else ["intermediates"]
+        collections = (
+            apply_gate(state.collections, gate, state.step) if searching else state.collections
+        )
+        mutable = (
+            ["intermediates", "dynadiag"]
+            if searching and "dynadiag" in collections
+            else ["intermediates"]
+        )
 
         def loss_fn(params):
-            logits, updated = model.apply({"params": params, **collections}, inputs, train=True,
-                                          rngs={"dropout": k_drop}, mutable=mutable)
+            logits, updated = model.apply(
+                {"params": params, **collections},
+                inputs,
+                train=True,
+                rngs={"dropout": k_drop},
+                mutable=mutable,
+            )
             loss, metrics = task.loss(logits, targets, batch)
             return loss, (metrics, updated)
 
@@ -47,8 +64,11 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, t
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         updated = dict(updated)
-        metrics = {**metrics, **layer_metrics(updated.pop("intermediates", {})),
-                   "grad_norm": optax.tree.norm(grads)}
+        metrics = {
+            **metrics,
+            **layer_metrics(updated.pop("intermediates", {})),
+            "grad_norm": optax.tree.norm(grads),
+        }
         if searching and gate is not None:
             metrics[gate.name] = jnp.asarray(gate.schedule(state.step), jnp.float32)
         collections = {**collections, **updated}
@@ -61,8 +81,9 @@ def make_eval_step(model: nn.Module, task) -> Callable[[TrainState, Any], dict]:
     """``(state, batch) -> sums``: the task's additive evaluation sums for one batch."""
 
     def eval_step(state: TrainState, batch):
-        logits = model.apply({"params": state.params, **state.collections}, task.eval_inputs(batch),
-                             train=False)
+        logits = model.apply(
+            {"params": state.params, **state.collections}, task.eval_inputs(batch), train=False
+        )
         return task.eval_sums(logits, batch)
 
     return eval_step

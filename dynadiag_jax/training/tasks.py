@@ -49,8 +49,10 @@ class Classification(NamedTuple):
 
     def train_inputs(self, batch, key):
         """``(inputs, soft targets [B, num_classes])`` for a training step."""
-        targets = optax.smooth_labels(jax.nn.one_hot(batch["label"], self.num_classes, dtype=jnp.float32),
-                                      self.label_smoothing)
+        targets = optax.smooth_labels(
+            jax.nn.one_hot(batch["label"], self.num_classes, dtype=jnp.float32),
+            self.label_smoothing,
+        )
         images = self._images(batch)
         if self.mixup is not None:
             images, targets = self.mixup(key, images, targets)
@@ -76,12 +78,17 @@ class Classification(NamedTuple):
     def summarise(sums):
         """``{"loss", "accuracy", "count"}`` from accumulated :meth:`eval_sums`."""
         n = max(float(sums["count"]), 1.0)
-        return {"loss": float(sums["loss"]) / n, "accuracy": float(sums["correct"]) / n,
-                "count": int(sums["count"])}
+        return {
+            "loss": float(sums["loss"]) / n,
+            "accuracy": float(sums["correct"]) / n,
+            "count": int(sums["count"]),
+        }
 
 
 class LanguageModeling(NamedTuple):
-    """Next-token prediction from ``{"tokens": [B, T + 1] int}``: inputs ``[:, :-1]``, targets ``[:, 1:]``.
+    """Next-token prediction from ``{"tokens": [B, T + 1] int}``.
+
+    Inputs are ``tokens[:, :-1]``, targets ``tokens[:, 1:]``.
 
     Metrics: mean cross-entropy per token (nats), perplexity, and bits per token.
     """
@@ -106,8 +113,12 @@ class LanguageModeling(NamedTuple):
 
     @staticmethod
     def summarise(sums):
-        """``{"loss", "perplexity", "bits_per_token", "count"}`` from accumulated :meth:`eval_sums`."""
+        """``{"loss", "perplexity", "bits_per_token", "count"}`` from summed :meth:`eval_sums`."""
         n = max(float(sums["count"]), 1.0)
         loss = float(sums["loss"]) / n
-        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "bits_per_token": loss / math.log(2),
-                "count": int(sums["count"])}
+        return {
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 700.0)),
+            "bits_per_token": loss / math.log(2),
+            "count": int(sums["count"]),
+        }

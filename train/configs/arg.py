@@ -24,5 +24,7 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
             try:
                 out[key] = type(default)(value)
             except ValueError:
-                raise ValueError(f"config argument {key}={value!r} is not a {type(default).__name__}") from None
+                raise ValueError(
+                    f"config argument {key}={value!r} is not a {type(default).__name__}"
+                ) from None
     return out

@@ -17,7 +17,9 @@ from train.configs.arg import parse_arg
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, sparsity=0.9, epochs=8, gate="sparse_topk", method="dynadiag", runlocal=False)
+    arg = parse_arg(
+        arg, sparsity=0.9, epochs=8, gate="sparse_topk", method="dynadiag", runlocal=False
+    )
     config = ml_collections.ConfigDict()
     config.seed = 0
     config.model = dict(name="mlp", hidden=(256, 256))
@@ -28,8 +30,11 @@ def get_config(arg=None):
         slack=0.25,
         explore="buckets",
         # strength for gate="sparse_topk", temperature for gate="softmax" (5.0 -> 0.05)
-        gate_schedule=dict(name="cosine", init_value=1.0 if arg.gate == "sparse_topk" else 5.0,
-                           end_value=0.01 if arg.gate == "sparse_topk" else 0.05),
+        gate_schedule=dict(
+            name="cosine",
+            init_value=1.0 if arg.gate == "sparse_topk" else 5.0,
+            end_value=0.01 if arg.gate == "sparse_topk" else 0.05,
+        ),
         search_fraction=0.3,
         score_every=0,
         alpha_lr_scale=1.0,
@@ -40,10 +45,25 @@ def get_config(arg=None):
     config.unstructured = unstructured_defaults()
     config.compare_dense = True  # also train the dense model with the same recipe
     config.data = dict(source="auto", data_dir="")
-    config.train = dict(batch_size=128, epochs=arg.epochs, log_every=50, eval_every=0,
-                        checkpoint_every=500, keep_checkpoints=2, selection_every=25)
-    config.optimizer = dict(learning_rate=1e-3, end_learning_rate=1e-5, warmup_steps=0, weight_decay=1e-4,
-                            b1=0.9, b2=0.999, clip_norm=0.0, label_smoothing=0.0)
+    config.train = dict(
+        batch_size=128,
+        epochs=arg.epochs,
+        log_every=50,
+        eval_every=0,
+        checkpoint_every=500,
+        keep_checkpoints=2,
+        selection_every=25,
+    )
+    config.optimizer = dict(
+        learning_rate=1e-3,
+        end_learning_rate=1e-5,
+        warmup_steps=0,
+        weight_decay=1e-4,
+        b1=0.9,
+        b2=0.999,
+        clip_norm=0.0,
+        label_smoothing=0.0,
+    )
     if arg.runlocal:
         config.train.epochs = 1
     return config

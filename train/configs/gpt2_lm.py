@@ -4,10 +4,12 @@ Default: the "mini" size (4 layers, width 128) on the Debian fortunes corpus, si
 GPT-2 small/medium on WikiText-103 (raw files wiki.{train,valid,test}.raw in a directory):
 
   python train/lm.py --workdir=runs/lm_fortunes_s90
-  python train/lm.py --workdir=runs/lm_stdlib --config=train/configs/gpt2_lm.py:corpus=stdlib,sparsity=0
+  python train/lm.py --workdir=runs/lm_stdlib \\
+      --config=train/configs/gpt2_lm.py:corpus=stdlib,sparsity=0
   python train/lm.py --workdir=runs/gpt2s_wt103_s90 \\
       --config=train/configs/gpt2_lm.py:variant=small,corpus=wikitext,sparsity=0.9 \\
-      --config.data.path=/data/wikitext-103-raw --config.data.seq_len=1024 --config.train.batch_size=256 \\
+      --config.data.path=/data/wikitext-103-raw --config.data.seq_len=1024 \\
+      --config.train.batch_size=256 \\
       --config.train.num_steps=100000
 """
 
@@ -19,7 +21,9 @@ SPARSE_LAYERS = (r".*/attn/(c_attn|c_proj)", r".*/mlp/(c_fc|c_proj)")
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, variant="mini", sparsity=0.9, corpus="fortunes", gate="sparse_topk", runlocal=False)
+    arg = parse_arg(
+        arg, variant="mini", sparsity=0.9, corpus="fortunes", gate="sparse_topk", runlocal=False
+    )
     config = ml_collections.ConfigDict()
     config.seed = 0
     config.model = dict(name="gpt2", variant=arg.variant, dropout=0.0)
@@ -29,17 +33,35 @@ def get_config(arg=None):
         gate=arg.gate,
         slack=0.25,
         explore="buckets",
-        gate_schedule=dict(name="cosine", init_value=1.0 if arg.gate == "sparse_topk" else 5.0,
-                           end_value=0.01 if arg.gate == "sparse_topk" else 0.05),
+        gate_schedule=dict(
+            name="cosine",
+            init_value=1.0 if arg.gate == "sparse_topk" else 5.0,
+            end_value=0.01 if arg.gate == "sparse_topk" else 0.05,
+        ),
         search_fraction=0.3,
         score_every=0,
         alpha_lr_scale=1.0,
     )
     config.data = dict(corpus=arg.corpus, path="", seq_len=128, eval_windows=256)
-    config.train = dict(batch_size=16, num_steps=1000, eval_batch_size=64, log_every=50, eval_every=500,
-                        checkpoint_every=500, keep_checkpoints=2, selection_every=100)
-    config.optimizer = dict(learning_rate=1e-3, end_learning_rate=1e-4, warmup_steps=100, weight_decay=0.1,
-                            b1=0.9, b2=0.99, clip_norm=1.0)
+    config.train = dict(
+        batch_size=16,
+        num_steps=1000,
+        eval_batch_size=64,
+        log_every=50,
+        eval_every=500,
+        checkpoint_every=500,
+        keep_checkpoints=2,
+        selection_every=100,
+    )
+    config.optimizer = dict(
+        learning_rate=1e-3,
+        end_learning_rate=1e-4,
+        warmup_steps=100,
+        weight_decay=0.1,
+        b1=0.9,
+        b2=0.99,
+        clip_norm=1.0,
+    )
     if arg.runlocal:
         config.model.variant = "mu"
         config.data.seq_len = 32

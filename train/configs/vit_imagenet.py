@@ -5,9 +5,11 @@ on alpha, biases, norms, position embedding, class token), label smoothing 0.1, 
 (m9, mstd 0.5), mixup 0.8 / cutmix 1.0, drop path 0.1. DynaDiag: qkv, proj, fc1, fc2 of every
 block; search phase = the first 30% of steps, then the selection freezes.
 
-  python train/imagenet.py --workdir=runs/vit_b16_dense --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0 \\
+  python train/imagenet.py --workdir=runs/vit_b16_dense \\
+      --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0 \\
       --config.data.data_dir=$TFDS_DATA_DIR
-  python train/imagenet.py --workdir=runs/vit_b16_s90 --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9 \\
+  python train/imagenet.py --workdir=runs/vit_b16_s90 \\
+      --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9 \\
       --config.data.data_dir=$TFDS_DATA_DIR
   (variants: B/16, S/16, Ti/16; sparsity: 0 (dense), 0.8, 0.9, 0.95)
 """
@@ -30,21 +32,47 @@ def get_config(arg=None):
         gate=arg.gate,
         slack=0.25,
         explore="buckets",
-        gate_schedule=dict(name="cosine", init_value=1.0 if arg.gate == "sparse_topk" else 5.0,
-                           end_value=0.01 if arg.gate == "sparse_topk" else 0.05),
+        gate_schedule=dict(
+            name="cosine",
+            init_value=1.0 if arg.gate == "sparse_topk" else 5.0,
+            end_value=0.01 if arg.gate == "sparse_topk" else 0.05,
+        ),
         search_fraction=0.3,
         score_every=0,
         alpha_lr_scale=1.0,
     )
-    config.data = dict(data_dir="", train_split="train", eval_split="validation", image_size=224,
-                       randaugment=dict(num_ops=2, magnitude=9.0, magnitude_std=0.5, prob=0.5),
-                       num_threads=16, prefetch=512, eval_max_examples=0)
+    config.data = dict(
+        data_dir="",
+        train_split="train",
+        eval_split="validation",
+        image_size=224,
+        randaugment=dict(num_ops=2, magnitude=9.0, magnitude_std=0.5, prob=0.5),
+        num_threads=16,
+        prefetch=512,
+        eval_max_examples=0,
+    )
     config.mixup = dict(mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5, prob=1.0)
-    config.train = dict(batch_size=1024, epochs=300, num_steps=0,  # num_steps > 0 overrides epochs
-                        eval_batch_size=1000, log_every=100, eval_every=5000, checkpoint_every=1000,
-                        keep_checkpoints=3, selection_every=1000)
-    config.optimizer = dict(learning_rate=1e-3, end_learning_rate=1e-5, warmup_epochs=5, weight_decay=0.05,
-                            b1=0.9, b2=0.999, clip_norm=0.0, label_smoothing=0.1)
+    config.train = dict(
+        batch_size=1024,
+        epochs=300,
+        num_steps=0,  # num_steps > 0 overrides epochs
+        eval_batch_size=1000,
+        log_every=100,
+        eval_every=5000,
+        checkpoint_every=1000,
+        keep_checkpoints=3,
+        selection_every=1000,
+    )
+    config.optimizer = dict(
+        learning_rate=1e-3,
+        end_learning_rate=1e-5,
+        warmup_epochs=5,
+        weight_decay=0.05,
+        b1=0.9,
+        b2=0.999,
+        clip_norm=0.0,
+        label_smoothing=0.1,
+    )
     if arg.runlocal:  # a smoke run: tiny model, small images, a few steps
         config.model.variant = "mu/4"
         config.data.image_size = 32

@@ -1,0 +1,146 @@
+"""The training scripts: bad input is reported before compiling; short runs on real or mock data."""
+
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from training_helpers import CompileCounter, fast_compile  # noqa: F401 - fixture
+
+from dynadiag_jax import training as T
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # after site-packages: the installed dynadiag_jax wins
+
+from train import common, fashion_mnist, imagenet, lm  # noqa: E402
+from train.configs import fashion_mnist as fashion_config  # noqa: E402
+from train.configs import gpt2_lm, vit_imagenet  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def _fake_prepared_imagenet(root: pathlib.Path) -> pathlib.Path:
+    """A directory that tfds considers a prepared imagenet2012 (array_record); mock_data serves the
+    examples."""
+    variant = root / "imagenet2012" / "5.1.0"
+    variant.mkdir(parents=True)
+    (variant / "dataset_info.json").write_text("{}")
+    (variant / "features.json").write_text("{}")
+    (variant / "imagenet2012-train.array_record-00000-of-00001").write_bytes(b"")
+    return root
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda c: c.train.unlock().update(bogus=1), "unknown config keys: train.bogus"),
+        (lambda c: c.model.update(name="resnet"), "unknown model 'resnet'"),
+        (lambda c: c.model.update(depth=3), "unknown mlp model arguments: depth"),
+        (
+            lambda c: c.data.update(source="fashion_mnist", data_dir="/nonexistent"),
+            "does not exist",
+        ),
+        (lambda c: c.data.update(source="cifar"), "unknown data source"),
+        (lambda c: c.dynadiag.update(sparsity=1.5), "dynadiag.sparsity must be 0"),
+        (lambda c: c.dynadiag.update(layers=(r"head",)), "match no replaceable layer"),
+    ],
+)
+def test_fashion_mnist_bad_input_is_reported_before_compiling(mutate, match):
+    config = fashion_config.get_config()
+    mutate(config)
+    with CompileCounter() as c, pytest.raises(common.ConfigError, match=match):
+        fashion_mnist.prepare(config)
+    assert c.count == 0
+
+
+def test_missing_config_keys_are_named():
+    config = fashion_config.get_config()
+    with config.unlocked():
+        del config.train["log_every"]
+    with pytest.raises(common.ConfigError, match="missing config keys: train.log_every"):
+        common.check_config(config, fashion_config.get_config())
+
+
+def test_config_arguments_are_typed_and_checked():
+    assert vit_imagenet.get_config("variant=S/16,sparsity=0.95").dynadiag.sparsity == 0.95
+    assert vit_imagenet.get_config("runlocal").train.num_steps == 6
+    with pytest.raises(ValueError, match="unknown config argument 'sparse'"):
+        vit_imagenet.get_config("sparse=0.9")
+    with pytest.raises(ValueError, match="is not a float"):
+        gpt2_lm.get_config("sparsity=lots")
+
+
+def test_imagenet_bad_data_dirs_and_variants(tmp_path):
+    config = vit_imagenet.get_config("runlocal,sparsity=0")
+    for data_dir, match in [
+        ("", "needs data_dir"),
+        (str(tmp_path / "x"), "does not exist"),
+        (str(tmp_path), "holds no prepared imagenet2012"),
+    ]:
+        config.data.data_dir = data_dir
+        with pytest.raises(common.ConfigError, match=match):
+            imagenet.prepare(config)
+    config.data.data_dir = str(_fake_prepared_imagenet(tmp_path))
+    config.model.variant = "Z/16"
+    with CompileCounter() as c, pytest.raises(common.ConfigError, match="unknown ViT size 'Z'"):
+        with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
+            imagenet.prepare(config)
+    assert c.count == 0
+
+
+def test_imagenet_runs_on_mock_data(tmp_path):
+    config = vit_imagenet.get_config("runlocal,sparsity=0")
+    config.data.data_dir = str(_fake_prepared_imagenet(tmp_path / "data"))
+    with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
+        result = imagenet.train_and_evaluate(config, tmp_path / "run", progress=False)
+    assert result.eval_metrics["count"] == 16 and 0.0 <= result.eval_metrics["accuracy"] <= 1.0
+    records = list(T.read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+    assert [r["step"] for r in records if r["kind"] == "train"] == [2, 4, 6]
+    assert all(np.isfinite(r["loss"]) for r in records if r["kind"] == "train")
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4", "6"]
+
+
+def test_lm_runs_on_fortunes_and_reports_perplexity(tmp_path):
+    config = gpt2_lm.get_config("runlocal,sparsity=0")
+    result, corpus = lm.train_and_evaluate(config, tmp_path, progress=False)
+    assert corpus.startswith("fortunes")
+    m = result.eval_metrics
+    assert 1.0 < m["perplexity"] < 256.0 and m["count"] == 16 * 32
+    assert m["bits_per_token"] == pytest.approx(np.log2(m["perplexity"]))
+
+
+def test_lm_bad_corpus_paths(tmp_path):
+    config = gpt2_lm.get_config("runlocal,corpus=wikitext,sparsity=0")
+    with pytest.raises(common.ConfigError, match="needs a path"):
+        lm.prepare(config)
+    config.data.path = str(tmp_path)
+    with pytest.raises(common.ConfigError, match="missing wiki.train.raw, wiki.valid.raw"):
+        lm.prepare(config)
+
+
+def test_batch_not_divisible_by_devices_is_reported(run_python, tmp_path):
+    proc = run_python(
+        [
+            str(ROOT / "train" / "fashion_mnist.py"),
+            "--config.data.source=mnist5k",
+            "--config.train.batch_size=6",
+            f"--workdir={tmp_path}",
+        ],
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "batch_size=6 is not divisible by the number of devices (4)" in proc.stderr
+    assert not (tmp_path / "dense").exists()
+
+
+def test_unknown_flag_override_is_refused(run_python, tmp_path):
+    proc = run_python(
+        [str(ROOT / "train" / "lm.py"), "--config.train.bogus=1", f"--workdir={tmp_path}"],
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "bogus" in proc.stderr
