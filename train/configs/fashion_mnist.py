@@ -39,8 +39,8 @@ def get_config(arg=None):
         score_every=0,
         alpha_lr_scale=1.0,
     )
-    # dense | dynadiag | static_diagonals | rigl | set | mest (train/baselines.py); the same layers
-    # (dynadiag.layers) at the same sparsity; unstructured methods follow the `unstructured` section.
+    # dense | dynadiag | static_diagonals | rigl | set | mest (train/baselines.py): the same layers
+    # (dynadiag.layers) at the same sparsity; unstructured methods follow `unstructured`.
     config.method = arg.method
     config.unstructured = unstructured_defaults()
     config.compare_dense = True  # also train the dense model with the same recipe
