@@ -226,3 +226,17 @@ def test_end_to_end_tiny_run_and_timings(tmp_path):
         tmp_path / "docs", config, records, timings, data_name=data.name, invocation_seconds=1.0
     )
     assert "## Speed" in path.read_text()
+
+
+@pytest.mark.parametrize("method", ["rigl", "set", "mest", "dense"])
+def test_fashion_mnist_script_selects_the_method_by_config(method):
+    from train import fashion_mnist
+    from train.configs import fashion_mnist as fashion_config
+
+    config = fashion_config.get_config(f"method={method}")
+    with config.unlocked():
+        config.data.source = "mnist5k"
+    _, _, _, models = fashion_mnist.prepare(config)
+    assert list(models) == (["dense"] if method == "dense" else ["dense", f"{method}_s90"])
+    built, sparsity = models[list(models)[-1]]
+    assert built.name == method and sparsity == (0.0 if method == "dense" else 0.9)

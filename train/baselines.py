@@ -129,7 +129,9 @@ def build(
     """
     check(method, unstructured_cfg)
     if method != "dense" and not 0.0 < float(sparsity) < 1.0:
-        raise common.ConfigError(f"{method} needs a sparsity in (0, 1), got {sparsity}")
+        raise common.ConfigError(
+            f"dynadiag.sparsity must be 0 (dense) or in (0, 1), got {sparsity} (method {method})"
+        )
     diag_cfg = _with_sparsity(dynadiag_cfg, sparsity if method == "dynadiag" else 0.0)
     warmup = int(optimizer_cfg.warmup_steps)
     optimizer, lr = common.build_optimizer(optimizer_cfg, diag_cfg, num_steps, warmup)

@@ -72,6 +72,8 @@ def prepare(config):
         )
     if int(config.seeds) < 1 or not config.models or not config.sparsities:
         raise common.ConfigError("need at least one seed, one model and one sparsity")
+    if not all(0.0 < float(s) < 1.0 for s in config.sparsities):
+        raise common.ConfigError(f"sparsities must lie in (0, 1), got {tuple(config.sparsities)}")
     try:
         data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
     except (FileNotFoundError, ValueError) as e:
