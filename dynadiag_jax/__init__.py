@@ -1,6 +1,7 @@
 """dynadiag_jax: DynaDiag diagonally sparse layers for JAX/Flax (Tyagi et al., ICML 2025)."""
 
 from dynadiag_jax import nn, optim, schedules
+from dynadiag_jax._extension import has_cpu_kernels
 from dynadiag_jax.freeze import freeze, freeze_opt_state, freeze_tree, select_diagonals
 from dynadiag_jax.layout import num_diagonals
 from dynadiag_jax.ops import available_impls, diag_matmul, diag_to_dense
@@ -14,6 +15,7 @@ __all__ = [
     "freeze",
     "freeze_opt_state",
     "freeze_tree",
+    "has_cpu_kernels",
     "nn",
     "num_diagonals",
     "optim",
