@@ -211,7 +211,7 @@ class DiagonalDense(nn.Module):
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros_init(), (self.features,),
                               self.param_dtype)
-            y = y + bias.astype(dtype)
+            y = y + bias.astype(dtype).reshape((1,) * (y.ndim - 1) + (self.features,))
         return y
 
     def _frozen(self, x, geo, k, dtype):
