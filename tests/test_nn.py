@@ -332,3 +332,20 @@ def test_nnx_bridge():
     for name in ("alpha", "values", "bias"):
         np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), atol=1e-5,
                                    err_msg=name)
+
+
+@pytest.mark.skipif("ffi" not in dd.available_impls(), reason="C++ extension not built")
+@pytest.mark.parametrize("explore", ["buckets", "dense_score"])
+def test_compiled_kernel_matches_jax_path(rng, explore):
+    x = jax.random.normal(jax.random.key(1), (3, 24))
+    fast = DiagonalDense(16, sparsity=0.8, explore=explore, impl="ffi")
+    ref = DiagonalDense(16, sparsity=0.8, explore=explore, impl="jax")
+    v = fast.init(jax.random.key(0), x)
+    v = set_gate(dict(v, params=perturb(v["params"], rng)), strength=0.1, score=True)
+    np.testing.assert_allclose(np.asarray(fast.apply(v, x)), np.asarray(ref.apply(v, x)),
+                               atol=F32_TOL)
+    grads = [jax.grad(lambda p, m=m: jnp.sum(m.apply(dict(v, params=p), x) ** 2))(v["params"])
+             for m in (fast, ref)]
+    for name in ("alpha", "values", "bias"):
+        np.testing.assert_allclose(np.asarray(grads[0][name]), np.asarray(grads[1][name]),
+                                   atol=1e-4, rtol=1e-4, err_msg=name)
