@@ -8,6 +8,7 @@ import pytest
 
 import dynadiag_jax as dd
 from dynadiag_jax.nn import DiagonalDense, set_gate
+from dynadiag_jax.nn.diagonal_dense import bucket_sizes
 
 F32_TOL = 1e-5
 BF16_TOL = 3e-2
@@ -190,8 +191,9 @@ def test_metrics_are_sown(rng):
 def test_buckets_compute_the_support_only(rng):
     layer = DiagonalDense(64, sparsity=0.9, num_buckets=4, impl="jax")
     v, x = init(layer, 64)
-    sizes = dd.nn.diagonal_dense.bucket_sizes(layer.capacity(64), 64, 4)
-    assert sizes[0] == layer.capacity(64) and sizes[-1] == 64 and len(sizes) == 4
+    sizes = bucket_sizes(layer.capacity(64), 64, 4)
+    assert sizes == (9, 18, 34, 64) and layer.capacity(64) == 9  # K = 7
+    assert bucket_sizes(8, 64, 1) == (64,) and bucket_sizes(64, 64, 4) == (64,)
     for strength, expected in ((10.0, 64), (1e-4, layer.capacity(64))):
         _, state = layer.apply(dict(v, params=perturb(v["params"], rng)), x, strength=strength,
                                mutable=["intermediates"])

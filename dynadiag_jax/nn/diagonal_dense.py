@@ -64,9 +64,12 @@ def layer_budget(in_features: int, out_features: int, *, sparsity=None, k=None) 
 
 
 def bucket_sizes(k_cap: int, num_candidates: int, num_buckets: int) -> tuple[int, ...]:
-    """Static numbers of computed diagonals for ``explore="buckets"``: geometric ``k_cap .. P``."""
+    """Static numbers of computed diagonals for ``explore="buckets"``: geometric ``k_cap .. P``.
+
+    The last size is always ``P``, so any support fits; one bucket means always computing all.
+    """
     if k_cap >= num_candidates or num_buckets <= 1:
-        return (min(k_cap, num_candidates),) if num_buckets <= 1 else (num_candidates,)
+        return (num_candidates,)
     ratio = (num_candidates / k_cap) ** (1.0 / (num_buckets - 1))
     sizes = {min(num_candidates, math.ceil(k_cap * ratio**i)) for i in range(num_buckets - 1)}
     return tuple(sorted(sizes | {num_candidates}))
