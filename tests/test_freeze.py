@@ -18,7 +18,7 @@ class Model(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = DiagonalDense(24, sparsity=0.75, impl="jax", name="first")(x)
+        x = DiagonalDense(24, sparsity=0.75, explore="none", impl="jax", name="first")(x)
         x = Block()(nn.relu(x))
         return nn.Dense(3)(x)
 
@@ -26,7 +26,8 @@ class Model(nn.Module):
 class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
-        return DiagonalDense(10, k=4, gate="softmax", impl="jax", name="inner")(x)
+        return DiagonalDense(10, k=4, gate="softmax", explore="none", impl="jax",
+                             name="inner")(x)
 
 
 def random_alpha(variables, seed=0):
@@ -43,7 +44,7 @@ def random_alpha(variables, seed=0):
 
 
 def test_freeze_single_layer_is_the_hard_topk_product():
-    layer = DiagonalDense(20, sparsity=0.8, impl="jax")
+    layer = DiagonalDense(20, sparsity=0.8, explore="none", impl="jax")
     x = jax.random.normal(jax.random.key(1), (6, 12))
     v = random_alpha(layer.init(jax.random.key(0), x))
     k = layer.budget(12)
@@ -68,7 +69,7 @@ def test_freeze_single_layer_is_the_hard_topk_product():
 
 
 def test_freeze_template_has_frozen_shapes():
-    layer = DiagonalDense(20, sparsity=0.8)
+    layer = DiagonalDense(20, sparsity=0.8, explore="none")
     x = jnp.ones((1, 12))
     frozen_layer, fv = dd.freeze(layer, layer.init(jax.random.key(0), x))
     template = frozen_layer.init(jax.random.key(1), x)
@@ -113,7 +114,7 @@ def test_freeze_tree_stacked_layers():
             scanned = nn.scan(lambda mdl, c, _: (mdl(c), None),
                               variable_axes={"params": 0, "dynadiag": 0, "diagonals": 0},
                               split_rngs={"params": True}, length=3)
-            x, _ = scanned(DiagonalDense(8, k=2, impl="jax", use_bias=False), x, None)
+            x, _ = scanned(DiagonalDense(8, k=2, explore="none", impl="jax", use_bias=False), x, None)
             return x
 
     model = Stack()
@@ -196,3 +197,19 @@ def test_orbax_round_trip_both_phases(tmp_path):
     np.testing.assert_array_equal(np.asarray(model.apply(restored, x)),
                                   np.asarray(model.apply(fv, x)))
     assert restored["diagonals"]["first"]["offsets"].dtype == jnp.int32
+
+
+@pytest.mark.parametrize("make_tx", [
+    lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1)),
+    lambda: optax.sgd(0.1, momentum=0.9),
+])
+def test_freeze_opt_state_plain_optax(make_tx):
+    layer = DiagonalDense(12, k=3, explore="none", impl="jax")
+    v = random_alpha(layer.init(jax.random.key(0), jnp.ones((1, 12))))
+    tx = make_tx()
+    fv = dd.freeze_tree(v)
+    with jax.numpy_dtype_promotion("standard"):
+        state = tx.init(v["params"])
+        fstate = dd.freeze_opt_state(state, v["params"], fv["params"])
+        assert jax.tree.structure(fstate) == jax.tree.structure(tx.init(fv["params"]))
+        tx.update(fv["params"], fstate, fv["params"])

@@ -40,7 +40,7 @@ def perturb(params, rng, scale=0.05):
 
 @pytest.mark.parametrize("n_in,n_out", SHAPES)
 def test_init_shapes_and_ranges(n_in, n_out):
-    layer = DiagonalDense(n_out, sparsity=0.8)
+    layer = DiagonalDense(n_out, sparsity=0.8, explore="none")
     v, _ = init(layer, n_in)
     p, d_len = max(n_in, n_out), min(n_in, n_out)
     k = dd.num_diagonals(n_in, n_out, 0.8)
@@ -58,7 +58,7 @@ def test_init_shapes_and_ranges(n_in, n_out):
 def test_keyword_only_and_budget_k():
     with pytest.raises(TypeError):
         DiagonalDense(8, 0.5)  # noqa: the API is DiagonalDense(features, *, sparsity, ...)
-    v, _ = init(DiagonalDense(8, k=3), 8)
+    v, _ = init(DiagonalDense(8, k=3, explore="none"), 8)
     assert v["dynadiag"]["topk"].shape == (3,)
 
 
@@ -138,7 +138,7 @@ def test_softmax_gate_and_temperature_collection(rng):
 
 
 def test_gate_value_from_collection_and_override(rng):
-    layer = DiagonalDense(16, sparsity=0.75, impl="jax")
+    layer = DiagonalDense(16, sparsity=0.75, explore="none", impl="jax")
     v, x = init(layer, 16)
     assert float(v["dynadiag"]["strength"]) == 1.0  # the documented default
     v = dict(v, params=perturb(v["params"], rng))
@@ -151,7 +151,7 @@ def test_gate_value_from_collection_and_override(rng):
         layer.apply(without, x)
     np.testing.assert_allclose(np.asarray(layer.apply(without, x, strength=0.02)),
                                np.asarray(from_collection), atol=F32_TOL)
-    v3, _ = init(DiagonalDense(16, sparsity=0.75, gate_init=0.3), 16)
+    v3, _ = init(DiagonalDense(16, sparsity=0.75, gate_init=0.3, explore="none"), 16)
     assert float(v3["dynadiag"]["strength"]) == pytest.approx(0.3)
 
 
@@ -159,8 +159,8 @@ def test_set_gate_is_jittable_and_reaches_nested_layers():
     class Model(nn.Module):
         @nn.compact
         def __call__(self, x):
-            x = DiagonalDense(16, sparsity=0.5, name="a")(x)
-            return DiagonalDense(4, sparsity=0.5, gate="softmax", name="b")(x)
+            x = DiagonalDense(16, sparsity=0.5, explore="none", name="a")(x)
+            return DiagonalDense(4, sparsity=0.5, gate="softmax", explore="none", name="b")(x)
 
     model = Model()
     v = model.init(jax.random.key(0), jnp.ones((2, 8)))
@@ -203,7 +203,7 @@ def test_buckets_compute_the_support_only(rng):
 
 
 def test_topk_refresh_when_mutable(rng):
-    layer = DiagonalDense(16, sparsity=0.75, impl="jax")
+    layer = DiagonalDense(16, sparsity=0.75, explore="none", impl="jax")
     v, x = init(layer, 16)
     params = perturb(v["params"], rng)
     _, state = layer.apply(dict(v, params=params), x, mutable=["dynadiag", "intermediates"])
@@ -231,21 +231,22 @@ def test_frozen_init_phase(n_in, n_out):
 
 
 def test_dtype_and_param_dtype():
-    layer = DiagonalDense(16, sparsity=0.5, dtype=jnp.bfloat16, impl="jax")
+    layer = DiagonalDense(16, sparsity=0.5, dtype=jnp.bfloat16, explore="none", impl="jax")
     x = jax.random.normal(jax.random.key(0), (4, 8))
     v = layer.init(jax.random.key(1), x)
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(v["params"]))
     y = layer.apply(v, x)
     assert y.dtype == jnp.bfloat16
-    y32 = DiagonalDense(16, sparsity=0.5, impl="jax").apply(v, x)
+    y32 = DiagonalDense(16, sparsity=0.5, explore="none", impl="jax").apply(v, x)
     np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), np.asarray(y32), atol=BF16_TOL,
                                rtol=BF16_TOL)
-    y_in = DiagonalDense(16, sparsity=0.5, impl="jax").apply(v, x.astype(jnp.bfloat16))
+    y_in = DiagonalDense(16, sparsity=0.5, explore="none", impl="jax").apply(
+        v, x.astype(jnp.bfloat16))
     assert y_in.dtype == jnp.float32  # promoted with param_dtype by default
 
 
 def test_jit_grad_and_leading_dims():
-    layer = DiagonalDense(12, sparsity=0.6, impl="jax")
+    layer = DiagonalDense(12, sparsity=0.6, explore="none", impl="jax")
     v, x = init(layer, 9, batch=(2, 3, 4))
 
     @jax.jit
@@ -284,7 +285,7 @@ def test_bad_input():
         DiagonalDense(8, sparsity=0.5, init_phase="dense")
     with pytest.raises(ValueError, match="budget k=9"):
         DiagonalDense(4, k=9).init(jax.random.key(0), x)  # P = max(8, 4) = 8
-    layer = DiagonalDense(8, sparsity=0.5)
+    layer = DiagonalDense(8, sparsity=0.5, explore="none")
     v = layer.init(jax.random.key(0), x)
     for bad in (0.0, -1.0):
         with pytest.raises(ValueError, match="strength must be a positive"):
@@ -310,7 +311,7 @@ def test_nnx_bridge():
     """The linen layer runs from NNX via flax.nnx.bridge; "dynadiag" becomes a Variable type."""
     from flax import nnx
 
-    layer = DiagonalDense(16, sparsity=0.75, impl="jax")
+    layer = DiagonalDense(16, sparsity=0.75, explore="none", impl="jax")
     x = jax.random.normal(jax.random.key(3), (4, 12))
     model = nnx.bridge.ToNNX(layer, rngs=nnx.Rngs(0))
     nnx.bridge.lazy_init(model, x)

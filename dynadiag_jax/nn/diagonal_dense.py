@@ -269,7 +269,7 @@ class DiagonalDense(nn.Module):
         self._track_topk(alpha, k)
 
         k_cap = self.capacity(geo.in_features)
-        product = _Product(x, values.astype(work), gate, self.features, self.impl, dtype)
+        product = _Product(x, values, gate, self.features, self.impl, dtype)
         if self.explore == "buckets":
             sizes = bucket_sizes(k_cap, p, self.num_buckets)
             support = jnp.sum(gate > 0)
@@ -317,20 +317,23 @@ class _Product:
         self.x, self.values, self.gate = x, values, gate
         self.out_features, self.impl, self.dtype = out_features, impl, dtype
 
+    def _select(self, size: int):
+        # Ascending offsets, as in the frozen phase: kernels see one ordering in both phases.
+        _, idx = jax.lax.top_k(jax.lax.stop_gradient(self.gate), size)
+        return jnp.sort(idx).astype(jnp.int32)
+
     def sparse(self, size: int):
         """``(y, gate mass computed)`` over the ``size`` diagonals with the largest gate."""
-        kept, idx = jax.lax.top_k(self.gate, size)
-        w = (kept[:, None] * self.values[idx]).astype(self.dtype)
-        y = diag_matmul(self.x, w, idx.astype(jnp.int32), out_features=self.out_features,
-                        impl=self.impl)
-        return y, jnp.sum(kept)
+        idx = self._select(size)
+        w = _selected_weights(self.gate, self.values, idx, self.dtype)
+        y = diag_matmul(self.x, w, idx, out_features=self.out_features, impl=self.impl)
+        return y, jnp.sum(self.gate[idx])
 
     def scored(self, size: int):
         """As :meth:`sparse`, with exact gradients for all ``P`` diagonals (dense SDDMM)."""
-        kept, idx = jax.lax.top_k(jax.lax.stop_gradient(self.gate), size)
-        y = _scored_product(self.x, self.gate, self.values, idx.astype(jnp.int32),
-                            self.out_features, self.impl)
-        return y, jnp.sum(kept)
+        idx = self._select(size)
+        y = _scored_product(self.x, self.gate, self.values, idx, self.out_features, self.impl)
+        return y, jnp.sum(self.gate[idx])
 
 
 def _uniform(bound: float):
@@ -347,7 +350,8 @@ def _alpha_init(key, shape, dtype=jnp.float32):
 
 
 def _selected_weights(gate, values, idx, dtype):
-    return (gate[idx][:, None] * values[idx]).astype(dtype)
+    """``gate[idx, None] * values[idx]`` (in the gate's dtype), cast to the compute dtype."""
+    return (gate[idx][:, None] * values[idx].astype(gate.dtype)).astype(dtype)
 
 
 def _scored_product(x, gate, values, idx, out_features, impl):
@@ -380,9 +384,9 @@ def _scored_vjp(out_features: int, impl: str):
         _, pull_v = jax.vjp(lambda v: diag_matmul(x, v, every, out_features=out_features,
                                                   impl=impl), jnp.zeros(values.shape, x.dtype))
         (g_all,) = pull_v(dy)
-        g_all = g_all.astype(values.dtype)
-        dgate = jnp.sum(values * g_all, axis=1).astype(gate.dtype)
-        dvalues = gate[:, None].astype(values.dtype) * g_all
+        g_all = g_all.astype(gate.dtype)
+        dgate = jnp.sum(values.astype(gate.dtype) * g_all, axis=1)
+        dvalues = (gate[:, None] * g_all).astype(values.dtype)
         return dx, dgate, dvalues, None
 
     f.defvjp(fwd, bwd)
