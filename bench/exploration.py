@@ -147,7 +147,7 @@ def main():
         for mechanism in MECHANISMS:
             runs = [results[mechanism, problem, s] for s in range(args.seeds)]
             rows.append({
-                "problem": "%dx%d K=%d" % problem,
+                "problem": "{}x{} K={}".format(*problem),
                 "mechanism": mechanism,
                 "recovered": statistics.mean(r["recovered"] for r in runs),
                 "worst": min(r["recovered"] for r in runs),
@@ -163,7 +163,8 @@ def main():
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    header = "| problem (in x out) | mechanism | recovered | worst | rel_err | computed | cost | time |"
+    header = ("| problem (in x out) | mechanism | recovered | worst | rel_err | computed | cost "
+              "| time |")
     print(f"\n{args.steps} search steps, {args.seeds} seeds, jax impl on {jax.default_backend()}\n")
     print(header)
     print("|" + "---|" * 8)

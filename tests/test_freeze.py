@@ -89,7 +89,7 @@ def test_freeze_tree_whole_model_under_jit():
     np.testing.assert_array_equal(fv["params"]["Dense_0"]["kernel"],
                                   v["params"]["Dense_0"]["kernel"])
     # Frozen model == search model whose gates are the hard top-K (computed densely here).
-    for path, layer_in, out in ((("first",), 16, 24), (("Block_0", "inner"), 24, 10)):
+    for path in (("first",), ("Block_0", "inner")):
         p = v["params"]
         f = fv["params"]
         for key in path:
@@ -114,7 +114,8 @@ def test_freeze_tree_stacked_layers():
             scanned = nn.scan(lambda mdl, c, _: (mdl(c), None),
                               variable_axes={"params": 0, "dynadiag": 0, "diagonals": 0},
                               split_rngs={"params": True}, length=3)
-            x, _ = scanned(DiagonalDense(8, k=2, explore="none", impl="jax", use_bias=False), x, None)
+            layer = DiagonalDense(8, k=2, explore="none", impl="jax", use_bias=False)
+            x, _ = scanned(layer, x, None)
             return x
 
     model = Stack()

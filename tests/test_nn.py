@@ -57,7 +57,7 @@ def test_init_shapes_and_ranges(n_in, n_out):
 
 def test_keyword_only_and_budget_k():
     with pytest.raises(TypeError):
-        DiagonalDense(8, 0.5)  # noqa: the API is DiagonalDense(features, *, sparsity, ...)
+        DiagonalDense(8, 0.5)  # sparsity is keyword-only
     v, _ = init(DiagonalDense(8, k=3, explore="none"), 8)
     assert v["dynadiag"]["topk"].shape == (3,)
 

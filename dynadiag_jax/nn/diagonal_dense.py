@@ -139,7 +139,8 @@ class DiagonalDense(nn.Module):
       param_dtype: parameter dtype.
       impl: passed to :func:`dynadiag_jax.diag_matmul`.
 
-    Shapes: ``x[..., in] -> y[..., features]``; ``P = max(in, features)``, ``D = min(in, features)``.
+    Shapes: ``x[..., in] -> y[..., features]``; ``P = max(in, features)``,
+    ``D = min(in, features)``.
     """
 
     features: int
@@ -174,8 +175,8 @@ class DiagonalDense(nn.Module):
             raise ValueError(f"unknown explore {self.explore!r}; expected one of {EXPLORE_MODES}")
         if not self.slack >= 0:
             raise ValueError(f"slack must be >= 0, got {self.slack!r}")
-        if isinstance(self.num_buckets, bool) or not isinstance(self.num_buckets, numbers.Integral) \
-                or self.num_buckets < 1:
+        buckets = self.num_buckets
+        if isinstance(buckets, bool) or not isinstance(buckets, numbers.Integral) or buckets < 1:
             raise ValueError(f"num_buckets must be an int >= 1, got {self.num_buckets!r}")
         _positive_scalar(self.gate_init, "gate_init")
         super().__post_init__()
@@ -196,7 +197,7 @@ class DiagonalDense(nn.Module):
 
     @nn.compact
     def __call__(self, x, *, strength=None, temperature=None):
-        """``x[..., in] -> [..., features]``; ``strength``/``temperature`` override the collection."""
+        """``x[..., in] -> [..., features]``; call kwargs override the ``"dynadiag"`` value."""
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"x must be an array, got {type(x).__name__}")
         if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
@@ -364,7 +365,7 @@ def _scored_product(x, gate, values, idx, out_features, impl):
     return _scored_vjp(out_features, impl)(x, gate, values, idx)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scored_vjp(out_features: int, impl: str):
     @jax.custom_vjp
     def f(x, gate, values, idx):

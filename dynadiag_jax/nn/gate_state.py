@@ -41,7 +41,8 @@ def set_gate(variables, *, strength=None, temperature=None, score=None):
     _positive_scalar(strength, "strength")
     _positive_scalar(temperature, "temperature")
     if not isinstance(variables, Mapping):
-        raise TypeError(f"variables must be a mapping of collections, got {type(variables).__name__}")
+        raise TypeError(
+            f"variables must be a mapping of collections, got {type(variables).__name__}")
     if COLLECTION not in variables:
         return variables
     updates = {}
