@@ -1,0 +1,214 @@
+// Decode and validate the operands of the three CPU targets, then call the kernels.
+//
+// Every check returns InvalidArgument naming the operand and the expected shape; nothing here
+// aborts. Operand order and meaning follow docs/kernel_abi.md.
+#include "ffi_handlers.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "diag_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace dynadiag {
+namespace {
+
+using Dims = ffi::AnyBuffer::Dimensions;
+
+std::string ShapeString(Dims dims) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < dims.size(); ++i) s << (i ? ", " : "") << dims[i];
+  s << "]";
+  return s.str();
+}
+
+std::string ShapeString(const std::vector<int64_t>& dims) {
+  return ShapeString(Dims(dims.data(), dims.size()));
+}
+
+ffi::Error Invalid(const char* target, const std::string& message) {
+  return ffi::Error::InvalidArgument(std::string(target) + ": " + message);
+}
+
+// The floating operands must share one dtype, F32 or BF16 on CPU.
+std::optional<ffi::Error> CheckFloat(const char* target, const char* name, ffi::DataType dtype,
+                                     ffi::DataType expected) {
+  if (dtype != expected) {
+    return Invalid(target, std::string(name) + " must have the dtype of the first operand (" +
+                               (expected == ffi::DataType::F32 ? "F32" : "BF16") + ")");
+  }
+  return std::nullopt;
+}
+
+std::optional<ElemType> ElemTypeOf(ffi::DataType dtype) {
+  if (dtype == ffi::DataType::F32) return ElemType::kF32;
+  if (dtype == ffi::DataType::BF16) return ElemType::kBF16;
+  return std::nullopt;
+}
+
+// A rows operand `[..., width]`: at least rank 1; its leading dimensions are rows.
+std::optional<ffi::Error> CheckRowsOperand(const char* target, const char* name, Dims dims,
+                                           const char* width_name) {
+  if (dims.size() < 1) {
+    return Invalid(target, std::string(name) + " must have shape [..., " + width_name +
+                               "], got a scalar");
+  }
+  return std::nullopt;
+}
+
+// `b` must have the leading dimensions of `a` (same rows, same order).
+std::optional<ffi::Error> CheckSameRows(const char* target, const char* a_name, Dims a,
+                                        const char* b_name, Dims b, int64_t b_width,
+                                        const char* b_width_name) {
+  std::vector<int64_t> expected(a.begin(), a.end() - 1);
+  expected.push_back(b_width);
+  if (b.size() != a.size() || !std::equal(a.begin(), a.end() - 1, b.begin())) {
+    return Invalid(target, std::string(b_name) + " must have shape [..., " + b_width_name +
+                               "] = " + ShapeString(expected) + " with the leading dimensions of " +
+                               a_name + " " + ShapeString(a) + ", got " + ShapeString(b));
+  }
+  return std::nullopt;
+}
+
+int64_t Rows(Dims dims) {
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) rows *= dims[i];
+  return rows;
+}
+
+// offsets: s32[K] with every entry in [0, P). Fills w.k and w.offsets.
+std::optional<ffi::Error> CheckOffsets(const char* target, const ffi::AnyBuffer& offsets,
+                                       DiagMatrix& w) {
+  if (offsets.element_type() != ffi::DataType::S32) {
+    return Invalid(target, "offsets must be an S32 array of shape [K]");
+  }
+  Dims dims = offsets.dimensions();
+  if (dims.size() != 1) {
+    return Invalid(target, "offsets must have shape [K], got " + ShapeString(dims));
+  }
+  w.k = dims[0];
+  w.offsets = static_cast<const int32_t*>(offsets.untyped_data());
+  const int64_t p = std::max(w.in, w.out);
+  for (int64_t k = 0; k < w.k; ++k) {
+    if (w.offsets[k] < 0 || w.offsets[k] >= p) {
+      return Invalid(target, "offsets[" + std::to_string(k) + "] = " +
+                                 std::to_string(w.offsets[k]) + " is outside [0, P) = [0, " +
+                                 std::to_string(p) + ") for in=" + std::to_string(w.in) +
+                                 ", out=" + std::to_string(w.out));
+    }
+  }
+  return std::nullopt;
+}
+
+// A [K, D] operand (values or dvalues).
+std::optional<ffi::Error> CheckDiagShape(const char* target, const char* name, Dims dims,
+                                         const DiagMatrix& w) {
+  const int64_t len = std::min(w.in, w.out);
+  if (dims.size() != 2 || dims[0] != w.k || dims[1] != len) {
+    return Invalid(target, std::string(name) + " must have shape [K, min(in, out)] = [" +
+                               std::to_string(w.k) + ", " + std::to_string(len) +
+                               "] (K from offsets), got " + ShapeString(dims));
+  }
+  return std::nullopt;
+}
+
+constexpr char kFwd[] = "dynadiag_diag_matmul_fwd";
+constexpr char kDx[] = "dynadiag_diag_matmul_dx";
+constexpr char kDvalues[] = "dynadiag_diag_matmul_dvalues";
+
+#define DYNADIAG_RETURN_IF_ERROR(expr)      \
+  if (auto error = (expr)) return *error;
+
+ffi::Error FwdImpl(ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::AnyBuffer offsets,
+                   ffi::Result<ffi::AnyBuffer> y) {
+  auto type = ElemTypeOf(x.element_type());
+  if (!type) return Invalid(kFwd, "x must be F32 or BF16 on CPU");
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kFwd, "values", values.element_type(), x.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kFwd, "y", y->element_type(), x.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kFwd, "x", x.dimensions(), "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kFwd, "y", y->dimensions(), "out"));
+  DiagMatrix w{};
+  w.in = x.dimensions().back();
+  w.out = y->dimensions().back();
+  w.values = values.untyped_data();
+  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kFwd, "x", x.dimensions(), "y", y->dimensions(), w.out,
+                                         "out"));
+  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kFwd, offsets, w));
+  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kFwd, "values", values.dimensions(), w));
+  DiagMatmulFwd(FwdArgs{*type, Rows(x.dimensions()), w, x.untyped_data(), y->untyped_data()});
+  return ffi::Error::Success();
+}
+
+ffi::Error DxImpl(ffi::AnyBuffer dy, ffi::AnyBuffer values, ffi::AnyBuffer offsets,
+                  ffi::Result<ffi::AnyBuffer> dx) {
+  auto type = ElemTypeOf(dy.element_type());
+  if (!type) return Invalid(kDx, "dy must be F32 or BF16 on CPU");
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kDx, "values", values.element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kDx, "dx", dx->element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kDx, "dy", dy.dimensions(), "out"));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kDx, "dx", dx->dimensions(), "in"));
+  DiagMatrix w{};
+  w.in = dx->dimensions().back();
+  w.out = dy.dimensions().back();
+  w.values = values.untyped_data();
+  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kDx, "dy", dy.dimensions(), "dx", dx->dimensions(), w.in,
+                                         "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kDx, offsets, w));
+  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kDx, "values", values.dimensions(), w));
+  DiagMatmulDx(DxArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), dx->untyped_data()});
+  return ffi::Error::Success();
+}
+
+ffi::Error DvaluesImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer offsets,
+                       ffi::Result<ffi::AnyBuffer> dvalues) {
+  auto type = ElemTypeOf(dy.element_type());
+  if (!type) return Invalid(kDvalues, "dy must be F32 or BF16 on CPU");
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kDvalues, "x", x.element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(
+      CheckFloat(kDvalues, "dvalues", dvalues->element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kDvalues, "dy", dy.dimensions(), "out"));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kDvalues, "x", x.dimensions(), "in"));
+  DiagMatrix w{};
+  w.in = x.dimensions().back();
+  w.out = dy.dimensions().back();
+  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kDvalues, "dy", dy.dimensions(), "x", x.dimensions(),
+                                         w.in, "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kDvalues, offsets, w));
+  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kDvalues, "dvalues", dvalues->dimensions(), w));
+  DiagMatmulDvalues(DvaluesArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(),
+                                x.untyped_data(), dvalues->untyped_data()});
+  return ffi::Error::Success();
+}
+
+#undef DYNADIAG_RETURN_IF_ERROR
+
+}  // namespace
+}  // namespace dynadiag
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulFwdCpu, dynadiag::FwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()   // x[..., in]
+                                  .Arg<ffi::AnyBuffer>()   // values[K, D]
+                                  .Arg<ffi::AnyBuffer>()   // offsets[K] s32
+                                  .Ret<ffi::AnyBuffer>());  // y[..., out]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulDxCpu, dynadiag::DxImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()   // dy[..., out]
+                                  .Arg<ffi::AnyBuffer>()   // values[K, D]
+                                  .Arg<ffi::AnyBuffer>()   // offsets[K] s32
+                                  .Ret<ffi::AnyBuffer>());  // dx[..., in]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulDvaluesCpu, dynadiag::DvaluesImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()   // dy[..., out]
+                                  .Arg<ffi::AnyBuffer>()   // x[..., in]
+                                  .Arg<ffi::AnyBuffer>()   // offsets[K] s32
+                                  .Ret<ffi::AnyBuffer>());  // dvalues[K, D]
