@@ -217,6 +217,30 @@ void check_shuffles() {
   }
 }
 
+// The emulation's half and bfloat16 conversions: every finite value survives a round trip, and
+// a float exactly between two neighbours rounds to the even one (and just off the midpoint, to
+// the nearer one).
+template <class H>
+void check_conversions(float (*to_float)(H), H (*from_float)(float), const char* name) {
+  int bad = 0;
+  for (uint32_t h = 0; h < 0xffff; ++h) {
+    const H a{static_cast<uint16_t>(h)}, b{static_cast<uint16_t>(h + 1)};
+    const float fa = to_float(a), fb = to_float(b);
+    if (!std::isfinite(fa) || !std::isfinite(fb)) continue;
+    bad += from_float(fa).bits != h;
+    if ((h & 0x7fff) == 0x7fff || std::signbit(fa) != std::signbit(fb)) continue;
+    const float mid = fa + 0.5f * (fb - fa);  // exact; (fa + fb) / 2 would overflow
+    const uint16_t even = (h % 2 == 0) ? h : h + 1;
+    bad += from_float(mid).bits != even;
+    bad += from_float(std::nextafter(mid, fa)).bits != h;
+    bad += from_float(std::nextafter(mid, fb)).bits != h + 1;
+  }
+  if (bad) {
+    ++failures;
+    std::printf("FAIL %s conversions: %d wrong\n", name, bad);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -228,6 +252,8 @@ int main(int argc, char** argv) {
   }
   std::mt19937 rng(0);
   check_shuffles();
+  check_conversions<__half>(__half2float, __float2half_rn, "half");
+  check_conversions<__nv_bfloat16>(__bfloat162float, __float2bfloat16_rn, "bfloat16");
   const auto cs = cases(rng);
   for (const auto& c : cs) run_case<float>(c, rng);
   for (const auto& c : cs) run_case<__half>(c, rng);

@@ -19,7 +19,7 @@
 //   all lanes of the warp must participate.
 // * `nvcuda::wmma` m16n16k16 with half or bfloat16 inputs and float accumulators. Each lane keeps the
 //   whole tile in its fragment (`num_elements` = rows * cols, a different element mapping from the
-//   GPU's) and computes the whole product in float with FMAs in k order. Loads and stores check the
+//   GPU's) and computes the whole product in float, adding the products in k order. Loads and stores check the
 //   256-bit pointer alignment and the `ldm` rule; `store_matrix_sync` writes from lane 0 only, so a
 //   read of stored data by another lane without `__syncwarp` is a race here too.
 // * `cudaGetLastError` analogue: `emu::last_error()` reports an invalid launch configuration.
@@ -100,48 +100,58 @@ struct __nv_bfloat16 {
   uint16_t bits;
 };
 
-inline float __half2float(__half h) {
-  _Float16 f;
-  std::memcpy(&f, &h.bits, 2);
-  return static_cast<float>(f);
+inline uint32_t float_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return u;
 }
+inline float bits_float(uint32_t u) {
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+inline float __half2float(__half h) {
+  const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
+  const uint32_t exp = (h.bits >> 10) & 0x1fu, mant = h.bits & 0x3ffu;
+  if (exp == 0x1f) return bits_float(sign | 0x7f800000u | (mant << 13));  // inf, NaN
+  if (exp == 0) {                                                       // zero, subnormal
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;  // mant * 2^-24, exact
+    return bits_float(sign | float_bits(v));
+  }
+  return bits_float(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+// Round to nearest even, overflow to inf, NaN stays (quiet) NaN.
 inline __half __float2half_rn(float v) {
-  _Float16 f = static_cast<_Float16>(v);  // round to nearest even
-  __half h;
-  std::memcpy(&h.bits, &f, 2);
-  return h;
+  uint32_t u = float_bits(v);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  uint16_t out;
+  if (u >= 0x47800000u) {         // |v| >= 2^16 (or inf/NaN): no finite half
+    out = u > 0x7f800000u ? 0x7e00 : 0x7c00;
+  } else if (u < 0x38800000u) {   // below 2^-14: a subnormal half; let float addition round
+    const float magic = bits_float(126u << 23);  // 0.5: its ulp is the half subnormal step 2^-24
+    out = static_cast<uint16_t>(float_bits(bits_float(u) + magic) - (126u << 23));
+  } else {                        // normal: rebias the exponent, round the 13 dropped bits
+    const uint32_t odd = (u >> 13) & 1u;
+    u += 0xc8000fffu + odd;       // (15 - 127) << 23, plus the rounding bias
+    out = static_cast<uint16_t>(u >> 13);  // a carry into the exponent gives inf correctly
+  }
+  return __half{static_cast<uint16_t>(out | sign)};
 }
 inline __half __float2half(float v) { return __float2half_rn(v); }
 
-inline float __bfloat162float(__nv_bfloat16 h) {
-  uint32_t u = static_cast<uint32_t>(h.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float __bfloat162float(__nv_bfloat16 h) { return bits_float(static_cast<uint32_t>(h.bits) << 16); }
 inline __nv_bfloat16 __float2bfloat16_rn(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  __nv_bfloat16 h;
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    h.bits = static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN, sign kept
-  } else {
-    h.bits = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // nearest even
-  }
-  return h;
+  const uint32_t u = float_bits(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{static_cast<uint16_t>((u >> 16) | 0x40u)};
+  return __nv_bfloat16{static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};  // nearest even
 }
 inline __nv_bfloat16 __float2bfloat16(float v) { return __float2bfloat16_rn(v); }
 
-inline float __int_as_float(int v) {
-  float f;
-  std::memcpy(&f, &v, 4);
-  return f;
-}
-inline int __float_as_int(float v) {
-  int i;
-  std::memcpy(&i, &v, 4);
-  return i;
-}
+inline float __int_as_float(int v) { return bits_float(static_cast<uint32_t>(v)); }
+inline int __float_as_int(float v) { return static_cast<int>(float_bits(v)); }
 template <class T>
 inline T __ldg(const T* p) {
   return *p;
@@ -720,14 +730,14 @@ void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a,
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>,
                 "the emulation covers half and bfloat16 inputs");
   emu::detail::warp_sync({file, line});
-  float out[M * N];
+  float fa[M * K], fb[K * N], out[M * N];
+  for (int i = 0; i < M * K; ++i) fa[i] = detail::to_float(a.x[i]);
+  for (int i = 0; i < K * N; ++i) fb[i] = detail::to_float(b.x[i]);
+  // k-outer loop order: vectorisable, and each out[i][j] still adds its products in k order
+  for (int i = 0; i < M * N; ++i) out[i] = c.x[i];
   for (int i = 0; i < M; ++i)
-    for (int j = 0; j < N; ++j) {
-      float s = c.x[i * N + j];
-      for (int k = 0; k < K; ++k)
-        s = __builtin_fmaf(detail::to_float(a.x[i * K + k]), detail::to_float(b.x[k * N + j]), s);
-      out[i * N + j] = s;
-    }
+    for (int k = 0; k < K; ++k)
+      for (int j = 0; j < N; ++j) out[i * N + j] += fa[i * K + k] * fb[k * N + j];
   std::memcpy(d.x, out, sizeof out);  // d may alias c
 }
 
