@@ -45,6 +45,9 @@ constexpr int kTile = 16;                                // structure granularit
 constexpr int kTileArea = kTile * kTile;
 constexpr int kBatchTile = 64;                           // batch rows per output tile
 constexpr int kProductThreads = 128;                     // 4 warps, 16 batch rows each
+// Tensor-core kernel: ask ptxas for 8 resident blocks (<= 64 registers). With the thread count
+// alone it aimed at a higher occupancy and spilled on sm_80.
+constexpr int kTensorCoreMinBlocks = 8;
 constexpr int kProductWarps = kProductThreads / 32;
 constexpr int kGroups = kProductThreads / kTile;         // diagonal path: 8 row groups x 16 outputs
 constexpr int kRowsPerThread = kBatchTile / kGroups;     // diagonal path: rows per thread
@@ -224,7 +227,8 @@ __global__ void __launch_bounds__(kProductThreads) diagonal_product_kernel(Produ
 // memory, assemble M[o0.., q0..] from the diagonals whose offsets fall in the tile's window, and
 // run one 16x16x16 wmma per warp.
 template <class T, bool kOutMoving>
-__global__ void __launch_bounds__(kProductThreads) tensor_core_product_kernel(ProductArgs<T> a) {
+__global__ void __launch_bounds__(kProductThreads, kTensorCoreMinBlocks)
+    tensor_core_product_kernel(ProductArgs<T> a) {
   namespace wmma = nvcuda::wmma;
   const int ob = blockIdx.y;
   if (a.path[ob] != kPathTensorCore) return;  // uniform over the block
