@@ -119,16 +119,23 @@ def parse_args(argv):
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="768:3072 at 0.9, ffi and dense only")
-    parser.add_argument("--shapes", type=pairs, default=SHAPES, help="IN:OUT pairs, comma separated")
-    parser.add_argument("--sparsities", type=lambda t: tuple(map(float, t.split(","))), default=SPARSITIES)
+    parser.add_argument(
+        "--shapes", type=pairs, default=SHAPES, help="IN:OUT pairs, comma separated"
+    )
+    parser.add_argument(
+        "--sparsities", type=lambda t: tuple(map(float, t.split(","))), default=SPARSITIES
+    )
     parser.add_argument("--layouts", type=names(LAYOUTS), default=LAYOUTS)
     parser.add_argument("--impls", type=names(IMPLS), default=IMPLS, help="dense always runs")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--batch", type=int, default=8192, help="rows of x (tokens x batch)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--allow-cpu", action="store_true",
-                        help="run on the CPU backend too (a smoke test; times mean nothing for GPUs)")
+    parser.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="run on the CPU backend too (a smoke test; times mean nothing for GPUs)",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
     if args.quick:
@@ -142,24 +149,46 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.allow_cpu:
-        print(f"no GPU: the default JAX backend is {jax.default_backend()!r}. Install jax[cuda13] "
-              "(or jax[cuda12]) and build dynadiag-jax with nvcc on PATH; --allow-cpu runs anyway.",
-              file=sys.stderr)
+        print(
+            f"no GPU: the default JAX backend is {jax.default_backend()!r}. Install jax[cuda13] "
+            "(or jax[cuda12]) and build dynadiag-jax with nvcc on PATH; --allow-cpu runs anyway.",
+            file=sys.stderr,
+        )
         return 2
     if on_gpu and not dd.has_cuda_kernels():
-        print("dynadiag-jax was built without the CUDA kernels (nvcc was not on PATH at install).",
-              file=sys.stderr)
+        print(
+            "dynadiag-jax was built without the CUDA kernels (nvcc was not on PATH at install).",
+            file=sys.stderr,
+        )
         return 2
     dtype = jnp.dtype(args.dtype)
     out = args.out or RESULTS / f"diag_matmul_gpu_{datetime.datetime.now():%Y%m%d_%H%M%S}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     cases = [(s, sp, lay) for s in args.shapes for sp in args.sparsities for lay in args.layouts]
-    fields = ["device", "dtype", "in", "out", "sparsity", "layout", "k", "batch", "impl", "phase",
-              "ms", "speedup_vs_dense", "tiles_touched", "tile_fill", "tensor_core_share"]
+    fields = [
+        "device",
+        "dtype",
+        "in",
+        "out",
+        "sparsity",
+        "layout",
+        "k",
+        "batch",
+        "impl",
+        "phase",
+        "ms",
+        "speedup_vs_dense",
+        "tiles_touched",
+        "tile_fill",
+        "tensor_core_share",
+    ]
     rows = []
-    with out.open("w", newline="") as fh, tqdm(
-        total=len(cases) * len(args.impls) * len(PHASES) * args.repeats, desc="timing"
-    ) as progress:
+    with (
+        out.open("w", newline="") as fh,
+        tqdm(
+            total=len(cases) * len(args.impls) * len(PHASES) * args.repeats, desc="timing"
+        ) as progress,
+    ):
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
         for (in_f, out_f), sparsity, layout in cases:
@@ -180,27 +209,43 @@ def main(argv=None) -> int:
             if on_gpu and "ffi" in args.impls:
                 fn, fn_args = fns[("ffi", "fwd")]
                 if not uses_dynadiag_kernels(fn, fn_args):
-                    raise RuntimeError("impl='ffi' did not compile to the dynadiag CUDA custom calls")
+                    raise RuntimeError(
+                        "impl='ffi' did not compile to the dynadiag CUDA custom calls"
+                    )
             med = run_case(fns, args.repeats, progress)
             blocks = stats.forward.output_blocks + stats.dx.output_blocks
             for (impl, phase), seconds in med.items():
-                row = dict(device=jax.devices()[0].device_kind, dtype=dtype.name, sparsity=sparsity,
-                           layout=layout, k=k, batch=args.batch, impl=impl, phase=phase,
-                           ms=round(seconds * 1e3, 4),
-                           speedup_vs_dense=round(med[("dense", phase)] / seconds, 3),
-                           tiles_touched=stats.tiles_touched, tile_fill=round(stats.forward.fill, 3),
-                           tensor_core_share=round((stats.forward.tensor_core_blocks
-                                                    + stats.dx.tensor_core_blocks) / blocks, 3))
+                row = dict(
+                    device=jax.devices()[0].device_kind,
+                    dtype=dtype.name,
+                    sparsity=sparsity,
+                    layout=layout,
+                    k=k,
+                    batch=args.batch,
+                    impl=impl,
+                    phase=phase,
+                    ms=round(seconds * 1e3, 4),
+                    speedup_vs_dense=round(med[("dense", phase)] / seconds, 3),
+                    tiles_touched=stats.tiles_touched,
+                    tile_fill=round(stats.forward.fill, 3),
+                    tensor_core_share=round(
+                        (stats.forward.tensor_core_blocks + stats.dx.tensor_core_blocks) / blocks, 3
+                    ),
+                )
                 row["in"], row["out"] = in_f, out_f
                 writer.writerow(row)
                 fh.flush()
                 rows.append(row)
-    print(f"\n{'shape':>10} {'sp':>5} {'layout':>7} {'TC share':>8} {'impl':>6} {'phase':>8} "
-          f"{'ms':>9} {'x dense':>8}")
+    print(
+        f"\n{'shape':>10} {'sp':>5} {'layout':>7} {'TC share':>8} {'impl':>6} {'phase':>8} "
+        f"{'ms':>9} {'x dense':>8}"
+    )
     for r in rows:
-        print(f"{r['in']:>4}:{r['out']:<5} {r['sparsity']:>5} {r['layout']:>7} "
-              f"{r['tensor_core_share']:>8} {r['impl']:>6} {r['phase']:>8} {r['ms']:>9.3f} "
-              f"{r['speedup_vs_dense']:>8.2f}")
+        print(
+            f"{r['in']:>4}:{r['out']:<5} {r['sparsity']:>5} {r['layout']:>7} "
+            f"{r['tensor_core_share']:>8} {r['impl']:>6} {r['phase']:>8} {r['ms']:>9.3f} "
+            f"{r['speedup_vs_dense']:>8.2f}"
+        )
     print(f"\nwrote {out}")
     return 0
 

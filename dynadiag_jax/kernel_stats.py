@@ -66,7 +66,7 @@ def tile_counts(offsets, in_features: int, out_features: int) -> np.ndarray:
 
 
 def block_structure(offsets, in_features: int, out_features: int, kind: str, dtype):
-    """Per output block of product ``kind`` (``"fwd"``/``"dx"``): ``(touched tiles, non-zeros, path)``.
+    """Per output block of product ``kind`` (``"fwd"``/``"dx"``): touched tiles, non-zeros, path.
 
     The host copy of ``compact_tiles_kernel``; arrays of length ``n_ob``.
     """
@@ -76,14 +76,14 @@ def block_structure(offsets, in_features: int, out_features: int, kind: str, dty
     ntiles = (per_block > 0).sum(axis=1)
     entries = per_block.sum(axis=1)
     tensor_cores = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    dense_enough = (
-        entries * cuda.MIN_FILL_DEN >= ntiles * cuda.TILE * cuda.TILE * cuda.MIN_FILL_NUM
-    )
+    dense_enough = entries * cuda.MIN_FILL_DEN >= ntiles * cuda.TILE * cuda.TILE * cuda.MIN_FILL_NUM
     path = np.where(tensor_cores & (ntiles > 0) & dense_enough, PATH_TENSOR_CORE, PATH_DIAGONAL)
     return ntiles, entries, path
 
 
-def kernel_stats(offsets, in_features: int, out_features: int, *, dtype=jnp.bfloat16) -> KernelStats:
+def kernel_stats(
+    offsets, in_features: int, out_features: int, *, dtype=jnp.bfloat16
+) -> KernelStats:
     """Tile structure and kernel path of ``W[out_features, in_features]`` with these diagonals.
 
     Args:

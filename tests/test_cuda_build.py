@@ -43,8 +43,12 @@ def ptxas_report(log: str) -> list[dict]:
             entries.append(current)
         elif current is None:
             continue
-        elif m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line):
-            current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        elif m := re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line
+        ):
+            current.update(
+                stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3))
+            )
         elif m := re.search(r"Used (\d+) registers", line):
             current["registers"] = int(m.group(1))
             if s := re.search(r"(\d+) bytes smem", line):
@@ -59,9 +63,25 @@ def ptxas(tmp_path_factory):
         pytest.skip("needs nvcc on PATH and the xla_ext sources")
     out = tmp_path_factory.mktemp("nvcc")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
-    cmd = [nvcc, "--fatbin", "-std=c++17", "-O3", "-Xptxas", "-v", "--keep", "--keep-dir", str(out),
-           *gencode, "-I", str(ROOT / "xla_ext"), "-isystem", jax.ffi.include_dir(),
-           str(SOURCE), "-o", str(out / "kernels.fatbin")]
+    cmd = [
+        nvcc,
+        "--fatbin",
+        "-std=c++17",
+        "-O3",
+        "-Xptxas",
+        "-v",
+        "--keep",
+        "--keep-dir",
+        str(out),
+        *gencode,
+        "-I",
+        str(ROOT / "xla_ext"),
+        "-isystem",
+        jax.ffi.include_dir(),
+        str(SOURCE),
+        "-o",
+        str(out / "kernels.fatbin"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"nvcc failed:\n{proc.stderr[-4000:]}"
     ptx = {a: "".join(p.read_text() for p in out.glob(f"*compute_{a}*.ptx")) for a in ARCHS}
@@ -88,7 +108,9 @@ def test_tensor_core_kernels_issue_wmma(ptxas):
     _, ptx = ptxas
     for arch in ARCHS:
         assert "wmma.mma.sync.aligned.row.col.m16n16k16.f32.bf16.bf16.f32" in ptx[arch], arch
-        assert re.search(r"wmma\.mma\.sync\.aligned\.row\.col\.m16n16k16\.f32\.f32", ptx[arch]), arch
+        assert re.search(r"wmma\.mma\.sync\.aligned\.row\.col\.m16n16k16\.f32\.f32", ptx[arch]), (
+            arch
+        )
 
 
 @pytest.mark.skipif(not dd.has_cuda_kernels(), reason="CUDA targets not built (no nvcc at install)")
@@ -105,11 +127,18 @@ def test_diag_matmul_lowers_to_the_cuda_targets_with_a_workspace():
         return jnp.sum(f(x, v, o).astype(jnp.float32) ** 2)
 
     fwd = jax.jit(f).trace(x, v, o).lower(lowering_platforms=("cuda",)).as_text()
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, v, o).lower(
-        lowering_platforms=("cuda",)).as_text()
+    grad = (
+        jax.jit(jax.grad(loss, argnums=(0, 1)))
+        .trace(x, v, o)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     for kind, text in (("fwd", fwd), ("fwd", grad), ("dx", grad), ("dvalues", grad)):
-        calls = [line for line in text.splitlines()
-                 if f"stablehlo.custom_call @dynadiag_diag_matmul_{kind}(" in line]
+        calls = [
+            line
+            for line in text.splitlines()
+            if f"stablehlo.custom_call @dynadiag_diag_matmul_{kind}(" in line
+        ]
         assert calls, f"no {kind} custom call in the CUDA lowering"
         nbytes = max(1, cuda.workspace_bytes(kind, rows, in_f, out_f, k))
         assert all(f"tensor<{nbytes}xui8>" in c for c in calls), f"{kind} workspace: {calls[0]}"

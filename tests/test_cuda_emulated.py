@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 import dynadiag_jax as dd
-ks = importlib.import_module("dynadiag_jax.kernel_stats")  # the module; dd.kernel_stats is its function
 from dynadiag_jax.layout import diag_indices
 from dynadiag_jax.ops import cuda
+
+# The module (dd.kernel_stats is the function of the same name).
+ks = importlib.import_module("dynadiag_jax.kernel_stats")
 
 pytestmark = pytest.mark.skipif(
     "cuda_emulated" not in dd.available_impls(), reason="emulated CUDA targets not built"
@@ -155,7 +157,10 @@ def emulated_call(kind, a, b, offsets, out_shape, out_dtype, in_f, out_f):
     nbytes = cuda.workspace_bytes(kind, rows, in_f, out_f, offsets.shape[0])
     call = jax.ffi.ffi_call(
         f"{cuda.EMULATED_PREFIX}_{kind}",
-        (jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct((max(nbytes, 1),), jnp.uint8)),
+        (
+            jax.ShapeDtypeStruct(out_shape, out_dtype),
+            jax.ShapeDtypeStruct((max(nbytes, 1),), jnp.uint8),
+        ),
     )
     return call(a, b, offsets)
 
@@ -169,8 +174,9 @@ def test_device_tile_structure_equals_kernel_stats(kind, in_f, out_f, rng):
     a_f, o_f = (in_f, out_f) if kind == "fwd" else (out_f, in_f)
     a = jnp.ones((3, a_f), jnp.bfloat16)
     values = jnp.ones((len(offsets), min(in_f, out_f)), jnp.bfloat16)
-    _, ws = emulated_call(kind, a, values, jnp.asarray(offsets, jnp.int32), (3, o_f), jnp.bfloat16,
-                          in_f, out_f)
+    _, ws = emulated_call(
+        kind, a, values, jnp.asarray(offsets, jnp.int32), (3, o_f), jnp.bfloat16, in_f, out_f
+    )
     ws = np.asarray(ws)
 
     def seg(at, n):
@@ -223,12 +229,14 @@ def test_zero_rows_and_zero_diagonals():
     v = jnp.ones((2, 20), jnp.bfloat16)
     off = jnp.asarray([1, 2], jnp.int32)
     assert dd.diag_matmul(x, v, off, out_features=36, impl=IMPL).shape == (0, 36)
-    g = jax.grad(lambda v: jnp.sum(dd.diag_matmul(x, v, off, out_features=36, impl=IMPL)
-                                   .astype(jnp.float32)))(v)
+    g = jax.grad(
+        lambda v: jnp.sum(dd.diag_matmul(x, v, off, out_features=36, impl=IMPL).astype(jnp.float32))
+    )(v)
     np.testing.assert_array_equal(np.asarray(g, np.float32), 0.0)
     x = jnp.ones((3, 20), jnp.float16)
-    y = dd.diag_matmul(x, jnp.ones((0, 20), jnp.float16), jnp.zeros((0,), jnp.int32),
-                       out_features=36, impl=IMPL)
+    y = dd.diag_matmul(
+        x, jnp.ones((0, 20), jnp.float16), jnp.zeros((0,), jnp.int32), out_features=36, impl=IMPL
+    )
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.zeros((3, 36)))
 
 
@@ -237,6 +245,7 @@ def test_traced_offset_out_of_range_gives_nan_without_a_host_sync(dtype):
     # A GPU kernel cannot report a bad offset without synchronising; it writes NaN instead.
     x = jnp.ones((3, 8), dtype)
     v = jnp.ones((16, 8), dtype)
+
     def loss(v, off):
         y = dd.diag_matmul(x, v, off, out_features=12, impl=IMPL)
         return jnp.sum(y.astype(jnp.float32)), y
@@ -256,10 +265,28 @@ def test_traced_offset_out_of_range_gives_nan_without_a_host_sync(dtype):
 @pytest.mark.parametrize(
     "kind,a_shape,b_shape,out_shape,match",
     [
-        ("fwd", (3, 8), (2, 7), (3, 12), r"values must have shape \[K, min\(in, out\)\] = \[K, 8\]"),
-        ("fwd", (3, 8), (2, 8), (4, 12), r"y \[4, 12\] must have the leading dimensions of x \[3, 8\]"),
+        (
+            "fwd",
+            (3, 8),
+            (2, 7),
+            (3, 12),
+            r"values must have shape \[K, min\(in, out\)\] = \[K, 8\]",
+        ),
+        (
+            "fwd",
+            (3, 8),
+            (2, 8),
+            (4, 12),
+            r"y \[4, 12\] must have the leading dimensions of x \[3, 8\]",
+        ),
         ("dx", (3, 12), (2, 8), (3, 8), r"offsets must have shape \[K\] = \[2\], got \[3\]"),
-        ("dvalues", (3, 12), (3, 8), (2, 7), r"dvalues must have shape \[K, min\(in, out\)\] = \[3, 8\]"),
+        (
+            "dvalues",
+            (3, 12),
+            (3, 8),
+            (2, 7),
+            r"dvalues must have shape \[K, min\(in, out\)\] = \[3, 8\]",
+        ),
         ("dvalues", (3, 12), (4, 8), (3, 8), r"x \[4, 8\] must have the leading dimensions of dy"),
     ],
 )
@@ -281,10 +308,14 @@ def test_handlers_reject_a_small_workspace_and_a_foreign_dtype():
         (jax.ShapeDtypeStruct((3, 12), jnp.bfloat16), jax.ShapeDtypeStruct((need - 1,), jnp.uint8)),
     )
     with pytest.raises(Exception, match=f"workspace must have at least {need} bytes"):
-        jax.block_until_ready(small(jnp.ones((3, 8), jnp.bfloat16), jnp.ones((2, 8), jnp.bfloat16), off))
+        jax.block_until_ready(
+            small(jnp.ones((3, 8), jnp.bfloat16), jnp.ones((2, 8), jnp.bfloat16), off)
+        )
     mixed = jax.ffi.ffi_call(
         f"{cuda.EMULATED_PREFIX}_fwd",
         (jax.ShapeDtypeStruct((3, 12), jnp.float32), jax.ShapeDtypeStruct((need,), jnp.uint8)),
     )
-    with pytest.raises(Exception, match=r"values must have the dtype of x \(float32\), got bfloat16"):
+    with pytest.raises(
+        Exception, match=r"values must have the dtype of x \(float32\), got bfloat16"
+    ):
         jax.block_until_ready(mixed(jnp.ones((3, 8)), jnp.ones((2, 8), jnp.bfloat16), off))

@@ -23,8 +23,21 @@ def tsan_driver(tmp_path_factory):
     if cxx is None or not DRIVER.exists():
         pytest.skip("needs a C++ compiler (g++ or $CXX) and the xla_ext sources")
     exe = tmp_path_factory.mktemp("tsan") / "kernel_check"
-    cmd = [cxx, "-std=c++17", "-O1", "-g", "-fsanitize=thread", "-pthread", "-Wall",
-           "-Wno-unknown-pragmas", "-I", str(ROOT / "xla_ext"), str(DRIVER), "-o", str(exe)]
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-O1",
+        "-g",
+        "-fsanitize=thread",
+        "-pthread",
+        "-Wall",
+        "-Wno-unknown-pragmas",
+        "-I",
+        str(ROOT / "xla_ext"),
+        str(DRIVER),
+        "-o",
+        str(exe),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"build failed:\n{proc.stderr[-4000:]}"
     return exe

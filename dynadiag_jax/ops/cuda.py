@@ -85,8 +85,9 @@ def product_layout(kind: str, in_features: int, out_features: int) -> ProductLay
     ntiles_at = tiles_at + _align(4 * n_ob * n_qb)
     path_at = ntiles_at + _align(4 * n_ob)
     nbytes = path_at + _align(4 * n_ob)
-    return ProductLayout(n_mb, n_tb, out_moving, n_ob, n_qb, count_at, tiles_at, ntiles_at,
-                         path_at, nbytes)
+    return ProductLayout(
+        n_mb, n_tb, out_moving, n_ob, n_qb, count_at, tiles_at, ntiles_at, path_at, nbytes
+    )
 
 
 def sddmm_splits(rows: int, in_features: int, out_features: int, num_diagonals: int) -> int:
@@ -99,8 +100,9 @@ def sddmm_splits(rows: int, in_features: int, out_features: int, num_diagonals: 
     return splits if splits >= 2 and num_diagonals * d > 0 else 1
 
 
-def workspace_bytes(kind: str, rows: int, in_features: int, out_features: int,
-                    num_diagonals: int) -> int:
+def workspace_bytes(
+    kind: str, rows: int, in_features: int, out_features: int, num_diagonals: int
+) -> int:
     """Bytes of device workspace the CUDA target ``kind`` (``fwd``, ``dx``, ``dvalues``) needs.
 
     Args:

@@ -70,8 +70,8 @@ inline ffi::Error check_rows(const char* an, ffi::AnyBuffer::Dimensions a, const
   }
   const int64_t n = a.back(), m = b.back(), lim = std::numeric_limits<int32_t>::max();
   if (n < 1 || m < 1 || n > lim || m > lim)
-    return invalid(std::string("feature dimensions must lie in [1, 2^31): ") + an + " " + shape_str(a) + ", " +
-                   bn + " " + shape_str(b));
+    return invalid(std::string("feature dimensions must lie in [1, 2^31): ") + an + " " + shape_str(a) +
+                   ", " + bn + " " + shape_str(b));
   *rows = r;
   return ffi::Error::Success();
 }
@@ -104,7 +104,8 @@ ffi::Error product(Launcher& launch, bool transpose, ffi::AnyBuffer in, ffi::Any
   if (auto e = check_same_dtype(dt, "values", values.element_type(), in_name); e.failure()) return e;
   if (auto e = check_same_dtype(dt, out_name, out->element_type(), in_name); e.failure()) return e;
   int64_t rows = 0;
-  if (auto e = check_rows(in_name, in.dimensions(), out_name, out->dimensions(), &rows); e.failure()) return e;
+  if (auto e = check_rows(in_name, in.dimensions(), out_name, out->dimensions(), &rows); e.failure())
+    return e;
   const int64_t q_dim = in.dimensions().back(), o_dim = out->dimensions().back();
   const int64_t in_f = transpose ? o_dim : q_dim, out_f = transpose ? q_dim : o_dim;
   const int64_t D = in_f < out_f ? in_f : out_f;
@@ -147,7 +148,8 @@ template <class Launcher>
 ffi::Error dvalues(Launcher& launch, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> offsets,
                    ffi::Result<ffi::AnyBuffer> dvalues, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
   const ffi::DataType dt = dy.element_type();
-  if (!supported_dtype(dt)) return invalid(std::string("dy must be float32, bfloat16 or float16, got ") + dtype_name(dt));
+  if (!supported_dtype(dt))
+    return invalid(std::string("dy must be float32, bfloat16 or float16, got ") + dtype_name(dt));
   if (auto e = check_same_dtype(dt, "x", x.element_type(), "dy"); e.failure()) return e;
   if (auto e = check_same_dtype(dt, "dvalues", dvalues->element_type(), "dy"); e.failure()) return e;
   int64_t rows = 0;
@@ -160,8 +162,8 @@ ffi::Error dvalues(Launcher& launch, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::B
   if (K > std::numeric_limits<int32_t>::max()) return invalid("too many diagonals");
   auto vd = dvalues->dimensions();
   if (vd.size() != 2 || vd[0] != K || vd[1] != D)
-    return invalid("dvalues must have shape [K, min(in, out)] = [" + std::to_string(K) + ", " + std::to_string(D) +
-                   "], got " + shape_str(vd));
+    return invalid("dvalues must have shape [K, min(in, out)] = [" + std::to_string(K) + ", " +
+                   std::to_string(D) + "], got " + shape_str(vd));
   if (const char* e = sddmm_limits(K, D)) return invalid(e);
   const SddmmPlan plan = plan_sddmm(rows, in_f, out_f, K, workspace->element_count());
   const bool tall = out_f >= in_f;

@@ -28,7 +28,8 @@ class CudaLauncher {
   }
   ffi::Error status() const {
     if (error_ == cudaSuccess) return ffi::Error::Success();
-    return ffi::Error::Internal(std::string("dynadiag CUDA kernel launch failed: ") + cudaGetErrorString(error_));
+    return ffi::Error::Internal(std::string("dynadiag CUDA kernel launch failed: ") +
+                                cudaGetErrorString(error_));
   }
 
  private:

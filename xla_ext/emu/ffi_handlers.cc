@@ -74,7 +74,8 @@ namespace emu_host {
 
 size_t workspace_bytes(const std::string& op, int64_t rows, int64_t in_features, int64_t out_features,
                        int64_t num_diagonals, bool tensor_cores) {
-  if (op == "dvalues") return cuda::plan_sddmm(rows, in_features, out_features, num_diagonals).workspace_bytes;
+  if (op == "dvalues")
+    return cuda::plan_sddmm(rows, in_features, out_features, num_diagonals).workspace_bytes;
   return cuda::plan_product(in_features, out_features, op == "dx", tensor_cores).workspace_bytes;
 }
 

@@ -17,15 +17,16 @@
 // * Warp collectives (`__syncwarp`, `__shfl*_sync`, `nvcuda::wmma::*_sync`) rendezvous the lanes of
 //   the warp at a warp barrier with the same divergence check. The `mask` arguments are ignored:
 //   all lanes of the warp must participate.
-// * `nvcuda::wmma` m16n16k16 with half or bfloat16 inputs and float accumulators. Each lane keeps the
-//   whole tile in its fragment (`num_elements` = rows * cols, a different element mapping from the
-//   GPU's) and computes the whole product in float, adding the products in k order. Loads and stores check the
-//   256-bit pointer alignment and the `ldm` rule; `store_matrix_sync` writes from lane 0 only, so a
-//   read of stored data by another lane without `__syncwarp` is a race here too.
+// * `nvcuda::wmma` m16n16k16 with half or bfloat16 inputs and float accumulators. Each lane keeps
+//   the whole tile in its fragment (`num_elements` = rows * cols, a different element mapping from
+//   the GPU's) and computes the whole product in float, adding the products in k order. Loads and
+//   stores check the 256-bit pointer alignment and the `ldm` rule; `store_matrix_sync` writes from
+//   lane 0 only, so a read of stored data by another lane without `__syncwarp` is a race here too.
 // * `cudaGetLastError` analogue: `emu::last_error()` reports an invalid launch configuration.
 //
 // Not modelled: inline PTX, cooperative groups, grid-wide sync, dynamic shared memory, streams.
 // Kernel code must not use them; missing builtins fail at compile time, which is the point.
+// Linux only (futexes for the thread scheduler, ucontext for the fibers).
 #pragma once
 
 #ifdef __CUDACC__
@@ -35,7 +36,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -244,7 +244,8 @@ inline bool wait_change(std::atomic<uint32_t>& a, uint32_t old, bool bounded) {
   const timespec step{1, 0};
   while (a.load(std::memory_order_acquire) == old) {
     futex_wait(a, old, bounded ? &step : nullptr);
-    if (bounded && std::chrono::steady_clock::now() > deadline) return a.load(std::memory_order_acquire) != old;
+    if (bounded && std::chrono::steady_clock::now() > deadline)
+      return a.load(std::memory_order_acquire) != old;
   }
   return true;
 }
@@ -382,7 +383,8 @@ class Runtime : public RuntimeBase {
       slots_[i]->fetch_add(1, std::memory_order_release);
       futex_wake(*slots_[i], 1);
     }
-    for (uint32_t r; (r = remaining_.load(std::memory_order_acquire)) != 0;) futex_wait(remaining_, r, nullptr);
+    for (uint32_t r; (r = remaining_.load(std::memory_order_acquire)) != 0;)
+      futex_wait(remaining_, r, nullptr);
   }
 
  private:
