@@ -171,6 +171,7 @@ def test_report_tables_goals_plots_and_kept_notes(tmp_path):
     )
     assert "at least as accurate as SET and RigL: **met**" in text
     assert "Faster training step than dense" in text and "**met** (0.50×" in text
+    assert "over whole runs, search phase included, 1.00×" in text
     assert (
         "| 90% | Diagonal (DynaDiag frozen, static diagonals) | 1.000 | 0.50 | 0.100 | 0.50 |"
         in text

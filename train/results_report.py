@@ -148,7 +148,21 @@ def in_run_table(records, model, methods, sparsities) -> list[str]:
     return lines
 
 
-def goals(stats, timings) -> list[str]:
+def _whole_run_ratio(records, model, method, sparsity):
+    """Mean logged step time of ``method``'s runs over that of the dense runs (same model)."""
+
+    def times(m, s):
+        return [
+            r["step_time_s"]
+            for r in records
+            if (r["model"], r["method"], r["sparsity"]) == (model, m, s) and r.get("step_time_s")
+        ]
+
+    ours, dense = times(method, sparsity), times("dense", 0.0)
+    return float(np.mean(ours) / np.mean(dense)) if ours and dense else None
+
+
+def goals(stats, timings, records=()) -> list[str]:
     """Issue 6's goal on the Fashion-MNIST MLP at 90%: each item met or missed, with the numbers."""
     m, s = GOAL_MODEL, GOAL_SPARSITY
     get = lambda method: stats.get((m, method, 0.0 if method == "dense" else s))  # noqa: E731
@@ -170,10 +184,16 @@ def goals(stats, timings) -> list[str]:
     group = timings["models"].get(m, {}).get(f"{s:g}")
     if group and "diagonal" in group:
         ratio = group["diagonal"]["train"] / group["dense"]["train"]
+        whole = _whole_run_ratio(records, m, "dynadiag", s)
+        whole_text = (
+            f"; over whole runs, search phase included, {whole:.2f}× (logged step times)"
+            if whole is not None
+            else ""
+        )
         out.append(
             "- Faster training step than dense (DynaDiag after the freeze, "
             f"{timings['machine']['diag_impl']}): "
-            f"**{'met' if ratio < 1.0 else 'missed'}** ({ratio:.2f}× the dense step)."
+            f"**{'met' if ratio < 1.0 else 'missed'}** ({ratio:.2f}× the dense step{whole_text})."
         )
     return out or ["- not evaluated: the MLP at 90% was not part of this run."]
 
@@ -296,7 +316,7 @@ def write(
         "",
         "## Goal (issue 6, item 3): the MLP at 90% sparsity",
         "",
-        *goals(stats, timings),
+        *goals(stats, timings, records),
         "",
         notes,
         "",
