@@ -229,7 +229,7 @@ def test_end_to_end_tiny_run_and_timings(tmp_path):
     assert "## Speed" in path.read_text()
 
 
-@pytest.mark.parametrize("method", ["rigl", "set", "mest", "dense"])
+@pytest.mark.parametrize("method", baselines.METHODS)
 def test_fashion_mnist_script_selects_the_method_by_config(method):
     from train import fashion_mnist
     from train.configs import fashion_mnist as fashion_config
