@@ -71,7 +71,7 @@ def get_config(arg=None):
             dynadiag=_dynadiag((r".*/(token_mixing|channel_mixing)/(fc1|fc2)",)),
             optimizer=_optimizer(2e-3, 0.05),
             batch_size=128,
-            epochs=6,
+            epochs=4,
         ),
     )
     unknown = sorted(set(arg.models.split("+")) - set(all_models))
