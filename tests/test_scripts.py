@@ -98,7 +98,9 @@ def test_imagenet_bad_data_dirs_and_variants(tmp_path):
     assert c.count == 0
 
 
-@pytest.mark.parametrize("sparsity", [0.0, pytest.param(0.9, marks=requires_layer)])
+@pytest.mark.parametrize(
+    "sparsity", [0.0, pytest.param(0.9, marks=[requires_layer, pytest.mark.slow])]
+)
 def test_imagenet_runs_on_mock_data(tmp_path, sparsity):
     config = vit_imagenet.get_config(f"runlocal,sparsity={sparsity}")
     config.data.data_dir = str(_fake_prepared_imagenet(tmp_path / "data"))
@@ -111,7 +113,9 @@ def test_imagenet_runs_on_mock_data(tmp_path, sparsity):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4", "6"]
 
 
-@pytest.mark.parametrize("sparsity", [0.0, pytest.param(0.9, marks=requires_layer)])
+@pytest.mark.parametrize(
+    "sparsity", [0.0, pytest.param(0.9, marks=[requires_layer, pytest.mark.slow])]
+)
 def test_lm_runs_on_fortunes_and_reports_perplexity(tmp_path, sparsity):
     config = gpt2_lm.get_config(f"runlocal,sparsity={sparsity}")
     result, corpus = lm.train_and_evaluate(config, tmp_path, progress=False)
