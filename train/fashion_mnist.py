@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from dynadiag_jax import data as D
@@ -36,16 +36,13 @@ from train.configs import fashion_mnist as default_config
 FLAGS = flags.FLAGS
 
 
+@common.reports_config_errors
 def prepare(config):
     """Validate the config, load the data and build the models: every input problem surfaces
-    here, as a :class:`common.ConfigError`, before anything is compiled."""
-    try:
-        return _prepare(config)
-    except (FileNotFoundError, ValueError) as e:
-        raise common.ConfigError(str(e)) from None
+    here, as a :class:`common.ConfigError`, before anything is compiled.
 
-
-def _prepare(config):
+    Returns ``(data, num_steps, example_input, {run name: (model, dynadiag section)})``.
+    """
     common.check_config(config, default_config.get_config())
     data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
     batch = int(config.train.batch_size)
@@ -53,80 +50,50 @@ def _prepare(config):
     steps = int(config.train.epochs) * (len(data.train["label"]) // batch)
     if steps < 1:
         raise common.ConfigError(f"train.epochs={config.train.epochs} gives no training step")
-    runs = [("dense", 0.0)] if config.compare_dense or not config.dynadiag.sparsity else []
-    if config.dynadiag.sparsity:
-        runs.append(
-            (f"dynadiag_s{round(100 * config.dynadiag.sparsity)}", float(config.dynadiag.sparsity))
-        )
-    models = {}
+    sparsity = float(config.dynadiag.sparsity)
+    runs = [("dense", 0.0)] if config.compare_dense or not sparsity else []
+    if sparsity:
+        runs.append((f"dynadiag_s{round(100 * sparsity)}", sparsity))
     example = jax.ShapeDtypeStruct((batch, *data.train["image"].shape[1:]), jnp.float32)
-    for name, sparsity in runs:
-        cfg = config.dynadiag.copy_and_resolve_references()
-        with cfg.unlocked():
-            cfg.sparsity = sparsity
-        model = common.build_model(config.model, cfg, num_classes=data.num_classes)
-        common.check_layer_patterns(model, example, cfg)
-        models[name] = (model, cfg)
+    models = {}
+    for name, run_sparsity in runs:
+        dyn = config.dynadiag.copy_and_resolve_references()
+        with dyn.unlocked():
+            dyn.sparsity = run_sparsity
+        model = common.build_model(config.model, dyn, num_classes=data.num_classes)
+        common.check_layer_patterns(model, example, dyn)
+        models[name] = (model, dyn)
     return data, steps, example, models
 
 
-def train_one(model, dyn_cfg, config, data, steps, example, workdir, progress):
-    optimizer, lr = common.build_optimizer(
-        config.optimizer, dyn_cfg, steps, int(config.optimizer.warmup_steps)
-    )
-    freeze_at = common.freeze_step(dyn_cfg, steps)
-    info = {**common.run_info(config), "sparsity": float(dyn_cfg.sparsity)}
-    start = time.perf_counter()
-    result = T.train(
-        model=model,
-        optimizer=optimizer,
-        task=T.Classification(data.num_classes, config.optimizer.label_smoothing),
-        train_data=D.ArrayBatches(data.train, config.train.batch_size, seed=config.seed),
-        eval_data=D.EvalBatches(data.test, 1000),
-        num_steps=steps,
-        example_input=example,
-        seed=config.seed,
-        freeze_step=freeze_at,
-        gate=common.gate_schedule(dyn_cfg, freeze_at, steps),
-        workdir=workdir,
-        eval_every=config.train.eval_every,
-        checkpoint_every=config.train.checkpoint_every,
-        keep_checkpoints=config.train.keep_checkpoints,
-        log_every=config.train.log_every,
-        selection_every=config.train.selection_every,
-        learning_rate=lr,
-        run_info=info,
-        progress=progress,
-    )
-    return result, time.perf_counter() - start, freeze_at
-
-
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-    config = FLAGS.config
-    try:
-        data, steps, example, models = prepare(config)
-    except ValueError as e:
-        common.die(str(e))
-    workdir = pathlib.Path(FLAGS.workdir)
+def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int, float]]:
+    """Train every model of the config; print results; returns ``(name, accuracy, params, s)``."""
+    data, steps, example, models = prepare(config)
+    workdir = pathlib.Path(workdir)
     print(
         f"data: {data.name}: {len(data.train['label'])} train / {len(data.test['label'])} test; "
         f"{steps} steps of batch {config.train.batch_size} on {common.device_summary()}"
     )
     summary = []
-    for name, (model, dyn_cfg) in models.items():
+    for name, (model, dyn) in models.items():
         print(f"== {name}")
-        try:
-            result, seconds, freeze_at = train_one(
-                model, dyn_cfg, config, data, steps, example, workdir / name, FLAGS.progress
-            )
-        except KeyboardInterrupt as e:
-            print(
-                f"\ninterrupted ({e}); run the same command to resume from "
-                f"{workdir / name}/checkpoints"
-            )
-            raise SystemExit(130) from None
+        start = time.perf_counter()
+        result = common.train_from_config(
+            config,
+            model=model,
+            task=T.Classification(data.num_classes, float(config.optimizer.label_smoothing)),
+            train_data=D.ArrayBatches(
+                data.train, int(config.train.batch_size), seed=int(config.seed)
+            ),
+            eval_data=D.EvalBatches(data.test, 1000),
+            num_steps=steps,
+            warmup_steps=int(config.optimizer.warmup_steps),
+            example_input=example,
+            workdir=workdir / name,
+            progress=progress,
+            dynadiag_cfg=dyn,
+        )
+        seconds = time.perf_counter() - start
         counts = T.parameter_counts(result.state.params)
         acc = result.eval_metrics["accuracy"]
         resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
@@ -135,21 +102,25 @@ def main(argv):
             f"({counts.diagonal:,} in diagonals), {seconds:.0f}s{resumed}"
         )
         summary.append((name, acc, counts.total, seconds))
-        if float(dyn_cfg.sparsity):
-            kept = T.kept_offsets(result.state.collections)
-            shapes = common.layer_shapes(model, example)
+        if dyn.sparsity:
             png = plots.plot_diagonals(
                 workdir / name / "metrics.jsonl",
-                kept,
-                shapes,
+                T.kept_offsets(result.state.collections),
+                common.layer_shapes(model, example),
                 workdir / "diagonals.png",
-                freeze_step=freeze_at,
-                title=f"DynaDiag MLP, sparsity {dyn_cfg.sparsity:g}: test accuracy {acc:.4f}",
+                freeze_step=common.freeze_step(dyn, steps),
+                title=f"DynaDiag MLP, sparsity {dyn.sparsity:g}: test accuracy {acc:.4f}",
             )
             print(f"figure: {png}")
     print("\nmodel                test accuracy   parameters   time")
     for name, acc, params, seconds in summary:
         print(f"{name:<20} {acc:>13.4f} {params:>12,} {seconds:>5.0f}s")
+    return summary
+
+
+def main(argv):
+    del argv
+    common.run_script(lambda: run(FLAGS.config, FLAGS.workdir, progress=FLAGS.progress))
 
 
 if __name__ == "__main__":  # flags exist only when run as a script (tests import this module)
