@@ -1,6 +1,7 @@
 """dynadiag_jax: DynaDiag diagonally sparse layers for JAX/Flax (Tyagi et al., ICML 2025)."""
 
-from dynadiag_jax._extension import has_cpu_kernels
+from dynadiag_jax._extension import has_cpu_kernels, has_cuda_kernels
+from dynadiag_jax.kernel_stats import kernel_stats
 from dynadiag_jax.layout import num_diagonals
 from dynadiag_jax.ops import available_impls, diag_matmul, diag_to_dense
 
@@ -9,5 +10,7 @@ __all__ = [
     "diag_matmul",
     "diag_to_dense",
     "has_cpu_kernels",
+    "has_cuda_kernels",
+    "kernel_stats",
     "num_diagonals",
 ]
