@@ -102,6 +102,8 @@ def test_freeze_switches_params_collections_and_optimizer_state(tmp_path):
     tx = T.adamw(1e-2, weight_decay=1e-4)
     expected = jax.tree.structure(jax.eval_shape(tx.init, params))
     assert jax.tree.structure(result.state.opt_state) == expected
+    # Checkpoints every 2 steps (selection records share those steps), the last 3 kept.
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [4, 6, 8]
     records = list(T.read_jsonl(tmp_path / "metrics.jsonl"))
     search = [r for r in records if r["kind"] == "train" and r["step"] <= 4]
     frozen = [r for r in records if r["kind"] == "train" and r["step"] > 4]

@@ -318,11 +318,12 @@ def train(
                     record_selection(state)  # what the freeze kept
                     bar.set_description("frozen")
                     save(state, True)
-                elif searching and selection_every and step % selection_every == 0:
-                    record_selection(state)
-                elif checkpoint_every and step % checkpoint_every == 0:
-                    save(state, not searching and sparse)
-                    timer, timed_steps = time.perf_counter(), 0
+                else:
+                    if searching and selection_every and step % selection_every == 0:
+                        record_selection(state)
+                    if checkpoint_every and step % checkpoint_every == 0:
+                        save(state, not searching and sparse)
+                        timer, timed_steps = time.perf_counter(), 0
                 for hook in hooks:
                     hook(step, state)
                 bar.update(1)
