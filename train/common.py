@@ -73,6 +73,7 @@ def sparse_layer(cfg) -> functools.partial:
         gate=cfg.gate,
         slack=float(cfg.slack),
         explore=cfg.explore,
+        impl=cfg.impl,
     )
 
 

@@ -56,4 +56,5 @@ def dynadiag(sparsity: float, layers, gate: str = "sparse_topk") -> dict:
         search_fraction=0.3,
         score_every=0,  # > 0 with explore="dense_score": score every diagonal this often
         alpha_lr_scale=1.0,
+        impl="auto",  # dd.diag_matmul backend: "auto" (compiled kernel if built), "jax", "dense"
     )
