@@ -1,6 +1,7 @@
 // The `_cpu_ext` Python module: registrations() -> {target name: FFI handler capsule}.
 #include <nanobind/nanobind.h>
 
+#include "diag_kernels.h"
 #include "ffi_handlers.h"
 
 namespace nb = nanobind;
@@ -22,4 +23,6 @@ NB_MODULE(_cpu_ext, m) {
     d["dynadiag_diag_matmul_dvalues"] = Capsule(DynadiagDiagMatmulDvaluesCpu);
     return d;
   });
+  m.def("kernel_isa", [] { return dynadiag::IsaName(dynadiag::BestIsa()); },
+        "The kernel family the handlers use on this CPU: 'avx512', 'avx2' or 'portable'.");
 }
