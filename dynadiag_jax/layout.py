@@ -60,8 +60,9 @@ def _positive_int(value, name: str) -> int:
 
 def geometry(in_features, out_features) -> DiagGeometry:
     """Validated :class:`DiagGeometry` for ``W[out_features, in_features]``."""
-    return DiagGeometry(_positive_int(in_features, "in_features"),
-                        _positive_int(out_features, "out_features"))
+    return DiagGeometry(
+        _positive_int(in_features, "in_features"), _positive_int(out_features, "out_features")
+    )
 
 
 def num_diagonals(in_features: int, out_features: int, sparsity: float) -> int:
@@ -89,7 +90,8 @@ def diag_indices(offsets, in_features: int, out_features: int):
       in_features, out_features: the shape of ``W[out, in]``.
 
     Returns:
-      ``(rows, cols)``, each ``[K, D]`` int32: ``values[k, t]`` sits at ``W[rows[k, t], cols[k, t]]``.
+      ``(rows, cols)``, each ``[K, D]`` int32: ``values[k, t]`` sits at
+      ``W[rows[k, t], cols[k, t]]``.
     """
     geo = geometry(in_features, out_features)
     offsets = jnp.asarray(offsets, jnp.int32)[:, None]

@@ -1,7 +1,15 @@
-"""Strict numerics for every test: no silent dtype or rank promotion (see docs/STYLE in the design)."""
+"""Strict numerics for every test (no silent dtype or rank promotion) and shared fixtures."""
+
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
+import numpy as np
 import pytest
+
+import dynadiag_jax
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -10,6 +18,26 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 @pytest.fixture
 def rng():
     """A fresh numpy Generator with a fixed seed per test."""
-    import numpy as np
-
     return np.random.default_rng(0)
+
+
+@pytest.fixture
+def run_python(tmp_path):
+    """Run Python code in a child process that imports the same dynadiag_jax as the tests.
+
+    The child starts in a scratch directory, so a source checkout in the working directory cannot
+    shadow the installed package (which holds the compiled extension).
+    """
+    package_root = str(pathlib.Path(dynadiag_jax.__file__).resolve().parent.parent)
+
+    def run(args, *, env=None, timeout=600, check=True):
+        child_env = dict(os.environ, **(env or {}))
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            [package_root, *filter(None, [child_env.get("PYTHONPATH")])])
+        proc = subprocess.run([sys.executable, *args], cwd=tmp_path, env=child_env,
+                              capture_output=True, text=True, timeout=timeout)
+        if check:
+            assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+        return proc
+
+    return run

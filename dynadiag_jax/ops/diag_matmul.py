@@ -13,7 +13,8 @@ GPU), and ``"dense"`` (materialise ``W`` and use XLA's dot; a baseline, differen
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,14 +32,14 @@ class Backend(NamedTuple):
     fwd: Callable  # (x2, values, offsets, *, out_features) -> y2
     dx: Callable  # (dy2, values, offsets, *, in_features) -> dx2
     dvalues: Callable  # (dy2, x2, offsets) -> dvalues [K, D]
-    dtypes: tuple  # supported floating dtypes
+    dtypes: Callable  # () -> dtypes supported on the current default platform
 
 
 _JAX = Backend(
     fwd=reference.diag_matmul_fwd_reference,
     dx=reference.diag_matmul_dx_reference,
     dvalues=reference.diag_matmul_dvalues_reference,
-    dtypes=(jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64),
+    dtypes=lambda: (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64),
 )
 
 # Registered by dynadiag_jax.ops.ffi when the compiled extension is importable.
@@ -55,12 +56,17 @@ def available_impls() -> tuple[str, ...]:
     return ("auto", "dense", *_BACKENDS)
 
 
+def _as_array(a, name):
+    if isinstance(a, np.ndarray):
+        return jnp.asarray(a)
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(a).__name__}")
+    return a
+
+
 def _check_args(x, values, offsets, out_features):
-    for name, a in (("x", x), ("values", values), ("offsets", offsets)):
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise TypeError(f"{name} must be an array, got {type(a).__name__}")
     if x.ndim < 1:
-        raise ValueError(f"x must have shape [..., in_features], got a scalar")
+        raise ValueError("x must have shape [..., in_features], got a scalar")
     geo = geometry(x.shape[-1], out_features)
     if values.ndim != 2:
         raise ValueError(f"values must have shape [K, D] = [K, {geo.length}], got {values.shape}")
@@ -69,11 +75,13 @@ def _check_args(x, values, offsets, out_features):
     if values.shape[1] != geo.length:
         raise ValueError(
             f"values must have shape [K, min(in, out)] = [K, {geo.length}] for in_features="
-            f"{geo.in_features}, out_features={geo.out_features}; got {values.shape}")
+            f"{geo.in_features}, out_features={geo.out_features}; got {values.shape}"
+        )
     if offsets.shape[0] != values.shape[0]:
         raise ValueError(
             f"offsets must have shape [K] = [{values.shape[0]}] to match values {values.shape}; "
-            f"got {offsets.shape}")
+            f"got {offsets.shape}"
+        )
     if not jnp.issubdtype(offsets.dtype, jnp.integer):
         raise TypeError(f"offsets must be an integer array, got dtype {offsets.dtype}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -85,21 +93,26 @@ def _check_args(x, values, offsets, out_features):
         if off.size and (off.min() < 0 or off.max() >= geo.num_candidates):
             raise ValueError(
                 f"offsets must lie in [0, P) = [0, {geo.num_candidates}); got values in "
-                f"[{off.min()}, {off.max()}]")
+                f"[{off.min()}, {off.max()}]"
+            )
     return geo
+
+
+def _supports(impl: str, dtype) -> bool:
+    return any(dtype == d for d in _BACKENDS[impl].dtypes())
 
 
 def _resolve_impl(impl: str, dtype) -> str:
     if impl == "auto":
-        if "ffi" in _BACKENDS and any(dtype == d for d in _BACKENDS["ffi"].dtypes):
-            return "ffi"
-        return "jax"
+        return "ffi" if "ffi" in _BACKENDS and _supports("ffi", dtype) else "jax"
     if impl != "dense" and impl not in _BACKENDS:
         raise ValueError(f"impl must be one of {available_impls()}, got {impl!r}")
-    if impl != "dense" and not any(dtype == d for d in _BACKENDS[impl].dtypes):
-        supported = ", ".join(str(jnp.dtype(d)) for d in _BACKENDS[impl].dtypes)
-        raise TypeError(f"impl={impl!r} supports dtypes {supported}; got {jnp.dtype(dtype)} "
-                        f"(use impl='jax' for other dtypes)")
+    if impl != "dense" and not _supports(impl, dtype):
+        supported = ", ".join(str(jnp.dtype(d)) for d in _BACKENDS[impl].dtypes()) or "none"
+        raise TypeError(
+            f"impl={impl!r} supports dtypes ({supported}) on platform {jax.default_backend()!r}; "
+            f"got {jnp.dtype(dtype)} (impl='jax' runs every floating dtype on every platform)"
+        )
     return impl
 
 
@@ -145,7 +158,9 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
         outside ``[0, P)``. A traced offset outside that range makes the compiled kernel raise at
         run time; the ``"jax"`` path poisons the affected outputs with NaN.
     """
-    x = jnp.asarray(x) if isinstance(x, (np.ndarray, list, tuple, float)) else x
+    x, values, offsets = (
+        _as_array(a, n) for a, n in ((x, "x"), (values, "values"), (offsets, "offsets"))
+    )
     geo = _check_args(x, values, offsets, out_features)
     impl = _resolve_impl(impl, x.dtype)
     lead = x.shape[:-1]

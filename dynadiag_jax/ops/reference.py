@@ -44,7 +44,8 @@ def diag_matmul_dense(x2, values, offsets, *, out_features: int):
 
 
 def _acc_dtype(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
+    """float32 for half-precision inputs, the input dtype otherwise (float64 stays float64)."""
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
 def _wrap_extend(a, length: int):
@@ -62,11 +63,12 @@ def diag_matmul_fwd_reference(x2, values, offsets, *, out_features: int):
     offsets = offsets.astype(jnp.int32)
 
     if geo.tall:
-        # Diagonal d adds x[:, j] * v[j] into row (j + d) % out: rows d .. d + in of an extended buffer.
+        # Diagonal d adds x[:, j] * v[j] into row (j + d) % out: rows d .. d + in of [B, P + D].
         def body(buf, kv):
             d, v = kv
             cur = jax.lax.dynamic_slice(buf, (jnp.int32(0), d), (batch, d_len))
-            return jax.lax.dynamic_update_slice(buf, cur + xa * v.astype(acc), (jnp.int32(0), d)), None
+            cur = cur + xa * v.astype(acc)[None, :]
+            return jax.lax.dynamic_update_slice(buf, cur, (jnp.int32(0), d)), None
 
         buf = jnp.zeros((batch, out_features + in_features), acc)
         buf, _ = jax.lax.scan(body, buf, (offsets, values))
@@ -77,7 +79,8 @@ def diag_matmul_fwd_reference(x2, values, offsets, *, out_features: int):
 
         def body(y, kv):
             d, v = kv
-            return y + jax.lax.dynamic_slice(xe, (jnp.int32(0), d), (batch, d_len)) * v.astype(acc), None
+            xs = jax.lax.dynamic_slice(xe, (jnp.int32(0), d), (batch, d_len))
+            return y + xs * v.astype(acc)[None, :], None
 
         y, _ = jax.lax.scan(body, jnp.zeros((batch, out_features), acc), (offsets, values))
     return y.astype(x2.dtype)
@@ -110,7 +113,9 @@ def diag_matmul_dvalues_reference(dy2, x2, offsets, *, dtype=None):
     moving_ext = _wrap_extend(moving.astype(acc), d_len)
 
     def one(d):
-        return jnp.sum(jax.lax.dynamic_slice(moving_ext, (jnp.int32(0), d), (batch, d_len)) * fixed, axis=0)
+        return jnp.sum(
+            jax.lax.dynamic_slice(moving_ext, (jnp.int32(0), d), (batch, d_len)) * fixed, axis=0
+        )
 
     out = jax.lax.map(one, offsets.astype(jnp.int32))
     return out.astype(x2.dtype if dtype is None else dtype)

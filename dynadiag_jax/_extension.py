@@ -1,0 +1,40 @@
+"""Load the compiled kernels, register their FFI targets and the ``impl`` backends they provide.
+
+Runs once at ``import dynadiag_jax``. A missing module is not an error: the package works without
+the extension (``impl="auto"`` then uses the pure-JAX path).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dynadiag_jax.ops.diag_matmul import register_backend
+from dynadiag_jax.ops.ffi import PlatformKernels, make_ffi_backend
+
+__all__ = ["has_cpu_kernels"]
+
+TARGET_PREFIX = "dynadiag_diag_matmul"
+
+try:
+    from dynadiag_jax import _cpu_ext
+except ImportError:
+    _cpu_ext = None
+
+
+def _register(module, platform: str) -> None:
+    for name, capsule in module.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform=platform)
+
+
+def has_cpu_kernels() -> bool:
+    """True when the C++ CPU kernels are built and registered."""
+    return _cpu_ext is not None
+
+
+_native: dict[str, PlatformKernels] = {}
+if _cpu_ext is not None:
+    _register(_cpu_ext, "cpu")
+    _native["cpu"] = PlatformKernels(dtypes=(jnp.float32, jnp.bfloat16))
+if _native:
+    register_backend("ffi", make_ffi_backend(TARGET_PREFIX, _native))

@@ -1,0 +1,92 @@
+"""Bad input to diag_matmul: clear errors at trace time, an exception (not a crash) at run time."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynadiag_jax as dd
+
+X = jnp.ones((3, 8), jnp.float32)
+V = jnp.ones((2, 8), jnp.float32)  # 8 -> 12: tall, P = 12, D = 8
+OFF = jnp.asarray([0, 5], jnp.int32)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(x=jnp.float32(1.0)), ValueError, "x must have shape"),
+        (
+            dict(values=jnp.ones((8,), jnp.float32)),
+            ValueError,
+            r"values must have shape \[K, D\] = \[K, 8\]",
+        ),
+        (
+            dict(values=jnp.ones((2, 7), jnp.float32)),
+            ValueError,
+            r"\[K, min\(in, out\)\] = \[K, 8\]",
+        ),
+        (
+            dict(offsets=jnp.zeros((2, 1), jnp.int32)),
+            ValueError,
+            r"offsets must have shape \[K\] = \[2\]",
+        ),
+        (
+            dict(offsets=jnp.zeros((3,), jnp.int32)),
+            ValueError,
+            r"offsets must have shape \[K\] = \[2\]",
+        ),
+        (dict(offsets=jnp.zeros((2,), jnp.float32)), TypeError, "offsets must be an integer array"),
+        (
+            dict(values=jnp.ones((2, 8), jnp.bfloat16)),
+            TypeError,
+            "values dtype bfloat16 must equal x dtype",
+        ),
+        (
+            dict(x=jnp.ones((3, 8), jnp.int32), values=jnp.ones((2, 8), jnp.int32)),
+            TypeError,
+            "x must be a floating",
+        ),
+        (dict(out_features=0), ValueError, "out_features must be >= 1"),
+        (dict(out_features=12.0), TypeError, "out_features must be an int"),
+        (dict(out_features=4), ValueError, r"\[K, min\(in, out\)\] = \[K, 4\]"),
+        (
+            dict(offsets=jnp.asarray([0, 12], jnp.int32)),
+            ValueError,
+            r"offsets must lie in \[0, P\) = \[0, 12\)",
+        ),
+        (dict(offsets=jnp.asarray([-1, 3], jnp.int32)), ValueError, r"\[0, 12\)"),
+        (dict(impl="cusparse"), ValueError, "impl must be one of"),
+        (dict(x=[[1.0] * 8]), TypeError, "x must be an array"),
+    ],
+)
+def test_trace_time_errors_name_the_argument(kwargs, error, match):
+    args = dict(x=X, values=V, offsets=OFF, out_features=12, impl="auto") | kwargs
+    with pytest.raises(error, match=match):
+        dd.diag_matmul(args.pop("x"), args.pop("values"), args.pop("offsets"), **args)
+
+
+def test_errors_also_under_jit():
+    with pytest.raises(ValueError, match=r"\[K, min\(in, out\)\] = \[K, 8\]"):
+        jax.jit(lambda x, v: dd.diag_matmul(x, v, OFF, out_features=12))(X, jnp.ones((2, 9)))
+
+
+def test_unsupported_dtype_for_the_kernel_names_the_alternative():
+    with jax.enable_x64(True):
+        x64, v64 = X.astype(jnp.float64), V.astype(jnp.float64)
+        with pytest.raises(TypeError, match="impl='jax' runs every floating dtype"):
+            dd.diag_matmul(x64, v64, OFF, out_features=12, impl="ffi")
+        assert dd.diag_matmul(x64, v64, OFF, out_features=12).dtype == jnp.float64
+
+
+def test_traced_offset_out_of_range_raises_at_run_time_from_the_kernel():
+    f = jax.jit(lambda off: dd.diag_matmul(X, V, off, out_features=12, impl="ffi"))
+    np.testing.assert_allclose(np.asarray(f(OFF)).sum(), 3 * 16.0)
+    for bad in ([0, 12], [-3, 1]):
+        with pytest.raises(Exception, match="offset"):
+            jax.block_until_ready(f(jnp.asarray(bad, jnp.int32)))
+
+
+def test_traced_offset_out_of_range_poisons_the_jax_path():
+    f = jax.jit(lambda off: dd.diag_matmul(X, V, off, out_features=12, impl="jax"))
+    assert np.isnan(np.asarray(f(jnp.asarray([0, 12], jnp.int32)))).any()
