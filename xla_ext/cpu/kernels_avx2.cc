@@ -149,15 +149,16 @@ DYNADIAG_AVX2 void Sddmm(const PlanView& plan, const T* tiled, int64_t tiled_wid
     const int64_t end = plan.tile_begin[tile + 1];
     for (int64_t s = plan.tile_begin[tile]; s < end; s += G) {
       V16 a[G];
+      const T* src[G];
+      uint32_t m[G];
       for (int g = 0; g < G; ++g) {
         a[g] = {_mm256_load_ps(acc + (s + g) * kLanes), _mm256_load_ps(acc + (s + g) * kLanes + 8)};
+        src[g] = gathered + plan.segs[s + g].c0;
+        m[g] = plan.segs[s + g].mask;
       }
       for (int64_t r = 0; r < rows; ++r) {
         const V16 f = Load(tiled + r * tiled_width + t0, tm);
-        for (int g = 0; g < G; ++g) {
-          const Segment& seg = plan.segs[s + g];
-          a[g] = Fma(f, Load(gathered + r * gathered_width + seg.c0, seg.mask), a[g]);
-        }
+        for (int g = 0; g < G; ++g) a[g] = Fma(f, Load(src[g] + r * gathered_width, m[g]), a[g]);
       }
       for (int g = 0; g < G; ++g) {
         _mm256_store_ps(acc + (s + g) * kLanes, a[g].lo);
