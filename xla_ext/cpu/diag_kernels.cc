@@ -22,30 +22,37 @@ constexpr int64_t kSddmmRowChunk = 32;    // rows per SDDMM pass over the plan
 
 // Per-call arrays (plan, packed values, partial sums) come from a small cache of 64-byte aligned
 // buffers: a fresh multi-megabyte allocation is served by mmap and page-faults on first touch,
-// which costs as much as a small kernel. The cache keeps at most kMaxCached idle buffers.
+// which cost as much as a small kernel. Idle buffers are bounded in number and bytes (oldest
+// freed first); a request takes the smallest idle buffer that fits without wasting over half.
 class BufferCache {
  public:
+  // Never destroyed: jobs may return buffers during static destruction at exit.
   static BufferCache& Get() {
-    static BufferCache cache;
-    return cache;
+    static BufferCache* cache = new BufferCache;
+    return *cache;
   }
 
   // An uninitialised buffer of at least `bytes`; `capacity` receives its real size.
   void* Take(size_t bytes, size_t& capacity) {
+    bytes = (std::max<size_t>(bytes, 1) + 4095) / 4096 * 4096;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto best = idle_.end();
       for (auto it = idle_.begin(); it != idle_.end(); ++it) {
-        if (it->second >= bytes && (best == idle_.end() || it->second < best->second)) best = it;
+        if (it->second >= bytes && it->second / 2 <= bytes &&
+            (best == idle_.end() || it->second < best->second)) {
+          best = it;
+        }
       }
       if (best != idle_.end()) {
         void* p = best->first;
         capacity = best->second;
+        idle_bytes_ -= capacity;
         idle_.erase(best);
         return p;
       }
     }
-    capacity = (std::max<size_t>(bytes, 1) + 4095) / 4096 * 4096;
+    capacity = bytes;
     void* p = std::aligned_alloc(64, capacity);
     if (p == nullptr) throw std::bad_alloc();
     return p;
@@ -54,22 +61,20 @@ class BufferCache {
   void Give(void* p, size_t capacity) {
     std::lock_guard<std::mutex> lock(mutex_);
     idle_.emplace_back(p, capacity);
-    if (idle_.size() > kMaxCached) {
-      auto smallest = std::min_element(idle_.begin(), idle_.end(),
-                                       [](const auto& a, const auto& b) { return a.second < b.second; });
-      std::free(smallest->first);
-      idle_.erase(smallest);
+    idle_bytes_ += capacity;
+    while (idle_.size() > kMaxIdle || idle_bytes_ > kMaxIdleBytes) {
+      std::free(idle_.front().first);
+      idle_bytes_ -= idle_.front().second;
+      idle_.erase(idle_.begin());
     }
   }
 
-  ~BufferCache() {
-    for (auto& [p, capacity] : idle_) std::free(p);
-  }
-
  private:
-  static constexpr size_t kMaxCached = 16;
+  static constexpr size_t kMaxIdle = 16;
+  static constexpr size_t kMaxIdleBytes = size_t{64} << 20;
   std::mutex mutex_;
-  std::vector<std::pair<void*, size_t>> idle_;
+  std::vector<std::pair<void*, size_t>> idle_;  // (buffer, capacity), oldest first
+  size_t idle_bytes_ = 0;
 };
 
 // A move-only, uninitialised, 64-byte aligned array of trivially copyable T from the cache.
