@@ -1,4 +1,5 @@
-// Decode and validate the operands of the three CPU targets, then call the kernels.
+// Decode and validate the operands of the three CPU targets, then run the kernels' job on XLA's
+// intra-op thread pool (the handlers are asynchronous: they return an ffi::Future).
 //
 // Every check returns InvalidArgument naming the operand and the expected shape; nothing here
 // aborts. Operand order and meaning follow docs/kernel_abi.md.
@@ -253,7 +254,8 @@ ffi::Future DvaluesImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer 
   if (auto error = DecodeDvalues(dy, x, offsets, dvalues, args)) {
     return ReadyFuture(std::move(error));
   }
-  return Launch(kDvalues, pool, [&](int64_t workers) { return MakeDvaluesJob(args, workers, BestIsa()); });
+  return Launch(kDvalues, pool,
+                [&](int64_t workers) { return MakeDvaluesJob(args, workers, BestIsa()); });
 }
 
 }  // namespace
