@@ -29,7 +29,7 @@ struct Segment {
 
 struct PlanView {
   int64_t num_tiles;
-  const int64_t* tile_begin;  // [num_tiles + 1]: tile j owns segments [tile_begin[j], tile_begin[j+1])
+  const int64_t* tile_begin;  // [num_tiles + 1]: tile j owns [tile_begin[j], tile_begin[j+1])
   const Segment* segs;
   int64_t num_segs;
 };
