@@ -33,7 +33,8 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -166,7 +167,8 @@ def _pairs(text: str) -> tuple[tuple[int, int], ...]:
     try:
         return tuple(tuple(int(n) for n in item.split(":")) for item in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"shapes must look like 768:3072,3072:768; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"shapes must look like 768:3072,3072:768; got {text!r}") from None
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -177,7 +179,8 @@ def _names(text: str) -> tuple[str, ...]:
     names = tuple(text.split(","))
     for name in names:
         if name not in IMPLS:
-            raise argparse.ArgumentTypeError(f"unknown implementation {name!r}; choose from {IMPLS}")
+            raise argparse.ArgumentTypeError(
+                f"unknown implementation {name!r}; choose from {IMPLS}")
     return names
 
 
@@ -189,7 +192,7 @@ def parse_args(argv):
                         help="IN:OUT pairs, comma separated (default: ViT-B MLP/attention shapes)")
     parser.add_argument("--sparsities", type=_floats, default=SPARSITIES)
     parser.add_argument("--impls", type=_names, default=IMPLS,
-                        help="comma separated subset of " + ",".join(IMPLS) + " (dense is always run)")
+                        help=f"comma separated subset of {','.join(IMPLS)} (dense always runs)")
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per function (median)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -252,8 +255,9 @@ def main(argv=None) -> None:
     cases = [(s, sp) for s in args.shapes for sp in args.sparsities]
     total = len(cases) * len(args.impls) * len(PHASES) * args.repeats
     rows = []
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} device(s), "
-          f"batch {args.batch}, {args.dtype}, median of {args.repeats}")
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
+          f"{jax.device_count()} device(s), batch {args.batch}, {args.dtype}, "
+          f"median of {args.repeats}")
     with open(csv_path, "w", newline="") as f, tqdm(total=total, unit="call") as progress:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()

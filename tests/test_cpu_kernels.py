@@ -1,4 +1,4 @@
-"""The C++ CPU kernels, every instruction-set family this CPU runs, against a float64 dense reference.
+"""The C++ CPU kernels, every instruction-set family this CPU runs, against a float64 reference.
 
 `_cpu_ext._run_kernel` runs one family directly (the FFI handlers always use the best one), so the
 AVX2 and portable fallbacks are tested on AVX-512 machines too. The sizes cross the kernels' block
@@ -54,18 +54,27 @@ def _dense(values, offsets, in_f, out_f):
     return w, rows, cols
 
 
+def _operand(a, bf16):
+    """float32, or bfloat16 bits as uint16 (numpy bfloat16 arrays do not cross DLPack)."""
+    a = np.ascontiguousarray(a, np.float32)
+    return a.astype(ml_dtypes.bfloat16).view(np.uint16) if bf16 else a
+
+
+def _result(shape, bf16):
+    """A result buffer full of NaN: every entry must be written."""
+    return np.full(shape, 0x7FC0, np.uint16) if bf16 else np.full(shape, np.nan, np.float32)
+
+
+def _as_f64(out, bf16):
+    return (out.view(ml_dtypes.bfloat16) if bf16 else out).astype(np.float64)
+
+
 def _run(op, isa, a, b, offsets, out_shape, in_f, out_f, workers, bf16):
-    """The kernel's result as float64 (inputs are float32 or bfloat16 bits as uint16)."""
-    if bf16:
-        a, b = (np.asarray(v, ml_dtypes.bfloat16).view(np.uint16) for v in (a, b))
-        out = np.full(out_shape, 0x7FC0, np.uint16)  # NaN: every entry must be written
-    else:
-        out = np.full(out_shape, np.nan, np.float32)
-    _cpu_ext._run_kernel(op, isa, np.ascontiguousarray(a), np.ascontiguousarray(b), offsets, out,
-                         in_f, out_f, workers)
-    if bf16:
-        out = out.view(ml_dtypes.bfloat16)
-    return out.astype(np.float64)
+    """The kernel's result as float64."""
+    out = _result(out_shape, bf16)
+    _cpu_ext._run_kernel(op, isa, _operand(a, bf16), _operand(b, bf16), offsets, out, in_f, out_f,
+                         workers)
+    return _as_f64(out, bf16)
 
 
 def _assert_close(actual, expected, bf16, what):
@@ -76,7 +85,7 @@ def _assert_close(actual, expected, bf16, what):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}x{}-r{}-k{}{}".format(*c[:4], "-dup" * c[4]))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}x{}-r{}-k{}".format(*c) + "-dup" * c[4])
 @pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
 @pytest.mark.parametrize("workers", [1, 3])
 def test_kernel_family_matches_dense(isa, case, bf16, workers, rng):
@@ -94,6 +103,59 @@ def test_kernel_family_matches_dense(isa, case, bf16, workers, rng):
     dvalues = _run("dvalues", isa, dy, x, offsets, (k, d), in_f, out_f, workers, bf16)
     dw = dy.astype(np.float64).T @ x.astype(np.float64)
     _assert_close(dvalues, dw[wr, wc], bf16, f"{isa} dvalues")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}x{}-r{}-k{}".format(*c) + "-dup" * c[4])
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_fused_backward_matches_dense(isa, case, bf16, workers, rng):
+    in_f, out_f, rows, k, duplicates = case
+    x, dy, values, offsets = _case(rng, in_f, out_f, rows, k, duplicates)
+    if bf16:
+        x, dy, values = (v.astype(ml_dtypes.bfloat16).astype(np.float32) for v in (x, dy, values))
+    w, wr, wc = _dense(values, offsets, in_f, out_f)
+    dx, dvalues = _result((rows, in_f), bf16), _result((k, min(in_f, out_f)), bf16)
+    _cpu_ext._run_backward(isa, _operand(dy, bf16), _operand(x, bf16), _operand(values, bf16),
+                           offsets, dx, dvalues, workers)
+    _assert_close(_as_f64(dx, bf16), dy.astype(np.float64) @ w, bf16, f"{isa} dx")
+    dw = dy.astype(np.float64).T @ x.astype(np.float64)
+    _assert_close(_as_f64(dvalues, bf16), dw[wr, wc], bf16, f"{isa} dvalues")
+
+
+@pytest.mark.parametrize("in_f,out_f", [(96, 320), (320, 96), (160, 160)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_backward_target(in_f, out_f, dtype, rng):
+    """The `dynadiag_diag_matmul_bwd` target (dy, x, values, offsets) -> (dx, dvalues) agrees with
+    the `dx` and `dvalues` targets."""
+    k = dd.num_diagonals(in_f, out_f, 0.8)
+    x, dy, values, offsets = _case(rng, in_f, out_f, 133, k, False)
+    dy, x, values = (jnp.asarray(v, dtype) for v in (dy, x, values))
+    offsets = jnp.asarray(offsets)
+    d = min(in_f, out_f)
+
+    def call(name, shapes, *args):
+        out = tuple(jax.ShapeDtypeStruct(s, dtype) for s in shapes)
+        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(*args)
+
+    dx, dvalues = call("dynadiag_diag_matmul_bwd", [(133, in_f), (k, d)], dy, x, values, offsets)
+    (dx_ref,) = call("dynadiag_diag_matmul_dx", [(133, in_f)], dy, values, offsets)
+    (dv_ref,) = call("dynadiag_diag_matmul_dvalues", [(k, d)], dy, x, offsets)
+    # Same float32 sums in a different order: equal up to float32 (and one bf16) rounding.
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(dx_ref, np.float32),
+                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(dvalues, np.float32), np.asarray(dv_ref, np.float32),
+                               rtol=tol, atol=tol * 10)
+
+
+def test_fused_backward_target_rejects_bad_offsets():
+    dy, x = jnp.zeros((4, 16), jnp.float32), jnp.zeros((4, 8), jnp.float32)
+    values, offsets = jnp.zeros((2, 8), jnp.float32), jnp.array([0, 16], jnp.int32)
+    out = (jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((2, 8), jnp.float32))
+    call = jax.ffi.ffi_call("dynadiag_diag_matmul_bwd", out, vmap_method="sequential")
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"offsets\[1\] = 16 is outside \[0, P\)"):
+        jax.block_until_ready(call(dy, x, values, offsets))
 
 
 @pytest.mark.parametrize("isa", ISAS)

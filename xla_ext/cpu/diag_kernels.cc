@@ -19,6 +19,10 @@ namespace {
 
 constexpr int64_t kProductRowChunk = 32;  // rows a worker claims at once (forward, dx)
 constexpr int64_t kSddmmRowChunk = 32;    // rows per SDDMM pass over the plan
+constexpr int64_t kBackwardRowChunk = 64;  // rows per fused backward pass over the plan
+// Segments per tile group of the fused backward: their packed values and partial sums (128 bytes
+// per segment) stay in L2 while the group's tiles run over a chunk of rows.
+constexpr int64_t kBackwardGroupSegments = 4096;
 
 // Per-call arrays (plan, packed values, partial sums) come from a small cache of 64-byte aligned
 // buffers: a fresh multi-megabyte allocation is served by mmap and page-faults on first touch,
@@ -211,6 +215,38 @@ const KernelTable<Bf16>& TableFor<Bf16>(const Kernels& kernels) {
   return kernels.bf16;
 }
 
+void StoreScalar(float v, float* out) { *out = v; }
+
+void StoreScalar(float v, Bf16* out) {
+  // Round to nearest even, as XLA converts; NaN stays a (quiet) NaN.
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    out->bits = static_cast<uint16_t>((u >> 16) | 0x40u);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  out->bits = static_cast<uint16_t>(u >> 16);
+}
+
+// dvalues from `workers` packed partial sums [workers][num_segs][16] (summed into the first):
+// every entry of dvalues is lane l of exactly one segment, at index vbase + l.
+template <typename T>
+void WriteDvalues(const PlanView& plan, float* partials, int64_t workers, T* dvalues) {
+  const int64_t n = plan.num_segs * kLanes;
+  for (int64_t w = 1; w < workers; ++w) {
+    const float* part = partials + w * n;
+    for (int64_t i = 0; i < n; ++i) partials[i] += part[i];
+  }
+  for (int64_t s = 0; s < plan.num_segs; ++s) {
+    const uint32_t mask = plan.segs[s].mask;
+    T* dst = dvalues + plan.segs[s].vbase;
+    for (int l = 0; l < kLanes; ++l) {
+      if ((mask >> l) & 1u) StoreScalar(partials[s * kLanes + l], dst + l);
+    }
+  }
+}
+
 // out[rows, out_width] = in[rows, in_width] (x) diagonals: the forward and dx. Workers claim
 // chunks of rows; the plan and the packed values are shared read-only.
 template <typename T>
@@ -290,42 +326,12 @@ class DvaluesJob : public Job {
                    std::min(kSddmmRowChunk, rows_ - r0), acc);
     }
     // acq_rel: the last worker sees every other worker's partial sums.
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) Finish();
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      WriteDvalues(plan, partial_.get(), workers_, out_);
+    }
   }
 
  private:
-  // dvalues from the summed partials; every entry of dvalues is the lane of exactly one segment.
-  void Finish() {
-    const int64_t n = plan_.num_segs;
-    float* total = partial_.get();
-    for (int64_t w = 1; w < workers_; ++w) {
-      const float* part = partial_.get() + w * n * kLanes;
-      for (int64_t i = 0; i < n * kLanes; ++i) total[i] += part[i];
-    }
-    const PlanView plan = plan_.view();
-    for (int64_t s = 0; s < n; ++s) {
-      const uint32_t mask = plan.segs[s].mask;
-      if (mask == 0) continue;
-      T* dst = out_ + plan.segs[s].vbase;
-      for (int l = 0; l < kLanes; ++l) {
-        if ((mask >> l) & 1u) StoreScalar(total[s * kLanes + l], dst + l);
-      }
-    }
-  }
-
-  static void StoreScalar(float v, float* out) { *out = v; }
-  static void StoreScalar(float v, Bf16* out) {
-    // Round to nearest even, as XLA converts; NaN stays a (quiet) NaN.
-    uint32_t u;
-    std::memcpy(&u, &v, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-      out->bits = static_cast<uint16_t>((u >> 16) | 0x40u);
-      return;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    out->bits = static_cast<uint16_t>(u >> 16);
-  }
-
   int64_t rows_, workers_ = 1, tiled_width_ = 0, gathered_width_ = 0;
   const T* tiled_ = nullptr;
   const T* gathered_ = nullptr;
@@ -335,6 +341,92 @@ class DvaluesJob : public Job {
   Scratch<float> partial_;
   std::atomic<int64_t> next_row_{0};
   std::atomic<int64_t> pending_{0};
+};
+
+
+// dx = dy @ W and dvalues (the SDDMM) in one sweep over dy, on the plan of dx: lane l of segment
+// s pairs dx (and x) column 16 j + l with dy column c0 + l and with entry vbase + l of both values
+// and dvalues, so every dy window feeds both products. Workers claim chunks of rows and walk the
+// tiles in groups whose packed values and partial sums stay in L2; the last worker to finish
+// writes dvalues. Families without a fused kernel run the two separate jobs instead.
+template <typename T>
+class BackwardJob : public Job {
+ public:
+  BackwardJob(const BwdArgs& a, int64_t workers, const Kernels& kernels)
+      : rows_(a.rows),
+        dy_(static_cast<const T*>(a.dy)),
+        x_(static_cast<const T*>(a.x)),
+        dx_(static_cast<T*>(a.dx)),
+        dvalues_(static_cast<T*>(a.dvalues)),
+        table_(TableFor<T>(kernels)) {
+    if (table_.backward == nullptr) {
+      dx_job_ = std::make_unique<ProductJob<T>>(a.rows, a.w, a.w.out < a.w.in, a.dy, a.dx, workers,
+                                                kernels);
+      dvalues_job_ = std::make_unique<DvaluesJob<T>>(
+          DvaluesArgs{a.type, a.rows, a.w, a.dy, a.x, a.dvalues}, workers, kernels);
+      workers_ = std::max(dx_job_->num_tasks(), dvalues_job_->num_tasks());
+      return;
+    }
+    dy_width_ = a.w.out;
+    width_ = a.w.in;
+    plan_ = BuildPlan(a.w, /*moving_on_output=*/a.w.out < a.w.in);
+    const PlanView plan = plan_.view();
+    vp_ = Scratch<float>(plan.num_segs * kLanes);
+    table_.pack(plan, static_cast<const T*>(a.w.values), vp_.get());
+    for (int64_t tile = 0; tile < plan.num_tiles; ++tile) {
+      if (tile == 0 || plan.tile_begin[tile] - plan.tile_begin[group_begin_.back()] >
+                           kBackwardGroupSegments) {
+        group_begin_.push_back(tile);
+      }
+    }
+    group_begin_.push_back(plan.num_tiles);
+    const int64_t chunks = (rows_ + kBackwardRowChunk - 1) / kBackwardRowChunk;
+    workers_ = std::clamp<int64_t>(chunks, 1, std::max<int64_t>(workers, 1));
+    partial_ = Scratch<float>(workers_ * plan.num_segs * kLanes);
+    pending_.store(workers_);
+  }
+
+  int64_t num_tasks() const override { return workers_; }
+
+  void RunTask(int64_t task) override {
+    if (dx_job_) {
+      if (task < dx_job_->num_tasks()) dx_job_->RunTask(task);
+      if (task < dvalues_job_->num_tasks()) dvalues_job_->RunTask(task);
+      return;
+    }
+    const PlanView plan = plan_.view();
+    float* acc = partial_.get() + task * plan.num_segs * kLanes;
+    std::memset(acc, 0, sizeof(float) * plan.num_segs * kLanes);
+    for (;;) {
+      const int64_t r0 = next_row_.fetch_add(kBackwardRowChunk, std::memory_order_relaxed);
+      if (r0 >= rows_) break;
+      const int64_t n = std::min(kBackwardRowChunk, rows_ - r0);
+      for (size_t g = 0; g + 1 < group_begin_.size(); ++g) {
+        table_.backward(plan, group_begin_[g], group_begin_[g + 1], vp_.get(),
+                        dy_ + r0 * dy_width_, dy_width_, x_ + r0 * width_, dx_ + r0 * width_,
+                        width_, n, acc);
+      }
+    }
+    // acq_rel: the last worker sees every other worker's partial sums.
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      WriteDvalues(plan, partial_.get(), workers_, dvalues_);
+    }
+  }
+
+ private:
+  int64_t rows_, workers_ = 1, dy_width_ = 0, width_ = 0;
+  const T* dy_;
+  const T* x_;
+  T* dx_;
+  T* dvalues_;
+  const KernelTable<T>& table_;
+  Plan plan_;
+  Scratch<float> vp_;
+  Scratch<float> partial_;
+  std::vector<int64_t> group_begin_;  // tile groups: [group_begin_[g], group_begin_[g + 1])
+  std::atomic<int64_t> next_row_{0};
+  std::atomic<int64_t> pending_{0};
+  std::unique_ptr<Job> dx_job_, dvalues_job_;
 };
 
 template <template <typename> class J, typename... Args>
@@ -374,6 +466,10 @@ std::unique_ptr<Job> MakeDxJob(const DxArgs& a, int64_t workers, Isa isa) {
 
 std::unique_ptr<Job> MakeDvaluesJob(const DvaluesArgs& a, int64_t workers, Isa isa) {
   return MakeTyped<DvaluesJob>(a.type, a, workers, KernelsFor(isa));
+}
+
+std::unique_ptr<Job> MakeBwdJob(const BwdArgs& a, int64_t workers, Isa isa) {
+  return MakeTyped<BackwardJob>(a.type, a, workers, KernelsFor(isa));
 }
 
 }  // namespace dynadiag

@@ -56,6 +56,17 @@ struct DvaluesArgs {
   void* dvalues;   // [k, min(in, out)]
 };
 
+// dx = dy @ W and dvalues together (one sweep over dy; w.values is used for dx).
+struct BwdArgs {
+  ElemType type;
+  int64_t rows;
+  DiagMatrix w;
+  const void* dy;  // [rows, out]
+  const void* x;   // [rows, in]
+  void* dx;        // [rows, in]
+  void* dvalues;   // [k, min(in, out)]
+};
+
 // The kernel families; `BestIsa()` is the fastest one this CPU runs.
 enum class Isa { kPortable, kAvx2, kAvx512 };
 
@@ -74,6 +85,7 @@ class Job {
 std::unique_ptr<Job> MakeFwdJob(const FwdArgs& args, int64_t workers, Isa isa);
 std::unique_ptr<Job> MakeDxJob(const DxArgs& args, int64_t workers, Isa isa);
 std::unique_ptr<Job> MakeDvaluesJob(const DvaluesArgs& args, int64_t workers, Isa isa);
+std::unique_ptr<Job> MakeBwdJob(const BwdArgs& args, int64_t workers, Isa isa);
 
 }  // namespace dynadiag
 

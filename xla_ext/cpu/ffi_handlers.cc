@@ -125,6 +125,7 @@ std::optional<ffi::Error> CheckDiagShape(const char* target, const char* name, D
 constexpr char kFwd[] = "dynadiag_diag_matmul_fwd";
 constexpr char kDx[] = "dynadiag_diag_matmul_dx";
 constexpr char kDvalues[] = "dynadiag_diag_matmul_dvalues";
+constexpr char kBwd[] = "dynadiag_diag_matmul_bwd";
 
 #define DYNADIAG_RETURN_IF_ERROR(expr)      \
   if (auto error = (expr)) return *error;
@@ -194,6 +195,34 @@ std::optional<ffi::Error> DecodeDvalues(ffi::AnyBuffer dy, ffi::AnyBuffer x,
   return std::nullopt;
 }
 
+std::optional<ffi::Error> DecodeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                                    ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx,
+                                    ffi::Result<ffi::AnyBuffer> dvalues, BwdArgs& args) {
+  auto type = ElemTypeOf(dy.element_type());
+  if (!type) return Invalid(kBwd, "dy must be F32 or BF16 on CPU");
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kBwd, "x", x.element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kBwd, "values", values.element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kBwd, "dx", dx->element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(
+      CheckFloat(kBwd, "dvalues", dvalues->element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kBwd, "dy", dy.dimensions(), "out"));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kBwd, "x", x.dimensions(), "in"));
+  DiagMatrix w{};
+  w.in = x.dimensions().back();
+  w.out = dy.dimensions().back();
+  w.values = values.untyped_data();
+  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kBwd, "dy", dy.dimensions(), "x", x.dimensions(), w.in,
+                                         "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kBwd, "dy", dy.dimensions(), "dx", dx->dimensions(),
+                                         w.in, "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kBwd, offsets, w));
+  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kBwd, "values", values.dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kBwd, "dvalues", dvalues->dimensions(), w));
+  args = BwdArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), x.untyped_data(),
+                 dx->untyped_data(), dvalues->untyped_data()};
+  return std::nullopt;
+}
+
 #undef DYNADIAG_RETURN_IF_ERROR
 
 ffi::Future ReadyFuture(std::optional<ffi::Error> error = std::nullopt) {
@@ -258,6 +287,17 @@ ffi::Future DvaluesImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer 
                 [&](int64_t workers) { return MakeDvaluesJob(args, workers, BestIsa()); });
 }
 
+ffi::Future BwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                    ffi::AnyBuffer values, ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx,
+                    ffi::Result<ffi::AnyBuffer> dvalues) {
+  BwdArgs args;
+  if (auto error = DecodeBwd(dy, x, values, offsets, dx, dvalues, args)) {
+    return ReadyFuture(std::move(error));
+  }
+  return Launch(kBwd, pool,
+                [&](int64_t workers) { return MakeBwdJob(args, workers, BestIsa()); });
+}
+
 }  // namespace
 }  // namespace dynadiag
 
@@ -283,4 +323,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulDvaluesCpu, dynadiag::DvaluesImp
                                   .Arg<ffi::AnyBuffer>()   // dy[..., out]
                                   .Arg<ffi::AnyBuffer>()   // x[..., in]
                                   .Arg<ffi::AnyBuffer>()   // offsets[K] s32
+                                  .Ret<ffi::AnyBuffer>());  // dvalues[K, D]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulBwdCpu, dynadiag::BwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // dy[..., out]
+                                  .Arg<ffi::AnyBuffer>()   // x[..., in]
+                                  .Arg<ffi::AnyBuffer>()   // values[K, D]
+                                  .Arg<ffi::AnyBuffer>()   // offsets[K] s32
+                                  .Ret<ffi::AnyBuffer>()   // dx[..., in]
                                   .Ret<ffi::AnyBuffer>());  // dvalues[K, D]

@@ -46,6 +46,13 @@ struct KernelTable {
   // of every tile j (empty lanes add zeros).
   void (*sddmm)(const PlanView& plan, const T* tiled, int64_t tiled_width, const T* gathered,
                 int64_t gathered_width, int64_t rows, float* acc);
+  // Both products of the backward pass in one sweep over dy, for tiles [tile_begin, tile_end)
+  // (columns of dx and of x) and r < rows: dx[r, 16 j + l] = sum_s vp[s][l] * dy[r, c0_s + l]
+  // as `product` does, and acc[s][l] += sum_r x[r, 16 j + l] * dy[r, c0_s + l]. Null where the
+  // family has no fused kernel (the job then runs `product` and `sddmm`).
+  void (*backward)(const PlanView& plan, int64_t tile_begin, int64_t tile_end, const float* vp,
+                   const T* dy, int64_t dy_width, const T* x, T* dx, int64_t width, int64_t rows,
+                   float* acc);
 };
 
 struct Kernels {

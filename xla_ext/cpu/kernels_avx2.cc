@@ -173,8 +173,8 @@ DYNADIAG_AVX2 void Sddmm(const PlanView& plan, const T* tiled, int64_t tiled_wid
 const Kernels& Avx2Kernels() {
   static const Kernels kernels{
       "avx2",
-      {Pack<float>, Product<float>, Sddmm<float>},
-      {Pack<Bf16>, Product<Bf16>, Sddmm<Bf16>},
+      {Pack<float>, Product<float>, Sddmm<float>, nullptr},
+      {Pack<Bf16>, Product<Bf16>, Sddmm<Bf16>, nullptr},
   };
   return kernels;
 }

@@ -121,13 +121,69 @@ DYNADIAG_AVX512 void Sddmm(const PlanView& plan, const T* tiled, int64_t tiled_w
   }
 }
 
+// R rows of the fused backward: per tile, R dx accumulators and R tiles of x stay in registers;
+// each segment loads its dy window once per row and feeds both FMAs.
+template <int R, typename T>
+DYNADIAG_AVX512 void BackwardRows(const PlanView& plan, int64_t tile_begin, int64_t tile_end,
+                                  const float* vp, const T* dy, int64_t dy_width, const T* x,
+                                  T* dx, int64_t width, float* acc) {
+  const Segment* segs = plan.segs;
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    const int64_t o0 = tile * kLanes;
+    const __mmask16 tm = TileMask(width, o0);
+    __m512 xt[R], out[R];
+    for (int r = 0; r < R; ++r) {
+      xt[r] = Load(x + r * width + o0, tm);
+      out[r] = _mm512_setzero_ps();
+    }
+    const int64_t end = plan.tile_begin[tile + 1];
+    for (int64_t s = plan.tile_begin[tile]; s < end; ++s) {
+      const __m512 v = _mm512_load_ps(vp + s * kLanes);
+      const __mmask16 m = static_cast<__mmask16>(segs[s].mask);
+      const T* src = dy + segs[s].c0;
+      // Two partial sums halve the dependency chain through acc[s].
+      __m512 a0 = _mm512_load_ps(acc + s * kLanes), a1 = _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const __m512 w = Load(src + r * dy_width, m);
+        out[r] = _mm512_fmadd_ps(v, w, out[r]);
+        if (r % 2 == 0) {
+          a0 = _mm512_fmadd_ps(xt[r], w, a0);
+        } else {
+          a1 = _mm512_fmadd_ps(xt[r], w, a1);
+        }
+      }
+      _mm512_store_ps(acc + s * kLanes, _mm512_add_ps(a0, a1));
+    }
+    for (int r = 0; r < R; ++r) Store(dx + r * width + o0, out[r], tm);
+  }
+}
+
+template <typename T>
+DYNADIAG_AVX512 void Backward(const PlanView& plan, int64_t tile_begin, int64_t tile_end,
+                              const float* vp, const T* dy, int64_t dy_width, const T* x, T* dx,
+                              int64_t width, int64_t rows, float* acc) {
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows) {
+    BackwardRows<kRows>(plan, tile_begin, tile_end, vp, dy + r * dy_width, dy_width,
+                        x + r * width, dx + r * width, width, acc);
+  }
+  for (; r + 4 <= rows; r += 4) {
+    BackwardRows<4>(plan, tile_begin, tile_end, vp, dy + r * dy_width, dy_width, x + r * width,
+                    dx + r * width, width, acc);
+  }
+  for (; r < rows; ++r) {
+    BackwardRows<1>(plan, tile_begin, tile_end, vp, dy + r * dy_width, dy_width, x + r * width,
+                    dx + r * width, width, acc);
+  }
+}
+
 }  // namespace
 
 const Kernels& Avx512Kernels() {
   static const Kernels kernels{
       "avx512",
-      {Pack<float>, Product<float>, Sddmm<float>},
-      {Pack<Bf16>, Product<Bf16>, Sddmm<Bf16>},
+      {Pack<float>, Product<float>, Sddmm<float>, Backward<float>},
+      {Pack<Bf16>, Product<Bf16>, Sddmm<Bf16>, Backward<Bf16>},
   };
   return kernels;
 }

@@ -110,8 +110,8 @@ void Sddmm(const PlanView& plan, const T* tiled, int64_t tiled_width, const T* g
 const Kernels& PortableKernels() {
   static const Kernels kernels{
       "portable",
-      {Pack<float>, Product<float>, Sddmm<float>},
-      {Pack<Bf16>, Product<Bf16>, Sddmm<Bf16>},
+      {Pack<float>, Product<float>, Sddmm<float>, nullptr},
+      {Pack<Bf16>, Product<Bf16>, Sddmm<Bf16>, nullptr},
   };
   return kernels;
 }

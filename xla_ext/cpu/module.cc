@@ -10,6 +10,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "diag_kernels.h"
@@ -91,6 +92,33 @@ void RunKernel(const std::string& op, const std::string& isa_name, Matrix a, Mat
   for (int64_t i = job->num_tasks() - 1; i >= 0; --i) job->RunTask(i);
 }
 
+// The fused backward of family `isa`: dx and dvalues from dy, x and values (test-only).
+void RunBackward(const std::string& isa_name, Matrix dy, Matrix x, Matrix values,
+                 Offsets offsets, Matrix dx, Matrix dvalues, int64_t workers) {
+  const dynadiag::Isa isa = IsaFromName(isa_name);
+  const dynadiag::ElemType type = TypeOf(dy, "dy");
+  for (const auto& [a, name] : {std::pair{&x, "x"}, {&values, "values"}, {&dx, "dx"},
+                                {&dvalues, "dvalues"}}) {
+    if (TypeOf(*a, name) != type) throw std::invalid_argument("operands must share one dtype");
+  }
+  const int64_t rows = static_cast<int64_t>(dy.shape(0));
+  const int64_t in = static_cast<int64_t>(x.shape(1)), out = static_cast<int64_t>(dy.shape(1));
+  dynadiag::DiagMatrix w{in, out, static_cast<int64_t>(offsets.shape(0)), offsets.data(),
+                         values.data()};
+  for (int64_t k = 0; k < w.k; ++k) {
+    if (offsets.data()[k] < 0 || offsets.data()[k] >= std::max(in, out)) {
+      throw std::invalid_argument("offsets must lie in [0, max(in, out))");
+    }
+  }
+  CheckShape(x, "x", rows, in);
+  CheckShape(dx, "dx", rows, in);
+  CheckShape(values, "values", w.k, std::min(in, out));
+  CheckShape(dvalues, "dvalues", w.k, std::min(in, out));
+  auto job = dynadiag::MakeBwdJob({type, rows, w, dy.data(), x.data(), dx.data(), dvalues.data()},
+                                  workers, isa);
+  for (int64_t i = job->num_tasks() - 1; i >= 0; --i) job->RunTask(i);
+}
+
 }  // namespace
 
 NB_MODULE(_cpu_ext, m) {
@@ -99,6 +127,7 @@ NB_MODULE(_cpu_ext, m) {
     d["dynadiag_diag_matmul_fwd"] = Capsule(DynadiagDiagMatmulFwdCpu);
     d["dynadiag_diag_matmul_dx"] = Capsule(DynadiagDiagMatmulDxCpu);
     d["dynadiag_diag_matmul_dvalues"] = Capsule(DynadiagDiagMatmulDvaluesCpu);
+    d["dynadiag_diag_matmul_bwd"] = Capsule(DynadiagDiagMatmulBwdCpu);
     return d;
   });
   m.def("kernel_isa", [] { return std::string(dynadiag::IsaName(dynadiag::BestIsa())); },
@@ -114,4 +143,8 @@ NB_MODULE(_cpu_ext, m) {
         nb::arg("offsets"), nb::arg("out"), nb::arg("in_features"), nb::arg("out_features"),
         nb::arg("workers"),
         "Test hook: runs kernel `op` of family `isa` on 2-D numpy arrays, writing `out`.");
+  m.def("_run_backward", &RunBackward, nb::arg("isa"), nb::arg("dy"), nb::arg("x"),
+        nb::arg("values"), nb::arg("offsets"), nb::arg("dx"), nb::arg("dvalues"),
+        nb::arg("workers"),
+        "Test hook: the fused backward (dx and dvalues) of family `isa`, writing dx and dvalues.");
 }
