@@ -17,8 +17,8 @@
 namespace dynadiag {
 namespace {
 
-constexpr int64_t kProductRowChunk = 32;  // rows a worker claims at once (forward, dx)
-constexpr int64_t kSddmmRowChunk = 32;    // rows per SDDMM pass over the plan
+constexpr int64_t kProductRowChunk = 32;   // rows a worker claims at once (forward, dx)
+constexpr int64_t kSddmmRowChunk = 32;     // rows per SDDMM pass over the plan
 constexpr int64_t kBackwardRowChunk = 64;  // rows per fused backward pass over the plan
 // Segments per tile group of the fused backward: their packed values and partial sums (128 bytes
 // per segment) stay in L2 while the group's tiles run over a chunk of rows.
