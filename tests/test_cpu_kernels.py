@@ -33,6 +33,8 @@ CASES = [  # (in, out, rows, k, duplicate offsets)
     (257, 33, 257, 40, False),  # wide, rows beyond one 32-row chunk
     (100, 100, 35, 50, False),
     (48, 96, 64, 10, False),  # widths and rows multiples of the blocks
+    (300, 700, 70, 400, False),  # over 4096 segments: several tile groups in the fused backward
+    (700, 300, 70, 400, False),
     (64, 48, 3, 0, False),  # K = 0
     (17, 9, 0, 4, False),  # no rows
 ]
