@@ -13,7 +13,7 @@
 namespace dynadiag {
 namespace {
 
-constexpr int kRows = 4;   // product: rows of accumulators per tile
+constexpr int kRows = 4;   // product and backward: rows of accumulators per tile
 constexpr int kGroup = 4;  // SDDMM: segments accumulated together
 static_assert(kSegmentGroup % kGroup == 0, "plans are padded to groups of kSegmentGroup");
 
@@ -168,13 +168,62 @@ DYNADIAG_AVX2 void Sddmm(const PlanView& plan, const T* tiled, int64_t tiled_wid
   }
 }
 
+// The fused backward with R rows: per tile, R dx accumulators in registers and R tiles of x in
+// L1 (16 ymm registers cannot hold both); each dy window feeds both FMAs.
+template <int R, typename T>
+DYNADIAG_AVX2 void BackwardRows(const PlanView& plan, int64_t tile_begin, int64_t tile_end,
+                                const float* vp, const T* dy, int64_t dy_width, const T* x, T* dx,
+                                int64_t width, float* acc) {
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    const int64_t o0 = tile * kLanes;
+    const uint32_t tm = TileMask(width, o0);
+    V16 out[R];
+    alignas(32) float xt[R][kLanes];
+    for (int r = 0; r < R; ++r) {
+      const V16 t = Load(x + r * width + o0, tm);
+      _mm256_store_ps(xt[r], t.lo);
+      _mm256_store_ps(xt[r] + 8, t.hi);
+      out[r] = Zero();
+    }
+    for (int64_t s = plan.tile_begin[tile]; s < plan.tile_begin[tile + 1]; ++s) {
+      const V16 v = {_mm256_load_ps(vp + s * kLanes), _mm256_load_ps(vp + s * kLanes + 8)};
+      const uint32_t m = plan.segs[s].mask;
+      const T* src = dy + plan.segs[s].c0;
+      V16 a = {_mm256_load_ps(acc + s * kLanes), _mm256_load_ps(acc + s * kLanes + 8)};
+      for (int r = 0; r < R; ++r) {
+        const V16 w = Load(src + r * dy_width, m);
+        out[r] = Fma(v, w, out[r]);
+        a = Fma(V16{_mm256_load_ps(xt[r]), _mm256_load_ps(xt[r] + 8)}, w, a);
+      }
+      _mm256_store_ps(acc + s * kLanes, a.lo);
+      _mm256_store_ps(acc + s * kLanes + 8, a.hi);
+    }
+    for (int r = 0; r < R; ++r) Store(dx + r * width + o0, out[r], tm);
+  }
+}
+
+template <typename T>
+DYNADIAG_AVX2 void Backward(const PlanView& plan, int64_t tile_begin, int64_t tile_end,
+                            const float* vp, const T* dy, int64_t dy_width, const T* x, T* dx,
+                            int64_t width, int64_t rows, float* acc) {
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows) {
+    BackwardRows<kRows>(plan, tile_begin, tile_end, vp, dy + r * dy_width, dy_width, x + r * width,
+                    dx + r * width, width, acc);
+  }
+  for (; r < rows; ++r) {
+    BackwardRows<1>(plan, tile_begin, tile_end, vp, dy + r * dy_width, dy_width, x + r * width,
+                    dx + r * width, width, acc);
+  }
+}
+
 }  // namespace
 
 const Kernels& Avx2Kernels() {
   static const Kernels kernels{
       "avx2",
-      {Pack<float>, Product<float>, Sddmm<float>, nullptr},
-      {Pack<Bf16>, Product<Bf16>, Sddmm<Bf16>, nullptr},
+      {Pack<float>, Product<float>, Sddmm<float>, Backward<float>},
+      {Pack<Bf16>, Product<Bf16>, Sddmm<Bf16>, Backward<Bf16>},
   };
   return kernels;
 }
