@@ -9,10 +9,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dynadiag_jax.ops import cuda
 from dynadiag_jax.ops.diag_matmul import register_backend
 from dynadiag_jax.ops.ffi import PlatformKernels, make_ffi_backend
 
-__all__ = ["has_cpu_kernels"]
+__all__ = ["has_cpu_kernels", "has_cuda_kernels"]
 
 TARGET_PREFIX = "dynadiag_diag_matmul"
 
@@ -20,6 +21,14 @@ try:
     from dynadiag_jax import _cpu_ext
 except ImportError:
     _cpu_ext = None
+try:  # built when nvcc was found at install time
+    from dynadiag_jax import _cuda_ext
+except ImportError:
+    _cuda_ext = None
+try:  # the CUDA kernels compiled for the host (tests)
+    from dynadiag_jax import _emu_ext
+except ImportError:
+    _emu_ext = None
 
 
 def _register(module, platform: str) -> None:
@@ -32,9 +41,20 @@ def has_cpu_kernels() -> bool:
     return _cpu_ext is not None
 
 
+def has_cuda_kernels() -> bool:
+    """True when the CUDA kernels are built and registered (they run when the backend is a GPU)."""
+    return _cuda_ext is not None
+
+
 _native: dict[str, PlatformKernels] = {}
 if _cpu_ext is not None:
     _register(_cpu_ext, "cpu")
     _native["cpu"] = PlatformKernels(dtypes=(jnp.float32, jnp.bfloat16))
+if _cuda_ext is not None:
+    _register(_cuda_ext, "CUDA")
+    _native["cuda"] = cuda.KERNELS
 if _native:
     register_backend("ffi", make_ffi_backend(TARGET_PREFIX, _native))
+if _emu_ext is not None:
+    _register(_emu_ext, "cpu")
+    register_backend("cuda_emulated", make_ffi_backend(cuda.EMULATED_PREFIX, {"cpu": cuda.KERNELS}))

@@ -79,12 +79,15 @@ def test_unsupported_dtype_for_the_kernel_names_the_alternative():
         assert dd.diag_matmul(x64, v64, OFF, out_features=12).dtype == jnp.float64
 
 
-def test_traced_offset_out_of_range_raises_at_run_time_from_the_kernel():
+def test_traced_offset_out_of_range_is_never_silent_in_the_kernel():
     f = jax.jit(lambda off: dd.diag_matmul(X, V, off, out_features=12, impl="ffi"))
     np.testing.assert_allclose(np.asarray(f(OFF)).sum(), 3 * 16.0)
     for bad in ([0, 12], [-3, 1]):
-        with pytest.raises(Exception, match="offset"):
-            jax.block_until_ready(f(jnp.asarray(bad, jnp.int32)))
+        if jax.default_backend() == "cpu":
+            with pytest.raises(Exception, match="offset"):
+                jax.block_until_ready(f(jnp.asarray(bad, jnp.int32)))
+        else:  # a CUDA kernel cannot raise without a host sync: it writes NaN instead
+            assert np.isnan(np.asarray(f(jnp.asarray(bad, jnp.int32)))).all()
 
 
 def test_traced_offset_out_of_range_poisons_the_jax_path():

@@ -1,0 +1,254 @@
+"""GPU benchmark of ``dd.diag_matmul`` (the CUDA kernels) vs XLA's dense dot and BCOO.
+
+For each layer shape ``in:out``, sparsity and offset layout, times ``y = x @ W.T`` with
+``x[batch, in]`` in two phases - ``fwd`` and ``fwd+bwd`` (``y`` and the VJP in one jitted call: one
+training step of the layer) - for
+
+* ``ffi``: our CUDA kernels (``impl="ffi"``; the script checks the compiled HLO calls them);
+* ``dense``: XLA's dot on a dense ``W[out, in]`` (the layer DynaDiag replaces);
+* ``bcoo``: ``jax.experimental.sparse`` BCOO with the same ``K * D`` non-zeros.
+
+Offset layouts: ``random`` (distinct random diagonals, as a search phase leaves them: mostly the
+diagonal CUDA-core path) and ``band`` (adjacent diagonals: the tensor-core path for 16-bit
+inputs). Each row also records what ``dd.kernel_stats`` predicts (touched tiles, fill, the share
+of output blocks on tensor cores). Times are medians of ``--repeats`` interleaved calls, reported
+as speed-ups over ``dense`` from the same loop. Writes ``bench/results/diag_matmul_gpu_<time>.csv``.
+
+Examples::
+
+    python bench/diag_matmul_gpu.py --quick                       # 768:3072, bf16, ffi vs dense
+    python bench/diag_matmul_gpu.py --dtype float16 --layouts band --sparsities 0.8,0.9
+    python bench/diag_matmul_gpu.py --allow-cpu --quick --batch 64   # smoke run without a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import sparse
+from tqdm import tqdm
+
+import dynadiag_jax as dd
+from dynadiag_jax.layout import diag_indices
+
+SHAPES = ((768, 768), (768, 3072), (3072, 768))
+SPARSITIES = (0.8, 0.9, 0.95)
+LAYOUTS = ("random", "band")
+IMPLS = ("ffi", "dense", "bcoo")
+PHASES = ("fwd", "fwd+bwd")
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def make_offsets(layout: str, k: int, p: int, rng) -> np.ndarray:
+    """``k`` distinct diagonals: scattered at random, or in bands of 16 adjacent ones."""
+    if layout == "random":
+        return rng.choice(p, size=k, replace=False)
+    starts = rng.choice(p // 16, size=-(-k // 16), replace=False) * 16
+    return (starts[:, None] + np.arange(16)).reshape(-1)[:k] % p
+
+
+def layer_fns(impl: str, offsets, in_f: int, out_f: int, values):
+    """``(layer(x, param), param)`` for one implementation."""
+    if impl == "ffi":
+        return (lambda x, v: dd.diag_matmul(x, v, offsets, out_features=out_f, impl="ffi")), values
+    w = dd.diag_to_dense(values, offsets, in_features=in_f, out_features=out_f)
+    if impl == "dense":
+        return (lambda x, w: x @ w.T), w
+    rows, cols = diag_indices(offsets, in_f, out_f)
+    indices = jnp.stack([rows.reshape(-1), cols.reshape(-1)], axis=1)
+
+    def bcoo(x, data):
+        w_sp = sparse.BCOO((data, indices), shape=(out_f, in_f), unique_indices=True)
+        return sparse.bcoo_dot_general(w_sp, x, dimension_numbers=(([1], [1]), ([], []))).T
+
+    return bcoo, values.reshape(-1)
+
+
+def phase_fns(layer, x, param, dy):
+    def fwd_bwd(x, param, dy):
+        y, vjp = jax.vjp(layer, x, param)
+        return y, vjp(dy)
+
+    return {"fwd": (jax.jit(layer), (x, param)), "fwd+bwd": (jax.jit(fwd_bwd), (x, param, dy))}
+
+
+def uses_dynadiag_kernels(fn, args) -> bool:
+    """True if the compiled program calls the dynadiag custom calls (CUDA targets on a GPU)."""
+    return "dynadiag_diag_matmul" in fn.lower(*args).compile().as_text()
+
+
+def timed(fn, args) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+def run_case(fns: dict, repeats: int, progress) -> dict:
+    for fn, args in fns.values():  # compile and warm up
+        timed(fn, args)
+    times = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, (fn, args) in fns.items():
+            times[key].append(timed(fn, args))
+            progress.update(1)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def parse_args(argv):
+    def pairs(text):
+        return tuple(tuple(int(n) for n in item.split(":")) for item in text.split(","))
+
+    def names(choices):
+        def parse(text):
+            out = tuple(text.split(","))
+            bad = [n for n in out if n not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {choices}")
+            return out
+
+        return parse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="768:3072 at 0.9, ffi and dense only")
+    parser.add_argument(
+        "--shapes", type=pairs, default=SHAPES, help="IN:OUT pairs, comma separated"
+    )
+    parser.add_argument(
+        "--sparsities", type=lambda t: tuple(map(float, t.split(","))), default=SPARSITIES
+    )
+    parser.add_argument("--layouts", type=names(LAYOUTS), default=LAYOUTS)
+    parser.add_argument("--impls", type=names(IMPLS), default=IMPLS, help="dense always runs")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--batch", type=int, default=8192, help="rows of x (tokens x batch)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="run on the CPU backend too (a smoke test; times mean nothing for GPUs)",
+    )
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shapes, args.sparsities, args.impls = ((768, 3072),), (0.9,), ("ffi", "dense")
+    if "dense" not in args.impls:
+        args.impls = (*args.impls, "dense")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.allow_cpu:
+        print(
+            f"no GPU: the default JAX backend is {jax.default_backend()!r}. Install jax[cuda13] "
+            "(or jax[cuda12]) and build dynadiag-jax with nvcc on PATH; --allow-cpu runs anyway.",
+            file=sys.stderr,
+        )
+        return 2
+    if on_gpu and not dd.has_cuda_kernels():
+        print(
+            "dynadiag-jax was built without the CUDA kernels (nvcc was not on PATH at install).",
+            file=sys.stderr,
+        )
+        return 2
+    dtype = jnp.dtype(args.dtype)
+    out = args.out or RESULTS / f"diag_matmul_gpu_{datetime.datetime.now():%Y%m%d_%H%M%S}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cases = [(s, sp, lay) for s in args.shapes for sp in args.sparsities for lay in args.layouts]
+    fields = [
+        "device",
+        "dtype",
+        "in",
+        "out",
+        "sparsity",
+        "layout",
+        "k",
+        "batch",
+        "impl",
+        "phase",
+        "ms",
+        "speedup_vs_dense",
+        "tiles_touched",
+        "tile_fill",
+        "tensor_core_share",
+    ]
+    rows = []
+    with (
+        out.open("w", newline="") as fh,
+        tqdm(
+            total=len(cases) * len(args.impls) * len(PHASES) * args.repeats, desc="timing"
+        ) as progress,
+    ):
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for (in_f, out_f), sparsity, layout in cases:
+            rng = np.random.default_rng(args.seed)
+            k = dd.num_diagonals(in_f, out_f, sparsity)
+            p, d = max(in_f, out_f), min(in_f, out_f)
+            offsets_np = make_offsets(layout, k, p, rng)
+            offsets = jnp.asarray(offsets_np, jnp.int32)
+            values = jnp.asarray(rng.standard_normal((k, d)) / np.sqrt(k), dtype)
+            x = jnp.asarray(rng.standard_normal((args.batch, in_f)), dtype)
+            dy = jnp.asarray(rng.standard_normal((args.batch, out_f)), dtype)
+            stats = dd.kernel_stats(offsets_np, in_f, out_f, dtype=dtype)
+            fns = {}
+            for impl in args.impls:
+                layer, param = layer_fns(impl, offsets, in_f, out_f, values)
+                for phase, fn_args in phase_fns(layer, x, param, dy).items():
+                    fns[(impl, phase)] = fn_args
+            if on_gpu and "ffi" in args.impls:
+                fn, fn_args = fns[("ffi", "fwd")]
+                if not uses_dynadiag_kernels(fn, fn_args):
+                    raise RuntimeError(
+                        "impl='ffi' did not compile to the dynadiag CUDA custom calls"
+                    )
+            med = run_case(fns, args.repeats, progress)
+            blocks = stats.forward.output_blocks + stats.dx.output_blocks
+            for (impl, phase), seconds in med.items():
+                row = dict(
+                    device=jax.devices()[0].device_kind,
+                    dtype=dtype.name,
+                    sparsity=sparsity,
+                    layout=layout,
+                    k=k,
+                    batch=args.batch,
+                    impl=impl,
+                    phase=phase,
+                    ms=round(seconds * 1e3, 4),
+                    speedup_vs_dense=round(med[("dense", phase)] / seconds, 3),
+                    tiles_touched=stats.tiles_touched,
+                    tile_fill=round(stats.forward.fill, 3),
+                    tensor_core_share=round(
+                        (stats.forward.tensor_core_blocks + stats.dx.tensor_core_blocks) / blocks, 3
+                    ),
+                )
+                row["in"], row["out"] = in_f, out_f
+                writer.writerow(row)
+                fh.flush()
+                rows.append(row)
+    print(
+        f"\n{'shape':>10} {'sp':>5} {'layout':>7} {'TC share':>8} {'impl':>6} {'phase':>8} "
+        f"{'ms':>9} {'x dense':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['in']:>4}:{r['out']:<5} {r['sparsity']:>5} {r['layout']:>7} "
+            f"{r['tensor_core_share']:>8} {r['impl']:>6} {r['phase']:>8} {r['ms']:>9.3f} "
+            f"{r['speedup_vs_dense']:>8.2f}"
+        )
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Freezing: the search phase ends and every layer keeps the K diagonals with the largest alpha.
+
+A frozen layer holds params ``values[K, D]`` (+ ``bias``) and ``offsets[K]`` int32 in the
+``"diagonals"`` collection; it computes exactly the hard top-K product (gate 1 on the selected
+diagonals), with memory and compute K/P of a dense layer. All functions here are pure and
+jit-able (K comes from static shapes), so a training loop can freeze inside ``jax.jit``.
+
+* :func:`freeze`: one layer, ``(layer, variables) -> (frozen_layer, frozen_variables)``.
+* :func:`freeze_tree`: every search-phase ``DiagonalDense`` in a model's variables.
+* :func:`freeze_opt_state`: the optimizer state that matches the frozen params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dynadiag_jax.nn.diagonal_dense import DiagonalDense
+
+__all__ = ["freeze", "freeze_tree", "freeze_opt_state", "select_diagonals"]
+
+# Entries of a layer's "dynadiag" collection that only the search phase uses.
+_SEARCH_STATE = ("strength", "temperature", "topk", "score")
+
+
+def select_diagonals(alpha, k: int):
+    """The ``k`` offsets with the largest ``alpha[..., P]``, sorted ascending, int32 ``[..., k]``.
+
+    Ties go to the lower offset (``jax.lax.top_k``).
+    """
+    _, idx = jax.lax.top_k(jax.lax.stop_gradient(alpha), k)
+    return jnp.sort(idx, axis=-1).astype(jnp.int32)
+
+
+def _gather_rows(values, offsets):
+    """``values[..., P, D]`` rows ``offsets[..., K]`` -> ``[..., K, D]``."""
+    return jnp.take_along_axis(values, offsets[..., None], axis=-2)
+
+
+def _is_search_layer(node) -> bool:
+    if not isinstance(node, Mapping) or "alpha" not in node or "values" not in node:
+        return False
+    alpha, values = node["alpha"], node["values"]
+    return (hasattr(alpha, "shape") and hasattr(values, "shape")
+            and values.ndim == alpha.ndim + 1 and values.shape[-2] == alpha.shape[-1])
+
+
+def _freeze_params(node, k: int):
+    offsets = select_diagonals(node["alpha"], k)
+    params = {name: value for name, value in node.items() if name != "alpha"}
+    params["values"] = _gather_rows(node["values"], offsets)
+    return params, offsets
+
+
+def _walk(params, dyn, path: tuple, visit):
+    """Rebuilds ``params``, calling ``visit(path, layer_params, layer_dyn)`` on search layers."""
+    if _is_search_layer(params):
+        return visit(path, params, dyn)
+    if not isinstance(params, Mapping):
+        return params
+    dyn = dyn if isinstance(dyn, Mapping) else {}
+    return {key: _walk(value, dyn.get(key), path + (key,), visit) for key, value in params.items()}
+
+
+def _copy_dicts(tree):
+    if isinstance(tree, Mapping):
+        return {key: _copy_dicts(value) for key, value in tree.items()}
+    return tree
+
+
+def _set_path(tree: dict, path: tuple, value: dict):
+    for key in path:
+        tree = tree.setdefault(key, {})
+    tree.update(value)
+
+
+def _drop_search_state(dyn, layer_paths):
+    """The ``"dynadiag"`` tree without the search entries of the frozen layers (empty dicts go)."""
+    def prune(node, path):
+        if not isinstance(node, Mapping):
+            return node
+        out = {}
+        for key, value in node.items():
+            if path in layer_paths and key in _SEARCH_STATE:
+                continue
+            value = prune(value, path + (key,))
+            if not (isinstance(value, Mapping) and not value):
+                out[key] = value
+        return out
+
+    return prune(dyn, ())
+
+
+def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
+    """Freezes every search-phase ``DiagonalDense`` in a model's ``variables`` (pure, jit-able).
+
+    A search-phase layer is found by its params (``alpha[..., P]`` next to ``values[..., P, D]``);
+    its budget K is the length of its ``"dynadiag"`` entry ``topk`` (created by ``init``), so K is
+    static under ``jit``. Stacked layers (``nn.scan``/``nn.vmap``: leading axes on every leaf) are
+    frozen per slice. Layers already frozen and all other collections pass through.
+
+    Args:
+      variables: ``{"params": ..., "dynadiag": ..., ...}`` of a whole model.
+      budgets: optional ``{path tuple: K}`` for layers whose ``"dynadiag"`` collection is absent
+        (path = keys under ``"params"``, e.g. ``("Block_0", "DiagonalDense_0")``).
+
+    Returns:
+      Variables with each such layer's params ``{"values": [..., K, D], "bias"?}``, its
+      ``"diagonals"`` entry ``{"offsets": [..., K] int32}``, and its search entries removed from
+      ``"dynadiag"`` (the collection disappears when empty).
+
+    Raises:
+      ValueError: a search layer whose K cannot be determined.
+    """
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        raise ValueError("freeze_tree needs variables with a 'params' collection")
+    budgets = dict(budgets or {})
+    diagonals = _copy_dicts(variables.get("diagonals", {}))
+    frozen_paths = set()
+
+    def visit(path, layer, dyn):
+        if path in budgets:
+            k = budgets[path]
+        elif isinstance(dyn, Mapping) and "topk" in dyn:
+            k = dyn["topk"].shape[-1]
+        else:
+            raise ValueError(
+                f"freeze_tree: cannot tell K for the DiagonalDense at params path {path}: its "
+                f"'dynadiag' entry 'topk' (created by init) is missing; keep the 'dynadiag' "
+                f"collection in the variables or pass budgets={{{path!r}: K}}")
+        params, offsets = _freeze_params(layer, k)
+        _set_path(diagonals, path, {"offsets": offsets})
+        frozen_paths.add(path)
+        return params
+
+    params = _walk(variables["params"], variables.get("dynadiag"), (), visit)
+    out = dict(variables)
+    out["params"] = params
+    if diagonals:
+        out["diagonals"] = diagonals
+    if "dynadiag" in variables:
+        dyn = _drop_search_state(variables["dynadiag"], frozen_paths)
+        if dyn:
+            out["dynadiag"] = dyn
+        else:
+            del out["dynadiag"]
+    return out
+
+
+def freeze(layer: DiagonalDense, variables):
+    """Freezes one search-phase layer: ``(layer, variables) -> (frozen_layer, frozen_variables)``.
+
+    The K diagonals with the largest ``alpha`` become a hard 0/1 gate. ``frozen_layer`` is
+    ``layer`` with ``init_phase="frozen"`` (so its ``init`` builds a restore template of the same
+    shapes); applying either module to ``frozen_variables`` computes the frozen product.
+
+    Args:
+      layer: a :class:`dynadiag_jax.nn.DiagonalDense`.
+      variables: that layer's variables (search phase; frozen ones come back unchanged).
+
+    Returns:
+      ``(frozen_layer, frozen_variables)`` with params ``{"values": [K, D], "bias"}`` and
+      ``{"diagonals": {"offsets": [K] int32}}``.
+    """
+    if not isinstance(layer, DiagonalDense):
+        raise TypeError(f"freeze expects a DiagonalDense, got {type(layer).__name__}; "
+                        f"use freeze_tree for a whole model")
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        raise ValueError("freeze needs the layer's variables with a 'params' collection")
+    frozen_layer = layer.clone(init_phase="frozen")
+    params = variables["params"]
+    if not _is_search_layer(params):
+        if "values" in params and "offsets" in variables.get("diagonals", {}):
+            return frozen_layer, variables
+        raise ValueError("freeze: variables are not those of a DiagonalDense (need params "
+                         "'alpha' [P] and 'values' [P, D])")
+    p, d_len = params["values"].shape[-2:]
+    in_features = d_len if layer.features == p else p
+    return frozen_layer, freeze_tree(variables, budgets={(): layer.budget(in_features)})
+
+
+def _is_params_like(node, params) -> bool:
+    return (isinstance(node, Mapping) and isinstance(params, Mapping)
+            and set(node) == set(params))
+
+
+def _convert_params_like(node, before, after):
+    """One params-shaped subtree of an optimizer state, following ``before -> after``."""
+    if _is_search_layer(before):
+        k = after["values"].shape[-2]
+        offsets = select_diagonals(before["alpha"], k)
+        out = {}
+        for key, value in node.items():
+            if key == "alpha":
+                continue
+            if key == "values" and getattr(value, "shape", None) == before["values"].shape:
+                value = _gather_rows(value, offsets)
+            out[key] = value
+        return out
+    if isinstance(node, Mapping) and isinstance(before, Mapping):
+        return {key: _convert_params_like(value, before.get(key), (after or {}).get(key))
+                for key, value in node.items()}
+    return node
+
+
+def freeze_opt_state(opt_state: Any, params_before, params_after):
+    """The optimizer state for ``params_after = freeze_tree(...)["params"]`` (pure, jit-able).
+
+    Every params-shaped tree inside ``opt_state`` (Adam ``mu``/``nu``, momentum traces, ...,
+    including the ``MaskedNode`` trees of ``optax.masked``/``multi_transform``) loses its ``alpha``
+    entries, and keeps for ``values`` the rows of the selected diagonals, selected exactly as
+    :func:`freeze_tree` does (top-K of ``params_before``'s alpha, K from ``params_after``). Counts
+    and other leaves are kept. The result has the structure ``tx.init(params_after)`` would give.
+
+    Args:
+      opt_state: state of an optax transformation initialised on ``params_before``.
+      params_before: the search-phase params (``variables["params"]``).
+      params_after: the frozen params.
+    """
+    def convert(node):
+        if _is_params_like(node, params_before):
+            return _convert_params_like(node, params_before, params_after)
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return type(node)(*(convert(child) for child in node))
+        if isinstance(node, (tuple, list)):
+            return type(node)(convert(child) for child in node)
+        if isinstance(node, Mapping):
+            return {key: convert(value) for key, value in node.items()}
+        return node
+
+    return convert(opt_state)

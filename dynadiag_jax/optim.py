@@ -1,0 +1,79 @@
+"""Optimizer helpers (optax): a separate learning rate for alpha, no weight decay on it.
+
+``alpha`` (the diagonal scores) is a selection variable, not a weight: it gets its own
+transformation and never weight decay; biases and norm scales get no weight decay either. After
+:func:`dynadiag_jax.freeze_tree` there is no ``alpha`` left, and
+:func:`dynadiag_jax.freeze_opt_state` turns the state into the one these transformations keep for
+the frozen params (the alpha group then holds no arrays).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import optax
+
+__all__ = [
+    "alpha_mask",
+    "weight_decay_mask",
+    "param_labels",
+    "with_alpha_optimizer",
+    "diag_optimizer",
+    "NO_DECAY_NAMES",
+]
+
+# Leaf names that never get weight decay (besides every leaf with fewer than two axes).
+NO_DECAY_NAMES = ("alpha", "bias", "scale")
+
+
+def _map_named(params, fn, parent=None):
+    """``fn(name, leaf, parent_mapping)`` on every leaf of a nested mapping."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a nested mapping, got {type(params).__name__}")
+    return {name: (_map_named(value, fn, params) if isinstance(value, Mapping)
+                   else fn(name, value, params)) for name, value in params.items()}
+
+
+def alpha_mask(params):
+    """Tree of bools: True at every ``DiagonalDense`` ``alpha`` (a leaf beside ``values``)."""
+    return _map_named(params, lambda name, leaf, parent: name == "alpha" and "values" in parent)
+
+
+def weight_decay_mask(params):
+    """Tree of bools: True where weight decay applies (leaves with >= 2 axes, except those named
+    ``alpha``, ``bias`` or ``scale``, so stacked layers' biases stay undecayed too)."""
+    return _map_named(params, lambda name, leaf, parent: (
+        name not in NO_DECAY_NAMES and getattr(leaf, "ndim", 0) >= 2))
+
+
+def param_labels(params):
+    """``"alpha"`` for alpha leaves, ``"weights"`` for everything else (``multi_transform``)."""
+    return _map_named(params, lambda name, leaf, parent: (
+        "alpha" if name == "alpha" and "values" in parent else "weights"))
+
+
+def with_alpha_optimizer(tx: optax.GradientTransformation,
+                         alpha_tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``alpha_tx`` on alpha, ``tx`` on every other param (``optax.multi_transform``)."""
+    return optax.multi_transform({"alpha": alpha_tx, "weights": tx}, param_labels)
+
+
+def diag_optimizer(learning_rate, *, alpha_learning_rate, weight_decay: float = 0.0,
+                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                   decay_mask=weight_decay_mask) -> optax.GradientTransformation:
+    """AdamW on the weights, Adam with its own learning rate (and no decay) on alpha.
+
+    Args:
+      learning_rate: float or optax schedule for every param except alpha.
+      alpha_learning_rate: float or optax schedule for alpha.
+      weight_decay: decoupled weight decay on the leaves selected by ``decay_mask``.
+      b1, b2, eps: Adam moments, shared by both groups.
+      decay_mask: tree of bools or ``params -> tree``; default :func:`weight_decay_mask`.
+
+    Returns:
+      An ``optax.GradientTransformation``; combine with ``optax.chain`` for clipping etc.
+    """
+    weights = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                          mask=decay_mask)
+    alpha = optax.adam(alpha_learning_rate, b1=b1, b2=b2, eps=eps)
+    return with_alpha_optimizer(weights, alpha)

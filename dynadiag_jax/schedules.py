@@ -1,0 +1,167 @@
+"""Schedules ``step -> value`` for the gate's strength or temperature, and the freeze step.
+
+Each factory takes plain numbers (configs live in ``train/configs`` and pass them in) and returns a
+jit-able function of an integer step (Python int or traced array) giving a float32 scalar. Like
+optax schedules, a schedule holds its end value after ``steps``: the released recipe anneals the
+temperature over the search phase only (cosine 5.0 -> 0.05 until the freeze), then holds it.
+
+Example (the released recipe, freeze after 30% of training)::
+
+    freeze_at = dd.schedules.freeze_step(total_steps, search_fraction=0.3)
+    temperature = dd.schedules.cosine(5.0, 0.05, freeze_at)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+__all__ = [
+    "Schedule",
+    "constant",
+    "linear",
+    "cosine",
+    "exponential",
+    "warmup_cosine",
+    "by_name",
+    "freeze_step",
+]
+
+Schedule = Callable[..., jnp.ndarray]
+
+
+def _number(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _steps(value, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _progress(step, steps: int):
+    """``clip(step / steps, 0, 1)`` as float32."""
+    t = jnp.asarray(step).astype(jnp.float32) / jnp.float32(steps)
+    return jnp.clip(t, 0.0, 1.0)
+
+
+def constant(value) -> Schedule:
+    """``step -> value``."""
+    value = _number(value, "value")
+
+    def schedule(step):
+        return jnp.full(jnp.shape(step), value, jnp.float32)
+
+    return schedule
+
+
+def linear(init_value, end_value, steps) -> Schedule:
+    """Linear from ``init_value`` at step 0 to ``end_value`` at ``steps``, held afterwards."""
+    a, b = _number(init_value, "init_value"), _number(end_value, "end_value")
+    steps = _steps(steps, "steps")
+
+    def schedule(step):
+        return a + (b - a) * _progress(step, steps)
+
+    return schedule
+
+
+def cosine(init_value, end_value, steps) -> Schedule:
+    """Half-cosine from ``init_value`` at step 0 to ``end_value`` at ``steps``, held afterwards.
+
+    ``v(t) = end + (init - end) * (1 + cos(pi * t / steps)) / 2``.
+    """
+    a, b = _number(init_value, "init_value"), _number(end_value, "end_value")
+    steps = _steps(steps, "steps")
+
+    def schedule(step):
+        return b + (a - b) * 0.5 * (1.0 + jnp.cos(jnp.pi * _progress(step, steps)))
+
+    return schedule
+
+
+def exponential(init_value, end_value, steps) -> Schedule:
+    """Geometric from ``init_value`` to ``end_value`` (both > 0) over ``steps``, held afterwards.
+
+    ``v(t) = init * (end / init) ** (t / steps)``: a constant ratio per step, e.g. 5.0 -> 0.05
+    over 100 steps multiplies by 0.955 each step.
+    """
+    a, b = _number(init_value, "init_value"), _number(end_value, "end_value")
+    if a <= 0 or b <= 0:
+        raise ValueError(f"exponential needs init_value > 0 and end_value > 0, got {a}, {b}")
+    steps = _steps(steps, "steps")
+    log_ratio = math.log(b / a)
+
+    def schedule(step):
+        return a * jnp.exp(log_ratio * _progress(step, steps))
+
+    return schedule
+
+
+def warmup_cosine(init_value, peak_value, end_value, warmup_steps, steps) -> Schedule:
+    """Linear ``init -> peak`` over ``warmup_steps``, then cosine ``peak -> end`` until ``steps``.
+
+    ``steps`` counts from step 0 and includes the warm-up (as in optax's
+    ``warmup_cosine_decay_schedule``); the value is held at ``end_value`` afterwards.
+    """
+    a = _number(init_value, "init_value")
+    peak = _number(peak_value, "peak_value")
+    b = _number(end_value, "end_value")
+    warmup_steps = _steps(warmup_steps, "warmup_steps", minimum=0)
+    steps = _steps(steps, "steps")
+    if warmup_steps >= steps:
+        raise ValueError(f"warmup_steps ({warmup_steps}) must be < steps ({steps})")
+    decay = cosine(peak, b, steps - warmup_steps)
+
+    def schedule(step):
+        step = jnp.asarray(step)
+        if warmup_steps == 0:
+            return decay(step)
+        warm = a + (peak - a) * _progress(step, warmup_steps)
+        return jnp.where(step < warmup_steps, warm, decay(step - warmup_steps))
+
+    return schedule
+
+
+_FACTORIES = {
+    "constant": constant,
+    "linear": linear,
+    "cosine": cosine,
+    "exponential": exponential,
+    "warmup_cosine": warmup_cosine,
+}
+
+
+def by_name(name: str, **kwargs) -> Schedule:
+    """The schedule factory called ``name`` applied to ``kwargs`` (for configs that hold a name).
+
+    Example: ``by_name("cosine", init_value=5.0, end_value=0.05, steps=3000)``.
+
+    Raises:
+      ValueError: an unknown name or bad arguments.
+    """
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown schedule {name!r}; expected one of {sorted(_FACTORIES)}")
+    try:
+        return _FACTORIES[name](**kwargs)
+    except TypeError as e:
+        raise ValueError(f"bad arguments for schedule {name!r}: {e}") from None
+
+
+def freeze_step(total_steps, *, search_fraction) -> int:
+    """The step at which the selection is frozen: ``round(search_fraction * total_steps)``.
+
+    ``search_fraction`` in ``[0, 1]``; 0 freezes before the first step (static diagonals chosen
+    by the initial scores), 1 never freezes during training. The released recipe uses 0.3.
+    """
+    total_steps = _steps(total_steps, "total_steps")
+    frac = _number(search_fraction, "search_fraction")
+    if not 0.0 <= frac <= 1.0:
+        raise ValueError(f"search_fraction must be in [0, 1], got {search_fraction!r}")
+    return int(round(frac * total_steps))

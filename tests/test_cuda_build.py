@@ -1,0 +1,144 @@
+"""The CUDA build without a GPU: ptxas resource use for sm_80/sm_90, and lowering to the targets.
+
+The ptxas test compiles the device code of xla_ext/cuda with nvcc (device code only, both
+architectures) and fails on register spills, local-memory stack frames or shared memory beyond
+the per-block limit; it also checks the tensor-core kernels really contain wmma.mma instructions.
+"""
+
+import pathlib
+import re
+import shutil
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import dynadiag_jax as dd
+from dynadiag_jax.ops import cuda
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "xla_ext" / "cuda" / "ffi_handlers.cu"
+ARCHS = ("80", "90")
+SMEM_LIMIT = 48 * 1024  # static shared memory per block
+MAX_REGISTERS = 255
+
+# Kernel name fragment -> how many instantiations each architecture must show.
+EXPECTED_KERNELS = {
+    "count_tiles_kernel": 1,
+    "compact_tiles_kernel": 1,
+    "tensor_core_product_kernel": 4,  # half, bfloat16 x output axis moving/fixed
+    "diagonal_product_kernel": 6,  # float, half, bfloat16 x 2
+    "sddmm_kernel": 3,
+    "sddmm_reduce_kernel": 3,
+}
+
+
+def ptxas_report(log: str) -> list[dict]:
+    """Per (kernel, arch): registers, spill stores/loads, stack frame, smem, from -Xptxas -v."""
+    entries, current = [], None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\S+)' for 'sm_(\d+)'", line):
+            current = {"kernel": m.group(1), "arch": m.group(2), "smem": 0}
+            entries.append(current)
+        elif current is None:
+            continue
+        elif m := re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line
+        ):
+            current.update(
+                stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3))
+            )
+        elif m := re.search(r"Used (\d+) registers", line):
+            current["registers"] = int(m.group(1))
+            if s := re.search(r"(\d+) bytes smem", line):
+                current["smem"] = int(s.group(1))
+    return entries
+
+
+@pytest.fixture(scope="module")
+def ptxas(tmp_path_factory):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None or not SOURCE.exists():
+        pytest.skip("needs nvcc on PATH and the xla_ext sources")
+    out = tmp_path_factory.mktemp("nvcc")
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
+    cmd = [
+        nvcc,
+        "--fatbin",
+        "-std=c++17",
+        "-O3",
+        "-Xptxas",
+        "-v",
+        "--keep",
+        "--keep-dir",
+        str(out),
+        *gencode,
+        "-I",
+        str(ROOT / "xla_ext"),
+        "-isystem",
+        jax.ffi.include_dir(),
+        str(SOURCE),
+        "-o",
+        str(out / "kernels.fatbin"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"nvcc failed:\n{proc.stderr[-4000:]}"
+    ptx = {a: "".join(p.read_text() for p in out.glob(f"*compute_{a}*.ptx")) for a in ARCHS}
+    return ptxas_report(proc.stdout + proc.stderr), ptx
+
+
+@pytest.mark.slow
+def test_ptxas_no_spills_and_smem_within_the_block_limit(ptxas):
+    report, _ = ptxas
+    for arch in ARCHS:
+        for name, count in EXPECTED_KERNELS.items():
+            found = [e for e in report if e["arch"] == arch and f"{len(name)}{name}" in e["kernel"]]
+            assert len(found) == count, f"sm_{arch}: {len(found)} instantiations of {name}"
+    for e in report:
+        where = f"{e['kernel']} sm_{e['arch']}"
+        assert e["spill_stores"] == 0 and e["spill_loads"] == 0, f"{where} spills: {e}"
+        assert e["stack"] == 0, f"{where} uses a local-memory stack frame: {e}"
+        assert e["smem"] <= SMEM_LIMIT, f"{where} needs {e['smem']} bytes of shared memory"
+        assert e["registers"] <= MAX_REGISTERS, f"{where}: {e['registers']} registers"
+
+
+@pytest.mark.slow
+def test_tensor_core_kernels_issue_wmma(ptxas):
+    _, ptx = ptxas
+    for arch in ARCHS:
+        assert "wmma.mma.sync.aligned.row.col.m16n16k16.f32.bf16.bf16.f32" in ptx[arch], arch
+        assert re.search(r"wmma\.mma\.sync\.aligned\.row\.col\.m16n16k16\.f32\.f32", ptx[arch]), (
+            arch
+        )
+
+
+@pytest.mark.skipif(not dd.has_cuda_kernels(), reason="CUDA targets not built (no nvcc at install)")
+def test_diag_matmul_lowers_to_the_cuda_targets_with_a_workspace():
+    rows, in_f, out_f, k = 4, 16, 48, 3
+    x = jax.ShapeDtypeStruct((rows, in_f), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((k, in_f), jnp.bfloat16)
+    o = jax.ShapeDtypeStruct((k,), jnp.int32)
+
+    def f(x, v, o):
+        return dd.diag_matmul(x, v, o, out_features=out_f, impl="ffi")
+
+    def loss(x, v, o):
+        return jnp.sum(f(x, v, o).astype(jnp.float32) ** 2)
+
+    fwd = jax.jit(f).trace(x, v, o).lower(lowering_platforms=("cuda",)).as_text()
+    grad = (
+        jax.jit(jax.grad(loss, argnums=(0, 1)))
+        .trace(x, v, o)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    for kind, text in (("fwd", fwd), ("fwd", grad), ("dx", grad), ("dvalues", grad)):
+        calls = [
+            line
+            for line in text.splitlines()
+            if f"stablehlo.custom_call @dynadiag_diag_matmul_{kind}(" in line
+        ]
+        assert calls, f"no {kind} custom call in the CUDA lowering"
+        nbytes = max(1, cuda.workspace_bytes(kind, rows, in_f, out_f, k))
+        assert all(f"tensor<{nbytes}xui8>" in c for c in calls), f"{kind} workspace: {calls[0]}"

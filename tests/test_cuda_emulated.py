@@ -1,0 +1,321 @@
+"""The CUDA kernels, run on the CPU through the SIMT emulation (impl="cuda_emulated").
+
+The emulated targets are the CUDA source and handler code compiled for the host, so these tests
+check the logic a GPU would run: custom_vjp -> forward, dx and dvalues kernels, the tile structure
+the device computes, both kernel paths, and the handlers' validation. Every result is compared with
+a float64 dense reference; low-precision results may be at most twice as wrong as XLA's dense dot
+in the same dtype (the flash-attention rule, STYLE.md).
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynadiag_jax as dd
+from dynadiag_jax.layout import diag_indices
+from dynadiag_jax.ops import cuda
+
+# The module (dd.kernel_stats is the function of the same name).
+ks = importlib.import_module("dynadiag_jax.kernel_stats")
+
+pytestmark = pytest.mark.skipif(
+    "cuda_emulated" not in dd.available_impls(), reason="emulated CUDA targets not built"
+)
+
+IMPL = "cuda_emulated"
+F32_RTOL = 2e-5  # relative to the largest reference magnitude
+LOWP_ERR_FACTOR = 2.0  # low precision: at most this times the dense dot's own error ...
+LOWP_ULPS = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11}  # ... plus one ulp of the scale
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+SHAPES = [(1, 1), (7, 7), (7, 33), (33, 7), (33, 33), (48, 100), (100, 48), (130, 130)]
+
+
+def offsets_of(kind, rng, p):
+    """Diagonal ids: one, random (scattered), band (adjacent: tensor cores), all, repeated."""
+    if kind == "one":
+        return np.array([p // 2])
+    if kind == "random":
+        return rng.choice(p, max(1, p // 4), replace=False)
+    if kind == "band":  # top diagonal = 1 mod 16: it alone enters some tiles, at one corner entry
+        return (16 * (p // 48) + 2 + np.arange(min(p, 16))) % p
+    if kind == "all":
+        return rng.permutation(p)
+    if kind == "repeated":
+        return np.concatenate([rng.integers(0, p, max(1, p // 5)), [0, 0, p - 1, p - 1]])
+    raise ValueError(kind)
+
+
+def dense_w(values, offsets, in_f, out_f):
+    rows, cols = (np.asarray(a) for a in diag_indices(jnp.asarray(offsets), in_f, out_f))
+    w = np.zeros((out_f, in_f))
+    np.add.at(w, (rows, cols), np.asarray(values, np.float64))
+    return w
+
+
+def reference(x, values, offsets, dy, out_f):
+    """float64 y, dx, dvalues of sum(diag_matmul(x, values) * dy)."""
+    in_f = x.shape[-1]
+    w = dense_w(values, offsets, in_f, out_f)
+    x64 = np.asarray(x, np.float64).reshape(-1, in_f)
+    dy64 = np.asarray(dy, np.float64).reshape(-1, out_f)
+    rows, cols = (np.asarray(a) for a in diag_indices(jnp.asarray(offsets), in_f, out_f))
+    y = (x64 @ w.T).reshape(x.shape[:-1] + (out_f,))
+    return y, (dy64 @ w).reshape(x.shape), (dy64.T @ x64)[rows, cols]
+
+
+def run(impl, x, values, offsets, dy, out_f):
+    """y and (dx, dvalues) of sum(y * dy) under jit."""
+
+    def loss(x, v):
+        y = dd.diag_matmul(x, v, offsets, out_features=out_f, impl=impl)
+        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, values)
+    return (y, *grads)
+
+
+def assert_close(got, exact, what, dtype, lowp_ref=None):
+    got = np.asarray(got, np.float64)
+    scale = max(1.0, float(np.max(np.abs(exact), initial=0.0)))
+    err = float(np.max(np.abs(got - exact), initial=0.0))
+    if dtype == jnp.float32:
+        bound = F32_RTOL * scale
+    else:
+        ref_err = float(np.max(np.abs(np.asarray(lowp_ref, np.float64) - exact), initial=0.0))
+        bound = LOWP_ERR_FACTOR * ref_err + LOWP_ULPS[dtype] * scale
+    assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
+
+
+def make(rng, shape, in_f, out_f, offsets, dtype):
+    d = min(in_f, out_f)
+    x = jnp.asarray(rng.standard_normal(shape + (in_f,)), dtype)
+    values = jnp.asarray(rng.standard_normal((len(offsets), d)), dtype)
+    dy = jnp.asarray(rng.standard_normal(shape + (out_f,)), dtype)
+    return x, values, jnp.asarray(offsets, jnp.int32), dy
+
+
+def check_all(rng, shape, in_f, out_f, kind, dtype):
+    offsets = offsets_of(kind, rng, max(in_f, out_f))
+    x, values, off, dy = make(rng, shape, in_f, out_f, offsets, dtype)
+    # the exact products of the rounded inputs
+    exact = reference(x, values, offsets, dy, out_f)
+    got = run(IMPL, x, values, off, dy, out_f)
+    lowp = run("dense", x, values, off, dy, out_f) if dtype != jnp.float32 else (None,) * 3
+    for name, g, e, lp in zip(("y", "dx", "dvalues"), got, exact, lowp):
+        assert g.dtype == dtype and g.shape == e.shape, name
+        assert_close(g, e, f"{name} ({kind}, {in_f}->{out_f}, {jnp.dtype(dtype).name})", dtype, lp)
+
+
+OFFSET_KINDS = ["one", "random", "band", "all", "repeated"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("in_f,out_f", SHAPES)
+@pytest.mark.parametrize("kind", OFFSET_KINDS)
+def test_forward_and_gradients_match_dense(kind, in_f, out_f, dtype, rng):
+    check_all(rng, (9,), in_f, out_f, kind, dtype)
+
+
+# float32 (the diagonal path only) also runs the case matrix of tests/test_diag_matmul.py.
+@pytest.mark.parametrize("in_f,out_f", [(7, 33), (33, 7), (33, 33)])
+@pytest.mark.parametrize("kind", OFFSET_KINDS)
+def test_float32_forward_and_gradients_match_dense(kind, in_f, out_f, rng):
+    check_all(rng, (9,), in_f, out_f, kind, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_leading_dims_and_two_batch_tiles(dtype, rng):
+    # 2 * 3 * 12 = 72 rows: the kernels' 64-row batch tiles split the batch
+    check_all(rng, (2, 3, 12), 40, 24, "band", dtype)
+    check_all(rng, (2, 3, 12), 24, 40, "random", dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_dvalues_split_over_rows(dtype, rng):
+    # many rows, small K * D: the SDDMM splits the rows and sums the partials in a second kernel
+    assert cuda.sddmm_splits(600, 40, 24, 8) > 1
+    check_all(rng, (600,), 40, 24, "band", dtype)
+
+
+@pytest.mark.parametrize("in_f,out_f", [(33, 33), (48, 100), (100, 48)])
+def test_both_paths_are_exercised(in_f, out_f, rng):
+    p = max(in_f, out_f)
+    band = offsets_of("band", rng, p)
+    scattered = rng.choice(p, max(2, p // 6), replace=False)
+    for kind in ("fwd", "dx"):
+        assert (ks.block_structure(band, in_f, out_f, kind, jnp.bfloat16)[2] == 1).any()
+        assert (ks.block_structure(scattered, in_f, out_f, kind, jnp.bfloat16)[2] == 0).any()
+
+
+def emulated_call(kind, a, b, offsets, out_shape, out_dtype, in_f, out_f):
+    """Call one emulated target directly; returns (result, workspace bytes)."""
+    rows = int(np.prod(a.shape[:-1]))
+    nbytes = cuda.workspace_bytes(kind, rows, in_f, out_f, offsets.shape[0])
+    call = jax.ffi.ffi_call(
+        f"{cuda.EMULATED_PREFIX}_{kind}",
+        (
+            jax.ShapeDtypeStruct(out_shape, out_dtype),
+            jax.ShapeDtypeStruct((max(nbytes, 1),), jnp.uint8),
+        ),
+    )
+    return call(a, b, offsets)
+
+
+@pytest.mark.parametrize("in_f,out_f", [(33, 33), (48, 100), (100, 48), (7, 130)])
+@pytest.mark.parametrize("kind", ["fwd", "dx"])
+def test_device_tile_structure_equals_kernel_stats(kind, in_f, out_f, rng):
+    p = max(in_f, out_f)
+    offsets = np.concatenate([offsets_of("band", rng, p), rng.choice(p, 5), [3, 3]])
+    layout = cuda.product_layout(kind, in_f, out_f)
+    a_f, o_f = (in_f, out_f) if kind == "fwd" else (out_f, in_f)
+    a = jnp.ones((3, a_f), jnp.bfloat16)
+    values = jnp.ones((len(offsets), min(in_f, out_f)), jnp.bfloat16)
+    _, ws = emulated_call(
+        kind, a, values, jnp.asarray(offsets, jnp.int32), (3, o_f), jnp.bfloat16, in_f, out_f
+    )
+    ws = np.asarray(ws)
+
+    def seg(at, n):
+        return ws[at : at + 4 * n].view(np.int32)
+
+    counts = seg(layout.count_at, layout.n_mb * layout.n_tb).reshape(layout.n_mb, layout.n_tb)
+    np.testing.assert_array_equal(counts, ks.tile_counts(offsets, in_f, out_f))
+    ntiles, _, path = ks.block_structure(offsets, in_f, out_f, kind, jnp.bfloat16)
+    np.testing.assert_array_equal(seg(layout.ntiles_at, layout.n_ob), ntiles)
+    np.testing.assert_array_equal(seg(layout.path_at, layout.n_ob), path)
+    tiles = seg(layout.tiles_at, layout.n_ob * layout.n_qb).reshape(layout.n_ob, layout.n_qb)
+    per_block = counts if layout.out_moving else counts.T
+    for ob in range(layout.n_ob):
+        np.testing.assert_array_equal(tiles[ob, : ntiles[ob]], np.nonzero(per_block[ob])[0])
+
+
+def test_workspace_plan_matches_the_cpp_plan():
+    from dynadiag_jax import _emu_ext  # noqa: PLC0415 - present whenever this module runs
+
+    for rows in (0, 1, 100, 600, 5000, 100000):
+        for in_f, out_f in [(1, 1), (7, 33), (33, 7), (768, 3072), (3072, 768), (130, 130)]:
+            for k in (0, 1, 9, 300):
+                for kind in ("fwd", "dx", "dvalues"):
+                    want = _emu_ext.workspace_bytes(kind, rows, in_f, out_f, k, True)
+                    got = cuda.workspace_bytes(kind, rows, in_f, out_f, k)
+                    assert got == want, (kind, rows, in_f, out_f, k)
+
+
+def test_vmap_over_x_and_over_values(rng):
+    in_f, out_f = 20, 36
+    offsets = jnp.asarray(offsets_of("band", rng, out_f), jnp.int32)
+    xs = jnp.asarray(rng.standard_normal((3, 5, in_f)), jnp.bfloat16)
+    vs = jnp.asarray(rng.standard_normal((3, len(offsets), in_f)), jnp.bfloat16)
+
+    def f(x, v):
+        return dd.diag_matmul(x, v, offsets, out_features=out_f, impl=IMPL)
+
+    for axes in ((0, None), (None, 0), (0, 0)):
+        got = jax.jit(jax.vmap(f, in_axes=axes))(xs, vs if axes[1] == 0 else vs[0])
+        for i in range(3):
+            v = vs[i] if axes[1] == 0 else vs[0]
+            x = xs[i] if axes[0] == 0 else xs
+            exact = np.asarray(x, np.float64) @ dense_w(v, offsets, in_f, out_f).T
+            lowp = dd.diag_matmul(x, v, offsets, out_features=out_f, impl="dense")
+            assert_close(got[i], exact, f"vmap {axes}", jnp.bfloat16, lowp)
+
+
+def test_zero_rows_and_zero_diagonals():
+    x = jnp.zeros((0, 20), jnp.bfloat16)
+    v = jnp.ones((2, 20), jnp.bfloat16)
+    off = jnp.asarray([1, 2], jnp.int32)
+    assert dd.diag_matmul(x, v, off, out_features=36, impl=IMPL).shape == (0, 36)
+    g = jax.grad(
+        lambda v: jnp.sum(dd.diag_matmul(x, v, off, out_features=36, impl=IMPL).astype(jnp.float32))
+    )(v)
+    np.testing.assert_array_equal(np.asarray(g, np.float32), 0.0)
+    x = jnp.ones((3, 20), jnp.float16)
+    y = dd.diag_matmul(
+        x, jnp.ones((0, 20), jnp.float16), jnp.zeros((0,), jnp.int32), out_features=36, impl=IMPL
+    )
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.zeros((3, 36)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_traced_offset_out_of_range_gives_nan_without_a_host_sync(dtype):
+    # A GPU kernel cannot report a bad offset without synchronising; it writes NaN instead.
+    x = jnp.ones((3, 8), dtype)
+    v = jnp.ones((16, 8), dtype)
+
+    def loss(v, off):
+        y = dd.diag_matmul(x, v, off, out_features=12, impl=IMPL)
+        return jnp.sum(y.astype(jnp.float32)), y
+
+    f = jax.jit(jax.grad(loss, has_aux=True))
+    good = jnp.arange(16, dtype=jnp.int32) % 12
+    dv, y = f(v, good)
+    assert np.isfinite(np.asarray(y, np.float32)).all()
+    assert np.isfinite(np.asarray(dv, np.float32)).all()
+    for bad in (12, -1):
+        dv, y = f(v, good.at[5].set(bad))
+        assert np.isnan(np.asarray(y, np.float32)).all()  # every output
+        dv = np.asarray(dv, np.float32)  # the bad diagonal's row of dvalues
+        assert np.isnan(dv[5]).all() and np.isfinite(np.delete(dv, 5, axis=0)).all()
+
+
+@pytest.mark.parametrize(
+    "kind,a_shape,b_shape,out_shape,match",
+    [
+        (
+            "fwd",
+            (3, 8),
+            (2, 7),
+            (3, 12),
+            r"values must have shape \[K, min\(in, out\)\] = \[K, 8\]",
+        ),
+        (
+            "fwd",
+            (3, 8),
+            (2, 8),
+            (4, 12),
+            r"y \[4, 12\] must have the leading dimensions of x \[3, 8\]",
+        ),
+        ("dx", (3, 12), (2, 8), (3, 8), r"offsets must have shape \[K\] = \[2\], got \[3\]"),
+        (
+            "dvalues",
+            (3, 12),
+            (3, 8),
+            (2, 7),
+            r"dvalues must have shape \[K, min\(in, out\)\] = \[3, 8\]",
+        ),
+        ("dvalues", (3, 12), (4, 8), (3, 8), r"x \[4, 8\] must have the leading dimensions of dy"),
+    ],
+)
+def test_handlers_validate_their_operands(kind, a_shape, b_shape, out_shape, match):
+    offsets = jnp.asarray([0, 5, 1], jnp.int32)
+    call = jax.ffi.ffi_call(
+        f"{cuda.EMULATED_PREFIX}_{kind}",
+        (jax.ShapeDtypeStruct(out_shape, jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.uint8)),
+    )
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(call(jnp.ones(a_shape), jnp.ones(b_shape), offsets))
+
+
+def test_handlers_reject_a_small_workspace_and_a_foreign_dtype():
+    off = jnp.asarray([0, 5], jnp.int32)
+    need = cuda.workspace_bytes("fwd", 3, 8, 12, 2)
+    small = jax.ffi.ffi_call(
+        f"{cuda.EMULATED_PREFIX}_fwd",
+        (jax.ShapeDtypeStruct((3, 12), jnp.bfloat16), jax.ShapeDtypeStruct((need - 1,), jnp.uint8)),
+    )
+    with pytest.raises(Exception, match=f"workspace must have at least {need} bytes"):
+        jax.block_until_ready(
+            small(jnp.ones((3, 8), jnp.bfloat16), jnp.ones((2, 8), jnp.bfloat16), off)
+        )
+    mixed = jax.ffi.ffi_call(
+        f"{cuda.EMULATED_PREFIX}_fwd",
+        (jax.ShapeDtypeStruct((3, 12), jnp.float32), jax.ShapeDtypeStruct((need,), jnp.uint8)),
+    )
+    with pytest.raises(
+        Exception, match=r"values must have the dtype of x \(float32\), got bfloat16"
+    ):
+        jax.block_until_ready(mixed(jnp.ones((3, 8)), jnp.ones((2, 8), jnp.bfloat16), off))

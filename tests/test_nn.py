@@ -1,0 +1,354 @@
+"""DiagonalDense: both phases against a dense reference, gate plumbing, metrics, bad input."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynadiag_jax as dd
+from dynadiag_jax.nn import DiagonalDense, set_gate
+from dynadiag_jax.nn.diagonal_dense import bucket_sizes
+
+F32_TOL = 1e-5
+BF16_TOL = 3e-2
+SHAPES = [(16, 24), (24, 16), (20, 20)]  # (in, out): tall, wide, square
+
+
+def dense_reference(params, x, features, gate, computed):
+    """``x @ W.T + b`` with ``W = sum_{p in computed} gate[p] * values[p]`` built densely."""
+    w = dd.diag_to_dense(gate[computed][:, None] * params["values"][computed], computed,
+                         in_features=x.shape[-1], out_features=features)
+    y = x @ w.T
+    if "bias" in params:
+        y = y + params["bias"].reshape((1,) * (y.ndim - 1) + (-1,))
+    return y
+
+
+def init(layer, n_in, key=0, batch=(5,), **kw):
+    x = jax.random.normal(jax.random.key(100 + key), batch + (n_in,))
+    return layer.init(jax.random.key(key), x, **kw), x
+
+
+def perturb(params, rng, scale=0.05):
+    """Random alphas (spread > strength so the sparse gate is neither uniform nor hard)."""
+    out = dict(params)
+    out["alpha"] = jnp.asarray(rng.normal(size=params["alpha"].shape) * scale, jnp.float32)
+    out["bias"] = jnp.asarray(rng.normal(size=params["bias"].shape), jnp.float32)
+    return out
+
+
+@pytest.mark.parametrize("n_in,n_out", SHAPES)
+def test_init_shapes_and_ranges(n_in, n_out):
+    layer = DiagonalDense(n_out, sparsity=0.8, explore="none")
+    v, _ = init(layer, n_in)
+    p, d_len = max(n_in, n_out), min(n_in, n_out)
+    k = dd.num_diagonals(n_in, n_out, 0.8)
+    assert jax.tree.map(jnp.shape, v) == {
+        "params": {"alpha": (p,), "values": (p, d_len), "bias": (n_out,)},
+        "dynadiag": {"strength": (), "topk": (k,), "score": ()}}
+    values, alpha = np.asarray(v["params"]["values"]), np.asarray(v["params"]["alpha"])
+    assert np.abs(values).max() <= 1 / np.sqrt(d_len) and values.std() > 0.3 / np.sqrt(d_len)
+    np.testing.assert_allclose(alpha, 1 / p, rtol=2e-3)
+    assert len(np.unique(alpha)) == p  # ties broken by the params RNG
+    np.testing.assert_array_equal(v["params"]["bias"], 0)
+    assert v["dynadiag"]["topk"].dtype == jnp.int32
+
+
+def test_keyword_only_and_budget_k():
+    with pytest.raises(TypeError):
+        DiagonalDense(8, 0.5)  # sparsity is keyword-only
+    v, _ = init(DiagonalDense(8, k=3, explore="none"), 8)
+    assert v["dynadiag"]["topk"].shape == (3,)
+
+
+@pytest.mark.parametrize("n_in,n_out", SHAPES)
+@pytest.mark.parametrize("explore", ["buckets", "none", "dense_score"])
+def test_search_forward_and_grad_match_dense(rng, n_in, n_out, explore):
+    layer = DiagonalDense(n_out, sparsity=0.8, explore=explore, impl="jax")
+    v, x = init(layer, n_in, batch=(2, 3))
+    params = perturb(v["params"], rng)
+    strength = 0.1
+    gate = dd.sparse_soft_topk(params["alpha"], layer.budget(n_in), strength=strength)
+    support = int(jnp.sum(gate > 0))
+    if explore == "buckets":
+        computed = jnp.arange(max(n_in, n_out))  # the whole support is always computed
+    else:
+        computed = jax.lax.top_k(gate, layer.capacity(n_in))[1]
+        assert support > layer.capacity(n_in), "the test should exercise truncation"
+
+    def loss(params, apply):
+        return jnp.sum(jnp.sin(apply(params)))
+
+    def layer_apply(params):
+        return layer.apply(dict(v, params=params), x, strength=strength)
+
+    def ref_apply(params):
+        g = dd.sparse_soft_topk(params["alpha"], layer.budget(n_in), strength=strength)
+        return dense_reference(params, x, n_out, g, computed)
+
+    np.testing.assert_allclose(np.asarray(layer_apply(params)), np.asarray(ref_apply(params)),
+                               atol=F32_TOL, rtol=F32_TOL)
+    got = jax.grad(loss)(params, layer_apply)
+    want = jax.grad(loss)(params, ref_apply)
+    for name in ("alpha", "values", "bias"):
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), atol=1e-4,
+                                   rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("n_in,n_out", SHAPES)
+def test_dense_score_step_gives_exact_gradient_for_every_diagonal(rng, n_in, n_out):
+    layer = DiagonalDense(n_out, sparsity=0.8, explore="dense_score", impl="jax")
+    v, x = init(layer, n_in)
+    params = perturb(v["params"], rng)
+    v = set_gate(dict(v, params=params), strength=0.1, score=True)
+    k, p = layer.budget(n_in), max(n_in, n_out)
+    truncated = jax.lax.top_k(dd.sparse_soft_topk(params["alpha"], k, strength=0.1),
+                              layer.capacity(n_in))[1]
+
+    def ref(params, computed):
+        g = dd.sparse_soft_topk(params["alpha"], k, strength=0.1)
+        return dense_reference(params, x, n_out, g, computed)
+
+    y = layer.apply(v, x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref(params, truncated)), atol=F32_TOL)
+    got = jax.grad(lambda q: jnp.sum(layer.apply(dict(v, params=q), x) ** 2 / 2))(params)
+    # The gradient of the untruncated layer, evaluated at the truncated output.
+    _, pull = jax.vjp(lambda q: ref(q, jnp.arange(p)), params)
+    (want,) = pull(y)
+    for name in ("alpha", "values"):
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), atol=1e-4,
+                                   rtol=1e-4, err_msg=name)
+
+
+def test_softmax_gate_and_temperature_collection(rng):
+    layer = DiagonalDense(12, sparsity=0.5, gate="softmax", impl="jax")
+    v, x = init(layer, 10, temperature=2.0)
+    assert set(v["dynadiag"]) == {"temperature", "topk", "score"}
+    assert float(v["dynadiag"]["temperature"]) == 2.0
+    params = perturb(v["params"], rng, scale=1.0)
+    v = dict(v, params=params)
+    k = layer.budget(10)
+    gate = dd.softmax_topk(params["alpha"], k, temperature=0.7)
+    want = dense_reference(params, x, 12, gate, jnp.arange(12))  # never sparse: all computed
+    got = layer.apply(set_gate(v, temperature=0.7), x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=F32_TOL)
+    np.testing.assert_allclose(np.asarray(layer.apply(v, x, temperature=0.7)), np.asarray(want),
+                               atol=F32_TOL)
+
+
+def test_gate_value_from_collection_and_override(rng):
+    layer = DiagonalDense(16, sparsity=0.75, explore="none", impl="jax")
+    v, x = init(layer, 16)
+    assert float(v["dynadiag"]["strength"]) == 1.0  # the documented default
+    v = dict(v, params=perturb(v["params"], rng))
+    from_collection = layer.apply(set_gate(v, strength=0.02), x)
+    np.testing.assert_allclose(np.asarray(from_collection),
+                               np.asarray(layer.apply(v, x, strength=0.02)), atol=F32_TOL)
+    assert not np.allclose(from_collection, layer.apply(v, x))
+    without = {"params": v["params"]}
+    with pytest.raises(ValueError, match="set_gate"):
+        layer.apply(without, x)
+    np.testing.assert_allclose(np.asarray(layer.apply(without, x, strength=0.02)),
+                               np.asarray(from_collection), atol=F32_TOL)
+    v3, _ = init(DiagonalDense(16, sparsity=0.75, gate_init=0.3, explore="none"), 16)
+    assert float(v3["dynadiag"]["strength"]) == pytest.approx(0.3)
+
+
+def test_set_gate_is_jittable_and_reaches_nested_layers():
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = DiagonalDense(16, sparsity=0.5, explore="none", name="a")(x)
+            return DiagonalDense(4, sparsity=0.5, gate="softmax", explore="none", name="b")(x)
+
+    model = Model()
+    v = model.init(jax.random.key(0), jnp.ones((2, 8)))
+    out = jax.jit(lambda v, s, t: set_gate(v, strength=s, temperature=t, score=True))(
+        v, 0.25, 0.5)
+    assert float(out["dynadiag"]["a"]["strength"]) == 0.25
+    assert float(out["dynadiag"]["b"]["temperature"]) == 0.5
+    assert bool(out["dynadiag"]["a"]["score"]) and bool(out["dynadiag"]["b"]["score"])
+    assert set_gate(v, strength=0.25)["params"] is v["params"]  # other collections are shared
+    assert set_gate({"params": {}}, strength=1.0) == {"params": {}}
+
+
+def test_metrics_are_sown(rng):
+    layer = DiagonalDense(32, sparsity=0.9, explore="none", impl="jax")
+    v, x = init(layer, 32)
+    params = perturb(v["params"], rng)
+    _, state = layer.apply(dict(v, params=params), x, strength=0.1, mutable=["intermediates"])
+    m = {name: float(value[0]) for name, value in state["intermediates"].items()}
+    gate = np.asarray(dd.sparse_soft_topk(params["alpha"], layer.budget(32), strength=0.1))
+    kept = np.sort(gate)[::-1][: layer.capacity(32)].sum()
+    assert m["gate_nonzero"] == (gate > 0).sum()
+    assert m["gate_mass_outside"] == pytest.approx(gate.sum() - kept, abs=1e-5)
+    assert m["gate_mean"] == pytest.approx(gate.mean(), abs=1e-6)
+    assert m["computed_diagonals"] == layer.capacity(32)
+    assert "topk_changed" not in m  # "dynadiag" was not mutable
+
+
+def test_buckets_compute_the_support_only(rng):
+    layer = DiagonalDense(64, sparsity=0.9, num_buckets=4, impl="jax")
+    v, x = init(layer, 64)
+    sizes = bucket_sizes(layer.capacity(64), 64, 4)
+    assert sizes == (9, 18, 34, 64) and layer.capacity(64) == 9  # K = 7
+    assert bucket_sizes(8, 64, 1) == (64,) and bucket_sizes(64, 64, 4) == (64,)
+    for strength, expected in ((10.0, 64), (1e-4, layer.capacity(64))):
+        _, state = layer.apply(dict(v, params=perturb(v["params"], rng)), x, strength=strength,
+                               mutable=["intermediates"])
+        inter = state["intermediates"]
+        assert float(inter["computed_diagonals"][0]) == expected
+        assert float(inter["gate_mass_outside"][0]) == pytest.approx(0, abs=1e-5)
+
+
+def test_topk_refresh_when_mutable(rng):
+    layer = DiagonalDense(16, sparsity=0.75, explore="none", impl="jax")
+    v, x = init(layer, 16)
+    params = perturb(v["params"], rng)
+    _, state = layer.apply(dict(v, params=params), x, mutable=["dynadiag", "intermediates"])
+    want = np.sort(np.argsort(-np.asarray(params["alpha"]))[: layer.budget(16)])
+    np.testing.assert_array_equal(state["dynadiag"]["topk"], want)
+    changed = len(set(want) - set(np.asarray(v["dynadiag"]["topk"]).tolist()))
+    assert float(state["intermediates"]["topk_changed"][0]) == changed
+
+
+@pytest.mark.parametrize("n_in,n_out", SHAPES)
+def test_frozen_init_phase(n_in, n_out):
+    layer = DiagonalDense(n_out, sparsity=0.7, init_phase="frozen", impl="jax")
+    v, x = init(layer, n_in, batch=(3,))
+    k, d_len = layer.budget(n_in), min(n_in, n_out)
+    assert jax.tree.map(jnp.shape, v) == {
+        "params": {"values": (k, d_len), "bias": (n_out,)}, "diagonals": {"offsets": (k,)}}
+    offsets = np.asarray(v["diagonals"]["offsets"])
+    assert offsets.dtype == np.int32 and len(set(offsets)) == k
+    assert np.all(np.diff(offsets) > 0) and offsets.min() >= 0 and offsets.max() < max(n_in, n_out)
+    w = dd.diag_to_dense(v["params"]["values"], offsets, in_features=n_in, out_features=n_out)
+    np.testing.assert_allclose(np.asarray(layer.apply(v, x)), np.asarray(x @ w.T), atol=F32_TOL)
+    # The same module class in search mode runs frozen variables too (the phase is in the data).
+    np.testing.assert_allclose(np.asarray(DiagonalDense(n_out, sparsity=0.7).apply(v, x)),
+                               np.asarray(x @ w.T), atol=F32_TOL)
+
+
+def test_dtype_and_param_dtype():
+    layer = DiagonalDense(16, sparsity=0.5, dtype=jnp.bfloat16, explore="none", impl="jax")
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    v = layer.init(jax.random.key(1), x)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(v["params"]))
+    y = layer.apply(v, x)
+    assert y.dtype == jnp.bfloat16
+    y32 = DiagonalDense(16, sparsity=0.5, explore="none", impl="jax").apply(v, x)
+    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), np.asarray(y32), atol=BF16_TOL,
+                               rtol=BF16_TOL)
+    y_in = DiagonalDense(16, sparsity=0.5, explore="none", impl="jax").apply(
+        v, x.astype(jnp.bfloat16))
+    assert y_in.dtype == jnp.float32  # promoted with param_dtype by default
+
+
+def test_jit_grad_and_leading_dims():
+    layer = DiagonalDense(12, sparsity=0.6, explore="none", impl="jax")
+    v, x = init(layer, 9, batch=(2, 3, 4))
+
+    @jax.jit
+    def loss(params, x):
+        return jnp.mean(layer.apply(dict(v, params=params), x) ** 2)
+
+    g = jax.grad(loss)(v["params"], x)
+    assert layer.apply(v, x).shape == (2, 3, 4, 12)
+    assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(g))
+
+
+def test_no_dense_matmul_in_the_graph():
+    layer = DiagonalDense(48, sparsity=0.8, use_bias=False, impl="jax")
+    v, x = init(layer, 80)
+    loss = lambda params: jnp.sum(layer.apply(dict(v, params=params), x))  # noqa: E731
+    text = str(jax.make_jaxpr(jax.grad(loss))(v["params"]))
+    assert "dot_general" not in text
+
+
+def test_bad_input():
+    x = jnp.ones((2, 8))
+    for sparsity in (0.0, 1.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="sparsity must be in"):
+            DiagonalDense(8, sparsity=sparsity)
+    with pytest.raises(ValueError, match="features must be >= 1"):
+        DiagonalDense(0, sparsity=0.5)
+    with pytest.raises(ValueError, match="exactly one of"):
+        DiagonalDense(8)
+    with pytest.raises(ValueError, match="exactly one of"):
+        DiagonalDense(8, sparsity=0.5, k=2)
+    with pytest.raises(ValueError, match="unknown gate"):
+        DiagonalDense(8, sparsity=0.5, gate="topk")
+    with pytest.raises(ValueError, match="unknown explore"):
+        DiagonalDense(8, sparsity=0.5, explore="rigl")
+    with pytest.raises(ValueError, match="unknown init_phase"):
+        DiagonalDense(8, sparsity=0.5, init_phase="dense")
+    with pytest.raises(ValueError, match="budget k=9"):
+        DiagonalDense(4, k=9).init(jax.random.key(0), x)  # P = max(8, 4) = 8
+    layer = DiagonalDense(8, sparsity=0.5, explore="none")
+    v = layer.init(jax.random.key(0), x)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="strength must be a positive"):
+            layer.apply(v, x, strength=bad)
+        with pytest.raises(ValueError, match="strength must be a positive"):
+            set_gate(v, strength=bad)
+        with pytest.raises(ValueError, match="temperature must be a positive"):
+            DiagonalDense(8, sparsity=0.5, gate="softmax").init(jax.random.key(0), x,
+                                                               temperature=bad)
+    with pytest.raises(ValueError, match="takes strength=, not temperature="):
+        layer.apply(v, x, temperature=1.0)
+    with pytest.raises(ValueError, match="strength="):
+        layer.apply({"params": v["params"]}, x)
+    with pytest.raises(ValueError, match="temperature="):
+        DiagonalDense(8, sparsity=0.5, gate="softmax").apply({"params": v["params"]}, x)
+    with pytest.raises(ValueError, match="needs strength="):
+        set_gate(v)
+    with pytest.raises(ValueError, match="floating"):
+        layer.apply(v, jnp.ones((2, 8), jnp.int32))
+
+
+def test_nnx_bridge():
+    """The linen layer runs from NNX via flax.nnx.bridge; "dynadiag" becomes a Variable type."""
+    from flax import nnx
+
+    layer = DiagonalDense(16, sparsity=0.75, explore="none", impl="jax")
+    x = jax.random.normal(jax.random.key(3), (4, 12))
+    model = nnx.bridge.ToNNX(layer, rngs=nnx.Rngs(0))
+    nnx.bridge.lazy_init(model, x)
+    dynadiag = type(model.strength)
+    model.strength[...] = jnp.float32(0.05)  # the NNX counterpart of set_gate
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    linen_vars = {"params": params, "dynadiag": nnx.to_pure_dict(nnx.state(model, dynadiag))}
+    assert jax.tree.map(jnp.shape, params) == jax.tree.map(
+        jnp.shape, layer.init(jax.random.key(0), x)["params"])
+    np.testing.assert_allclose(np.asarray(model(x)), np.asarray(layer.apply(linen_vars, x)),
+                               atol=F32_TOL)
+
+    def loss_nnx(m):
+        return jnp.sum(m(x) ** 2)
+
+    def loss_linen(p):
+        return jnp.sum(layer.apply(dict(linen_vars, params=p), x) ** 2)
+
+    got = nnx.to_pure_dict(nnx.state(nnx.grad(loss_nnx)(model), nnx.Param))
+    want = jax.grad(loss_linen)(params)
+    for name in ("alpha", "values", "bias"):
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), atol=1e-5,
+                                   err_msg=name)
+
+
+@pytest.mark.skipif("ffi" not in dd.available_impls(), reason="C++ extension not built")
+@pytest.mark.parametrize("explore", ["buckets", "dense_score"])
+def test_compiled_kernel_matches_jax_path(rng, explore):
+    x = jax.random.normal(jax.random.key(1), (3, 24))
+    fast = DiagonalDense(16, sparsity=0.8, explore=explore, impl="ffi")
+    ref = DiagonalDense(16, sparsity=0.8, explore=explore, impl="jax")
+    v = fast.init(jax.random.key(0), x)
+    v = set_gate(dict(v, params=perturb(v["params"], rng)), strength=0.1, score=True)
+    np.testing.assert_allclose(np.asarray(fast.apply(v, x)), np.asarray(ref.apply(v, x)),
+                               atol=F32_TOL)
+    grads = [jax.grad(lambda p, m=m: jnp.sum(m.apply(dict(v, params=p), x) ** 2))(v["params"])
+             for m in (fast, ref)]
+    for name in ("alpha", "values", "bias"):
+        np.testing.assert_allclose(np.asarray(grads[0][name]), np.asarray(grads[1][name]),
+                                   atol=1e-4, rtol=1e-4, err_msg=name)

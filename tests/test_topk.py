@@ -1,0 +1,196 @@
+"""sparse_soft_topk (exact capped-simplex projection, closed-form VJP) and softmax_topk."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import dynadiag_jax as dd
+
+F32_TOL = 1e-5  # sums / values of a projection computed in float32
+BF16_TOL = 2e-2
+GRAD_TOL = 2e-2  # check_grads in float32 (finite differences)
+
+# Jitted once per (shape, k): eager calls would dispatch the search op by op.
+topk = jax.jit(lambda s, k, t: dd.sparse_soft_topk(s, k, strength=t), static_argnums=1)
+
+
+def brute_force_projection(z, k):
+    """argmin ||y - z||^2 over {0 <= y <= 1, sum y = k} by enumerating every active set.
+
+    The optimum has some entries at 1 (A), some at 0, and the rest free with y = z - tau; each
+    assignment gives one candidate, the feasible candidate closest to z is the projection.
+    """
+    z = np.asarray(z, np.float64)
+    n = z.size
+    best, best_dist = None, np.inf
+    for labels in itertools.product((0, 1, 2), repeat=n):  # 0: zero, 1: one, 2: free
+        labels = np.array(labels)
+        ones, free = labels == 1, labels == 2
+        y = ones.astype(np.float64)
+        if free.any():
+            tau = (z[free].sum() + ones.sum() - k) / free.sum()
+            y[free] = z[free] - tau
+        if abs(y.sum() - k) > 1e-9 or y.min() < -1e-12 or y.max() > 1 + 1e-12:
+            continue
+        dist = np.sum((y - z) ** 2)
+        if dist < best_dist:
+            best, best_dist = y, dist
+    return best
+
+
+@pytest.mark.parametrize("n,k", [(2, 1), (5, 2), (6, 3), (6, 5), (7, 1)])
+def test_matches_brute_force_qp(rng, n, k):
+    for _ in range(5):
+        scores = rng.normal(size=n).astype(np.float32)
+        strength = float(rng.choice([0.05, 0.5, 2.0]))
+        y = topk(jnp.asarray(scores), k, strength)
+        ref = brute_force_projection(scores / strength, k)
+        np.testing.assert_allclose(np.asarray(y), ref, atol=F32_TOL, rtol=0,
+                                   err_msg=f"scores={scores}, strength={strength}")
+
+
+def test_hand_computed_case():
+    y = dd.sparse_soft_topk(jnp.array([0.3, 0.1, 0.9, 0.5, 0.5]), 2, strength=0.3)
+    np.testing.assert_allclose(np.asarray(y), [0, 0, 1, 0.5, 0.5], atol=F32_TOL)
+
+
+@pytest.mark.parametrize("n,k", [(10, 1), (64, 7), (300, 31), (1000, 999)])
+@pytest.mark.parametrize("strength", [1e-3, 0.1, 1.0, 30.0])
+def test_sum_range_and_zero_pattern(rng, n, k, strength):
+    scores = rng.normal(size=(3, n)).astype(np.float32)
+    y = np.asarray(topk(jnp.asarray(scores), k, strength))
+    np.testing.assert_allclose(y.sum(-1), k, rtol=F32_TOL * 10)
+    assert y.min() >= 0 and y.max() <= 1
+    for row_s, row_y in zip(scores, y):
+        order = np.argsort(-row_s)
+        # Monotone in the scores, zero exactly on a suffix of the ranking.
+        assert np.all(np.diff(row_y[order]) <= 1e-6)
+        nonzero = row_y[order] > 0
+        assert nonzero[: nonzero.sum()].all()
+        assert nonzero.sum() >= k
+
+
+def test_small_strength_is_hard_topk(rng):
+    scores = rng.permutation(50).astype(np.float32) / 50  # distinct, gaps 0.02
+    y = dd.sparse_soft_topk(jnp.asarray(scores), 7, strength=1e-4)
+    expected = np.zeros(50)
+    expected[np.argsort(-scores)[:7]] = 1
+    np.testing.assert_array_equal(np.asarray(y), expected)
+
+
+def test_large_strength_is_uniform():
+    y = dd.sparse_soft_topk(jnp.array([0.0, 1e-3, -2e-3, 5e-4]), 2, strength=1e3)
+    np.testing.assert_allclose(np.asarray(y), 0.5, atol=1e-5)
+
+
+def test_ties():
+    assert np.allclose(dd.sparse_soft_topk(jnp.ones(7), 3, strength=1.0), 3 / 7, atol=F32_TOL)
+    y = np.asarray(dd.sparse_soft_topk(jnp.array([2.0, 1.0, 1.0, 1.0, 0.0]), 2, strength=1e-3))
+    np.testing.assert_allclose(y, [1, 1 / 3, 1 / 3, 1 / 3, 0], atol=F32_TOL)
+
+
+def test_k_equals_n_is_all_ones():
+    x = jnp.array([0.3, -1.0, 2.0])
+    np.testing.assert_array_equal(dd.sparse_soft_topk(x, 3, strength=0.1), np.ones(3))
+    np.testing.assert_array_equal(jax.grad(lambda s: dd.sparse_soft_topk(s, 3, strength=0.1)[0])(x),
+                                  np.zeros(3))
+
+
+def test_jit_vmap_and_leading_dims(rng):
+    scores = jnp.asarray(rng.normal(size=(2, 3, 20)).astype(np.float32))
+    f = jax.jit(lambda s: dd.sparse_soft_topk(s, 4, strength=0.3))
+    full = f(scores)
+    mapped = jax.vmap(jax.vmap(f))(scores)
+    rows = np.stack([[f(scores[i, j]) for j in range(3)] for i in range(2)])
+    np.testing.assert_allclose(np.asarray(full), rows, atol=F32_TOL)
+    np.testing.assert_allclose(np.asarray(mapped), rows, atol=F32_TOL)
+
+
+def test_traced_strength(rng):
+    scores = jnp.asarray(rng.normal(size=12).astype(np.float32))
+    f = jax.jit(lambda s, t: dd.sparse_soft_topk(s, 3, strength=t))
+    np.testing.assert_allclose(np.asarray(f(scores, jnp.float32(0.2))),
+                               np.asarray(dd.sparse_soft_topk(scores, 3, strength=0.2)),
+                               atol=F32_TOL)
+
+
+def _away_from_kinks(rng, n, k, strength, margin=0.05):
+    while True:
+        scores = rng.normal(size=n).astype(np.float32)
+        y = np.asarray(topk(jnp.asarray(scores), k, strength))
+        z = scores / strength
+        tau = np.median(z[(y > 0) & (y < 1)] - y[(y > 0) & (y < 1)])
+        near = np.minimum(np.abs(z - tau), np.abs(z - tau - 1))
+        free = ((y > 0) & (y < 1)).sum()
+        if near.min() > margin and free >= 2:
+            return jnp.asarray(scores)
+
+
+def test_closed_form_jacobian(rng):
+    strength = 0.7
+    scores = _away_from_kinks(rng, 9, 3, strength)
+    y = np.asarray(dd.sparse_soft_topk(scores, 3, strength=strength))
+    jac = np.asarray(jax.jacobian(lambda s: dd.sparse_soft_topk(s, 3, strength=strength))(scores))
+    free = (y > 0) & (y < 1)
+    expected = np.zeros((9, 9))
+    idx = np.flatnonzero(free)
+    expected[np.ix_(idx, idx)] = (np.eye(idx.size) - 1.0 / idx.size) / strength
+    np.testing.assert_allclose(jac, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,k,strength", [(6, 2, 0.5), (15, 4, 1.0), (40, 10, 3.0)])
+def test_check_grads_away_from_kinks(rng, n, k, strength):
+    scores = _away_from_kinks(rng, n, k, strength)
+    w = jnp.asarray(rng.normal(size=n).astype(np.float32))
+    f = jax.jit(lambda s, t: jnp.sum(w * dd.sparse_soft_topk(s, k, strength=t)))
+    check_grads(f, (scores, jnp.float32(strength)), order=1, modes=("rev",), eps=1e-3,
+                atol=GRAD_TOL, rtol=GRAD_TOL)
+
+
+def test_no_gradient_outside_free_set(rng):
+    scores = jnp.asarray(rng.normal(size=30).astype(np.float32))
+    y = dd.sparse_soft_topk(scores, 5, strength=0.1)
+    g = jax.grad(lambda s: jnp.sum(jnp.arange(30.0) * dd.sparse_soft_topk(s, 5, strength=0.1)))(
+        scores)
+    off = (np.asarray(y) == 0) | (np.asarray(y) == 1)
+    assert off.any()
+    np.testing.assert_array_equal(np.asarray(g)[off], 0)
+
+
+def test_bfloat16_input(rng):
+    scores = jnp.asarray(rng.normal(size=64), jnp.bfloat16)
+    y = dd.sparse_soft_topk(scores, 8, strength=0.5)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(float(jnp.sum(y.astype(jnp.float32))), 8, rtol=BF16_TOL)
+
+
+def test_softmax_topk_formula(rng):
+    scores = jnp.asarray(rng.normal(size=(2, 10)).astype(np.float32))
+    y = dd.softmax_topk(scores, 3, temperature=0.5)
+    expected = np.clip(3 * jax.nn.softmax(scores / 0.5, axis=-1), 0, 1)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), atol=1e-6)
+    assert np.all(np.asarray(y) > 0) and np.all(np.asarray(y).sum(-1) <= 3 + 1e-5)
+    g = jax.grad(lambda s: dd.softmax_topk(s, 3, temperature=0.5)[0, 0])(scores)
+    assert np.all(np.isfinite(np.asarray(g)))
+
+
+@pytest.mark.parametrize("fn,kw", [(dd.sparse_soft_topk, "strength"),
+                                   (dd.softmax_topk, "temperature")])
+def test_bad_input(fn, kw):
+    x = jnp.ones(5)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match=f"{kw} must be > 0"):
+            fn(x, 2, **{kw: bad})
+    with pytest.raises(ValueError, match=f"{kw} is required"):
+        fn(x, 2, **{kw: None})
+    for bad_k in (0, 6, -1):
+        with pytest.raises(ValueError, match="k must be in"):
+            fn(x, bad_k, **{kw: 1.0})
+    with pytest.raises(TypeError, match="floating"):
+        fn(jnp.arange(5), 2, **{kw: 1.0})
+    with pytest.raises(ValueError, match="scalar"):
+        fn(jnp.float32(1.0), 1, **{kw: 1.0})

@@ -1,0 +1,188 @@
+// FFI handler bodies of the CUDA targets (docs/kernel_abi.md), written once for the CUDA build
+// (ffi_handlers.cu, launching on XLA's stream) and the host emulation (emu/ffi_handlers.cc):
+// decode and validate the buffers, then run the launch sequence of diag_launch.cuh through the
+// given launcher. Every problem is returned as an ffi::Error; nothing here aborts.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "cuda/diag_launch.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace dynadiag {
+namespace cuda {
+
+namespace ffi = xla::ffi;
+
+inline std::string shape_str(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+inline const char* dtype_name(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F64: return "float64";
+    default: return "an unsupported dtype";
+  }
+}
+
+inline bool supported_dtype(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
+template <class T>
+struct Tag {
+  using type = T;
+};
+
+// Calls fn(Tag<T>{}) for the element type T of `t` (one of supported_dtype).
+template <class Fn>
+ffi::Error dispatch(ffi::DataType t, Fn&& fn) {
+  switch (t) {
+    case ffi::DataType::F32: return fn(Tag<float>{});
+    case ffi::DataType::BF16: return fn(Tag<__nv_bfloat16>{});
+    case ffi::DataType::F16: return fn(Tag<__half>{});
+    default: return ffi::Error::InvalidArgument("unsupported dtype");
+  }
+}
+
+inline ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
+
+// `a[..., n]` and `b[..., m]` with the same leading dimensions; on success rows = their product.
+inline ffi::Error check_rows(const char* an, ffi::AnyBuffer::Dimensions a, const char* bn,
+                             ffi::AnyBuffer::Dimensions b, int64_t* rows) {
+  if (a.size() < 1) return invalid(std::string(an) + " must have rank >= 1, got a scalar");
+  if (b.size() != a.size())
+    return invalid(std::string(bn) + " must have the rank of " + an + " " + shape_str(a) + ", got " +
+                   shape_str(b));
+  int64_t r = 1;
+  for (size_t i = 0; i + 1 < a.size(); ++i) {
+    if (a[i] != b[i])
+      return invalid(std::string(bn) + " " + shape_str(b) + " must have the leading dimensions of " + an +
+                     " " + shape_str(a));
+    r *= a[i];
+  }
+  const int64_t n = a.back(), m = b.back(), lim = std::numeric_limits<int32_t>::max();
+  if (n < 1 || m < 1 || n > lim || m > lim)
+    return invalid(std::string("feature dimensions must lie in [1, 2^31): ") + an + " " + shape_str(a) +
+                   ", " + bn + " " + shape_str(b));
+  *rows = r;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_same_dtype(ffi::DataType want, const char* name, ffi::DataType got,
+                                   const char* ref) {
+  if (got == want) return ffi::Error::Success();
+  return invalid(std::string(name) + " must have the dtype of " + ref + " (" + dtype_name(want) + "), got " +
+                 dtype_name(got));
+}
+
+inline ffi::Error check_offsets(ffi::Buffer<ffi::S32> offsets, int64_t K) {
+  auto d = offsets.dimensions();
+  if (d.size() != 1 || d[0] != K)
+    return invalid("offsets must have shape [K] = [" + std::to_string(K) + "], got " + shape_str(d));
+  return ffi::Error::Success();
+}
+
+// Forward (transpose = false): in = x[..., in], out = y[..., out].
+// dx (transpose = true): in = dy[..., out], out = dx[..., in].
+template <class Launcher>
+ffi::Error product(Launcher& launch, bool transpose, ffi::AnyBuffer in, ffi::AnyBuffer values,
+                   ffi::Buffer<ffi::S32> offsets, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+  const char* in_name = transpose ? "dy" : "x";
+  const char* out_name = transpose ? "dx" : "y";
+  const ffi::DataType dt = in.element_type();
+  if (!supported_dtype(dt))
+    return invalid(std::string(in_name) + " must be float32, bfloat16 or float16, got " + dtype_name(dt));
+  if (auto e = check_same_dtype(dt, "values", values.element_type(), in_name); e.failure()) return e;
+  if (auto e = check_same_dtype(dt, out_name, out->element_type(), in_name); e.failure()) return e;
+  int64_t rows = 0;
+  if (auto e = check_rows(in_name, in.dimensions(), out_name, out->dimensions(), &rows); e.failure())
+    return e;
+  const int64_t q_dim = in.dimensions().back(), o_dim = out->dimensions().back();
+  const int64_t in_f = transpose ? o_dim : q_dim, out_f = transpose ? q_dim : o_dim;
+  const int64_t D = in_f < out_f ? in_f : out_f;
+  auto vd = values.dimensions();
+  if (vd.size() != 2 || vd[1] != D)
+    return invalid("values must have shape [K, min(in, out)] = [K, " + std::to_string(D) + "], got " +
+                   shape_str(vd));
+  const int64_t K = vd[0];
+  if (K > std::numeric_limits<int32_t>::max()) return invalid("too many diagonals");
+  if (auto e = check_offsets(offsets, K); e.failure()) return e;
+
+  const bool tc = dt != ffi::DataType::F32;
+  const ProductPlan plan = plan_product(in_f, out_f, transpose, tc);
+  if (workspace->element_count() < plan.workspace_bytes)
+    return invalid("workspace must have at least " + std::to_string(plan.workspace_bytes) +
+                   " bytes (dynadiag_jax.ops.cuda.workspace_bytes), got " +
+                   std::to_string(workspace->element_count()));
+  if (const char* e = product_limits(plan, rows)) return invalid(e);
+  uint8_t* ws = workspace->typed_data();
+  return dispatch(dt, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    ProductArgs<T> a{};
+    a.in = static_cast<const T*>(in.untyped_data());
+    a.out = static_cast<T*>(out->untyped_data());
+    a.values = static_cast<const T*>(values.untyped_data());
+    a.offsets = offsets.typed_data();
+    a.rows = rows;
+    a.q_dim = static_cast<int32_t>(q_dim);
+    a.o_dim = static_cast<int32_t>(o_dim);
+    a.P = plan.P;
+    a.D = plan.D;
+    a.K = static_cast<int32_t>(K);
+    launch_product<T>(launch, plan, a, ws);
+    return launch.status();
+  });
+}
+
+// dvalues[K, D] from dy[..., out] and x[..., in].
+template <class Launcher>
+ffi::Error dvalues(Launcher& launch, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> offsets,
+                   ffi::Result<ffi::AnyBuffer> dvalues, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+  const ffi::DataType dt = dy.element_type();
+  if (!supported_dtype(dt))
+    return invalid(std::string("dy must be float32, bfloat16 or float16, got ") + dtype_name(dt));
+  if (auto e = check_same_dtype(dt, "x", x.element_type(), "dy"); e.failure()) return e;
+  if (auto e = check_same_dtype(dt, "dvalues", dvalues->element_type(), "dy"); e.failure()) return e;
+  int64_t rows = 0;
+  if (auto e = check_rows("dy", dy.dimensions(), "x", x.dimensions(), &rows); e.failure()) return e;
+  const int64_t out_f = dy.dimensions().back(), in_f = x.dimensions().back();
+  const int64_t D = in_f < out_f ? in_f : out_f, P = in_f < out_f ? out_f : in_f;
+  auto od = offsets.dimensions();
+  if (od.size() != 1) return invalid("offsets must have shape [K], got " + shape_str(od));
+  const int64_t K = od[0];
+  if (K > std::numeric_limits<int32_t>::max()) return invalid("too many diagonals");
+  auto vd = dvalues->dimensions();
+  if (vd.size() != 2 || vd[0] != K || vd[1] != D)
+    return invalid("dvalues must have shape [K, min(in, out)] = [" + std::to_string(K) + ", " +
+                   std::to_string(D) + "], got " + shape_str(vd));
+  if (const char* e = sddmm_limits(K, D)) return invalid(e);
+  const SddmmPlan plan = plan_sddmm(rows, in_f, out_f, K, workspace->element_count());
+  const bool tall = out_f >= in_f;
+  uint8_t* ws = workspace->typed_data();
+  return dispatch(dt, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    SddmmArgs<T> a{};
+    a.fixed = static_cast<const T*>(tall ? x.untyped_data() : dy.untyped_data());
+    a.moving = static_cast<const T*>(tall ? dy.untyped_data() : x.untyped_data());
+    a.offsets = offsets.typed_data();
+    a.out = static_cast<T*>(dvalues->untyped_data());
+    a.rows = rows;
+    a.P = static_cast<int32_t>(P);
+    a.D = static_cast<int32_t>(D);
+    a.K = static_cast<int32_t>(K);
+    launch_sddmm<T>(launch, plan, a, ws);
+    return launch.status();
+  });
+}
+
+}  // namespace cuda
+}  // namespace dynadiag

@@ -1,0 +1,83 @@
+// The CUDA targets compiled for the host against the SIMT emulation and registered for the CPU
+// platform as dynadiag_emu_diag_matmul_{fwd,dx,dvalues}: the same kernel source and handler code
+// as the CUDA build, so the test suite runs the CUDA logic through XLA (impl="cuda_emulated").
+#include "emu/ffi_handlers.h"
+
+#include <string>
+
+#include "cuda/diag_handlers.h"
+#include "emu/emu_launcher.h"
+
+namespace dynadiag {
+namespace emu_host {
+namespace {
+
+namespace ffi = xla::ffi;
+
+// EmuLauncher plus the status() the shared handler code expects.
+class FfiLauncher : public EmuLauncher {
+ public:
+  ffi::Error status() const {
+    if (error() == emu::Error::kSuccess) return ffi::Error::Success();
+    return ffi::Error::Internal(std::string("emulated CUDA launch failed: ") + emu::error_string(error()));
+  }
+};
+
+ffi::Error Fwd(ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> offsets,
+               ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+  FfiLauncher launch;
+  return cuda::product(launch, false, x, values, offsets, y, workspace);
+}
+
+ffi::Error Dx(ffi::AnyBuffer dy, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> offsets,
+              ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+  FfiLauncher launch;
+  return cuda::product(launch, true, dy, values, offsets, dx, workspace);
+}
+
+ffi::Error Dvalues(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> offsets,
+                   ffi::Result<ffi::AnyBuffer> dvalues, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+  FfiLauncher launch;
+  return cuda::dvalues(launch, dy, x, offsets, dvalues, workspace);
+}
+
+}  // namespace
+}  // namespace emu_host
+}  // namespace dynadiag
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagEmuFwd, dynadiag::emu_host::Fwd,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()            // x[..., in]
+                                  .Arg<ffi::AnyBuffer>()            // values[K, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // offsets[K]
+                                  .Ret<ffi::AnyBuffer>()            // y[..., out]
+                                  .Ret<ffi::Buffer<ffi::U8>>());    // workspace
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagEmuDx, dynadiag::emu_host::Dx,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()            // dy[..., out]
+                                  .Arg<ffi::AnyBuffer>()            // values[K, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // offsets[K]
+                                  .Ret<ffi::AnyBuffer>()            // dx[..., in]
+                                  .Ret<ffi::Buffer<ffi::U8>>());    // workspace
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagEmuDvalues, dynadiag::emu_host::Dvalues,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()            // dy[..., out]
+                                  .Arg<ffi::AnyBuffer>()            // x[..., in]
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // offsets[K]
+                                  .Ret<ffi::AnyBuffer>()            // dvalues[K, D]
+                                  .Ret<ffi::Buffer<ffi::U8>>());    // workspace
+
+namespace dynadiag {
+namespace emu_host {
+
+size_t workspace_bytes(const std::string& op, int64_t rows, int64_t in_features, int64_t out_features,
+                       int64_t num_diagonals, bool tensor_cores) {
+  if (op == "dvalues")
+    return cuda::plan_sddmm(rows, in_features, out_features, num_diagonals).workspace_bytes;
+  return cuda::plan_product(in_features, out_features, op == "dx", tensor_cores).workspace_bytes;
+}
+
+}  // namespace emu_host
+}  // namespace dynadiag

@@ -1,0 +1,20 @@
+// nanobind module _emu_ext: the emulated CUDA targets as {target name: capsule}, for the CPU
+// platform, plus the C++ workspace plan (tests compare it with dynadiag_jax/ops/cuda.py).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "emu/ffi_handlers.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_emu_ext, m) {
+  m.def("registrations", [] {
+    nb::dict d;
+    d["dynadiag_emu_diag_matmul_fwd"] = nb::capsule(reinterpret_cast<void*>(DynadiagEmuFwd));
+    d["dynadiag_emu_diag_matmul_dx"] = nb::capsule(reinterpret_cast<void*>(DynadiagEmuDx));
+    d["dynadiag_emu_diag_matmul_dvalues"] = nb::capsule(reinterpret_cast<void*>(DynadiagEmuDvalues));
+    return d;
+  });
+  m.def("workspace_bytes", &dynadiag::emu_host::workspace_bytes, nb::arg("op"), nb::arg("rows"),
+        nb::arg("in_features"), nb::arg("out_features"), nb::arg("num_diagonals"), nb::arg("tensor_cores"));
+}
