@@ -98,14 +98,18 @@ def _phases(layer: Callable, x, param, dy) -> dict[str, tuple[Callable, tuple]]:
         y, vjp = jax.vjp(layer, x, param)
         return y, vjp(dy)
 
-    return {"fwd": (jax.jit(fwd), (x, param)), "bwd": (jax.jit(bwd), (x, param, dy)),
-            "fwd+bwd": (jax.jit(fwd_bwd), (x, param, dy))}
+    return {
+        "fwd": (jax.jit(fwd), (x, param)),
+        "bwd": (jax.jit(bwd), (x, param, dy)),
+        "fwd+bwd": (jax.jit(fwd_bwd), (x, param, dy)),
+    }
 
 
 def build(impl: str, case: Case) -> dict[str, tuple[Callable, tuple]]:
     """The three timed functions of one implementation."""
     out_f, in_f = case.out_features, case.in_features
     if impl in ("ffi", "jax"):
+
         def layer(x, values):
             return dd.diag_matmul(x, values, case.offsets, out_features=out_f, impl=impl)
 
@@ -118,8 +122,9 @@ def build(impl: str, case: Case) -> dict[str, tuple[Callable, tuple]]:
         indices = jnp.stack([rows.reshape(-1), cols.reshape(-1)], axis=1)
 
         def layer(x, data):
-            w_sp = sparse.BCOO((data, indices), shape=(out_f, in_f), indices_sorted=False,
-                               unique_indices=True)
+            w_sp = sparse.BCOO(
+                (data, indices), shape=(out_f, in_f), indices_sorted=False, unique_indices=True
+            )
             return sparse.bcoo_dot_general(w_sp, x, dimension_numbers=(([1], [1]), ([], []))).T
 
         return _phases(layer, case.x, case.values.reshape(-1), case.dy)
@@ -175,7 +180,8 @@ def _pairs(text: str) -> tuple[tuple[int, int], ...]:
         return tuple(tuple(int(n) for n in item.split(":")) for item in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"shapes must look like 768:3072,3072:768; got {text!r}") from None
+            f"shapes must look like 768:3072,3072:768; got {text!r}"
+        ) from None
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -187,25 +193,41 @@ def _names(text: str) -> tuple[str, ...]:
     for name in names:
         if name not in IMPLS:
             raise argparse.ArgumentTypeError(
-                f"unknown implementation {name!r}; choose from {IMPLS}")
+                f"unknown implementation {name!r}; choose from {IMPLS}"
+            )
     return names
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="768:3072, ffi and dense only, 7 repeats (about a minute)")
-    parser.add_argument("--shapes", type=_pairs, default=VIT_B_SHAPES,
-                        help="IN:OUT pairs, comma separated (default: ViT-B MLP/attention shapes)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="768:3072, ffi and dense only, 7 repeats (about a minute)",
+    )
+    parser.add_argument(
+        "--shapes",
+        type=_pairs,
+        default=VIT_B_SHAPES,
+        help="IN:OUT pairs, comma separated (default: ViT-B MLP/attention shapes)",
+    )
     parser.add_argument("--sparsities", type=_floats, default=SPARSITIES)
-    parser.add_argument("--impls", type=_names, default=IMPLS,
-                        help=f"comma separated subset of {','.join(IMPLS)} (dense always runs)")
+    parser.add_argument(
+        "--impls",
+        type=_names,
+        default=IMPLS,
+        help=f"comma separated subset of {','.join(IMPLS)} (dense always runs)",
+    )
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per function (median)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=pathlib.Path, default=None,
-                        help="CSV path (default bench/results/diag_matmul_<time>.csv)")
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="CSV path (default bench/results/diag_matmul_<time>.csv)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         for name, value in QUICK.items():
@@ -234,9 +256,13 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     for ax, (in_f, out_f) in zip(axes[0], shapes):
         for impl, color in colors.items():
             for phase, style in styles.items():
-                pts = sorted((r["sparsity"], r["speedup_vs_dense"]) for r in rows
-                             if (r["in"], r["out"]) == (in_f, out_f) and r["impl"] == impl
-                             and r["phase"] == phase)
+                pts = sorted(
+                    (r["sparsity"], r["speedup_vs_dense"])
+                    for r in rows
+                    if (r["in"], r["out"]) == (in_f, out_f)
+                    and r["impl"] == impl
+                    and r["phase"] == phase
+                )
                 if pts:
                     ax.plot(*zip(*pts), style, color=color, marker="o", label=f"{impl} {phase}")
         ax.axhline(1.0, color="k", lw=0.8)
@@ -258,31 +284,62 @@ def main(argv=None) -> None:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     csv_path = args.out or RESULTS / f"diag_matmul_{stamp}.csv"
     csv_path.parent.mkdir(parents=True, exist_ok=True)
-    fields = ["in", "out", "sparsity", "k", "batch", "dtype", "impl", "phase", "ms",
-              "speedup_vs_dense", "repeats"]
+    fields = [
+        "in",
+        "out",
+        "sparsity",
+        "k",
+        "batch",
+        "dtype",
+        "impl",
+        "phase",
+        "ms",
+        "speedup_vs_dense",
+        "repeats",
+    ]
     cases = [(s, sp) for s in args.shapes for sp in args.sparsities]
     total = len(cases) * len(args.impls) * len(PHASES) * args.repeats
     rows = []
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
-          f"{jax.device_count()} device(s), batch {args.batch}, {args.dtype}, "
-          f"median of {args.repeats}")
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, "
+        f"{jax.device_count()} device(s), batch {args.batch}, {args.dtype}, "
+        f"median of {args.repeats}"
+    )
     with open(csv_path, "w", newline="") as f, tqdm(total=total, unit="call") as progress:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for (in_f, out_f), sparsity in cases:
             progress.set_description(f"{in_f}->{out_f} s={sparsity}")
             case = make_case(in_f, out_f, sparsity, args.batch, dtype, args.seed)
-            impls = [i for i in args.impls if i != "bcoo" or
-                     case.k * min(in_f, out_f) * args.batch <= BCOO_MAX_GATHER]
+            impls = [
+                i
+                for i in args.impls
+                if i != "bcoo" or case.k * min(in_f, out_f) * args.batch <= BCOO_MAX_GATHER
+            ]
             fns = {(impl, phase): fp for impl in impls for phase, fp in build(impl, case).items()}
             if len(impls) < len(args.impls):
                 progress.total -= len(PHASES) * args.repeats
                 progress.refresh()
             med = time_case(fns, args.repeats, progress)
             for (impl, phase), (seconds, dense, n) in med.items():
-                row = dict(zip(fields, (in_f, out_f, sparsity, case.k, args.batch, args.dtype,
-                                        impl, phase, round(seconds * 1e3, 3),
-                                        round(dense / seconds, 3), n)))
+                row = dict(
+                    zip(
+                        fields,
+                        (
+                            in_f,
+                            out_f,
+                            sparsity,
+                            case.k,
+                            args.batch,
+                            args.dtype,
+                            impl,
+                            phase,
+                            round(seconds * 1e3, 3),
+                            round(dense / seconds, 3),
+                            n,
+                        ),
+                    )
+                )
                 rows.append(row)
                 writer.writerow(row)
             f.flush()
@@ -304,12 +361,17 @@ def print_table(rows: list[dict], impls) -> None:
         if r["impl"] != "dense":
             continue
         key = (r["in"], r["out"], r["sparsity"])
-        line = (f"{r['in']}->{r['out']:<5} {r['sparsity']:>8} {r['k']:>5} {r['phase']:>7} "
-                f"{r['ms']:>9.1f}")
+        line = (
+            f"{r['in']}->{r['out']:<5} {r['sparsity']:>8} {r['k']:>5} {r['phase']:>7} "
+            f"{r['ms']:>9.1f}"
+        )
         for impl in others:
             o = index.get((*key, impl, r["phase"]))
-            line += (f" {o['ms']:>10.1f} {o['speedup_vs_dense']:>7.2f}x" if o
-                     else f" {'skipped':>10} {'':>8}")
+            line += (
+                f" {o['ms']:>10.1f} {o['speedup_vs_dense']:>7.2f}x"
+                if o
+                else f" {'skipped':>10} {'':>8}"
+            )
         print(line)
 
 

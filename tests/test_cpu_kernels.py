@@ -74,8 +74,9 @@ def _as_f64(out, bf16):
 def _run(op, isa, a, b, offsets, out_shape, in_f, out_f, workers, bf16):
     """The kernel's result as float64."""
     out = _result(out_shape, bf16)
-    _cpu_ext._run_kernel(op, isa, _operand(a, bf16), _operand(b, bf16), offsets, out, in_f, out_f,
-                         workers)
+    _cpu_ext._run_kernel(
+        op, isa, _operand(a, bf16), _operand(b, bf16), offsets, out, in_f, out_f, workers
+    )
     return _as_f64(out, bf16)
 
 
@@ -118,8 +119,16 @@ def test_fused_backward_matches_dense(isa, case, bf16, workers, rng):
         x, dy, values = (v.astype(ml_dtypes.bfloat16).astype(np.float32) for v in (x, dy, values))
     w, wr, wc = _dense(values, offsets, in_f, out_f)
     dx, dvalues = _result((rows, in_f), bf16), _result((k, min(in_f, out_f)), bf16)
-    _cpu_ext._run_backward(isa, _operand(dy, bf16), _operand(x, bf16), _operand(values, bf16),
-                           offsets, dx, dvalues, workers)
+    _cpu_ext._run_backward(
+        isa,
+        _operand(dy, bf16),
+        _operand(x, bf16),
+        _operand(values, bf16),
+        offsets,
+        dx,
+        dvalues,
+        workers,
+    )
     _assert_close(_as_f64(dx, bf16), dy.astype(np.float64) @ w, bf16, f"{isa} dx")
     dw = dy.astype(np.float64).T @ x.astype(np.float64)
     _assert_close(_as_f64(dvalues, bf16), dw[wr, wc], bf16, f"{isa} dvalues")
@@ -145,10 +154,12 @@ def test_fused_backward_target(in_f, out_f, dtype, rng):
     (dv_ref,) = call("dynadiag_diag_matmul_dvalues", [(k, d)], dy, x, offsets)
     # Same float32 sums in a different order: equal up to float32 (and one bf16) rounding.
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
-    np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(dx_ref, np.float32),
-                               rtol=tol, atol=tol)
-    np.testing.assert_allclose(np.asarray(dvalues, np.float32), np.asarray(dv_ref, np.float32),
-                               rtol=tol, atol=tol * 10)
+    np.testing.assert_allclose(
+        np.asarray(dx, np.float32), np.asarray(dx_ref, np.float32), rtol=tol, atol=tol
+    )
+    np.testing.assert_allclose(
+        np.asarray(dvalues, np.float32), np.asarray(dv_ref, np.float32), rtol=tol, atol=tol * 10
+    )
 
 
 def test_fused_backward_target_rejects_bad_offsets():
@@ -208,5 +219,6 @@ def test_run_kernel_rejects_inconsistent_operands():
     with pytest.raises(ValueError, match="offsets"):
         _cpu_ext._run_kernel("fwd", ISAS[0], x, values, np.array([0, 16], np.int32), y, 8, 16, 1)
     with pytest.raises(ValueError, match="out must have shape"):
-        _cpu_ext._run_kernel("fwd", ISAS[0], x, values, np.array([0, 1], np.int32), y[:, :9], 8,
-                             16, 1)
+        _cpu_ext._run_kernel(
+            "fwd", ISAS[0], x, values, np.array([0, 1], np.int32), y[:, :9], 8, 16, 1
+        )

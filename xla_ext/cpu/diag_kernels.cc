@@ -24,6 +24,17 @@ constexpr int64_t kBackwardRowChunk = 64;  // rows per fused backward pass over 
 // per segment) stay in L2 while the group's tiles run over a chunk of rows.
 constexpr int64_t kBackwardGroupSegments = 4096;
 
+// Below this many multiply-adds per task, extra tasks cost more (scheduling, partial sums) than
+// they save: small calls run in one task, inline in the handler.
+constexpr int64_t kMinMacsPerTask = int64_t{1} << 21;
+
+// How many tasks share `rows` rows claimed `chunk` at a time, for a plan of `segs` segments.
+int64_t TaskCount(int64_t rows, int64_t chunk, int64_t segs, int64_t workers) {
+  const int64_t chunks = (rows + chunk - 1) / chunk;
+  const int64_t by_work = rows * segs * kLanes / kMinMacsPerTask;
+  return std::clamp<int64_t>(std::min(chunks, by_work), 1, std::max<int64_t>(workers, 1));
+}
+
 // Per-call arrays (plan, packed values, partial sums) come from a small cache of 64-byte aligned
 // buffers: a fresh multi-megabyte allocation is served by mmap and page-faults on first touch,
 // which cost as much as a small kernel. Idle buffers are bounded in number and bytes (oldest
@@ -264,8 +275,7 @@ class ProductJob : public Job {
     plan_ = BuildPlan(w, moving_on_output);
     vp_ = Scratch<float>(plan_.num_segs * kLanes);
     table_.pack(plan_.view(), static_cast<const T*>(w.values), vp_.get());
-    const int64_t chunks = (rows_ + kProductRowChunk - 1) / kProductRowChunk;
-    workers_ = std::clamp<int64_t>(chunks, 1, std::max<int64_t>(workers, 1));
+    workers_ = TaskCount(rows_, kProductRowChunk, plan_.num_segs, workers);
   }
 
   int64_t num_tasks() const override { return workers_; }
@@ -306,8 +316,7 @@ class DvaluesJob : public Job {
     gathered_width_ = std::min(a.w.in, a.w.out);
     tiled_width_ = std::max(a.w.in, a.w.out);
     plan_ = BuildPlan(a.w, /*moving_on_output=*/true);
-    const int64_t chunks = (rows_ + kSddmmRowChunk - 1) / kSddmmRowChunk;
-    workers_ = std::clamp<int64_t>(chunks, 1, std::max<int64_t>(workers, 1));
+    workers_ = TaskCount(rows_, kSddmmRowChunk, plan_.num_segs, workers);
     partial_ = Scratch<float>(workers_ * plan_.num_segs * kLanes);
     pending_.store(workers_);
   }
@@ -380,8 +389,7 @@ class BackwardJob : public Job {
       }
     }
     group_begin_.push_back(plan.num_tiles);
-    const int64_t chunks = (rows_ + kBackwardRowChunk - 1) / kBackwardRowChunk;
-    workers_ = std::clamp<int64_t>(chunks, 1, std::max<int64_t>(workers, 1));
+    workers_ = TaskCount(rows_, kBackwardRowChunk, plan.num_segs, workers);
     partial_ = Scratch<float>(workers_ * plan.num_segs * kLanes);
     pending_.store(workers_);
   }
