@@ -11,7 +11,7 @@
 namespace dynadiag {
 namespace {
 
-constexpr int kRows = 8;  // product: rows of accumulators per tile
+constexpr int kRows = 8;  // product and fused backward: rows of accumulators per tile
 
 DYNADIAG_AVX512 inline __mmask16 TileMask(int64_t width, int64_t first) {
   const int64_t n = std::min<int64_t>(kLanes, width - first);
