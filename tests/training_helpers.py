@@ -13,6 +13,7 @@ import dynadiag_jax as dd
 from dynadiag_jax import data as D
 from dynadiag_jax import models
 from dynadiag_jax import training as T
+from dynadiag_jax.training.loop import TIMING_METRICS
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 NUM_CLASSES = 4
@@ -107,9 +108,7 @@ def train_tiny(
 
 def comparable(records):
     """Metric records without the wall-clock timings (which differ between any two runs)."""
-    return [
-        {k: v for k, v in r.items() if k not in ("step_time_s", "examples_per_s")} for r in records
-    ]
+    return [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in records]
 
 
 @pytest.fixture
