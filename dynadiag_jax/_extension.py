@@ -49,7 +49,7 @@ def has_cuda_kernels() -> bool:
 _native: dict[str, PlatformKernels] = {}
 if _cpu_ext is not None:
     _register(_cpu_ext, "cpu")
-    _native["cpu"] = PlatformKernels(dtypes=(jnp.float32, jnp.bfloat16))
+    _native["cpu"] = PlatformKernels(dtypes=(jnp.float32, jnp.bfloat16), fused_backward=True)
 if _cuda_ext is not None:
     _register(_cuda_ext, "CUDA")
     _native["cuda"] = cuda.KERNELS

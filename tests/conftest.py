@@ -33,9 +33,16 @@ def run_python(tmp_path):
     def run(args, *, env=None, timeout=600, check=True):
         child_env = dict(os.environ, **(env or {}))
         child_env["PYTHONPATH"] = os.pathsep.join(
-            [package_root, *filter(None, [child_env.get("PYTHONPATH")])])
-        proc = subprocess.run([sys.executable, *args], cwd=tmp_path, env=child_env,
-                              capture_output=True, text=True, timeout=timeout)
+            [package_root, *filter(None, [child_env.get("PYTHONPATH")])]
+        )
+        proc = subprocess.run(
+            [sys.executable, *args],
+            cwd=tmp_path,
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check:
             assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
         return proc

@@ -187,3 +187,12 @@ def test_augmentations_keep_shape_and_dtype_and_are_seeded():
     np.testing.assert_array_equal(D.flip(image, np.random.default_rng(0), p=1.0), image[:, ::-1])
     with pytest.raises(ValueError, match="uint8 image"):
         D.random_resized_crop(image.astype(np.float32), 8, rng)
+
+
+def test_tfds_fallback_reads_fashion_mnist_through_data_source():
+    import tensorflow_datasets as tfds
+
+    with tfds.testing.mock_data(num_examples=12, policy=tfds.testing.MockPolicy.USE_CODE):
+        data = D.load_small_images("tfds")
+    assert data.train["image"].shape == (12, 28, 28, 1) and data.test["label"].shape == (12,)
+    assert data.train["image"].dtype == np.float32 and data.name == "fashion_mnist (tfds)"

@@ -211,3 +211,14 @@ def test_hand_computed_single_diagonal():
             impl=impl,
         )
         np.testing.assert_allclose(np.asarray(y), [[50.0, 0.0, 0.0, 2.0]], err_msg=impl)
+
+
+def test_cpu_backward_is_one_fused_kernel_call():
+    x, v, off = jnp.ones((4, 6), jnp.float32), jnp.ones((2, 6), jnp.float32), jnp.arange(2)
+
+    def loss(x, v):
+        return jnp.sum(dd.diag_matmul(x, v, off.astype(jnp.int32), out_features=9, impl="ffi"))
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, v).as_text()
+    assert 'dynadiag_diag_matmul_bwd"' in hlo or "@dynadiag_diag_matmul_bwd(" in hlo
+    assert "dynadiag_diag_matmul_dvalues(" not in hlo

@@ -26,8 +26,7 @@ class Model(nn.Module):
 class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
-        return DiagonalDense(10, k=4, gate="softmax", explore="none", impl="jax",
-                             name="inner")(x)
+        return DiagonalDense(10, k=4, gate="softmax", explore="none", impl="jax", name="inner")(x)
 
 
 def random_alpha(variables, seed=0):
@@ -36,8 +35,12 @@ def random_alpha(variables, seed=0):
 
     def visit(tree):
         if isinstance(tree, dict):
-            return {k: (jnp.asarray(rng.normal(size=v.shape), jnp.float32) if k == "alpha"
-                        else visit(v)) for k, v in tree.items()}
+            return {
+                k: (
+                    jnp.asarray(rng.normal(size=v.shape), jnp.float32) if k == "alpha" else visit(v)
+                )
+                for k, v in tree.items()
+            }
         return tree
 
     return dict(variables, params=visit(variables["params"]))
@@ -60,11 +63,13 @@ def test_freeze_single_layer_is_the_hard_topk_product():
     w = dd.diag_to_dense(v["params"]["values"][want], want, in_features=12, out_features=20)
     expected = x @ w.T + v["params"]["bias"][None, :]
     for module in (frozen_layer, layer):  # the phase is read from the variables
-        np.testing.assert_allclose(np.asarray(module.apply(fv, x)), np.asarray(expected),
-                                   atol=F32_TOL)
+        np.testing.assert_allclose(
+            np.asarray(module.apply(fv, x)), np.asarray(expected), atol=F32_TOL
+        )
     # With a tiny strength the search gate is already the hard top-K: freezing changes nothing.
-    np.testing.assert_allclose(np.asarray(layer.apply(v, x, strength=1e-6)), np.asarray(expected),
-                               atol=F32_TOL)
+    np.testing.assert_allclose(
+        np.asarray(layer.apply(v, x, strength=1e-6)), np.asarray(expected), atol=F32_TOL
+    )
     assert dd.freeze(layer, fv)[1] is fv  # already frozen
 
 
@@ -84,10 +89,12 @@ def test_freeze_tree_whole_model_under_jit():
     assert "dynadiag" not in fv
     assert jax.tree.map(jnp.shape, fv["diagonals"]) == {
         "first": {"offsets": (dd.num_diagonals(16, 24, 0.75),)},
-        "Block_0": {"inner": {"offsets": (4,)}}}
+        "Block_0": {"inner": {"offsets": (4,)}},
+    }
     assert set(fv["params"]["Block_0"]["inner"]) == {"values", "bias"}
-    np.testing.assert_array_equal(fv["params"]["Dense_0"]["kernel"],
-                                  v["params"]["Dense_0"]["kernel"])
+    np.testing.assert_array_equal(
+        fv["params"]["Dense_0"]["kernel"], v["params"]["Dense_0"]["kernel"]
+    )
     # Frozen model == search model whose gates are the hard top-K (computed densely here).
     for path in (("first",), ("Block_0", "inner")):
         p = v["params"]
@@ -111,9 +118,12 @@ def test_freeze_tree_stacked_layers():
     class Stack(nn.Module):
         @nn.compact
         def __call__(self, x):
-            scanned = nn.scan(lambda mdl, c, _: (mdl(c), None),
-                              variable_axes={"params": 0, "dynadiag": 0, "diagonals": 0},
-                              split_rngs={"params": True}, length=3)
+            scanned = nn.scan(
+                lambda mdl, c, _: (mdl(c), None),
+                variable_axes={"params": 0, "dynadiag": 0, "diagonals": 0},
+                split_rngs={"params": True},
+                length=3,
+            )
             layer = DiagonalDense(8, k=2, explore="none", impl="jax", use_bias=False)
             x, _ = scanned(layer, x, None)
             return x
@@ -164,8 +174,9 @@ def test_freeze_opt_state():
         old = state.inner_states["weights"].inner_state[0]
         offsets = fv["diagonals"]["first"]["offsets"]
         for moment, old_moment in ((adam.mu, old.mu), (adam.nu, old.nu)):
-            np.testing.assert_array_equal(moment["first"]["values"],
-                                          old_moment["first"]["values"][offsets])
+            np.testing.assert_array_equal(
+                moment["first"]["values"], old_moment["first"]["values"][offsets]
+            )
             np.testing.assert_array_equal(moment["first"]["bias"], old_moment["first"]["bias"])
         assert int(adam.count) == 3
         # No arrays left for alpha anywhere.
@@ -189,21 +200,26 @@ def test_orbax_round_trip_both_phases(tmp_path):
 
     template = model.init(jax.random.key(7), x)
     restored = ckpt.restore(tmp_path / "search", template)
-    np.testing.assert_array_equal(np.asarray(model.apply(restored, x)),
-                                  np.asarray(model.apply(v, x)))
+    np.testing.assert_array_equal(
+        np.asarray(model.apply(restored, x)), np.asarray(model.apply(v, x))
+    )
     assert float(restored["dynadiag"]["first"]["strength"]) == pytest.approx(0.3)
 
     frozen_template = dd.freeze_tree(model.init(jax.random.key(8), x))
     restored = ckpt.restore(tmp_path / "frozen", frozen_template)
-    np.testing.assert_array_equal(np.asarray(model.apply(restored, x)),
-                                  np.asarray(model.apply(fv, x)))
+    np.testing.assert_array_equal(
+        np.asarray(model.apply(restored, x)), np.asarray(model.apply(fv, x))
+    )
     assert restored["diagonals"]["first"]["offsets"].dtype == jnp.int32
 
 
-@pytest.mark.parametrize("make_tx", [
-    lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1)),
-    lambda: optax.sgd(0.1, momentum=0.9),
-])
+@pytest.mark.parametrize(
+    "make_tx",
+    [
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1)),
+        lambda: optax.sgd(0.1, momentum=0.9),
+    ],
+)
 def test_freeze_opt_state_plain_optax(make_tx):
     layer = DiagonalDense(12, k=3, explore="none", impl="jax")
     v = random_alpha(layer.init(jax.random.key(0), jnp.ones((1, 12))))

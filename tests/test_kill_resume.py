@@ -19,9 +19,6 @@ STEPS = 16
 SLEEP = "0.15"  # seconds per step, so that a random kill lands in training as often as in start-up
 DENSE = ()
 SPARSE = ("--sparsity", "0.8", "--freeze", "8")  # checkpoints every 2 steps; frozen from step 8
-requires_layer = pytest.mark.skipif(
-    not hasattr(dynadiag_jax, "nn"), reason="needs dd.nn.DiagonalDense"
-)
 
 
 def _run(run_python, workdir, *extra, check=True):
@@ -60,8 +57,8 @@ def references(tmp_path_factory):
     [
         (DENSE, 5),
         (DENSE, 11),
-        pytest.param(SPARSE, 7, marks=requires_layer, id="sparse-just-before-freeze"),
-        pytest.param(SPARSE, 9, marks=requires_layer, id="sparse-just-after-freeze"),
+        pytest.param(SPARSE, 7, id="sparse-just-before-freeze"),
+        pytest.param(SPARSE, 9, id="sparse-just-after-freeze"),
     ],
 )
 def test_kill_at_a_step_then_resume(run_python, references, tmp_path, config, kill_at):
@@ -76,7 +73,7 @@ def test_kill_at_a_step_then_resume(run_python, references, tmp_path, config, ki
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [DENSE, pytest.param(SPARSE, marks=requires_layer, id="sparse")])
+@pytest.mark.parametrize("config", [DENSE, pytest.param(SPARSE, id="sparse")])
 def test_kill_at_a_random_moment_then_resume(run_python, references, tmp_path, config):
     ref_dir, reference = references(run_python, *config, "--step-sleep", SLEEP)
     seed = random.randrange(1 << 30)

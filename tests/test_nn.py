@@ -17,8 +17,12 @@ SHAPES = [(16, 24), (24, 16), (20, 20)]  # (in, out): tall, wide, square
 
 def dense_reference(params, x, features, gate, computed):
     """``x @ W.T + b`` with ``W = sum_{p in computed} gate[p] * values[p]`` built densely."""
-    w = dd.diag_to_dense(gate[computed][:, None] * params["values"][computed], computed,
-                         in_features=x.shape[-1], out_features=features)
+    w = dd.diag_to_dense(
+        gate[computed][:, None] * params["values"][computed],
+        computed,
+        in_features=x.shape[-1],
+        out_features=features,
+    )
     y = x @ w.T
     if "bias" in params:
         y = y + params["bias"].reshape((1,) * (y.ndim - 1) + (-1,))
@@ -46,7 +50,8 @@ def test_init_shapes_and_ranges(n_in, n_out):
     k = dd.num_diagonals(n_in, n_out, 0.8)
     assert jax.tree.map(jnp.shape, v) == {
         "params": {"alpha": (p,), "values": (p, d_len), "bias": (n_out,)},
-        "dynadiag": {"strength": (), "topk": (k,), "score": ()}}
+        "dynadiag": {"strength": (), "topk": (k,), "score": ()},
+    }
     values, alpha = np.asarray(v["params"]["values"]), np.asarray(v["params"]["alpha"])
     assert np.abs(values).max() <= 1 / np.sqrt(d_len) and values.std() > 0.3 / np.sqrt(d_len)
     np.testing.assert_allclose(alpha, 1 / p, rtol=2e-3)
@@ -87,13 +92,15 @@ def test_search_forward_and_grad_match_dense(rng, n_in, n_out, explore):
         g = dd.sparse_soft_topk(params["alpha"], layer.budget(n_in), strength=strength)
         return dense_reference(params, x, n_out, g, computed)
 
-    np.testing.assert_allclose(np.asarray(layer_apply(params)), np.asarray(ref_apply(params)),
-                               atol=F32_TOL, rtol=F32_TOL)
+    np.testing.assert_allclose(
+        np.asarray(layer_apply(params)), np.asarray(ref_apply(params)), atol=F32_TOL, rtol=F32_TOL
+    )
     got = jax.grad(loss)(params, layer_apply)
     want = jax.grad(loss)(params, ref_apply)
     for name in ("alpha", "values", "bias"):
-        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), atol=1e-4,
-                                   rtol=1e-4, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(got[name]), np.asarray(want[name]), atol=1e-4, rtol=1e-4, err_msg=name
+        )
 
 
 @pytest.mark.parametrize("n_in,n_out", SHAPES)
@@ -103,8 +110,9 @@ def test_dense_score_step_gives_exact_gradient_for_every_diagonal(rng, n_in, n_o
     params = perturb(v["params"], rng)
     v = set_gate(dict(v, params=params), strength=0.1, score=True)
     k, p = layer.budget(n_in), max(n_in, n_out)
-    truncated = jax.lax.top_k(dd.sparse_soft_topk(params["alpha"], k, strength=0.1),
-                              layer.capacity(n_in))[1]
+    truncated = jax.lax.top_k(
+        dd.sparse_soft_topk(params["alpha"], k, strength=0.1), layer.capacity(n_in)
+    )[1]
 
     def ref(params, computed):
         g = dd.sparse_soft_topk(params["alpha"], k, strength=0.1)
@@ -117,8 +125,9 @@ def test_dense_score_step_gives_exact_gradient_for_every_diagonal(rng, n_in, n_o
     _, pull = jax.vjp(lambda q: ref(q, jnp.arange(p)), params)
     (want,) = pull(y)
     for name in ("alpha", "values"):
-        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), atol=1e-4,
-                                   rtol=1e-4, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(got[name]), np.asarray(want[name]), atol=1e-4, rtol=1e-4, err_msg=name
+        )
 
 
 def test_softmax_gate_and_temperature_collection(rng):
@@ -133,8 +142,9 @@ def test_softmax_gate_and_temperature_collection(rng):
     want = dense_reference(params, x, 12, gate, jnp.arange(12))  # never sparse: all computed
     got = layer.apply(set_gate(v, temperature=0.7), x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=F32_TOL)
-    np.testing.assert_allclose(np.asarray(layer.apply(v, x, temperature=0.7)), np.asarray(want),
-                               atol=F32_TOL)
+    np.testing.assert_allclose(
+        np.asarray(layer.apply(v, x, temperature=0.7)), np.asarray(want), atol=F32_TOL
+    )
 
 
 def test_gate_value_from_collection_and_override(rng):
@@ -143,14 +153,18 @@ def test_gate_value_from_collection_and_override(rng):
     assert float(v["dynadiag"]["strength"]) == 1.0  # the documented default
     v = dict(v, params=perturb(v["params"], rng))
     from_collection = layer.apply(set_gate(v, strength=0.02), x)
-    np.testing.assert_allclose(np.asarray(from_collection),
-                               np.asarray(layer.apply(v, x, strength=0.02)), atol=F32_TOL)
+    np.testing.assert_allclose(
+        np.asarray(from_collection), np.asarray(layer.apply(v, x, strength=0.02)), atol=F32_TOL
+    )
     assert not np.allclose(from_collection, layer.apply(v, x))
     without = {"params": v["params"]}
     with pytest.raises(ValueError, match="set_gate"):
         layer.apply(without, x)
-    np.testing.assert_allclose(np.asarray(layer.apply(without, x, strength=0.02)),
-                               np.asarray(from_collection), atol=F32_TOL)
+    np.testing.assert_allclose(
+        np.asarray(layer.apply(without, x, strength=0.02)),
+        np.asarray(from_collection),
+        atol=F32_TOL,
+    )
     v3, _ = init(DiagonalDense(16, sparsity=0.75, gate_init=0.3, explore="none"), 16)
     assert float(v3["dynadiag"]["strength"]) == pytest.approx(0.3)
 
@@ -164,8 +178,7 @@ def test_set_gate_is_jittable_and_reaches_nested_layers():
 
     model = Model()
     v = model.init(jax.random.key(0), jnp.ones((2, 8)))
-    out = jax.jit(lambda v, s, t: set_gate(v, strength=s, temperature=t, score=True))(
-        v, 0.25, 0.5)
+    out = jax.jit(lambda v, s, t: set_gate(v, strength=s, temperature=t, score=True))(v, 0.25, 0.5)
     assert float(out["dynadiag"]["a"]["strength"]) == 0.25
     assert float(out["dynadiag"]["b"]["temperature"]) == 0.5
     assert bool(out["dynadiag"]["a"]["score"]) and bool(out["dynadiag"]["b"]["score"])
@@ -195,8 +208,12 @@ def test_buckets_compute_the_support_only(rng):
     assert sizes == (9, 18, 34, 64) and layer.capacity(64) == 9  # K = 7
     assert bucket_sizes(8, 64, 1) == (64,) and bucket_sizes(64, 64, 4) == (64,)
     for strength, expected in ((10.0, 64), (1e-4, layer.capacity(64))):
-        _, state = layer.apply(dict(v, params=perturb(v["params"], rng)), x, strength=strength,
-                               mutable=["intermediates"])
+        _, state = layer.apply(
+            dict(v, params=perturb(v["params"], rng)),
+            x,
+            strength=strength,
+            mutable=["intermediates"],
+        )
         inter = state["intermediates"]
         assert float(inter["computed_diagonals"][0]) == expected
         assert float(inter["gate_mass_outside"][0]) == pytest.approx(0, abs=1e-5)
@@ -219,15 +236,20 @@ def test_frozen_init_phase(n_in, n_out):
     v, x = init(layer, n_in, batch=(3,))
     k, d_len = layer.budget(n_in), min(n_in, n_out)
     assert jax.tree.map(jnp.shape, v) == {
-        "params": {"values": (k, d_len), "bias": (n_out,)}, "diagonals": {"offsets": (k,)}}
+        "params": {"values": (k, d_len), "bias": (n_out,)},
+        "diagonals": {"offsets": (k,)},
+    }
     offsets = np.asarray(v["diagonals"]["offsets"])
     assert offsets.dtype == np.int32 and len(set(offsets)) == k
     assert np.all(np.diff(offsets) > 0) and offsets.min() >= 0 and offsets.max() < max(n_in, n_out)
     w = dd.diag_to_dense(v["params"]["values"], offsets, in_features=n_in, out_features=n_out)
     np.testing.assert_allclose(np.asarray(layer.apply(v, x)), np.asarray(x @ w.T), atol=F32_TOL)
     # The same module class in search mode runs frozen variables too (the phase is in the data).
-    np.testing.assert_allclose(np.asarray(DiagonalDense(n_out, sparsity=0.7).apply(v, x)),
-                               np.asarray(x @ w.T), atol=F32_TOL)
+    np.testing.assert_allclose(
+        np.asarray(DiagonalDense(n_out, sparsity=0.7).apply(v, x)),
+        np.asarray(x @ w.T),
+        atol=F32_TOL,
+    )
 
 
 def test_dtype_and_param_dtype():
@@ -238,10 +260,12 @@ def test_dtype_and_param_dtype():
     y = layer.apply(v, x)
     assert y.dtype == jnp.bfloat16
     y32 = DiagonalDense(16, sparsity=0.5, explore="none", impl="jax").apply(v, x)
-    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), np.asarray(y32), atol=BF16_TOL,
-                               rtol=BF16_TOL)
+    np.testing.assert_allclose(
+        np.asarray(y.astype(jnp.float32)), np.asarray(y32), atol=BF16_TOL, rtol=BF16_TOL
+    )
     y_in = DiagonalDense(16, sparsity=0.5, explore="none", impl="jax").apply(
-        v, x.astype(jnp.bfloat16))
+        v, x.astype(jnp.bfloat16)
+    )
     assert y_in.dtype == jnp.float32  # promoted with param_dtype by default
 
 
@@ -293,8 +317,9 @@ def test_bad_input():
         with pytest.raises(ValueError, match="strength must be a positive"):
             set_gate(v, strength=bad)
         with pytest.raises(ValueError, match="temperature must be a positive"):
-            DiagonalDense(8, sparsity=0.5, gate="softmax").init(jax.random.key(0), x,
-                                                               temperature=bad)
+            DiagonalDense(8, sparsity=0.5, gate="softmax").init(
+                jax.random.key(0), x, temperature=bad
+            )
     with pytest.raises(ValueError, match="takes strength=, not temperature="):
         layer.apply(v, x, temperature=1.0)
     with pytest.raises(ValueError, match="strength="):
@@ -320,9 +345,11 @@ def test_nnx_bridge():
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     linen_vars = {"params": params, "dynadiag": nnx.to_pure_dict(nnx.state(model, dynadiag))}
     assert jax.tree.map(jnp.shape, params) == jax.tree.map(
-        jnp.shape, layer.init(jax.random.key(0), x)["params"])
-    np.testing.assert_allclose(np.asarray(model(x)), np.asarray(layer.apply(linen_vars, x)),
-                               atol=F32_TOL)
+        jnp.shape, layer.init(jax.random.key(0), x)["params"]
+    )
+    np.testing.assert_allclose(
+        np.asarray(model(x)), np.asarray(layer.apply(linen_vars, x)), atol=F32_TOL
+    )
 
     def loss_nnx(m):
         return jnp.sum(m(x) ** 2)
@@ -333,8 +360,9 @@ def test_nnx_bridge():
     got = nnx.to_pure_dict(nnx.state(nnx.grad(loss_nnx)(model), nnx.Param))
     want = jax.grad(loss_linen)(params)
     for name in ("alpha", "values", "bias"):
-        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), atol=1e-5,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(got[name]), np.asarray(want[name]), atol=1e-5, err_msg=name
+        )
 
 
 @pytest.mark.skipif("ffi" not in dd.available_impls(), reason="C++ extension not built")
@@ -345,10 +373,18 @@ def test_compiled_kernel_matches_jax_path(rng, explore):
     ref = DiagonalDense(16, sparsity=0.8, explore=explore, impl="jax")
     v = fast.init(jax.random.key(0), x)
     v = set_gate(dict(v, params=perturb(v["params"], rng)), strength=0.1, score=True)
-    np.testing.assert_allclose(np.asarray(fast.apply(v, x)), np.asarray(ref.apply(v, x)),
-                               atol=F32_TOL)
-    grads = [jax.grad(lambda p, m=m: jnp.sum(m.apply(dict(v, params=p), x) ** 2))(v["params"])
-             for m in (fast, ref)]
+    np.testing.assert_allclose(
+        np.asarray(fast.apply(v, x)), np.asarray(ref.apply(v, x)), atol=F32_TOL
+    )
+    grads = [
+        jax.grad(lambda p, m=m: jnp.sum(m.apply(dict(v, params=p), x) ** 2))(v["params"])
+        for m in (fast, ref)
+    ]
     for name in ("alpha", "values", "bias"):
-        np.testing.assert_allclose(np.asarray(grads[0][name]), np.asarray(grads[1][name]),
-                                   atol=1e-4, rtol=1e-4, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(grads[0][name]),
+            np.asarray(grads[1][name]),
+            atol=1e-4,
+            rtol=1e-4,
+            err_msg=name,
+        )

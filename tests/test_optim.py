@@ -21,12 +21,14 @@ def test_masks_and_labels():
         "layer": {"alpha": True, "values": False, "bias": False},
         "norm": {"scale": False, "bias": False},
         "head": {"kernel": False, "bias": False},
-        "other": {"alpha": False}}
+        "other": {"alpha": False},
+    }
     assert optim.weight_decay_mask(PARAMS) == {
         "layer": {"alpha": False, "values": True, "bias": False},
         "norm": {"scale": False, "bias": False},
         "head": {"kernel": True, "bias": False},
-        "other": {"alpha": False}}
+        "other": {"alpha": False},
+    }
     labels = optim.param_labels(PARAMS)
     assert labels["layer"]["alpha"] == "alpha" and labels["other"]["alpha"] == "weights"
 

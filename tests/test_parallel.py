@@ -1,11 +1,17 @@
 """Data parallelism over several (fake) CPU devices: same training as on one device."""
 
 import json
+import os
 import pathlib
+import socket
+import subprocess
+import sys
 
 import jax
 import numpy as np
 from training_helpers import train_tiny
+
+import dynadiag_jax
 
 HERE = pathlib.Path(__file__).resolve().parent
 FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
@@ -33,3 +39,48 @@ def test_batch_not_divisible_by_four_devices(run_python):
         "batch_size=6 is not divisible by the number of devices (4); use a multiple of 4"
         in proc.stderr
     )
+
+
+def test_two_processes_train_like_one(tmp_path):
+    """Two hosts (processes), one device each: every process ends with the same state."""
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    package_root = str(pathlib.Path(dynadiag_jax.__file__).resolve().parents[1])
+    children = []
+    for i in range(2):
+        env = dict(
+            os.environ,
+            JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+            JAX_NUM_PROCESSES="2",
+            JAX_PROCESS_ID=str(i),
+            PYTHONPATH=os.pathsep.join(
+                [package_root, *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+        )
+        children.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(HERE / "train_child.py"),
+                    str(tmp_path / "run"),
+                    "--steps",
+                    "6",
+                ],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = []
+    for child in children:
+        stdout, stderr = child.communicate(timeout=600)
+        assert child.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert [o["process"] for o in outs] == [0, 1] and all(o["devices"] == 2 for o in outs)
+    assert outs[0]["eval"] == outs[1]["eval"] and outs[0]["params"] == outs[1]["params"]
+    single = train_tiny(num_steps=6, eval_every=4)
+    np.testing.assert_allclose(outs[0]["eval"]["loss"], single.eval_metrics["loss"], rtol=1e-5)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4", "6"]

@@ -239,5 +239,24 @@ def test_fashion_mnist_script_selects_the_method_by_config(method):
         config.data.source = "mnist5k"
     _, _, _, models = fashion_mnist.prepare(config)
     assert list(models) == (["dense"] if method == "dense" else ["dense", f"{method}_s90"])
-    built, sparsity = models[list(models)[-1]]
-    assert built.name == method and sparsity == (0.0 if method == "dense" else 0.9)
+    built, dyn = models[list(models)[-1]]
+    assert built.name == method and dyn.sparsity == (0.0 if method == "dense" else 0.9)
+
+
+def test_fingerprint_changes_only_for_methods_that_read_the_changed_setting():
+    config = _config("models=mlp")
+    methods = baselines.METHODS
+
+    def prints(c):
+        return {m: results.fingerprint(c, "mlp", m, 100) for m in methods}
+
+    before = prints(config)
+    with config.unlocked():
+        config.models.mlp.dynadiag.gate_schedule.end_value = 0.5
+    after_gate = prints(config)
+    assert [m for m in methods if before[m] != after_gate[m]] == ["dynadiag"]
+    with config.unlocked():
+        config.unstructured.drop_fraction = 0.1
+    after_drop = prints(config)
+    assert sorted(m for m in methods if after_gate[m] != after_drop[m]) == ["mest", "rigl", "set"]
+    assert results.fingerprint(config, "mlp", "dense", 200) != after_drop["dense"]

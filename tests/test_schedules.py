@@ -33,9 +33,11 @@ def test_midpoints():
     assert float(schedules.linear(1.0, 3.0, 10)(5)) == pytest.approx(2.0)
     assert float(schedules.cosine(1.0, 3.0, 10)(5)) == pytest.approx(2.0)
     assert float(schedules.cosine(0.0, 1.0, 10)(2)) == pytest.approx(
-        0.5 * (1 - math.cos(math.pi * 0.2)), rel=1e-5)
-    assert float(schedules.exponential(5.0, 0.05, 10)(5)) == pytest.approx(math.sqrt(0.25),
-                                                                         rel=1e-5)
+        0.5 * (1 - math.cos(math.pi * 0.2)), rel=1e-5
+    )
+    assert float(schedules.exponential(5.0, 0.05, 10)(5)) == pytest.approx(
+        math.sqrt(0.25), rel=1e-5
+    )
 
 
 def test_warmup_cosine():

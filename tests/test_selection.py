@@ -20,7 +20,8 @@ def teacher():
     k_mag, k_sign = jax.random.split(jax.random.key(1))
     shape = variables["params"]["values"].shape
     values = jax.random.uniform(k_mag, shape, minval=0.5, maxval=1.0) * jnp.where(
-        jax.random.bernoulli(k_sign, 0.5, shape), 1.0, -1.0)
+        jax.random.bernoulli(k_sign, 0.5, shape), 1.0, -1.0
+    )
     return layer, {"params": {"values": values}, "diagonals": variables["diagonals"]}
 
 
@@ -39,7 +40,8 @@ def test_student_recovers_planted_diagonals():
         x = jax.random.normal(jax.random.fold_in(jax.random.key(3), i), (BATCH, N_IN))
         target = t_layer.apply(t_vars, x)
         grads = jax.grad(lambda p: jnp.mean((student.apply(dict(v, params=p), x) - target) ** 2))(
-            params)
+            params
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state, v), None
 

@@ -49,8 +49,13 @@ def test_matches_brute_force_qp(rng, n, k):
         strength = float(rng.choice([0.05, 0.5, 2.0]))
         y = topk(jnp.asarray(scores), k, strength)
         ref = brute_force_projection(scores / strength, k)
-        np.testing.assert_allclose(np.asarray(y), ref, atol=F32_TOL, rtol=0,
-                                   err_msg=f"scores={scores}, strength={strength}")
+        np.testing.assert_allclose(
+            np.asarray(y),
+            ref,
+            atol=F32_TOL,
+            rtol=0,
+            err_msg=f"scores={scores}, strength={strength}",
+        )
 
 
 def test_hand_computed_case():
@@ -96,8 +101,9 @@ def test_ties():
 def test_k_equals_n_is_all_ones():
     x = jnp.array([0.3, -1.0, 2.0])
     np.testing.assert_array_equal(dd.sparse_soft_topk(x, 3, strength=0.1), np.ones(3))
-    np.testing.assert_array_equal(jax.grad(lambda s: dd.sparse_soft_topk(s, 3, strength=0.1)[0])(x),
-                                  np.zeros(3))
+    np.testing.assert_array_equal(
+        jax.grad(lambda s: dd.sparse_soft_topk(s, 3, strength=0.1)[0])(x), np.zeros(3)
+    )
 
 
 def test_jit_vmap_and_leading_dims(rng):
@@ -113,9 +119,11 @@ def test_jit_vmap_and_leading_dims(rng):
 def test_traced_strength(rng):
     scores = jnp.asarray(rng.normal(size=12).astype(np.float32))
     f = jax.jit(lambda s, t: dd.sparse_soft_topk(s, 3, strength=t))
-    np.testing.assert_allclose(np.asarray(f(scores, jnp.float32(0.2))),
-                               np.asarray(dd.sparse_soft_topk(scores, 3, strength=0.2)),
-                               atol=F32_TOL)
+    np.testing.assert_allclose(
+        np.asarray(f(scores, jnp.float32(0.2))),
+        np.asarray(dd.sparse_soft_topk(scores, 3, strength=0.2)),
+        atol=F32_TOL,
+    )
 
 
 def _away_from_kinks(rng, n, k, strength, margin=0.05):
@@ -147,15 +155,23 @@ def test_check_grads_away_from_kinks(rng, n, k, strength):
     scores = _away_from_kinks(rng, n, k, strength)
     w = jnp.asarray(rng.normal(size=n).astype(np.float32))
     f = jax.jit(lambda s, t: jnp.sum(w * dd.sparse_soft_topk(s, k, strength=t)))
-    check_grads(f, (scores, jnp.float32(strength)), order=1, modes=("rev",), eps=1e-3,
-                atol=GRAD_TOL, rtol=GRAD_TOL)
+    check_grads(
+        f,
+        (scores, jnp.float32(strength)),
+        order=1,
+        modes=("rev",),
+        eps=1e-3,
+        atol=GRAD_TOL,
+        rtol=GRAD_TOL,
+    )
 
 
 def test_no_gradient_outside_free_set(rng):
     scores = jnp.asarray(rng.normal(size=30).astype(np.float32))
     y = dd.sparse_soft_topk(scores, 5, strength=0.1)
     g = jax.grad(lambda s: jnp.sum(jnp.arange(30.0) * dd.sparse_soft_topk(s, 5, strength=0.1)))(
-        scores)
+        scores
+    )
     off = (np.asarray(y) == 0) | (np.asarray(y) == 1)
     assert off.any()
     np.testing.assert_array_equal(np.asarray(g)[off], 0)
@@ -178,8 +194,9 @@ def test_softmax_topk_formula(rng):
     assert np.all(np.isfinite(np.asarray(g)))
 
 
-@pytest.mark.parametrize("fn,kw", [(dd.sparse_soft_topk, "strength"),
-                                   (dd.softmax_topk, "temperature")])
+@pytest.mark.parametrize(
+    "fn,kw", [(dd.sparse_soft_topk, "strength"), (dd.softmax_topk, "temperature")]
+)
 def test_bad_input(fn, kw):
     x = jnp.ones(5)
     for bad in (0.0, -1.0):

@@ -3,6 +3,8 @@
   python train_child.py WORKDIR [--steps N] [--sparsity S --freeze F] [--kill-at STEP]
                                 [--step-sleep SECONDS] [--batch B]
 
+One of several processes when JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID are set.
+
 Prints one JSON line: the final evaluation, the step it started from, the device count and a
 checksum of the parameters. ``--kill-at`` sends SIGKILL to itself right after that step.
 """
@@ -18,8 +20,11 @@ import jax
 import numpy as np
 from training_helpers import train_tiny
 
+from dynadiag_jax import training as T
+
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
 
 
 def main():
@@ -32,6 +37,7 @@ def main():
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args()
+    T.initialize_distributed()  # several processes when JAX_NUM_PROCESSES etc. are set
 
     def hook(step, state):
         if args.kill_at is not None and step == args.kill_at:
@@ -56,6 +62,8 @@ def main():
                 "eval": result.eval_metrics,
                 "start_step": result.start_step,
                 "devices": jax.device_count(),
+                "process": jax.process_index(),
+                "param_devices": len(jax.tree.leaves(result.state.params)[0].sharding.device_set),
                 "param_sum": float(sum(np.abs(np.asarray(x, np.float64)).sum() for x in leaves)),
                 "params": [np.asarray(x).ravel()[:8].tolist() for x in leaves],
             }

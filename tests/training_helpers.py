@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dynadiag_jax as dd
 from dynadiag_jax import data as D
 from dynadiag_jax import models
 from dynadiag_jax import training as T
+from dynadiag_jax.training.loop import TIMING_METRICS
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 NUM_CLASSES = 4
@@ -52,8 +54,6 @@ def tiny_mlp(sparsity: float | None = None, hidden=(32, 32), **layer_kwargs) -> 
     """A 16-32-32-4 MLP; with ``sparsity`` its hidden layers are DiagonalDense."""
     if sparsity is None:
         return models.MLP(NUM_CLASSES, hidden=hidden)
-    import dynadiag_jax as dd
-
     sparse = functools.partial(dd.nn.DiagonalDense, sparsity=sparsity, **layer_kwargs)
     return models.MLP(
         NUM_CLASSES, hidden=hidden, dense=models.ByPath(models.mlp.SPARSE_LAYERS, sparse=sparse)
@@ -79,8 +79,6 @@ def train_tiny(
     model = tiny_mlp(sparsity)
     gate = None
     if sparsity is not None:
-        import dynadiag_jax as dd
-
         gate = T.GateSchedule(
             "strength", dd.schedules.cosine(1.0, 0.05, max(1, freeze_step or num_steps))
         )
@@ -110,9 +108,7 @@ def train_tiny(
 
 def comparable(records):
     """Metric records without the wall-clock timings (which differ between any two runs)."""
-    return [
-        {k: v for k, v in r.items() if k not in ("step_time_s", "examples_per_s")} for r in records
-    ]
+    return [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in records]
 
 
 @pytest.fixture

@@ -142,7 +142,10 @@ def build(
         gate = common.gate_schedule(diag_cfg, freeze, num_steps)
     elif method == "static_diagonals":
         static = functools.partial(
-            dd.nn.DiagonalDense, sparsity=float(sparsity), init_phase="frozen"
+            dd.nn.DiagonalDense,
+            sparsity=float(sparsity),
+            init_phase="frozen",
+            impl=dynadiag_cfg.get("impl", "auto"),
         )
         model = model_with_layer(model_cfg, dynadiag_cfg, static, num_classes=num_classes)
     else:

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pathlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import ml_collections
 import optax
+from absl import logging
 from flax import traverse_util
 
 import dynadiag_jax as dd
@@ -73,6 +73,7 @@ def sparse_layer(cfg) -> functools.partial:
         gate=cfg.gate,
         slack=float(cfg.slack),
         explore=cfg.explore,
+        impl=cfg.impl,
     )
 
 
@@ -193,23 +194,102 @@ def build_optimizer(opt_cfg, dynadiag_cfg, num_steps: int, warmup_steps: int):
     return tx, lr
 
 
-def run_info(config) -> dict:
-    """What a checkpoint records about the run (shown when a checkpoint does not fit)."""
-    return {
-        "model": dict(config.model),
-        "sparsity": float(config.dynadiag.sparsity),
-        "gate": config.dynadiag.gate,
-    }
+def reports_config_errors(prepare: Callable) -> Callable:
+    """Decorate a script's ``prepare``: bad input (``ValueError``, ``FileNotFoundError``) becomes
+    a :class:`ConfigError`, which :func:`run_script` reports without a traceback."""
+
+    @functools.wraps(prepare)
+    def wrapper(*args, **kwargs):
+        try:
+            return prepare(*args, **kwargs)
+        except ConfigError:
+            raise
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+
+    return wrapper
+
+
+def train_from_config(
+    config,
+    *,
+    model,
+    task,
+    train_data,
+    eval_data,
+    num_steps: int,
+    warmup_steps: int,
+    example_input,
+    workdir,
+    progress: bool,
+    dynadiag_cfg=None,
+    method=None,
+) -> T.TrainResult:
+    """:func:`dynadiag_jax.training.train` with the optimizer, freeze, gate schedule and the
+    ``train`` section taken from ``config`` (``dynadiag_cfg`` overrides ``config.dynadiag``).
+
+    ``method`` (a :class:`train.baselines.Method`) supplies the optimizer, learning rate, freeze
+    step and gate schedule instead, for the baselines.
+    """
+    dyn = config.dynadiag if dynadiag_cfg is None else dynadiag_cfg
+    if method is None:
+        optimizer, lr = build_optimizer(config.optimizer, dyn, num_steps, warmup_steps)
+        freeze_at = freeze_step(dyn, num_steps)
+        gate = gate_schedule(dyn, freeze_at, num_steps)
+    else:
+        optimizer, lr, freeze_at, gate = (
+            method.optimizer,
+            method.learning_rate,
+            method.freeze_step,
+            method.gate,
+        )
+    t = config.train
+    return T.train(
+        model=model,
+        optimizer=optimizer,
+        task=task,
+        train_data=train_data,
+        eval_data=eval_data,
+        num_steps=num_steps,
+        example_input=example_input,
+        seed=int(config.seed),
+        freeze_step=freeze_at,
+        gate=gate,
+        workdir=workdir,
+        eval_every=int(t.eval_every),
+        checkpoint_every=int(t.checkpoint_every),
+        keep_checkpoints=int(t.keep_checkpoints),
+        log_every=int(t.log_every),
+        selection_every=int(t.selection_every),
+        learning_rate=lr,
+        # Stored with checkpoints and shown when one does not fit this run.
+        run_info={
+            "model": dict(config.model),
+            "sparsity": float(dyn.sparsity),
+            "gate": dyn.gate,
+            **({} if method is None else {"method": method.name}),
+        },
+        progress=progress,
+    )
+
+
+def run_script(body: Callable[[], Any]) -> Any:
+    """Run a script's body: a :class:`ConfigError` exits with ``error: ...`` (status 2); an
+    interrupt (Ctrl-C, SIGTERM), once the loop has saved its checkpoint, exits with status 130."""
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    try:
+        return body()
+    except ConfigError as e:
+        die(str(e))
+    except KeyboardInterrupt as e:
+        print(f"\ninterrupted ({e}); run the same command to resume", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def die(message: str) -> None:
     """Print ``error: message`` and exit with status 2 (bad input, no traceback)."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
-
-
-def repo_root() -> pathlib.Path:
-    return pathlib.Path(__file__).resolve().parents[1]
 
 
 def device_summary() -> str:

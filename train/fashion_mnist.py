@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from dynadiag_jax import data as D
@@ -36,16 +36,13 @@ from train.configs import fashion_mnist as default_config
 FLAGS = flags.FLAGS
 
 
+@common.reports_config_errors
 def prepare(config):
     """Validate the config, load the data and build the models: every input problem surfaces
-    here, as a :class:`common.ConfigError`, before anything is compiled."""
-    try:
-        return _prepare(config)
-    except (FileNotFoundError, ValueError) as e:
-        raise common.ConfigError(str(e)) from None
+    here, as a :class:`common.ConfigError`, before anything is compiled.
 
-
-def _prepare(config):
+    Returns ``(data, num_steps, example_input, {run name: (baselines.Method, dynadiag section)})``.
+    """
     common.check_config(config, default_config.get_config())
     data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
     batch = int(config.train.batch_size)
@@ -58,9 +55,12 @@ def _prepare(config):
     runs = [("dense", "dense", 0.0)] if config.compare_dense or method == "dense" else []
     if method != "dense":
         runs.append((f"{method}_s{round(100 * sparsity)}", method, sparsity))
-    models = {}
     example = jax.ShapeDtypeStruct((batch, *data.train["image"].shape[1:]), jnp.float32)
+    models = {}
     for name, run_method, run_sparsity in runs:
+        dyn = config.dynadiag.copy_and_resolve_references()
+        with dyn.unlocked():
+            dyn.sparsity = run_sparsity
         built = baselines.build(
             run_method,
             model_cfg=config.model,
@@ -70,66 +70,42 @@ def _prepare(config):
             sparsity=run_sparsity,
             num_classes=data.num_classes,
             num_steps=steps,
-            seed=config.seed,
+            seed=int(config.seed),
         )
-        common.check_layer_patterns(built.model, example, config.dynadiag)
-        models[name] = (built, run_sparsity)
+        common.check_layer_patterns(built.model, example, dyn)
+        models[name] = (built, dyn)
     return data, steps, example, models
 
 
-def train_one(built, sparsity, config, data, steps, example, workdir, progress):
-    info = {**common.run_info(config), "method": built.name, "sparsity": sparsity}
-    start = time.perf_counter()
-    result = T.train(
-        model=built.model,
-        optimizer=built.optimizer,
-        task=T.Classification(data.num_classes, config.optimizer.label_smoothing),
-        train_data=D.ArrayBatches(data.train, config.train.batch_size, seed=config.seed),
-        eval_data=D.EvalBatches(data.test, 1000),
-        num_steps=steps,
-        example_input=example,
-        seed=config.seed,
-        freeze_step=built.freeze_step,
-        gate=built.gate,
-        workdir=workdir,
-        eval_every=config.train.eval_every,
-        checkpoint_every=config.train.checkpoint_every,
-        keep_checkpoints=config.train.keep_checkpoints,
-        log_every=config.train.log_every,
-        selection_every=config.train.selection_every,
-        learning_rate=built.learning_rate,
-        run_info=info,
-        progress=progress,
-    )
-    return result, time.perf_counter() - start, built.freeze_step
-
-
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-    config = FLAGS.config
-    try:
-        data, steps, example, models = prepare(config)
-    except ValueError as e:
-        common.die(str(e))
-    workdir = pathlib.Path(FLAGS.workdir)
+def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int, float]]:
+    """Train every model of the config; print results; returns ``(name, accuracy, params, s)``."""
+    data, steps, example, models = prepare(config)
+    workdir = pathlib.Path(workdir)
     print(
         f"data: {data.name}: {len(data.train['label'])} train / {len(data.test['label'])} test; "
         f"{steps} steps of batch {config.train.batch_size} on {common.device_summary()}"
     )
     summary = []
-    for name, (built, sparsity) in models.items():
+    for name, (built, dyn) in models.items():
         print(f"== {name}")
-        try:
-            result, seconds, freeze_at = train_one(
-                built, sparsity, config, data, steps, example, workdir / name, FLAGS.progress
-            )
-        except KeyboardInterrupt as e:
-            print(
-                f"\ninterrupted ({e}); run the same command to resume from "
-                f"{workdir / name}/checkpoints"
-            )
-            raise SystemExit(130) from None
+        start = time.perf_counter()
+        result = common.train_from_config(
+            config,
+            model=built.model,
+            task=T.Classification(data.num_classes, float(config.optimizer.label_smoothing)),
+            train_data=D.ArrayBatches(
+                data.train, int(config.train.batch_size), seed=int(config.seed)
+            ),
+            eval_data=D.EvalBatches(data.test, 1000),
+            num_steps=steps,
+            warmup_steps=int(config.optimizer.warmup_steps),
+            example_input=example,
+            workdir=workdir / name,
+            progress=progress,
+            dynadiag_cfg=dyn,
+            method=built,
+        )
+        seconds = time.perf_counter() - start
         counts = T.parameter_counts(result.state.params)
         acc = result.eval_metrics["accuracy"]
         resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
@@ -139,20 +115,24 @@ def main(argv):
         )
         summary.append((name, acc, counts.total, seconds))
         if built.name == "dynadiag":
-            kept = T.kept_offsets(result.state.collections)
-            shapes = common.layer_shapes(built.model, example)
             png = plots.plot_diagonals(
                 workdir / name / "metrics.jsonl",
-                kept,
-                shapes,
+                T.kept_offsets(result.state.collections),
+                common.layer_shapes(built.model, example),
                 workdir / "diagonals.png",
-                freeze_step=freeze_at,
-                title=f"DynaDiag MLP, sparsity {sparsity:g}: test accuracy {acc:.4f}",
+                freeze_step=built.freeze_step,
+                title=f"DynaDiag MLP, sparsity {dyn.sparsity:g}: test accuracy {acc:.4f}",
             )
             print(f"figure: {png}")
     print("\nmodel                test accuracy   parameters   time")
     for name, acc, params, seconds in summary:
         print(f"{name:<20} {acc:>13.4f} {params:>12,} {seconds:>5.0f}s")
+    return summary
+
+
+def main(argv):
+    del argv
+    common.run_script(lambda: run(FLAGS.config, FLAGS.workdir, progress=FLAGS.progress))
 
 
 if __name__ == "__main__":  # flags exist only when run as a script (tests import this module)

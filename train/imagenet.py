@@ -1,13 +1,13 @@
-"""ViT (or MLP-Mixer) on ImageNet-1k: tfds ``data_source("imagenet2012")`` + grain, DeiT recipe.
+"""ViT on ImageNet-1k: tfds ``data_source("imagenet2012")`` + grain, the DeiT recipe.
 
   python train/imagenet.py --workdir=runs/vit_b16_s90 \\
       --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9 \\
       --config.data.data_dir=/data/tfds
 
-Uses every local device (data parallel); on several hosts, start one process per host with the
-``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` variables set. Re-running
-the same command resumes from the newest checkpoint in ``--workdir``. The README's "ImageNet"
-section explains how to prepare the data.
+Uses every local device (data parallel); on several hosts, start one process per host with
+``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set. Re-running the same
+command resumes from the newest checkpoint in ``--workdir``. docs/training.md explains how to
+prepare the data.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from dynadiag_jax import data as D
@@ -32,19 +32,15 @@ FLAGS = flags.FLAGS
 NUM_CLASSES = 1000
 
 
+@common.reports_config_errors
 def prepare(config):
-    """Check the config, the data directory and the batch size; build the model and the data.
+    """Check the config, the data directory and the batch sizes; build the model and the data.
+
+    Returns ``(model, train_data, eval_data, num_steps, warmup_steps, example_input)``.
 
     Raises:
       common.ConfigError: for any of these problems (nothing has been compiled yet).
     """
-    try:
-        return _prepare(config)
-    except (FileNotFoundError, ValueError) as e:
-        raise common.ConfigError(str(e)) from None
-
-
-def _prepare(config):
     common.check_config(config, vit_imagenet.get_config())
     mesh = T.data_mesh()
     T.check_batch_size(int(config.train.batch_size), mesh, name="train.batch_size")
@@ -52,31 +48,35 @@ def _prepare(config):
     data_dir = D.check_imagenet_dir(config.data.data_dir or None)
     train_source = D.imagenet_source(config.data.train_split, data_dir)
     eval_source = D.imagenet_source(config.data.eval_split, data_dir)
-    batch = int(config.train.batch_size)
+    batch, size = int(config.train.batch_size), int(config.data.image_size)
     steps_per_epoch = max(1, len(train_source) // batch)
     num_steps = int(config.train.num_steps) or int(config.train.epochs) * steps_per_epoch
-    size = int(config.data.image_size)
     example = jax.ShapeDtypeStruct((batch, size, size, 3), jnp.float32)
     model = common.build_model(config.model, config.dynadiag, num_classes=NUM_CLASSES)
     common.check_layer_patterns(model, example, config.dynadiag)
-    ra = config.data.randaugment
+    ra, threads, prefetch = (
+        config.data.randaugment,
+        int(config.data.num_threads),
+        int(config.data.prefetch),
+    )
+    randaugment = D.RandAugment(
+        int(ra.num_ops), float(ra.magnitude), float(ra.magnitude_std), float(ra.prob)
+    )
     train_data = D.ImageNetTrain(
         train_source,
         batch,
-        seed=config.seed,
+        seed=int(config.seed),
         image_size=size,
-        randaugment=D.RandAugment(
-            int(ra.num_ops), float(ra.magnitude), float(ra.magnitude_std), float(ra.prob)
-        ),
-        num_threads=int(config.data.num_threads),
-        prefetch=int(config.data.prefetch),
+        randaugment=randaugment,
+        num_threads=threads,
+        prefetch=prefetch,
     )
     eval_data = D.ImageNetEval(
         eval_source,
         int(config.train.eval_batch_size),
         image_size=size,
-        num_threads=int(config.data.num_threads),
-        prefetch=int(config.data.prefetch),
+        num_threads=threads,
+        prefetch=prefetch,
         max_examples=int(config.data.eval_max_examples) or None,
     )
     warmup = int(config.optimizer.warmup_epochs) * steps_per_epoch
@@ -90,8 +90,6 @@ def train_and_evaluate(config, workdir, *, progress: bool = True) -> T.TrainResu
       common.ConfigError: bad config, data directory or batch size (before compiling anything).
     """
     model, train_data, eval_data, num_steps, warmup, example = prepare(config)
-    optimizer, lr = common.build_optimizer(config.optimizer, config.dynadiag, num_steps, warmup)
-    freeze_at = common.freeze_step(config.dynadiag, num_steps)
     mix = config.mixup
     task = T.Classification(
         NUM_CLASSES,
@@ -101,45 +99,31 @@ def train_and_evaluate(config, workdir, *, progress: bool = True) -> T.TrainResu
         ),
         normalize=D.IMAGENET_MEAN_STD,
     )
-    return T.train(
+    return common.train_from_config(
+        config,
         model=model,
-        optimizer=optimizer,
         task=task,
         train_data=train_data,
         eval_data=eval_data,
         num_steps=num_steps,
+        warmup_steps=warmup,
         example_input=example,
-        seed=int(config.seed),
-        freeze_step=freeze_at,
-        gate=common.gate_schedule(config.dynadiag, freeze_at, num_steps),
         workdir=workdir,
-        eval_every=int(config.train.eval_every),
-        checkpoint_every=int(config.train.checkpoint_every),
-        keep_checkpoints=int(config.train.keep_checkpoints),
-        log_every=int(config.train.log_every),
-        selection_every=int(config.train.selection_every),
-        learning_rate=lr,
-        run_info=common.run_info(config),
         progress=progress,
     )
 
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)
     T.initialize_distributed()
     if FLAGS.config is None:
         common.die(
             "--config is required, e.g. "
             "--config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9"
         )
-    try:
-        result = train_and_evaluate(FLAGS.config, FLAGS.workdir, progress=FLAGS.progress)
-    except common.ConfigError as e:
-        common.die(str(e))
-    except KeyboardInterrupt as e:
-        print(f"\ninterrupted ({e}); run the same command to resume")
-        raise SystemExit(130) from None
+    result = common.run_script(
+        lambda: train_and_evaluate(FLAGS.config, FLAGS.workdir, progress=FLAGS.progress)
+    )
     if jax.process_index() == 0:
         m = result.eval_metrics
         print(
@@ -152,6 +136,4 @@ if __name__ == "__main__":  # flags exist only when run as a script (tests impor
     config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
     flags.DEFINE_string("workdir", None, "checkpoints and metrics go here", required=True)
     flags.DEFINE_bool("progress", True, "show a progress bar")
-
-    NUM_CLASSES = 1000
     app.run(main)

@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from dynadiag_jax import data as D
@@ -31,19 +31,15 @@ from train.configs import gpt2_lm
 FLAGS = flags.FLAGS
 
 
+@common.reports_config_errors
 def prepare(config):
-    """Check the config, corpus and batch size; build the model and the token batches.
+    """Check the config, corpus and batch sizes; build the model and the token batches.
+
+    Returns ``(model, corpus, train_data, eval_data, example_input)``.
 
     Raises:
       common.ConfigError: for any of these problems (nothing has been compiled yet).
     """
-    try:
-        return _prepare(config)
-    except (FileNotFoundError, ValueError) as e:
-        raise common.ConfigError(str(e)) from None
-
-
-def _prepare(config):
     common.check_config(config, gpt2_lm.get_config())
     mesh = T.data_mesh()
     T.check_batch_size(int(config.train.batch_size), mesh, name="train.batch_size")
@@ -68,30 +64,16 @@ def _prepare(config):
 def train_and_evaluate(config, workdir, *, progress: bool = True):
     """Train and evaluate as ``config`` says; returns ``(TrainResult, corpus name)``."""
     model, corpus, train_data, eval_data, example = prepare(config)
-    num_steps = int(config.train.num_steps)
-    optimizer, lr = common.build_optimizer(
-        config.optimizer, config.dynadiag, num_steps, int(config.optimizer.warmup_steps)
-    )
-    freeze_at = common.freeze_step(config.dynadiag, num_steps)
-    result = T.train(
+    result = common.train_from_config(
+        config,
         model=model,
-        optimizer=optimizer,
         task=T.LanguageModeling(),
         train_data=train_data,
         eval_data=eval_data,
-        num_steps=num_steps,
+        num_steps=int(config.train.num_steps),
+        warmup_steps=int(config.optimizer.warmup_steps),
         example_input=example,
-        seed=int(config.seed),
-        freeze_step=freeze_at,
-        gate=common.gate_schedule(config.dynadiag, freeze_at, num_steps),
         workdir=workdir,
-        eval_every=int(config.train.eval_every),
-        checkpoint_every=int(config.train.checkpoint_every),
-        keep_checkpoints=int(config.train.keep_checkpoints),
-        log_every=int(config.train.log_every),
-        selection_every=int(config.train.selection_every),
-        learning_rate=lr,
-        run_info=common.run_info(config),
         progress=progress,
     )
     return result, corpus.name
@@ -99,22 +81,16 @@ def train_and_evaluate(config, workdir, *, progress: bool = True):
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)
     T.initialize_distributed()
     config = FLAGS.config
-    try:
-        result, corpus = train_and_evaluate(config, FLAGS.workdir, progress=FLAGS.progress)
-    except common.ConfigError as e:
-        common.die(str(e))
-    except KeyboardInterrupt as e:
-        print(f"\ninterrupted ({e}); run the same command to resume")
-        raise SystemExit(130) from None
+    result, corpus = common.run_script(
+        lambda: train_and_evaluate(config, FLAGS.workdir, progress=FLAGS.progress)
+    )
     m = result.eval_metrics
     counts = T.parameter_counts(result.state.params)
     print(
         f"{corpus}: GPT-2 {config.model.variant}, sparsity {config.dynadiag.sparsity:g}, "
-        f"{counts.total:,} "
-        f"parameters: validation perplexity {m['perplexity']:.3f} per byte "
+        f"{counts.total:,} parameters: validation perplexity {m['perplexity']:.3f} per byte "
         f"({m['bits_per_token']:.3f} bits/byte, {m['count']:,} bytes)"
     )
 

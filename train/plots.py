@@ -51,7 +51,7 @@ def plot_diagonals(
       kept: ``{layer path: offsets}`` of the final (frozen) model.
       shapes: ``{layer path: (in_features, out_features)}``.
       out_path: the PNG to write.
-      freeze_step: drawn as a vertical line.
+      freeze_step: the step of the freeze (named in the titles).
     """
     import matplotlib
 
@@ -91,9 +91,8 @@ def plot_diagonals(
             twin = row[1].twinx()
             twin.plot(steps, churn, color="tab:red", lw=1)
             twin.set_ylabel("diagonals swapped in since previous snapshot", color="tab:red")
-            if freeze_step is not None:
-                row[1].axvline(freeze_step, color="k", ls="--", lw=1)
-            row[1].set_title("top-K selection during the search phase (dashed: freeze)")
+            frozen = "" if freeze_step is None else f", frozen at step {freeze_step}"
+            row[1].set_title(f"top-K by alpha during the search phase{frozen}")
         else:
             row[1].set_title("no selection snapshots recorded")
         row[1].set_xlabel("step")

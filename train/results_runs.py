@@ -94,9 +94,22 @@ def prepare(config):
 
 
 def fingerprint(config, model_name: str, method: str, steps: int) -> str:
-    """Hash of every setting a run's result depends on (a changed setting retrains the run)."""
+    """Hash of the settings a run's result depends on (a changed one retrains the run): the model,
+    recipe and data; the sparse layers for sparse methods; the whole ``dynadiag`` section for
+    DynaDiag, and the ``unstructured`` section for RigL, SET and MEST."""
     m = config.models[model_name]
-    parts = {"model": m.to_dict(), "steps": steps, "data": config.data.to_dict(), "method": method}
+    parts = {
+        "model": m.model.to_dict(),
+        "optimizer": m.optimizer.to_dict(),
+        "batch_size": int(m.batch_size),
+        "steps": steps,
+        "data": config.data.to_dict(),
+        "method": method,
+    }
+    if method != "dense":
+        parts["layers"] = list(m.dynadiag.layers)
+    if method == "dynadiag":
+        parts["dynadiag"] = m.dynadiag.to_dict()
     if method in baselines.UNSTRUCTURED:
         parts["unstructured"] = config.unstructured.to_dict()
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from dynadiag_jax.models.routing import Dense, linear
 
-__all__ = ["DropPath", "FeedForward", "SelfAttention"]
+__all__ = ["DropPath", "FeedForward", "SelfAttention", "patch_tokens"]
 
 
 class DropPath(nn.Module):
@@ -101,3 +101,20 @@ class SelfAttention(nn.Module):
         y = jax.nn.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=self.causal)
         y = linear(self, self.dense, d, name=self.names[1], dtype=self.dtype)(y.reshape(b, t, d))
         return nn.Dropout(self.dropout)(y, deterministic=deterministic)
+
+
+def patch_tokens(images, patch: int, width: int, *, name: str, model: str, dtype: Any = None):
+    """Embed non-overlapping ``patch x patch`` squares: ``[B, H, W, C] -> [B, (H/p)(W/p), width]``.
+
+    Call inside a ``@nn.compact`` method: the (always dense) convolution is created there, named
+    ``name``. ``model`` names the caller in the error for a bad image shape.
+    """
+    if images.ndim != 4 or images.shape[1] % patch or images.shape[2] % patch:
+        raise ValueError(
+            f"{model} expects images [B, H, W, C] with H and W divisible by {patch}, "
+            f"got shape {images.shape}"
+        )
+    x = nn.Conv(
+        width, (patch, patch), strides=(patch, patch), padding="VALID", dtype=dtype, name=name
+    )(images)
+    return x.reshape(x.shape[0], -1, x.shape[-1])

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax.models.blocks import DropPath, FeedForward
+from dynadiag_jax.models.blocks import DropPath, FeedForward, patch_tokens
 from dynadiag_jax.models.routing import Dense, resolve_dense
 from dynadiag_jax.models.variants import parse_variant
 
@@ -89,21 +89,15 @@ class MlpMixer(nn.Module):
     def __call__(self, images, *, train: bool = False):
         """``images[B, H, W, C]`` (H, W divisible by the patch) -> logits ``[B, num_classes]``."""
         size, patch = parse_variant(self.variant, SIZES, model="MlpMixer")
-        if images.ndim != 4 or images.shape[1] % patch or images.shape[2] % patch:
-            raise ValueError(
-                f"MlpMixer {self.variant} expects images [B, H, W, C] with H and W "
-                f"divisible by {patch}, got shape {images.shape}"
-            )
         dense = resolve_dense(self.dense, DENSE)
-        x = nn.Conv(
+        x = patch_tokens(
+            images,
+            patch,
             size.hidden,
-            (patch, patch),
-            strides=(patch, patch),
-            padding="VALID",
-            dtype=self.dtype,
             name="stem",
-        )(images)
-        x = x.reshape(x.shape[0], -1, x.shape[-1])
+            model=f"MlpMixer {self.variant}",
+            dtype=self.dtype,
+        )
         rates = np.linspace(0.0, self.drop_path, size.depth)
         for i in range(size.depth):
             x = MixerBlock(size, dense, float(rates[i]), self.dtype, name=f"block_{i}")(

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax.models.blocks import DropPath, FeedForward, SelfAttention
+from dynadiag_jax.models.blocks import DropPath, FeedForward, SelfAttention, patch_tokens
 from dynadiag_jax.models.routing import Dense, resolve_dense
 from dynadiag_jax.models.variants import parse_variant
 
@@ -108,25 +108,19 @@ class ViT(nn.Module):
     def __call__(self, images, *, train: bool = False):
         """``images[B, H, W, C]`` (H, W divisible by the patch) -> logits ``[B, num_classes]``."""
         size, patch = parse_variant(self.variant, SIZES, model="ViT")
-        if images.ndim != 4 or images.shape[1] % patch or images.shape[2] % patch:
-            raise ValueError(
-                f"ViT {self.variant} expects images [B, H, W, C] with H and W divisible "
-                f"by {patch}, got shape {images.shape}"
-            )
         dense = resolve_dense(self.dense, DENSE)
-        x = nn.Conv(
+        x = patch_tokens(
+            images,
+            patch,
             size.width,
-            (patch, patch),
-            strides=(patch, patch),
-            padding="VALID",
-            dtype=self.dtype,
             name="patch_embed",
-        )(images)
-        b, h, w, c = x.shape
-        x = x.reshape(b, h * w, c)
+            model=f"ViT {self.variant}",
+            dtype=self.dtype,
+        )
+        b, n, c = x.shape
         cls = self.param("cls_token", nn.initializers.zeros, (1, 1, c))
         x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, c)).astype(x.dtype), x], axis=1)
-        pos = self.param("pos_embed", nn.initializers.normal(0.02), (1, h * w + 1, c))
+        pos = self.param("pos_embed", nn.initializers.normal(0.02), (1, n + 1, c))
         x = nn.Dropout(self.dropout)(x + pos.astype(x.dtype), deterministic=not train)
         x = Encoder(size, dense, self.drop_path, self.dropout, self.dtype, name="encoder")(
             x, deterministic=not train

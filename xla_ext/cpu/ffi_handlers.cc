@@ -1,4 +1,5 @@
-// Decode and validate the operands of the three CPU targets, then call the kernels.
+// Decode and validate the operands of the three CPU targets, then run the kernels' job on XLA's
+// intra-op thread pool (the handlers are asynchronous: they return an ffi::Future).
 //
 // Every check returns InvalidArgument naming the operand and the expected shape; nothing here
 // aborts. Operand order and meaning follow docs/kernel_abi.md.
@@ -6,6 +7,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <new>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -122,12 +125,14 @@ std::optional<ffi::Error> CheckDiagShape(const char* target, const char* name, D
 constexpr char kFwd[] = "dynadiag_diag_matmul_fwd";
 constexpr char kDx[] = "dynadiag_diag_matmul_dx";
 constexpr char kDvalues[] = "dynadiag_diag_matmul_dvalues";
+constexpr char kBwd[] = "dynadiag_diag_matmul_bwd";
 
 #define DYNADIAG_RETURN_IF_ERROR(expr)      \
   if (auto error = (expr)) return *error;
 
-ffi::Error FwdImpl(ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::AnyBuffer offsets,
-                   ffi::Result<ffi::AnyBuffer> y) {
+std::optional<ffi::Error> DecodeFwd(ffi::AnyBuffer x, ffi::AnyBuffer values,
+                                    ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y,
+                                    FwdArgs& args) {
   auto type = ElemTypeOf(x.element_type());
   if (!type) return Invalid(kFwd, "x must be F32 or BF16 on CPU");
   DYNADIAG_RETURN_IF_ERROR(CheckFloat(kFwd, "values", values.element_type(), x.element_type()));
@@ -142,12 +147,13 @@ ffi::Error FwdImpl(ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::AnyBuffer offse
                                          "out"));
   DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kFwd, offsets, w));
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kFwd, "values", values.dimensions(), w));
-  DiagMatmulFwd(FwdArgs{*type, Rows(x.dimensions()), w, x.untyped_data(), y->untyped_data()});
-  return ffi::Error::Success();
+  args = FwdArgs{*type, Rows(x.dimensions()), w, x.untyped_data(), y->untyped_data()};
+  return std::nullopt;
 }
 
-ffi::Error DxImpl(ffi::AnyBuffer dy, ffi::AnyBuffer values, ffi::AnyBuffer offsets,
-                  ffi::Result<ffi::AnyBuffer> dx) {
+std::optional<ffi::Error> DecodeDx(ffi::AnyBuffer dy, ffi::AnyBuffer values,
+                                   ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx,
+                                   DxArgs& args) {
   auto type = ElemTypeOf(dy.element_type());
   if (!type) return Invalid(kDx, "dy must be F32 or BF16 on CPU");
   DYNADIAG_RETURN_IF_ERROR(CheckFloat(kDx, "values", values.element_type(), dy.element_type()));
@@ -162,12 +168,14 @@ ffi::Error DxImpl(ffi::AnyBuffer dy, ffi::AnyBuffer values, ffi::AnyBuffer offse
                                          "in"));
   DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kDx, offsets, w));
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kDx, "values", values.dimensions(), w));
-  DiagMatmulDx(DxArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), dx->untyped_data()});
-  return ffi::Error::Success();
+  args = DxArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), dx->untyped_data()};
+  return std::nullopt;
 }
 
-ffi::Error DvaluesImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer offsets,
-                       ffi::Result<ffi::AnyBuffer> dvalues) {
+std::optional<ffi::Error> DecodeDvalues(ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                                        ffi::AnyBuffer offsets,
+                                        ffi::Result<ffi::AnyBuffer> dvalues,
+                                        DvaluesArgs& args) {
   auto type = ElemTypeOf(dy.element_type());
   if (!type) return Invalid(kDvalues, "dy must be F32 or BF16 on CPU");
   DYNADIAG_RETURN_IF_ERROR(CheckFloat(kDvalues, "x", x.element_type(), dy.element_type()));
@@ -182,18 +190,120 @@ ffi::Error DvaluesImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer offse
                                          w.in, "in"));
   DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kDvalues, offsets, w));
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kDvalues, "dvalues", dvalues->dimensions(), w));
-  DiagMatmulDvalues(DvaluesArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(),
-                                x.untyped_data(), dvalues->untyped_data()});
-  return ffi::Error::Success();
+  args = DvaluesArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), x.untyped_data(),
+                     dvalues->untyped_data()};
+  return std::nullopt;
+}
+
+std::optional<ffi::Error> DecodeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                                    ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx,
+                                    ffi::Result<ffi::AnyBuffer> dvalues, BwdArgs& args) {
+  auto type = ElemTypeOf(dy.element_type());
+  if (!type) return Invalid(kBwd, "dy must be F32 or BF16 on CPU");
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kBwd, "x", x.element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kBwd, "values", values.element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kBwd, "dx", dx->element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(
+      CheckFloat(kBwd, "dvalues", dvalues->element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kBwd, "dy", dy.dimensions(), "out"));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kBwd, "x", x.dimensions(), "in"));
+  DiagMatrix w{};
+  w.in = x.dimensions().back();
+  w.out = dy.dimensions().back();
+  w.values = values.untyped_data();
+  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kBwd, "dy", dy.dimensions(), "x", x.dimensions(), w.in,
+                                         "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kBwd, "dy", dy.dimensions(), "dx", dx->dimensions(),
+                                         w.in, "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kBwd, offsets, w));
+  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kBwd, "values", values.dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kBwd, "dvalues", dvalues->dimensions(), w));
+  args = BwdArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), x.untyped_data(),
+                 dx->untyped_data(), dvalues->untyped_data()};
+  return std::nullopt;
 }
 
 #undef DYNADIAG_RETURN_IF_ERROR
+
+ffi::Future ReadyFuture(std::optional<ffi::Error> error = std::nullopt) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (error) {
+    promise.SetError(std::move(*error));
+  } else {
+    promise.SetAvailable();
+  }
+  return future;
+}
+
+// Runs the job's tasks on XLA's intra-op thread pool; the returned future completes when the
+// last task has finished, and the job (plan and scratch) lives until then.
+template <typename MakeJob>
+ffi::Future Launch(const char* target, ffi::ThreadPool& pool, MakeJob make_job) {
+  std::shared_ptr<Job> job;
+  try {
+    job = make_job(std::max<int64_t>(pool.num_threads(), 1));
+  } catch (const std::bad_alloc&) {
+    return ReadyFuture(ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                                  std::string(target) + ": out of memory for the kernel plan"));
+  }
+  const int64_t tasks = job->num_tasks();
+  if (tasks <= 1) {
+    if (tasks == 1) job->RunTask(0);
+    return ReadyFuture();
+  }
+  ffi::CountDownPromise done(tasks);
+  ffi::Future future(done);
+  for (int64_t i = 0; i < tasks; ++i) {
+    pool.Schedule([job, done, i]() mutable {
+      job->RunTask(i);
+      done.CountDown(1);
+    });
+  }
+  return future;
+}
+
+ffi::Future FwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                    ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y) {
+  FwdArgs args;
+  if (auto error = DecodeFwd(x, values, offsets, y, args)) return ReadyFuture(std::move(error));
+  return Launch(kFwd, pool, [&](int64_t workers) { return MakeFwdJob(args, workers, BestIsa()); });
+}
+
+ffi::Future DxImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer values,
+                   ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx) {
+  DxArgs args;
+  if (auto error = DecodeDx(dy, values, offsets, dx, args)) return ReadyFuture(std::move(error));
+  return Launch(kDx, pool, [&](int64_t workers) { return MakeDxJob(args, workers, BestIsa()); });
+}
+
+ffi::Future DvaluesImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                        ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dvalues) {
+  DvaluesArgs args;
+  if (auto error = DecodeDvalues(dy, x, offsets, dvalues, args)) {
+    return ReadyFuture(std::move(error));
+  }
+  return Launch(kDvalues, pool,
+                [&](int64_t workers) { return MakeDvaluesJob(args, workers, BestIsa()); });
+}
+
+ffi::Future BwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                    ffi::AnyBuffer values, ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx,
+                    ffi::Result<ffi::AnyBuffer> dvalues) {
+  BwdArgs args;
+  if (auto error = DecodeBwd(dy, x, values, offsets, dx, dvalues, args)) {
+    return ReadyFuture(std::move(error));
+  }
+  return Launch(kBwd, pool,
+                [&](int64_t workers) { return MakeBwdJob(args, workers, BestIsa()); });
+}
 
 }  // namespace
 }  // namespace dynadiag
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulFwdCpu, dynadiag::FwdImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()   // x[..., in]
                                   .Arg<ffi::AnyBuffer>()   // values[K, D]
                                   .Arg<ffi::AnyBuffer>()   // offsets[K] s32
@@ -201,6 +311,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulFwdCpu, dynadiag::FwdImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulDxCpu, dynadiag::DxImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()   // dy[..., out]
                                   .Arg<ffi::AnyBuffer>()   // values[K, D]
                                   .Arg<ffi::AnyBuffer>()   // offsets[K] s32
@@ -208,7 +319,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulDxCpu, dynadiag::DxImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulDvaluesCpu, dynadiag::DvaluesImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()   // dy[..., out]
                                   .Arg<ffi::AnyBuffer>()   // x[..., in]
                                   .Arg<ffi::AnyBuffer>()   // offsets[K] s32
+                                  .Ret<ffi::AnyBuffer>());  // dvalues[K, D]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulBwdCpu, dynadiag::BwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // dy[..., out]
+                                  .Arg<ffi::AnyBuffer>()   // x[..., in]
+                                  .Arg<ffi::AnyBuffer>()   // values[K, D]
+                                  .Arg<ffi::AnyBuffer>()   // offsets[K] s32
+                                  .Ret<ffi::AnyBuffer>()   // dx[..., in]
                                   .Ret<ffi::AnyBuffer>());  // dvalues[K, D]

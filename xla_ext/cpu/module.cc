@@ -1,6 +1,19 @@
-// The `_cpu_ext` Python module: registrations() -> {target name: FFI handler capsule}.
+// The `_cpu_ext` Python module: registrations() -> {target name: FFI handler capsule}, plus the
+// kernel family in use and a test entry point that runs one kernel family directly.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "diag_kernels.h"
 #include "ffi_handlers.h"
 
 namespace nb = nanobind;
@@ -12,6 +25,100 @@ nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+using Matrix = nb::ndarray<nb::numpy, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Offsets = nb::ndarray<const int32_t, nb::numpy, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+constexpr dynadiag::Isa kIsas[] = {dynadiag::Isa::kPortable, dynadiag::Isa::kAvx2,
+                                   dynadiag::Isa::kAvx512};
+
+dynadiag::Isa IsaFromName(const std::string& name) {
+  for (dynadiag::Isa isa : kIsas) {
+    if (name == dynadiag::IsaName(isa) && isa <= dynadiag::BestIsa()) return isa;
+  }
+  throw std::invalid_argument("isa '" + name + "' is not supported on this CPU");
+}
+
+// Element type of a float32 array, or of a uint16 array holding bfloat16 bits (numpy arrays
+// of ml_dtypes.bfloat16 do not cross DLPack).
+dynadiag::ElemType TypeOf(const Matrix& a, const char* name) {
+  if (a.dtype() == nb::dtype<float>()) return dynadiag::ElemType::kF32;
+  if (a.dtype() == nb::dtype<uint16_t>()) return dynadiag::ElemType::kBF16;
+  throw std::invalid_argument(std::string(name) + " must be float32 or uint16 (bfloat16 bits)");
+}
+
+void CheckShape(const Matrix& a, const char* name, int64_t rows, int64_t cols) {
+  if (static_cast<int64_t>(a.shape(0)) != rows || static_cast<int64_t>(a.shape(1)) != cols) {
+    throw std::invalid_argument(std::string(name) + " must have shape [" + std::to_string(rows) +
+                                ", " + std::to_string(cols) + "]");
+  }
+}
+
+// Runs one kernel of one family with `workers` tasks (called one after another, last first).
+// Test-only; `out` is written in place.
+void RunKernel(const std::string& op, const std::string& isa_name, Matrix a, Matrix b,
+               Offsets offsets, Matrix out, int64_t in_features, int64_t out_features,
+               int64_t workers) {
+  const dynadiag::Isa isa = IsaFromName(isa_name);
+  const dynadiag::ElemType type = TypeOf(a, "a");
+  if (TypeOf(b, "b") != type || TypeOf(out, "out") != type) {
+    throw std::invalid_argument("a, b and out must share one dtype");
+  }
+  dynadiag::DiagMatrix w{in_features, out_features, static_cast<int64_t>(offsets.shape(0)),
+                         offsets.data(), nullptr};
+  const int64_t rows = static_cast<int64_t>(a.shape(0));
+  const int64_t p = std::max(in_features, out_features), len = std::min(in_features, out_features);
+  for (int64_t k = 0; k < w.k; ++k) {
+    if (offsets.data()[k] < 0 || offsets.data()[k] >= p) {
+      throw std::invalid_argument("offsets must lie in [0, max(in, out))");
+    }
+  }
+  const bool dvalues = op == "dvalues";
+  CheckShape(a, "a", rows, op == "fwd" ? in_features : out_features);
+  CheckShape(b, "b", dvalues ? rows : w.k, dvalues ? in_features : len);
+  CheckShape(out, "out", dvalues ? w.k : rows,
+             dvalues ? len : (op == "fwd" ? out_features : in_features));
+  std::unique_ptr<dynadiag::Job> job;
+  if (op == "fwd") {  // a = x, b = values, out = y
+    w.values = b.data();
+    job = dynadiag::MakeFwdJob({type, rows, w, a.data(), out.data()}, workers, isa);
+  } else if (op == "dx") {  // a = dy, b = values, out = dx
+    w.values = b.data();
+    job = dynadiag::MakeDxJob({type, rows, w, a.data(), out.data()}, workers, isa);
+  } else if (op == "dvalues") {  // a = dy, b = x, out = dvalues
+    job = dynadiag::MakeDvaluesJob({type, rows, w, a.data(), b.data(), out.data()}, workers, isa);
+  } else {
+    throw std::invalid_argument("op must be fwd, dx or dvalues");
+  }
+  for (int64_t i = job->num_tasks() - 1; i >= 0; --i) job->RunTask(i);
+}
+
+// The fused backward of family `isa`: dx and dvalues from dy, x and values (test-only).
+void RunBackward(const std::string& isa_name, Matrix dy, Matrix x, Matrix values,
+                 Offsets offsets, Matrix dx, Matrix dvalues, int64_t workers) {
+  const dynadiag::Isa isa = IsaFromName(isa_name);
+  const dynadiag::ElemType type = TypeOf(dy, "dy");
+  for (const auto& [a, name] : {std::pair{&x, "x"}, {&values, "values"}, {&dx, "dx"},
+                                {&dvalues, "dvalues"}}) {
+    if (TypeOf(*a, name) != type) throw std::invalid_argument("operands must share one dtype");
+  }
+  const int64_t rows = static_cast<int64_t>(dy.shape(0));
+  const int64_t in = static_cast<int64_t>(x.shape(1)), out = static_cast<int64_t>(dy.shape(1));
+  dynadiag::DiagMatrix w{in, out, static_cast<int64_t>(offsets.shape(0)), offsets.data(),
+                         values.data()};
+  for (int64_t k = 0; k < w.k; ++k) {
+    if (offsets.data()[k] < 0 || offsets.data()[k] >= std::max(in, out)) {
+      throw std::invalid_argument("offsets must lie in [0, max(in, out))");
+    }
+  }
+  CheckShape(x, "x", rows, in);
+  CheckShape(dx, "dx", rows, in);
+  CheckShape(values, "values", w.k, std::min(in, out));
+  CheckShape(dvalues, "dvalues", w.k, std::min(in, out));
+  auto job = dynadiag::MakeBwdJob({type, rows, w, dy.data(), x.data(), dx.data(), dvalues.data()},
+                                  workers, isa);
+  for (int64_t i = job->num_tasks() - 1; i >= 0; --i) job->RunTask(i);
+}
+
 }  // namespace
 
 NB_MODULE(_cpu_ext, m) {
@@ -20,6 +127,24 @@ NB_MODULE(_cpu_ext, m) {
     d["dynadiag_diag_matmul_fwd"] = Capsule(DynadiagDiagMatmulFwdCpu);
     d["dynadiag_diag_matmul_dx"] = Capsule(DynadiagDiagMatmulDxCpu);
     d["dynadiag_diag_matmul_dvalues"] = Capsule(DynadiagDiagMatmulDvaluesCpu);
+    d["dynadiag_diag_matmul_bwd"] = Capsule(DynadiagDiagMatmulBwdCpu);
     return d;
   });
+  m.def("kernel_isa", [] { return std::string(dynadiag::IsaName(dynadiag::BestIsa())); },
+        "The kernel family the handlers use on this CPU: 'avx512', 'avx2' or 'portable'.");
+  m.def("supported_isas", [] {
+    std::vector<std::string> names;
+    for (dynadiag::Isa isa : kIsas) {
+      if (isa <= dynadiag::BestIsa()) names.emplace_back(dynadiag::IsaName(isa));
+    }
+    return names;
+  }, "Kernel families this CPU can run (for tests).");
+  m.def("_run_kernel", &RunKernel, nb::arg("op"), nb::arg("isa"), nb::arg("a"), nb::arg("b"),
+        nb::arg("offsets"), nb::arg("out"), nb::arg("in_features"), nb::arg("out_features"),
+        nb::arg("workers"),
+        "Test hook: runs kernel `op` of family `isa` on 2-D numpy arrays, writing `out`.");
+  m.def("_run_backward", &RunBackward, nb::arg("isa"), nb::arg("dy"), nb::arg("x"),
+        nb::arg("values"), nb::arg("offsets"), nb::arg("dx"), nb::arg("dvalues"),
+        nb::arg("workers"),
+        "Test hook: the fused backward (dx and dvalues) of family `isa`, writing dx and dvalues.");
 }

@@ -1,0 +1,224 @@
+"""The C++ CPU kernels, every instruction-set family this CPU runs, against a float64 reference.
+
+`_cpu_ext._run_kernel` runs one family directly (the FFI handlers always use the best one), so the
+AVX2 and portable fallbacks are tested on AVX-512 machines too. The sizes cross the kernels' block
+boundaries: rows not a multiple of 8 or of the 32-row chunks, widths not a multiple of the
+16-column tiles, wrapped diagonals split inside a tile, several workers adding partial sums.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dynadiag_jax as dd
+from dynadiag_jax.layout import diag_indices
+
+_cpu_ext = pytest.importorskip("dynadiag_jax._cpu_ext")
+
+ISAS = _cpu_ext.supported_isas()
+# float32: sums of at most a few hundred products, relative to the largest reference entry.
+F32_RTOL = 2e-5
+# bfloat16 results are rounded once from a float32 sum: half an ulp (2**-9) of the entry, with
+# room for the float32 sum's own error.
+BF16_RTOL = 2.0**-8
+
+CASES = [  # (in, out, rows, k, duplicate offsets)
+    (1, 1, 1, 1, False),
+    (7, 33, 7, 5, True),
+    (33, 7, 33, 7, True),
+    (33, 33, 9, 33, False),  # square, K = P
+    (33, 257, 20, 257, False),  # tall, K = P
+    (257, 33, 257, 40, False),  # wide, rows beyond one 32-row chunk
+    (100, 100, 35, 50, False),
+    (48, 96, 64, 10, False),  # widths and rows multiples of the blocks
+    (300, 700, 70, 400, False),  # over 4096 segments: several tile groups in the fused backward
+    (700, 300, 70, 400, False),
+    (64, 48, 3, 0, False),  # K = 0
+    (17, 9, 0, 4, False),  # no rows
+]
+
+
+def _case(rng, in_f, out_f, rows, k, duplicates):
+    p, d = max(in_f, out_f), min(in_f, out_f)
+    offsets = rng.integers(0, p, k) if duplicates else rng.choice(p, k, replace=False)
+    x = rng.standard_normal((rows, in_f)).astype(np.float32)
+    dy = rng.standard_normal((rows, out_f)).astype(np.float32)
+    values = rng.standard_normal((k, d)).astype(np.float32)
+    return x, dy, values, np.asarray(offsets, np.int32)
+
+
+def _dense(values, offsets, in_f, out_f):
+    rows, cols = (np.asarray(a) for a in diag_indices(jnp.asarray(offsets), in_f, out_f))
+    w = np.zeros((out_f, in_f))
+    np.add.at(w, (rows, cols), values.astype(np.float64))
+    return w, rows, cols
+
+
+def _operand(a, bf16):
+    """float32, or bfloat16 bits as uint16 (numpy bfloat16 arrays do not cross DLPack)."""
+    a = np.ascontiguousarray(a, np.float32)
+    return a.astype(ml_dtypes.bfloat16).view(np.uint16) if bf16 else a
+
+
+def _result(shape, bf16):
+    """A result buffer full of NaN: every entry must be written."""
+    return np.full(shape, 0x7FC0, np.uint16) if bf16 else np.full(shape, np.nan, np.float32)
+
+
+def _as_f64(out, bf16):
+    return (out.view(ml_dtypes.bfloat16) if bf16 else out).astype(np.float64)
+
+
+def _run(op, isa, a, b, offsets, out_shape, in_f, out_f, workers, bf16):
+    """The kernel's result as float64."""
+    out = _result(out_shape, bf16)
+    _cpu_ext._run_kernel(
+        op, isa, _operand(a, bf16), _operand(b, bf16), offsets, out, in_f, out_f, workers
+    )
+    return _as_f64(out, bf16)
+
+
+def _assert_close(actual, expected, bf16, what):
+    scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+    bound = F32_RTOL * scale + (BF16_RTOL * np.abs(expected) if bf16 else 0.0)
+    err = np.abs(actual - expected)
+    assert np.all(err <= bound), f"{what}: max abs error {float(np.max(err, initial=0)):.3g}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}x{}-r{}-k{}".format(*c) + "-dup" * c[4])
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_kernel_family_matches_dense(isa, case, bf16, workers, rng):
+    in_f, out_f, rows, k, duplicates = case
+    x, dy, values, offsets = _case(rng, in_f, out_f, rows, k, duplicates)
+    if bf16:  # the reference sees the same (rounded) inputs
+        x, dy, values = (v.astype(ml_dtypes.bfloat16).astype(np.float32) for v in (x, dy, values))
+    w, wr, wc = _dense(values, offsets, in_f, out_f)
+    d = min(in_f, out_f)
+
+    y = _run("fwd", isa, x, values, offsets, (rows, out_f), in_f, out_f, workers, bf16)
+    _assert_close(y, x.astype(np.float64) @ w.T, bf16, f"{isa} y")
+    dx = _run("dx", isa, dy, values, offsets, (rows, in_f), in_f, out_f, workers, bf16)
+    _assert_close(dx, dy.astype(np.float64) @ w, bf16, f"{isa} dx")
+    dvalues = _run("dvalues", isa, dy, x, offsets, (k, d), in_f, out_f, workers, bf16)
+    dw = dy.astype(np.float64).T @ x.astype(np.float64)
+    _assert_close(dvalues, dw[wr, wc], bf16, f"{isa} dvalues")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}x{}-r{}-k{}".format(*c) + "-dup" * c[4])
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_fused_backward_matches_dense(isa, case, bf16, workers, rng):
+    in_f, out_f, rows, k, duplicates = case
+    x, dy, values, offsets = _case(rng, in_f, out_f, rows, k, duplicates)
+    if bf16:
+        x, dy, values = (v.astype(ml_dtypes.bfloat16).astype(np.float32) for v in (x, dy, values))
+    w, wr, wc = _dense(values, offsets, in_f, out_f)
+    dx, dvalues = _result((rows, in_f), bf16), _result((k, min(in_f, out_f)), bf16)
+    _cpu_ext._run_backward(
+        isa,
+        _operand(dy, bf16),
+        _operand(x, bf16),
+        _operand(values, bf16),
+        offsets,
+        dx,
+        dvalues,
+        workers,
+    )
+    _assert_close(_as_f64(dx, bf16), dy.astype(np.float64) @ w, bf16, f"{isa} dx")
+    dw = dy.astype(np.float64).T @ x.astype(np.float64)
+    _assert_close(_as_f64(dvalues, bf16), dw[wr, wc], bf16, f"{isa} dvalues")
+
+
+@pytest.mark.parametrize("in_f,out_f", [(96, 320), (320, 96), (160, 160)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_backward_target(in_f, out_f, dtype, rng):
+    """The `dynadiag_diag_matmul_bwd` target (dy, x, values, offsets) -> (dx, dvalues) agrees with
+    the `dx` and `dvalues` targets."""
+    k = dd.num_diagonals(in_f, out_f, 0.8)
+    x, dy, values, offsets = _case(rng, in_f, out_f, 133, k, False)
+    dy, x, values = (jnp.asarray(v, dtype) for v in (dy, x, values))
+    offsets = jnp.asarray(offsets)
+    d = min(in_f, out_f)
+
+    def call(name, shapes, *args):
+        out = tuple(jax.ShapeDtypeStruct(s, dtype) for s in shapes)
+        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(*args)
+
+    dx, dvalues = call("dynadiag_diag_matmul_bwd", [(133, in_f), (k, d)], dy, x, values, offsets)
+    (dx_ref,) = call("dynadiag_diag_matmul_dx", [(133, in_f)], dy, values, offsets)
+    (dv_ref,) = call("dynadiag_diag_matmul_dvalues", [(k, d)], dy, x, offsets)
+    # Same float32 sums in a different order: equal up to float32 (and one bf16) rounding.
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(
+        np.asarray(dx, np.float32), np.asarray(dx_ref, np.float32), rtol=tol, atol=tol
+    )
+    np.testing.assert_allclose(
+        np.asarray(dvalues, np.float32), np.asarray(dv_ref, np.float32), rtol=tol, atol=tol * 10
+    )
+
+
+def test_fused_backward_target_rejects_bad_offsets():
+    dy, x = jnp.zeros((4, 16), jnp.float32), jnp.zeros((4, 8), jnp.float32)
+    values, offsets = jnp.zeros((2, 8), jnp.float32), jnp.array([0, 16], jnp.int32)
+    out = (jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((2, 8), jnp.float32))
+    call = jax.ffi.ffi_call("dynadiag_diag_matmul_bwd", out, vmap_method="sequential")
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"offsets\[1\] = 16 is outside \[0, P\)"):
+        jax.block_until_ready(call(dy, x, values, offsets))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("in_f,out_f", [(40, 72), (72, 40), (72, 72)])
+def test_inf_reaches_only_the_outputs_its_diagonals_touch(isa, in_f, out_f, rng):
+    """Lanes outside a segment's mask are never read: an inf elsewhere cannot leak as 0 * inf."""
+    x, dy, values, offsets = _case(rng, in_f, out_f, 9, 5, False)
+    x[:, 13] = np.inf
+    dy[:, 29] = np.inf
+    w, _, _ = _dense(values, offsets, in_f, out_f)
+    y = _run("fwd", isa, x, values, offsets, (9, out_f), in_f, out_f, 1, False)
+    touched = w[:, 13] != 0
+    assert np.all(np.isinf(y[:, touched])) and np.all(np.isfinite(y[:, ~touched]))
+    dx = _run("dx", isa, dy, values, offsets, (9, in_f), in_f, out_f, 1, False)
+    touched = w[29, :] != 0
+    assert np.all(np.isinf(dx[:, touched])) and np.all(np.isfinite(dx[:, ~touched]))
+
+
+@pytest.mark.parametrize("in_f,out_f,sparsity", [(96, 320, 0.9), (320, 96, 0.5), (160, 160, 0.8)])
+@pytest.mark.parametrize("batch", [(257,), (3, 50)])
+def test_ffi_op_at_block_sized_batches(in_f, out_f, sparsity, batch, rng):
+    """Through dd.diag_matmul (the FFI handlers, thread pool and custom VJP) at batches that
+    fill whole 8-row blocks and 32-row chunks plus a remainder."""
+    k = dd.num_diagonals(in_f, out_f, sparsity)
+    p = max(in_f, out_f)
+    offsets = jnp.asarray(rng.choice(p, k, replace=False), jnp.int32)
+    values = jnp.asarray(rng.standard_normal((k, min(in_f, out_f))), jnp.float32)
+    x = jnp.asarray(rng.standard_normal(batch + (in_f,)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal(batch + (out_f,)), jnp.float32)
+
+    def layer(x, values):
+        return dd.diag_matmul(x, values, offsets, out_features=out_f, impl="ffi")
+
+    y, vjp = jax.vjp(jax.jit(layer), x, values)
+    dx, dvalues = vjp(dy)
+    w, wr, wc = _dense(np.asarray(values), np.asarray(offsets), in_f, out_f)
+    x64 = np.asarray(x, np.float64).reshape(-1, in_f)
+    dy64 = np.asarray(dy, np.float64).reshape(-1, out_f)
+    _assert_close(np.asarray(y).reshape(-1, out_f), x64 @ w.T, False, "y")
+    _assert_close(np.asarray(dx).reshape(-1, in_f), dy64 @ w, False, "dx")
+    _assert_close(np.asarray(dvalues), (dy64.T @ x64)[wr, wc], False, "dvalues")
+
+
+def test_run_kernel_rejects_inconsistent_operands():
+    x = np.zeros((4, 8), np.float32)
+    values = np.zeros((2, 8), np.float32)
+    y = np.zeros((4, 16), np.float32)
+    with pytest.raises(ValueError, match="offsets"):
+        _cpu_ext._run_kernel("fwd", ISAS[0], x, values, np.array([0, 16], np.int32), y, 8, 16, 1)
+    with pytest.raises(ValueError, match="out must have shape"):
+        _cpu_ext._run_kernel(
+            "fwd", ISAS[0], x, values, np.array([0, 1], np.int32), y[:, :9], 8, 16, 1
+        )

@@ -1,0 +1,60 @@
+"""Shared config pieces: typed "key=value" arguments and the dynadiag section."""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+    """Parse ``key=value`` pairs (a bare ``key`` means True) against ``defaults``.
+
+    Values take the type of their default; unknown keys raise ``ValueError`` naming the known ones.
+    """
+    out = ml_collections.ConfigDict(defaults)
+    for item in filter(None, (arg or "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in defaults:
+            raise ValueError(f"unknown config argument {key!r}; known: {', '.join(defaults)}")
+        default = defaults[key]
+        if isinstance(default, bool):
+            out[key] = value.lower() in ("", "1", "true", "yes")
+        elif value == "":
+            raise ValueError(f"config argument {key!r} needs a value ({key}=...)")
+        else:
+            try:
+                out[key] = type(default)(value)
+            except ValueError:
+                raise ValueError(
+                    f"config argument {key}={value!r} is not a {type(default).__name__}"
+                ) from None
+    return out
+
+
+# Gate schedules over the search phase. The sparse gate's strength decays exponentially, which the
+# layer's exploration benchmark found to recover planted diagonals (docs/selection.md); the
+# softmax gate's temperature follows the authors' released recipe (cosine 5.0 -> 0.05).
+GATE_SCHEDULES = {
+    "sparse_topk": dict(name="exponential", init_value=1.0, end_value=1e-3),
+    "softmax": dict(name="cosine", init_value=5.0, end_value=0.05),
+}
+
+
+def dynadiag(sparsity: float, layers, gate: str = "sparse_topk") -> dict:
+    """The ``dynadiag`` section shared by every config: which layers, how sparse, how they search.
+
+    ``sparsity=0`` trains the dense model; the search phase is the first 30% of the steps.
+    """
+    if gate not in GATE_SCHEDULES:
+        raise ValueError(f"unknown gate {gate!r}; known: {', '.join(GATE_SCHEDULES)}")
+    return dict(
+        sparsity=sparsity,
+        layers=tuple(layers),
+        gate=gate,
+        slack=0.25,
+        explore="buckets",
+        gate_schedule=dict(GATE_SCHEDULES[gate]),
+        search_fraction=0.3,
+        score_every=0,  # > 0 with explore="dense_score": score every diagonal this often
+        alpha_lr_scale=1.0,
+        impl="auto",  # dd.diag_matmul backend: "auto" (compiled kernel if built), "jax", "dense"
+    )

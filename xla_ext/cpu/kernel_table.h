@@ -1,0 +1,70 @@
+// What the instruction-set-specific kernel files share: the plan they walk and the table of
+// entry points each of them fills (internal to the CPU extension; plain structs only).
+//
+// A plan cuts every diagonal into straight runs ("segments") of at most 16 lanes that fall in
+// one 16-column output tile. Lane l of segment s of tile j pairs output column 16 j + l with
+// input column c0 + l and with value index vbase + l (in [K, D] row-major order).
+#ifndef DYNADIAG_XLA_EXT_CPU_KERNEL_TABLE_H_
+#define DYNADIAG_XLA_EXT_CPU_KERNEL_TABLE_H_
+
+#include <cstdint>
+
+namespace dynadiag {
+
+constexpr int kLanes = 16;  // output columns per tile (one zmm of float32)
+
+// Segments per tile are padded with empty ones (mask 0) to a multiple of this, so the SDDMM
+// kernels can take segments in fixed-size groups.
+constexpr int kSegmentGroup = 8;
+
+struct Bf16 {
+  uint16_t bits;
+};
+
+struct Segment {
+  int32_t c0;     // input column of lane 0 (lanes outside `mask` may point outside the row)
+  uint32_t mask;  // valid lanes (bit l = lane l; 16 bits)
+  int64_t vbase;  // value index of lane 0
+};
+
+struct PlanView {
+  int64_t num_tiles;
+  const int64_t* tile_begin;  // [num_tiles + 1]: tile j owns [tile_begin[j], tile_begin[j+1])
+  const Segment* segs;
+  int64_t num_segs;
+};
+
+template <typename T>
+struct KernelTable {
+  // vp[s][l] = values[segs[s].vbase + l] as float32 for lanes in the mask, 0 elsewhere.
+  void (*pack)(const PlanView& plan, const T* values, float* vp);
+  // out[r, 16 j + l] = sum over the segments s of tile j of vp[s][l] * in[r, c0_s + l], for
+  // r < rows (every output column of every row is written).
+  void (*product)(const PlanView& plan, const float* vp, const T* in, int64_t in_width, T* out,
+                  int64_t out_width, int64_t rows);
+  // acc[s][l] += sum_{r < rows} tiled[r, 16 j + l] * gathered[r, c0_s + l] for the segments s
+  // of every tile j (empty lanes add zeros).
+  void (*sddmm)(const PlanView& plan, const T* tiled, int64_t tiled_width, const T* gathered,
+                int64_t gathered_width, int64_t rows, float* acc);
+  // Both products of the backward pass in one sweep over dy, for tiles [tile_begin, tile_end)
+  // (columns of dx and of x) and r < rows: dx[r, 16 j + l] = sum_s vp[s][l] * dy[r, c0_s + l]
+  // as `product` does, and acc[s][l] += sum_r x[r, 16 j + l] * dy[r, c0_s + l]. Null where the
+  // family has no fused kernel (the job then runs `product` and `sddmm`).
+  void (*backward)(const PlanView& plan, int64_t tile_begin, int64_t tile_end, const float* vp,
+                   const T* dy, int64_t dy_width, const T* x, T* dx, int64_t width, int64_t rows,
+                   float* acc);
+};
+
+struct Kernels {
+  const char* name;
+  KernelTable<float> f32;
+  KernelTable<Bf16> bf16;
+};
+
+const Kernels& Avx512Kernels();
+const Kernels& Avx2Kernels();
+const Kernels& PortableKernels();
+
+}  // namespace dynadiag
+
+#endif  // DYNADIAG_XLA_EXT_CPU_KERNEL_TABLE_H_
