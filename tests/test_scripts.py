@@ -1,7 +1,6 @@
 """The training scripts: bad input is reported before compiling; short runs on real or mock data."""
 
 import pathlib
-import sys
 
 import numpy as np
 import pytest
@@ -9,14 +8,11 @@ import tensorflow_datasets as tfds
 from training_helpers import CompileCounter, fast_compile  # noqa: F401 - fixture
 
 from dynadiag_jax import training as T
+from train import common, fashion_mnist, imagenet, lm
+from train.configs import fashion_mnist as fashion_config
+from train.configs import gpt2_lm, vit_imagenet
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.append(str(ROOT))  # after site-packages: the installed dynadiag_jax wins
-
-from train import common, fashion_mnist, imagenet, lm  # noqa: E402
-from train.configs import fashion_mnist as fashion_config  # noqa: E402
-from train.configs import gpt2_lm, vit_imagenet  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
