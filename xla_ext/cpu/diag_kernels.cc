@@ -303,8 +303,10 @@ class ProductJob : public Job {
 // dvalues[k, t] = sum_r fixed[r, t] * moving[r, (t + d) % P], the diagonal SDDMM. Tiles run
 // along the moving side (width P) and segments gather from the fixed side (width D = the
 // narrower operand, which stays in cache); lane l of segment s is entry vbase_s + l of dvalues.
-// Workers claim chunks of rows and accumulate into their own packed partial sums; the last
-// worker to finish adds them into dvalues.
+// Task t takes row chunks t, t + workers, ... and accumulates into its own packed partial sums;
+// the last task to finish adds them into dvalues in task order. The chunks are dealt out
+// statically, not claimed, so every call sums in the same order: gradients are bitwise
+// reproducible from run to run, whichever thread runs first.
 template <typename T>
 class DvaluesJob : public Job {
  public:
@@ -327,9 +329,7 @@ class DvaluesJob : public Job {
     const PlanView plan = plan_.view();
     float* acc = partial_.get() + task * plan.num_segs * kLanes;
     std::memset(acc, 0, sizeof(float) * plan.num_segs * kLanes);
-    for (;;) {
-      const int64_t r0 = next_row_.fetch_add(kSddmmRowChunk, std::memory_order_relaxed);
-      if (r0 >= rows_) break;
+    for (int64_t r0 = task * kSddmmRowChunk; r0 < rows_; r0 += workers_ * kSddmmRowChunk) {
       table_.sddmm(plan, tiled_ + r0 * tiled_width_, tiled_width_,
                    gathered_ + r0 * gathered_width_, gathered_width_,
                    std::min(kSddmmRowChunk, rows_ - r0), acc);
@@ -348,16 +348,15 @@ class DvaluesJob : public Job {
   const KernelTable<T>& table_;
   Plan plan_;
   Scratch<float> partial_;
-  std::atomic<int64_t> next_row_{0};
   std::atomic<int64_t> pending_{0};
 };
 
 
 // dx = dy @ W and dvalues (the SDDMM) in one sweep over dy, on the plan of dx: lane l of segment
 // s pairs dx (and x) column 16 j + l with dy column c0 + l and with entry vbase + l of both values
-// and dvalues, so every dy window feeds both products. Workers claim chunks of rows and walk the
-// tiles in groups whose packed values and partial sums stay in L2; the last worker to finish
-// writes dvalues. Families without a fused kernel run the two separate jobs instead.
+// and dvalues, so every dy window feeds both products. Tasks take row chunks as in DvaluesJob
+// (statically, for reproducible sums) and walk the tiles in groups whose packed values and partial
+// sums stay in L2; the last task to finish writes dvalues. Families without a fused kernel run the two separate jobs instead.
 template <typename T>
 class BackwardJob : public Job {
  public:
@@ -405,9 +404,8 @@ class BackwardJob : public Job {
     const PlanView plan = plan_.view();
     float* acc = partial_.get() + task * plan.num_segs * kLanes;
     std::memset(acc, 0, sizeof(float) * plan.num_segs * kLanes);
-    for (;;) {
-      const int64_t r0 = next_row_.fetch_add(kBackwardRowChunk, std::memory_order_relaxed);
-      if (r0 >= rows_) break;
+    const int64_t stride = workers_ * kBackwardRowChunk;
+    for (int64_t r0 = task * kBackwardRowChunk; r0 < rows_; r0 += stride) {
       const int64_t n = std::min(kBackwardRowChunk, rows_ - r0);
       for (size_t g = 0; g + 1 < group_begin_.size(); ++g) {
         table_.backward(plan, group_begin_[g], group_begin_[g + 1], vp_.get(),
@@ -432,7 +430,6 @@ class BackwardJob : public Job {
   Scratch<float> vp_;
   Scratch<float> partial_;
   std::vector<int64_t> group_begin_;  // tile groups: [group_begin_[g], group_begin_[g + 1])
-  std::atomic<int64_t> next_row_{0};
   std::atomic<int64_t> pending_{0};
   std::unique_ptr<Job> dx_job_, dvalues_job_;
 };
