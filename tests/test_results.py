@@ -160,9 +160,7 @@ def _records_and_timings():
 def test_report_tables_goals_plots_and_kept_notes(tmp_path):
     config = _config("models=mlp")
     records, timings = _records_and_timings()
-    path = results_report.write(
-        tmp_path, config, records, timings, data_name="test", invocation_seconds=5.0
-    )
+    path = results_report.write(tmp_path, config, records, timings, data_name="test")
     text = path.read_text()
     assert "| DynaDiag | 89.60 ± 0.10 (3) | 88.60 ± 0.10 (3) | 88.10 ± 0.10 (3) |" in text
     assert (
@@ -181,9 +179,7 @@ def test_report_tables_goals_plots_and_kept_notes(tmp_path):
     path.write_text(
         text.replace("<!-- notes -->\n", "<!-- notes -->\nWhy: hand-written analysis.\n")
     )
-    results_report.write(
-        tmp_path, config, records, timings, data_name="test", invocation_seconds=5.0
-    )
+    results_report.write(tmp_path, config, records, timings, data_name="test")
     assert "Why: hand-written analysis." in path.read_text()
 
 
@@ -223,9 +219,7 @@ def test_end_to_end_tiny_run_and_timings(tmp_path):
     assert set(group) == set(speed.VARIANTS)
     assert all(t > 0 for v in group.values() for t in v.values())
     json.dumps(timings)
-    path = results_report.write(
-        tmp_path / "docs", config, records, timings, data_name=data.name, invocation_seconds=1.0
-    )
+    path = results_report.write(tmp_path / "docs", config, records, timings, data_name=data.name)
     assert "## Speed" in path.read_text()
 
 

@@ -274,9 +274,7 @@ def plot_speed(timings, models, path):
     plt.close(fig)
 
 
-def write(
-    docs, config, records, timings, *, data_name: str, invocation_seconds: float
-) -> pathlib.Path:
+def write(docs, config, records, timings, *, data_name: str) -> pathlib.Path:
     """Write ``RESULTS.md``, ``results_accuracy.png`` and ``results_speed.png`` under ``docs``."""
     docs = pathlib.Path(docs)
     docs.mkdir(parents=True, exist_ok=True)
@@ -302,8 +300,8 @@ def write(
         f"Written by `python train/results.py` on {datetime.date.today().isoformat()} "
         f"(data: {data_name}). "
         f"Training took {train_seconds / 60:.1f} min over {len(records)} runs, the timings "
-        f"{timings.get('seconds', 0.0) / 60:.1f} min; the last invocation ran "
-        f"{invocation_seconds / 60:.1f} min.",
+        f"{timings.get('seconds', 0.0) / 60:.1f} min; the last command that trained or timed "
+        f"ran {timings.get('invocation_seconds', 0.0) / 60:.1f} min.",
         "",
         "## Machine",
         "",
