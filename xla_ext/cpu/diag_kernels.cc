@@ -258,6 +258,42 @@ void WriteDvalues(const PlanView& plan, float* partials, int64_t workers, T* dva
   }
 }
 
+// The packed partial sums of dvalues, one block per task, for the jobs that sum over rows. Task
+// t takes row chunks t, t + tasks, ... (dealt out statically, not claimed: every call then sums
+// the same rows in the same order, so gradients repeat bit for bit whichever thread runs first);
+// the last task to finish adds the blocks up in task order and writes dvalues.
+class PartialSums {
+ public:
+  void Init(int64_t tasks, int64_t num_segs) {
+    tasks_ = tasks;
+    size_ = num_segs * kLanes;
+    partial_ = Scratch<float>(tasks * size_);
+    pending_.store(tasks);
+  }
+
+  int64_t tasks() const { return tasks_; }
+
+  // Task `task`'s block, zeroed.
+  float* Begin(int64_t task) {
+    float* acc = partial_.get() + task * size_;
+    std::memset(acc, 0, sizeof(float) * size_);
+    return acc;
+  }
+
+  template <typename T>
+  void Finish(const PlanView& plan, T* dvalues) {
+    // acq_rel: the last task sees every other task's partial sums.
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      WriteDvalues(plan, partial_.get(), tasks_, dvalues);
+    }
+  }
+
+ private:
+  int64_t tasks_ = 1, size_ = 0;
+  Scratch<float> partial_;
+  std::atomic<int64_t> pending_{0};
+};
+
 // out[rows, out_width] = in[rows, in_width] (x) diagonals: the forward and dx. Workers claim
 // chunks of rows; the plan and the packed values are shared read-only.
 template <typename T>
@@ -303,10 +339,7 @@ class ProductJob : public Job {
 // dvalues[k, t] = sum_r fixed[r, t] * moving[r, (t + d) % P], the diagonal SDDMM. Tiles run
 // along the moving side (width P) and segments gather from the fixed side (width D = the
 // narrower operand, which stays in cache); lane l of segment s is entry vbase_s + l of dvalues.
-// Task t takes row chunks t, t + workers, ... and accumulates into its own packed partial sums;
-// the last task to finish adds them into dvalues in task order. The chunks are dealt out
-// statically, not claimed, so every call sums in the same order: gradients are bitwise
-// reproducible from run to run, whichever thread runs first.
+// Tasks accumulate row chunks into their own PartialSums block.
 template <typename T>
 class DvaluesJob : public Job {
  public:
@@ -318,45 +351,39 @@ class DvaluesJob : public Job {
     gathered_width_ = std::min(a.w.in, a.w.out);
     tiled_width_ = std::max(a.w.in, a.w.out);
     plan_ = BuildPlan(a.w, /*moving_on_output=*/true);
-    workers_ = TaskCount(rows_, kSddmmRowChunk, plan_.num_segs, workers);
-    partial_ = Scratch<float>(workers_ * plan_.num_segs * kLanes);
-    pending_.store(workers_);
+    sums_.Init(TaskCount(rows_, kSddmmRowChunk, plan_.num_segs, workers), plan_.num_segs);
   }
 
-  int64_t num_tasks() const override { return workers_; }
+  int64_t num_tasks() const override { return sums_.tasks(); }
 
   void RunTask(int64_t task) override {
     const PlanView plan = plan_.view();
-    float* acc = partial_.get() + task * plan.num_segs * kLanes;
-    std::memset(acc, 0, sizeof(float) * plan.num_segs * kLanes);
-    for (int64_t r0 = task * kSddmmRowChunk; r0 < rows_; r0 += workers_ * kSddmmRowChunk) {
+    float* acc = sums_.Begin(task);
+    const int64_t stride = sums_.tasks() * kSddmmRowChunk;
+    for (int64_t r0 = task * kSddmmRowChunk; r0 < rows_; r0 += stride) {
       table_.sddmm(plan, tiled_ + r0 * tiled_width_, tiled_width_,
                    gathered_ + r0 * gathered_width_, gathered_width_,
                    std::min(kSddmmRowChunk, rows_ - r0), acc);
     }
-    // acq_rel: the last worker sees every other worker's partial sums.
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      WriteDvalues(plan, partial_.get(), workers_, out_);
-    }
+    sums_.Finish(plan, out_);
   }
 
  private:
-  int64_t rows_, workers_ = 1, tiled_width_ = 0, gathered_width_ = 0;
+  int64_t rows_, tiled_width_ = 0, gathered_width_ = 0;
   const T* tiled_ = nullptr;
   const T* gathered_ = nullptr;
   T* out_;
   const KernelTable<T>& table_;
   Plan plan_;
-  Scratch<float> partial_;
-  std::atomic<int64_t> pending_{0};
+  PartialSums sums_;
 };
 
 
 // dx = dy @ W and dvalues (the SDDMM) in one sweep over dy, on the plan of dx: lane l of segment
 // s pairs dx (and x) column 16 j + l with dy column c0 + l and with entry vbase + l of both values
-// and dvalues, so every dy window feeds both products. Tasks take row chunks as in DvaluesJob
-// (statically, for reproducible sums) and walk the tiles in groups whose packed values and partial
-// sums stay in L2; the last task to finish writes dvalues. Families without a fused kernel run the two separate jobs instead.
+// and dvalues, so every dy window feeds both products. Tasks accumulate row chunks into their
+// PartialSums blocks, walking the tiles in groups whose packed values and partial sums stay in L2.
+// Families without a fused kernel run the two separate jobs instead.
 template <typename T>
 class BackwardJob : public Job {
  public:
@@ -372,7 +399,6 @@ class BackwardJob : public Job {
                                                 kernels);
       dvalues_job_ = std::make_unique<DvaluesJob<T>>(
           DvaluesArgs{a.type, a.rows, a.w, a.dy, a.x, a.dvalues}, workers, kernels);
-      workers_ = std::max(dx_job_->num_tasks(), dvalues_job_->num_tasks());
       return;
     }
     dy_width_ = a.w.out;
@@ -388,12 +414,13 @@ class BackwardJob : public Job {
       }
     }
     group_begin_.push_back(plan.num_tiles);
-    workers_ = TaskCount(rows_, kBackwardRowChunk, plan.num_segs, workers);
-    partial_ = Scratch<float>(workers_ * plan.num_segs * kLanes);
-    pending_.store(workers_);
+    sums_.Init(TaskCount(rows_, kBackwardRowChunk, plan.num_segs, workers), plan.num_segs);
   }
 
-  int64_t num_tasks() const override { return workers_; }
+  int64_t num_tasks() const override {
+    if (dx_job_) return std::max(dx_job_->num_tasks(), dvalues_job_->num_tasks());
+    return sums_.tasks();
+  }
 
   void RunTask(int64_t task) override {
     if (dx_job_) {
@@ -402,9 +429,8 @@ class BackwardJob : public Job {
       return;
     }
     const PlanView plan = plan_.view();
-    float* acc = partial_.get() + task * plan.num_segs * kLanes;
-    std::memset(acc, 0, sizeof(float) * plan.num_segs * kLanes);
-    const int64_t stride = workers_ * kBackwardRowChunk;
+    float* acc = sums_.Begin(task);
+    const int64_t stride = sums_.tasks() * kBackwardRowChunk;
     for (int64_t r0 = task * kBackwardRowChunk; r0 < rows_; r0 += stride) {
       const int64_t n = std::min(kBackwardRowChunk, rows_ - r0);
       for (size_t g = 0; g + 1 < group_begin_.size(); ++g) {
@@ -413,14 +439,11 @@ class BackwardJob : public Job {
                         width_, n, acc);
       }
     }
-    // acq_rel: the last worker sees every other worker's partial sums.
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      WriteDvalues(plan, partial_.get(), workers_, dvalues_);
-    }
+    sums_.Finish(plan, dvalues_);
   }
 
  private:
-  int64_t rows_, workers_ = 1, dy_width_ = 0, width_ = 0;
+  int64_t rows_, dy_width_ = 0, width_ = 0;
   const T* dy_;
   const T* x_;
   T* dx_;
@@ -428,9 +451,8 @@ class BackwardJob : public Job {
   const KernelTable<T>& table_;
   Plan plan_;
   Scratch<float> vp_;
-  Scratch<float> partial_;
+  PartialSums sums_;
   std::vector<int64_t> group_begin_;  // tile groups: [group_begin_[g], group_begin_[g + 1])
-  std::atomic<int64_t> pending_{0};
   std::unique_ptr<Job> dx_job_, dvalues_job_;
 };
 
