@@ -14,10 +14,11 @@ References:
 from __future__ import annotations
 
 import math
-import operator
 from typing import NamedTuple
 
 import jax.numpy as jnp
+
+from dynadiag_jax._checks import int_at_least
 
 __all__ = ["DiagGeometry", "num_diagonals", "diag_indices", "transpose_diagonals"]
 
@@ -48,20 +49,10 @@ class DiagGeometry(NamedTuple):
         return DiagGeometry(self.out_features, self.in_features)
 
 
-def _positive_int(value, name: str) -> int:
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 def geometry(in_features, out_features) -> DiagGeometry:
     """Validated :class:`DiagGeometry` for ``W[out_features, in_features]``."""
     return DiagGeometry(
-        _positive_int(in_features, "in_features"), _positive_int(out_features, "out_features")
+        int_at_least(in_features, "in_features", 1), int_at_least(out_features, "out_features", 1)
     )
 
 

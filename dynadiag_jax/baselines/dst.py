@@ -17,13 +17,13 @@ References:
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from dynadiag_jax._checks import int_at_least
 from dynadiag_jax.baselines.masks import top_n_mask
 from dynadiag_jax.baselines.sparse_state import map_masks, random_scores, sparse_wrapper
 
@@ -32,26 +32,14 @@ __all__ = ["rigl", "set_", "drop_and_grow", "cosine_decay", "periodic"]
 Schedule = float | Callable[[jax.Array], jax.Array]
 
 
-def _nonneg_int(value, name: str) -> int:
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
-
-
 def periodic(update_every: int, start_step: int, end_step: int, *, include_end: bool = False):
     """``count -> bool``: True at ``start_step + i * update_every`` below ``end_step``.
 
     With ``include_end``, ``end_step`` itself is also an update step (MEST's final prune-back).
     """
-    every = _nonneg_int(update_every, "update_every")
-    start = _nonneg_int(start_step, "start_step")
-    end = _nonneg_int(end_step, "end_step")
-    if every < 1:
-        raise ValueError(f"update_every must be >= 1, got {every}")
+    every = int_at_least(update_every, "update_every", 1)
+    start = int_at_least(start_step, "start_step", 0)
+    end = int_at_least(end_step, "end_step", 0)
     if end <= start:
         raise ValueError(f"end_step ({end}) must be greater than start_step ({start})")
 
