@@ -226,20 +226,6 @@ const KernelTable<Bf16>& TableFor<Bf16>(const Kernels& kernels) {
   return kernels.bf16;
 }
 
-void StoreScalar(float v, float* out) { *out = v; }
-
-void StoreScalar(float v, Bf16* out) {
-  // Round to nearest even, as XLA converts; NaN stays a (quiet) NaN.
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    out->bits = static_cast<uint16_t>((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  out->bits = static_cast<uint16_t>(u >> 16);
-}
-
 // dvalues from `workers` packed partial sums [workers][num_segs][16] (summed into the first):
 // every entry of dvalues is lane l of exactly one segment, at index vbase + l.
 template <typename T>
@@ -253,7 +239,7 @@ void WriteDvalues(const PlanView& plan, float* partials, int64_t workers, T* dva
     const uint32_t mask = plan.segs[s].mask;
     T* dst = dvalues + plan.segs[s].vbase;
     for (int l = 0; l < kLanes; ++l) {
-      if ((mask >> l) & 1u) StoreScalar(partials[s * kLanes + l], dst + l);
+      if ((mask >> l) & 1u) FromFloat(partials[s * kLanes + l], dst + l);
     }
   }
 }

@@ -8,6 +8,7 @@
 #define DYNADIAG_XLA_EXT_CPU_KERNEL_TABLE_H_
 
 #include <cstdint>
+#include <cstring>
 
 namespace dynadiag {
 
@@ -20,6 +21,21 @@ constexpr int kSegmentGroup = 8;
 struct Bf16 {
   uint16_t bits;
 };
+
+// One float32 result stored as T. bfloat16 rounds to nearest even, as XLA converts; NaN stays a
+// (quiet) NaN.
+inline void FromFloat(float f, float* out) { *out = f; }
+
+inline void FromFloat(float f, Bf16* out) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    out->bits = static_cast<uint16_t>((u >> 16) | 0x40u);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  out->bits = static_cast<uint16_t>(u >> 16);
+}
 
 struct Segment {
   int32_t c0;     // input column of lane 0 (lanes outside `mask` may point outside the row)

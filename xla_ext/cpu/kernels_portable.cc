@@ -21,20 +21,6 @@ inline float ToFloat(Bf16 v) {
   return f;
 }
 
-// Round to nearest even, as XLA converts; NaN stays a (quiet) NaN.
-inline void FromFloat(float f, float* out) { *out = f; }
-
-inline void FromFloat(float f, Bf16* out) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    out->bits = static_cast<uint16_t>((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  out->bits = static_cast<uint16_t>(u >> 16);
-}
-
 // 16 lanes of p as float32; lanes outside `mask` are 0 and not read.
 template <typename T>
 inline void Load(const T* p, uint32_t mask, float* v) {
