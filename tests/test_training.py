@@ -51,6 +51,37 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
     assert a == b  # records written after step 6 by the crashed run were replaced
 
 
+def test_crash_at_the_last_step_resumes_before_the_final_evaluation(tmp_path):
+    full = train_tiny(tmp_path / "full", num_steps=12, eval_every=4)
+    with pytest.raises(Crash):
+        train_tiny(tmp_path / "cut", num_steps=12, eval_every=4, hooks=[crash_at(12)])
+    resumed = train_tiny(tmp_path / "cut", num_steps=12, eval_every=4)
+    # The checkpoint of step 12 comes after the final evaluation's record, so the crashed run
+    # left none: the resumed run redoes steps 11-12 and logs that evaluation itself.
+    assert resumed.start_step == 10
+    a = comparable(T.read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    b = comparable(T.read_jsonl(tmp_path / "cut" / "metrics.jsonl"))
+    assert a == b and a[-1]["kind"] == "eval" and a[-1]["step"] == 12
+
+
+def test_run_killed_before_its_first_checkpoint_starts_a_new_log(tmp_path):
+    # A kill after the first metrics flush but before the first checkpoint committed leaves a
+    # log and no checkpoint; the restarted run must not append to that log.
+    full = train_tiny(
+        tmp_path / "full", num_steps=6, sparsity=0.8, freeze_step=4, selection_every=2
+    )
+    (tmp_path / "cut").mkdir()
+    log = (tmp_path / "full" / "metrics.jsonl").read_text()
+    (tmp_path / "cut" / "metrics.jsonl").write_text(log)
+    again = train_tiny(
+        tmp_path / "cut", num_steps=6, sparsity=0.8, freeze_step=4, selection_every=2
+    )
+    assert again.start_step == 0 and again.eval_metrics == full.eval_metrics
+    a = comparable(T.read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    b = comparable(T.read_jsonl(tmp_path / "cut" / "metrics.jsonl"))
+    assert a == b and [r["step"] for r in a if r["kind"] == "selection"] == [0, 2, 4]
+
+
 def test_restoring_another_shape_fails_clearly(tmp_path):
     train_tiny(tmp_path, num_steps=2)
     wider = models.MLP(4, hidden=(32, 48))
@@ -131,6 +162,17 @@ def test_metric_writer_drops_records_after_the_resume_step(tmp_path):
     records = list(T.read_jsonl(tmp_path / "metrics.jsonl"))
     assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     assert records[0]["v"] == [0, 1]
+
+
+def test_metric_writer_of_a_fresh_run_drops_every_earlier_record(tmp_path):
+    w = T.MetricWriter(tmp_path, tensorboard=False)
+    w.write(0, "selection", {"offsets": [1, 2]})
+    w.close()
+    w = T.MetricWriter(tmp_path, tensorboard=False)
+    w.write(0, "selection", {"offsets": [3]})
+    w.close()
+    records = list(T.read_jsonl(tmp_path / "metrics.jsonl"))
+    assert records == [{"step": 0, "kind": "selection", "offsets": [3]}]
 
 
 def test_tensorboard_events_are_written(tmp_path):

@@ -231,10 +231,11 @@ def train(
     )
     writer = _NullWriter()
     try:
-        state, start = _initial_state(ckpt, init, abstract, rep, sparse, run_info)
+        state, resumed_step = _initial_state(ckpt, init, abstract, rep, sparse, run_info)
+        start = resumed_step or 0
         if workdir is not None:
             writer = MetricWriter(
-                workdir, start_step=start, tensorboard=tensorboard, enabled=is_main
+                workdir, start_step=resumed_step, tensorboard=tensorboard, enabled=is_main
             )
         train_step = jax.jit(
             make_train_step(model, optimizer, task, gate=gate),
@@ -313,15 +314,19 @@ def train(
                 ):
                     eval_metrics = run_eval(state)
                     timer, timed_steps = time.perf_counter(), 0
+                # The last step is saved after the final evaluation is logged: a run resumed from
+                # a checkpoint at num_steps then finds that record in metrics.jsonl.
+                last = step == num_steps
                 if searching and step == freeze_step:
                     state, searching, fresh = freeze(state), False, True
                     record_selection(state)  # what the freeze kept
                     bar.set_description("frozen")
-                    save(state, True)
+                    if not last:
+                        save(state, True)
                 else:
                     if searching and selection_every and step % selection_every == 0:
                         record_selection(state)
-                    if checkpoint_every and step % checkpoint_every == 0:
+                    if checkpoint_every and step % checkpoint_every == 0 and not last:
                         save(state, not searching and sparse)
                         timer, timed_steps = time.perf_counter(), 0
                 for hook in hooks:
@@ -344,10 +349,11 @@ def train(
 
 
 def _initial_state(ckpt, init, abstract, rep, sparse, run_info):
-    """A fresh state, or the newest checkpoint restored into the right phase's structure."""
+    """``(state, step)``: the newest checkpoint restored into the right phase's structure and its
+    step, or a fresh state and None."""
     latest = None if ckpt is None else ckpt.latest_step()
     if latest is None:
-        return jax.jit(init, out_shardings=rep)(), 0
+        return jax.jit(init, out_shardings=rep)(), None
     meta = ckpt.read_meta(latest)
     if meta.get("seed") is not None and meta["seed"] != run_info["seed"]:
         raise ValueError(

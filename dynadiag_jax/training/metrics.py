@@ -2,7 +2,9 @@
 
 A resumed run starts from a checkpoint at some step ``s``; records written after ``s`` by the
 interrupted run are dropped (JSONL rewritten atomically, TensorBoard events purged), so the log of a
-resumed run reads exactly like the log of an uninterrupted one.
+resumed run reads exactly like the log of an uninterrupted one. Every record of step ``s`` is
+written before the checkpoint of step ``s``, so those are kept. A run that starts afresh (no
+checkpoint yet, e.g. killed before its first save committed) starts an empty log.
 """
 
 from __future__ import annotations
@@ -54,13 +56,19 @@ class MetricWriter:
 
     Args:
       logdir: directory for ``metrics.jsonl`` and the TensorBoard event files.
-      start_step: the step training starts from; records with a larger step are dropped.
+      start_step: the step of the checkpoint training resumes from (records with a larger step
+        are dropped), or None for a run that starts afresh (every earlier record is dropped).
       tensorboard: also write numeric scalars as TensorBoard events.
       enabled: False on every process but the first of a multi-host run (nothing is written).
     """
 
     def __init__(
-        self, logdir, *, start_step: int = 0, tensorboard: bool = True, enabled: bool = True
+        self,
+        logdir,
+        *,
+        start_step: int | None = None,
+        tensorboard: bool = True,
+        enabled: bool = True,
     ):
         self.enabled = enabled
         self.path = pathlib.Path(logdir) / JSONL_NAME
@@ -69,7 +77,11 @@ class MetricWriter:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= start_step]
+        kept = (
+            []
+            if start_step is None
+            else [r for r in read_jsonl(self.path) if r.get("step", 0) <= start_step]
+        )
         tmp = self.path.with_suffix(".jsonl.tmp")
         with tmp.open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
@@ -78,7 +90,9 @@ class MetricWriter:
         if tensorboard:
             import tensorboardX
 
-            self._tb = tensorboardX.SummaryWriter(str(self.path.parent), purge_step=start_step + 1)
+            self._tb = tensorboardX.SummaryWriter(
+                str(self.path.parent), purge_step=0 if start_step is None else start_step + 1
+            )
 
     def write(self, step: int, kind: str, values: Mapping[str, Any]) -> None:
         """Append one record; numeric finite scalars also go to TensorBoard as ``kind/name``."""
