@@ -58,7 +58,7 @@ def test_crash_at_the_last_step_resumes_before_the_final_evaluation(tmp_path):
     resumed = train_tiny(tmp_path / "cut", num_steps=12, eval_every=4)
     # The checkpoint of step 12 comes after the final evaluation's record, so the crashed run
     # left none: the resumed run redoes steps 11-12 and logs that evaluation itself.
-    assert resumed.start_step == 10
+    assert resumed.start_step == 10 and resumed.eval_metrics == full.eval_metrics
     a = comparable(T.read_jsonl(tmp_path / "full" / "metrics.jsonl"))
     b = comparable(T.read_jsonl(tmp_path / "cut" / "metrics.jsonl"))
     assert a == b and a[-1]["kind"] == "eval" and a[-1]["step"] == 12
