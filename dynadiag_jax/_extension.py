@@ -6,6 +6,10 @@ the extension (``impl="auto"`` then uses the pure-JAX path).
 
 from __future__ import annotations
 
+import importlib.metadata
+import pathlib
+import warnings
+
 import jax
 import jax.numpy as jnp
 
@@ -29,6 +33,34 @@ try:  # the CUDA kernels compiled for the host (tests)
     from dynadiag_jax import _emu_ext
 except ImportError:
     _emu_ext = None
+
+
+def _shadowed_build() -> pathlib.Path | None:
+    """The directory of an installed dynadiag_jax with compiled kernels that this copy hides."""
+    try:
+        files = importlib.metadata.distribution("dynadiag-jax").files or ()
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    here = pathlib.Path(__file__).resolve().parent
+    for f in files:
+        if f.name.startswith("_cpu_ext."):
+            path = pathlib.Path(f.locate()).resolve()
+            if path.exists() and path.parent != here:
+                return path.parent
+    return None
+
+
+if _cpu_ext is None and (installed := _shadowed_build()) is not None:
+    # Typically a script or `python -c` run from the repository root: the source checkout comes
+    # first on sys.path, and everything would silently run on the pure-JAX path.
+    warnings.warn(
+        f"dynadiag_jax is imported from {pathlib.Path(__file__).resolve().parent}, which has no "
+        f"compiled kernels, while the installed copy in {installed} has them; impl='auto' will "
+        "run the pure-JAX path. Run from outside the source checkout, or build in place with "
+        "`bash scripts/dev_build.sh`.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _register(module, platform: str) -> None:

@@ -20,8 +20,9 @@ import pathlib
 import sys
 import time
 
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: make `train` importable from the repository root
+    # Appended: the installed dynadiag_jax (with the compiled kernels) must win over the checkout.
+    sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax
 import jax.numpy as jnp
