@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# Prepare a fresh machine: offline data sets (Debian), a virtual environment in .venv, and the
-# package with its C++ extension built by pip (scikit-build-core + CMake). Safe to re-run.
+# Prepare a fresh machine: offline data sets and a C++ compiler (Debian, when run as root), a
+# virtual environment in .venv, and the package with its C++ extension built by pip
+# (scikit-build-core + CMake). Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if command -v apt-get > /dev/null && [ "$(id -u)" = 0 ]; then
-  if ! dpkg -s dataset-fashion-mnist fortunes > /dev/null 2>&1; then
+  want=()
+  dpkg -s dataset-fashion-mnist > /dev/null 2>&1 || want+=(dataset-fashion-mnist)
+  dpkg -s fortunes > /dev/null 2>&1 || want+=(fortunes)
+  command -v g++ > /dev/null || want+=(g++)
+  PY=${PYTHON:-python3}
+  "$PY" -c "import ensurepip, venv" 2> /dev/null || want+=(python3-venv)
+  if [ ${#want[@]} -gt 0 ]; then
     apt-get update -qq > /dev/null 2>&1 || true
-    apt-get install -y -qq dataset-fashion-mnist fortunes > /dev/null
+    apt-get install -y -qq "${want[@]}" > /dev/null
   fi
 fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip > /dev/null
+# With nvcc on PATH the CUDA kernels must build: a failure stops here instead of silently
+# leaving them out (DYNADIAG_CUDA=OFF in the environment skips them).
+if command -v nvcc > /dev/null; then
+  export DYNADIAG_CUDA=${DYNADIAG_CUDA:-ON}
+fi
 .venv/bin/python -m pip install -q ".[test,train]"
