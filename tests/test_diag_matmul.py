@@ -111,6 +111,33 @@ def test_bfloat16_within_twice_the_bf16_reference_error(impl, in_f, out_f, rng):
 
 
 @pytest.mark.parametrize("impl", [*KERNEL_IMPLS, "jax"])
+@pytest.mark.parametrize("in_f,out_f", [(33, 257), (257, 33), (48, 48)])
+def test_bfloat16_gradients_within_twice_the_bf16_reference_error(impl, in_f, out_f, rng):
+    x, values, offsets = make_case(rng, in_f, out_f, 9, batch=(17,))
+    xb, vb = x.astype(jnp.bfloat16), values.astype(jnp.bfloat16)
+    dyb = jnp.asarray(rng.standard_normal((17, out_f)), jnp.bfloat16)
+    _, w = dense_reference(xb.astype(jnp.float32), vb.astype(jnp.float32), offsets, out_f)
+    dy64, x64 = np.asarray(dyb, np.float64), np.asarray(xb, np.float64)
+    rows, cols = (np.asarray(a) for a in diag_indices(offsets, in_f, out_f))
+    exact = {"dx": dy64 @ w, "dvalues": (dy64.T @ x64)[rows, cols]}
+
+    def grads(impl):
+        def loss(x, v):
+            y = dd.diag_matmul(x, v, offsets, out_features=out_f, impl=impl)
+            return jnp.sum((y * dyb).astype(jnp.float32))
+
+        dx, dv = jax.jit(jax.grad(loss, argnums=(0, 1)))(xb, vb)
+        return {"dx": dx, "dvalues": dv}
+
+    got, ref = grads(impl), grads("dense")
+    for name in ("dx", "dvalues"):
+        assert got[name].dtype == jnp.bfloat16, name
+        ref_err = np.max(np.abs(np.asarray(ref[name], np.float64) - exact[name]))
+        err = np.max(np.abs(np.asarray(got[name], np.float64) - exact[name]))
+        assert err <= LOWP_ERR_FACTOR * ref_err + LOWP_ATOL, f"{impl} {name}: {err} vs {ref_err}"
+
+
+@pytest.mark.parametrize("impl", [*KERNEL_IMPLS, "jax"])
 def test_leading_dims_and_empty_batch(impl, rng):
     x, values, offsets = make_case(rng, 7, 33, 5, batch=(2, 3, 4))
     y = dd.diag_matmul(x, values, offsets, out_features=33, impl=impl)

@@ -15,6 +15,12 @@ SCRIPT = textwrap.dedent("""
     # rows of the per-device custom call of the forward kernel
     FWD_CALL = (r"f32\\[(\\d+),\\d+\\]\\{1,0\\} custom-call\\([^)]*\\), "
                 r"custom_call_target=\\"dynadiag_diag_matmul_fwd")
+    # rows of dx in the per-device fused backward call: (dx, dvalues) = bwd(dy, x, values, offsets)
+    BWD_CALL = (r"\\(f32\\[(\\d+),\\d+\\]\\{1,0\\}, f32\\[\\d+,\\d+\\]\\{1,0\\}\\) custom-call\\([^)]*\\), "
+                r"custom_call_target=\\"dynadiag_diag_matmul_bwd")
+    MOVES = r"\\b(all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\\("
+    # the array shapes that cross devices in an all-reduce (result of "... all-reduce(")
+    REDUCED = r"= \\(?([^=]*?)\\)? all-reduce(?:-start)?\\("
     rng = np.random.default_rng(0)
     out = {}
     for axis_type in (AxisType.Auto, AxisType.Explicit):
@@ -38,8 +44,13 @@ SCRIPT = textwrap.dedent("""
             (_, y4), (dx4, dv4) = sharded(xs, vs)
             key = f"{axis_type}-{lead}"
             out[key] = dict(
-                all_gathers=len(re.findall(r"all-gather\\(", hlo)),
+                moves=len(re.findall(MOVES, hlo)),
+                reduced=sorted(set(
+                    shape for m in re.findall(REDUCED, hlo)
+                    for shape in re.findall(r"f32\\[[\\d,]+\\]", m))),
                 kernel_rows=sorted(set(int(m) for m in re.findall(FWD_CALL, hlo))),
+                bwd_rows=sorted(set(int(m) for m in re.findall(BWD_CALL, hlo))),
+                dvalues_shape=f"f32[{k},{min(in_f, out_f)}]",
                 y=float(np.max(np.abs(np.asarray(y4) - np.asarray(y1)))),
                 dx=float(np.max(np.abs(np.asarray(dx4) - np.asarray(dx1)))),
                 dv=float(np.max(np.abs(np.asarray(dv4) - np.asarray(dv1)))),
@@ -58,7 +69,10 @@ def test_sharded_run_matches_one_device_and_never_gathers_x(sharded_results):
     for key, r in sharded_results.items():
         for name in ("y", "dx", "dv"):
             assert r[name] <= 1e-5, f"{key}: {name} differs by {r[name]}"
-        assert r["all_gathers"] == 0, f"{key}: x was gathered"
+        assert r["moves"] == 0, f"{key}: data moved between devices"
+        # only the partial dvalues sums (and the scalar loss) are all-reduced, never rows of x
+        assert r["reduced"] == [r["dvalues_shape"]], f"{key}: all-reduced {r['reduced']}"
         rows = 64 if "(64,)" in key else 8 * 12
-        assert r["kernel_rows"] and max(r["kernel_rows"]) * 4 <= rows, f"{key}: {r['kernel_rows']}"
+        for call in ("kernel_rows", "bwd_rows"):
+            assert r[call] and max(r[call]) * 4 <= rows, f"{key}: {call} {r[call]}"
         assert "data" in r["y_spec"], key

@@ -1,0 +1,115 @@
+"""The index maths against DESIGN.md section 1, written out as plain loops (no shared helpers).
+
+Every other test builds its dense oracle from ``diag_indices``/``diag_to_dense``; these tests pin
+those to the contract itself, so a convention error cannot hide in both the kernels and the oracle.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynadiag_jax as dd
+from dynadiag_jax.layout import transpose_diagonals
+
+
+def design_dense(values, offsets, in_features, out_features):
+    """``W[out, in]`` from DESIGN.md section 1, entry by entry; repeated offsets add up."""
+    w = np.zeros((out_features, in_features))
+    for k, d in enumerate(offsets):
+        if out_features >= in_features:  # tall or square: one entry per column
+            for j in range(in_features):
+                w[(j + d) % out_features, j] += values[k][j]
+        else:  # wide: one entry per row
+            for i in range(out_features):
+                w[i, (i + d) % in_features] += values[k][i]
+    return w
+
+
+@pytest.mark.parametrize("in_f,out_f", [(1, 1), (3, 5), (5, 3), (4, 4), (7, 33), (33, 7), (9, 9)])
+def test_diag_to_dense_follows_the_design_formulas(in_f, out_f, rng):
+    p, d = max(in_f, out_f), min(in_f, out_f)
+    offsets = np.concatenate([rng.permutation(p), rng.integers(0, p, 2)])  # every id, 2 repeats
+    values = rng.standard_normal((len(offsets), d))
+    w = dd.diag_to_dense(
+        jnp.asarray(values, jnp.float32),
+        jnp.asarray(offsets, jnp.int32),
+        in_features=in_f,
+        out_features=out_f,
+    )
+    np.testing.assert_allclose(np.asarray(w), design_dense(values, offsets, in_f, out_f), 1e-6)
+
+
+def test_distinct_diagonals_cover_the_matrix_exactly_once():
+    for in_f, out_f in [(3, 5), (5, 3), (4, 4)]:
+        p, d = max(in_f, out_f), min(in_f, out_f)
+        cover = sum(
+            design_dense(np.ones((1, d)), [o], in_f, out_f) for o in range(p)
+        )  # P * D = in * out entries
+        np.testing.assert_array_equal(cover, np.ones((out_f, in_f)))
+
+
+@pytest.mark.parametrize("impl", [i for i in dd.available_impls() if i != "auto"])
+def test_wide_and_square_hand_cases(impl):
+    # Wide W[2, 4], diagonal 3: W[i, (i + 3) % 4] = v[i] -> W[0, 3] = 2, W[1, 0] = 5.
+    x = jnp.asarray([[1.0, 10.0, 100.0, 1000.0]], jnp.float32)
+    y = dd.diag_matmul(
+        x,
+        jnp.asarray([[2.0, 5.0]], jnp.float32),
+        jnp.asarray([3], jnp.int32),
+        out_features=2,
+        impl=impl,
+    )
+    np.testing.assert_allclose(np.asarray(y), [[2000.0, 5.0]], err_msg=impl)
+    # Square 3x3, diagonal 1: W[(j + 1) % 3, j] = v[j] -> W[1, 0] = 1, W[2, 1] = 2, W[0, 2] = 3.
+    x = jnp.asarray([[1.0, 10.0, 100.0]], jnp.float32)
+    y = dd.diag_matmul(
+        x,
+        jnp.asarray([[1.0, 2.0, 3.0]], jnp.float32),
+        jnp.asarray([1], jnp.int32),
+        out_features=3,
+        impl=impl,
+    )
+    np.testing.assert_allclose(np.asarray(y), [[300.0, 1.0, 20.0]], err_msg=impl)
+
+
+@pytest.mark.parametrize("in_f,out_f", [(3, 5), (5, 3), (6, 6)])
+def test_transpose_closure(in_f, out_f, rng):
+    p, d = max(in_f, out_f), min(in_f, out_f)
+    offsets = rng.choice(p, 3, replace=False)
+    values = rng.standard_normal((3, d))
+    vt, ot = transpose_diagonals(jnp.asarray(values), jnp.asarray(offsets), in_f, out_f)
+    w_t = design_dense(np.asarray(vt), np.asarray(ot), out_f, in_f)  # [in, out]
+    np.testing.assert_allclose(w_t, design_dense(values, offsets, in_f, out_f).T, atol=1e-12)
+    if in_f != out_f:
+        np.testing.assert_array_equal(np.asarray(ot), offsets)
+
+
+# The authors' budget rule, worked examples (DESIGN.md section 1 and the method notes).
+BUDGETS = [
+    (768, 3072, 0.9, 308),
+    (768, 768, 0.9, 77),
+    (3072, 768, 0.9, 308),
+    (768, 2304, 0.8, 461),
+    (768, 2304, 0.9, 231),
+    (768, 2304, 0.95, 116),
+    (784, 256, 0.8, 157),
+    (784, 256, 0.9, 79),
+    (784, 256, 0.95, 40),
+    (256, 256, 0.8, 52),
+    (256, 256, 0.9, 26),
+    (256, 256, 0.95, 13),
+    (4, 4, 0.99, 1),  # never fewer than one diagonal
+]
+
+
+@pytest.mark.parametrize("in_f,out_f,s,k", BUDGETS)
+def test_num_diagonals_worked_examples(in_f, out_f, s, k):
+    assert dd.num_diagonals(in_f, out_f, s) == k
+    density = k * min(in_f, out_f) / (in_f * out_f)
+    assert density >= 1 - s - 1e-12 or k == 1
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 1.5])
+def test_num_diagonals_rejects_sparsity_outside_the_open_interval(bad):
+    with pytest.raises(ValueError, match="sparsity"):
+        dd.num_diagonals(8, 8, bad)
