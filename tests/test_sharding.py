@@ -16,7 +16,8 @@ SCRIPT = textwrap.dedent("""
     FWD_CALL = (r"f32\\[(\\d+),\\d+\\]\\{1,0\\} custom-call\\([^)]*\\), "
                 r"custom_call_target=\\"dynadiag_diag_matmul_fwd")
     # rows of dx in the per-device fused backward call: (dx, dvalues) = bwd(dy, x, values, offsets)
-    BWD_CALL = (r"\\(f32\\[(\\d+),\\d+\\]\\{1,0\\}, f32\\[\\d+,\\d+\\]\\{1,0\\}\\) custom-call\\([^)]*\\), "
+    BWD_CALL = (r"\\(f32\\[(\\d+),\\d+\\]\\{1,0\\}, f32\\[\\d+,\\d+\\]\\{1,0\\}\\) "
+                r"custom-call\\([^)]*\\), "
                 r"custom_call_target=\\"dynadiag_diag_matmul_bwd")
     MOVES = r"\\b(all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\\("
     # the array shapes that cross devices in an all-reduce (result of "... all-reduce(")
