@@ -77,3 +77,14 @@ def test_sharded_run_matches_one_device_and_never_gathers_x(sharded_results):
         for call in ("kernel_rows", "bwd_rows"):
             assert r[call] and max(r[call]) * 4 <= rows, f"{key}: {call} {r[call]}"
         assert "data" in r["y_spec"], key
+
+
+def test_a_jax_without_the_private_lowering_hook_warns_instead_of_failing(monkeypatch):
+    from jax._src import dispatch
+    from jax.extend.core import Primitive
+
+    from dynadiag_jax.ops import ffi
+
+    monkeypatch.delattr(dispatch, "prim_requires_devices_during_lowering")
+    with pytest.warns(RuntimeWarning, match="replicated"):
+        ffi._require_devices_during_lowering(Primitive("probe"))
