@@ -7,6 +7,7 @@ a float64 dense reference; low-precision results may be at most twice as wrong a
 in the same dtype (the flash-attention rule, STYLE.md).
 """
 
+import functools
 import importlib
 
 import jax
@@ -29,7 +30,8 @@ IMPL = "cuda_emulated"
 F32_RTOL = 2e-5  # relative to the largest reference magnitude
 LOWP_ERR_FACTOR = 2.0  # low precision: at most this times the dense dot's own error ...
 LOWP_ULPS = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11}  # ... plus one ulp of the scale
-DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+LOWP_DTYPES = [jnp.bfloat16, jnp.float16]
+DTYPES = [jnp.float32, *LOWP_DTYPES]
 
 SHAPES = [(1, 1), (7, 7), (7, 33), (33, 7), (33, 33), (48, 100), (100, 48), (130, 130)]
 
@@ -113,7 +115,7 @@ def check_all(rng, shape, in_f, out_f, kind, dtype):
 OFFSET_KINDS = ["one", "random", "band", "all", "repeated"]
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", LOWP_DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("in_f,out_f", SHAPES)
 @pytest.mark.parametrize("kind", OFFSET_KINDS)
 def test_forward_and_gradients_match_dense(kind, in_f, out_f, dtype, rng):
@@ -127,7 +129,15 @@ def test_float32_forward_and_gradients_match_dense(kind, in_f, out_f, rng):
     check_all(rng, (9,), in_f, out_f, kind, jnp.float32)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+# A single row or column of W: the float32 matrix gets these shapes from tests/test_diag_matmul.py.
+@pytest.mark.parametrize("dtype", LOWP_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("in_f,out_f", [(1, 7), (7, 1)])
+@pytest.mark.parametrize("kind", ["all", "repeated"])
+def test_one_row_or_column_matches_dense(kind, in_f, out_f, dtype, rng):
+    check_all(rng, (9,), in_f, out_f, kind, dtype)
+
+
+@pytest.mark.parametrize("dtype", LOWP_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_leading_dims_and_two_batch_tiles(dtype, rng):
     # 2 * 3 * 12 = 72 rows: the kernels' 64-row batch tiles split the batch
     check_all(rng, (2, 3, 12), 40, 24, "band", dtype)
@@ -222,6 +232,48 @@ def test_vmap_over_x_and_over_values(rng):
             exact = np.asarray(x, np.float64) @ dense_w(v, offsets, in_f, out_f).T
             lowp = dd.diag_matmul(x, v, offsets, out_features=out_f, impl="dense")
             assert_close(got[i], exact, f"vmap {axes}", jnp.bfloat16, lowp)
+
+
+@pytest.mark.parametrize("dtype", LOWP_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_vmap_over_offsets(dtype, rng):
+    # band offsets (tensor-core path) and scattered ones (diagonal path), element by element
+    n, in_f, out_f = 3, 40, 24
+    offs = np.stack([offsets_of("band", rng, in_f), rng.choice(in_f, 16, replace=False)] * 2)[:n]
+    offs = jnp.asarray(offs, jnp.int32)
+    xs = jnp.asarray(rng.standard_normal((n, 5, in_f)), dtype)
+    vs = jnp.asarray(rng.standard_normal((n, offs.shape[1], out_f)), dtype)
+
+    def f(impl):
+        return lambda x, v, o: dd.diag_matmul(x, v, o, out_features=out_f, impl=impl)
+
+    for axes in ((None, None, 0), (0, 0, 0)):
+        args = [a if ax == 0 else a[0] for a, ax in zip((xs, vs, offs), axes)]
+        got, lowp = (jax.jit(jax.vmap(f(impl), in_axes=axes))(*args) for impl in (IMPL, "dense"))
+        for i in range(n):
+            x, v, o = (a[i] if ax == 0 else a for a, ax in zip(args, axes))
+            exact = np.asarray(x, np.float64) @ dense_w(v, o, in_f, out_f).T
+            assert_close(got[i], exact, f"vmap {axes}, element {i}", dtype, lowp[i])
+
+
+@pytest.mark.parametrize("dtype", LOWP_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_per_example_gradients_with_vmap_of_grad(dtype, rng):
+    n, in_f, out_f = 3, 24, 40
+    offsets = np.concatenate([offsets_of("band", rng, out_f), [5, 5]])
+    x, values, off, dy = make(rng, (n, 4), in_f, out_f, offsets, dtype)
+
+    def grads(impl):
+        def loss(x, v, dy):
+            y = dd.diag_matmul(x, v, off, out_features=out_f, impl=impl)
+            return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+        return jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None, 0))(x, values, dy)
+
+    got, lowp = (jax.jit(functools.partial(grads, impl))() for impl in (IMPL, "dense"))
+    assert got[1].shape == (n, *values.shape)
+    for i in range(n):
+        _, dx, dvalues = reference(x[i], values, offsets, dy[i], out_f)
+        assert_close(got[0][i], dx, f"dx of example {i}", dtype, lowp[0][i])
+        assert_close(got[1][i], dvalues, f"dvalues of example {i}", dtype, lowp[1][i])
 
 
 def test_zero_rows_and_zero_diagonals():
