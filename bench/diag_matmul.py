@@ -12,7 +12,8 @@ Implementations: ``ffi`` (our XLA FFI kernels), ``jax`` (the pure-JAX path), ``d
 ``bcoo`` (``jax.experimental.sparse`` with the same ``K * D`` non-zeros). All calls of one case
 run interleaved in one process, each time is the median of ``--repeats`` calls, and every time is
 reported as a speed-up over ``dense`` measured in the same loop (``dense_ms / ms``). BCOO is the
-exception: it runs in its own loop with dense (see ``BCOO_*``; the CSV records its repeats).
+exception: it runs in its own loop with dense, and is skipped (with the reason printed under the
+table and written to the CSV) where one call would exhaust memory or take over a minute.
 
 Writes ``bench/results/diag_matmul_<time>.csv`` (one row per case, implementation and phase, flushed
 as it goes) and a PNG of the speed-ups beside it.
@@ -51,10 +52,8 @@ IMPLS = ("ffi", "jax", "dense", "bcoo")
 PHASES = ("fwd", "bwd", "fwd+bwd")
 QUICK = dict(shapes=((768, 3072),), sparsities=SPARSITIES, impls=("ffi", "dense"), repeats=7)
 # BCOO calls take seconds to minutes on CPU and churn gigabytes of memory, which slows whatever
-# runs next: they are timed in their own loop, interleaved with dense only, with fewer repeats
-# when one call is slow, and skipped when one call exceeds BCOO_SKIP_SECONDS.
-BCOO_FEW_REPEATS_SECONDS = 2.0
-BCOO_FEW_REPEATS = 3
+# runs next: they are timed in their own loop, interleaved with dense only, and skipped when one
+# call exceeds BCOO_SKIP_SECONDS.
 BCOO_SKIP_SECONDS = 60.0
 # BCOO's products gather a [nnz, batch] array (several, for gradients): skip cases where one
 # would exceed this many elements (2 GiB of float32) rather than exhaust a shared machine.
@@ -149,30 +148,31 @@ def time_interleaved(fns: dict, repeats: int, progress) -> dict[tuple[str, str],
     return {key: statistics.median(t) for key, t in times.items()}
 
 
-def time_case(fns: dict, repeats: int, progress) -> dict[tuple[str, str], tuple[float, float, int]]:
-    """(median seconds, dense median of the same loop, repeats) per (impl, phase)."""
+def time_case(fns: dict, repeats: int, progress) -> tuple[dict, str | None]:
+    """``({(impl, phase): (median s, dense median s of the same loop)}, why BCOO was skipped)``."""
     main = {key: fp for key, fp in fns.items() if key[0] != "bcoo"}
     med = time_interleaved(main, repeats, progress)
-    out = {key: (t, med[("dense", key[1])], repeats) for key, t in med.items()}
+    out = {key: (t, med[("dense", key[1])]) for key, t in med.items()}
     bcoo = {key: fp for key, fp in fns.items() if key[0] == "bcoo"}
     if not bcoo:
-        return out
+        return out, None
+    skipped = None
     try:
         first = max(_call(f, args) for f, args in bcoo.values())  # includes compilation
-    except jax.errors.JaxRuntimeError as err:  # out of memory: report the case as skipped
-        print(f"bcoo skipped: {str(err).splitlines()[0][:120]}", file=sys.stderr)
-        first = float("inf")
-    n = repeats if first < BCOO_FEW_REPEATS_SECONDS else min(repeats, BCOO_FEW_REPEATS)
-    if first > BCOO_SKIP_SECONDS:
-        n = 0
+        if first > BCOO_SKIP_SECONDS:
+            skipped = f"one call took {first:.0f} s (> {BCOO_SKIP_SECONDS:.0f} s)"
+    except jax.errors.JaxRuntimeError as err:  # out of memory
+        skipped = str(err).splitlines()[0][:120]
     pair = {**bcoo, **{("dense", phase): main[("dense", phase)] for _, phase in bcoo}}
-    progress.total += len(pair) * n - len(bcoo) * repeats  # the total assumed `repeats` bcoo calls
+    if skipped:
+        progress.total -= len(bcoo) * repeats
+        progress.refresh()
+        return out, skipped
+    progress.total += len(pair) * repeats - len(bcoo) * repeats  # dense runs again beside bcoo
     progress.refresh()
-    if n == 0:
-        return out
-    med = time_interleaved(pair, n, progress)
-    out.update({key: (med[key], med[("dense", key[1])], n) for key in bcoo})
-    return out
+    med = time_interleaved(pair, repeats, progress)
+    out.update({key: (med[key], med[("dense", key[1])]) for key in bcoo})
+    return out, None
 
 
 def _pairs(text: str) -> tuple[tuple[int, int], ...]:
@@ -296,10 +296,11 @@ def main(argv=None) -> None:
         "ms",
         "speedup_vs_dense",
         "repeats",
+        "note",
     ]
     cases = [(s, sp) for s in args.shapes for sp in args.sparsities]
     total = len(cases) * len(args.impls) * len(PHASES) * args.repeats
-    rows = []
+    rows, skips = [], []
     print(
         f"jax {jax.__version__}, backend {jax.default_backend()}, "
         f"{jax.device_count()} device(s), batch {args.batch}, {args.dtype}, "
@@ -311,17 +312,23 @@ def main(argv=None) -> None:
         for (in_f, out_f), sparsity in cases:
             progress.set_description(f"{in_f}->{out_f} s={sparsity}")
             case = make_case(in_f, out_f, sparsity, args.batch, dtype, args.seed)
-            impls = [
-                i
-                for i in args.impls
-                if i != "bcoo" or case.k * min(in_f, out_f) * args.batch <= BCOO_MAX_GATHER
-            ]
+            gather = case.k * min(in_f, out_f) * args.batch
+            impls = [i for i in args.impls if i != "bcoo" or gather <= BCOO_MAX_GATHER]
             fns = {(impl, phase): fp for impl in impls for phase, fp in build(impl, case).items()}
+            skipped = None
             if len(impls) < len(args.impls):
+                skipped = f"its [nnz, batch] gather holds {gather:.2g} elements (> 2^29)"
                 progress.total -= len(PHASES) * args.repeats
                 progress.refresh()
-            med = time_case(fns, args.repeats, progress)
-            for (impl, phase), (seconds, dense, n) in med.items():
+            med, slow = time_case(fns, args.repeats, progress)
+            skipped = skipped or slow
+            if skipped:
+                skips.append(f"bcoo skipped at {in_f}->{out_f} s={sparsity}: {skipped}")
+                row = dict.fromkeys(fields, "")
+                row.update({"in": in_f, "out": out_f, "sparsity": sparsity, "k": case.k})
+                row.update(batch=args.batch, dtype=args.dtype, impl="bcoo", note=skipped)
+                writer.writerow(row)
+            for (impl, phase), (seconds, dense) in med.items():
                 row = dict(
                     zip(
                         fields,
@@ -336,7 +343,8 @@ def main(argv=None) -> None:
                             phase,
                             round(seconds * 1e3, 3),
                             round(dense / seconds, 3),
-                            n,
+                            args.repeats,
+                            "",
                         ),
                     )
                 )
@@ -344,6 +352,8 @@ def main(argv=None) -> None:
                 writer.writerow(row)
             f.flush()
     print_table(rows, args.impls)
+    for line in skips:
+        print(line)
     png_path = csv_path.with_suffix(".png")
     plot(rows, png_path)
     print(f"wrote {csv_path} and {png_path}")
