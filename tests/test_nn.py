@@ -269,6 +269,19 @@ def test_dtype_and_param_dtype():
     assert y_in.dtype == jnp.float32  # promoted with param_dtype by default
 
 
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float16])
+def test_alpha_keeps_its_init_noise_with_16_bit_params(param_dtype):
+    layer = DiagonalDense(8, sparsity=0.9, param_dtype=param_dtype, explore="none", impl="jax")
+    variables = layer.init(jax.random.key(0), jnp.ones((2, 64), param_dtype))
+    params = variables["params"]
+    assert params["values"].dtype == param_dtype and params["bias"].dtype == param_dtype
+    assert params["alpha"].dtype == jnp.float32
+    assert len(np.unique(np.asarray(params["alpha"]))) == 64
+    # without distinct scores a freeze at step 0 would keep the contiguous offsets 0..K-1
+    _, frozen = dd.freeze(layer, variables)
+    assert not np.array_equal(np.asarray(frozen["diagonals"]["offsets"]), np.arange(7))
+
+
 def test_jit_grad_and_leading_dims():
     layer = DiagonalDense(12, sparsity=0.6, explore="none", impl="jax")
     v, x = init(layer, 9, batch=(2, 3, 4))
@@ -322,6 +335,12 @@ def test_bad_input():
             )
     with pytest.raises(ValueError, match="takes strength=, not temperature="):
         layer.apply(v, x, temperature=1.0)
+    frozen_layer, frozen = dd.freeze(layer, v)  # the frozen layer checks the same arguments
+    frozen_layer.apply(frozen, x, strength=0.5)
+    with pytest.raises(ValueError, match="strength must be a positive"):
+        frozen_layer.apply(frozen, x, strength=-1.0)
+    with pytest.raises(ValueError, match="takes strength=, not temperature="):
+        frozen_layer.apply(frozen, x, temperature=1.0)
     with pytest.raises(ValueError, match="strength="):
         layer.apply({"params": v["params"]}, x)
     with pytest.raises(ValueError, match="temperature="):

@@ -136,7 +136,9 @@ class DiagonalDense(nn.Module):
       gate_init: value ``init`` stores for the gate hyper-parameter when the call gives none
         (default 1.0 strength / 5.0 temperature).
       dtype: computation dtype (default: promote the input and ``param_dtype``).
-      param_dtype: parameter dtype.
+      param_dtype: dtype of ``values`` and ``bias``. ``alpha`` is stored in at least float32:
+        its init noise and the small updates that rank the diagonals are below the resolution
+        of a 16-bit float (in bfloat16 every alpha would start equal).
       impl: passed to :func:`dynadiag_jax.diag_matmul`.
 
     Shapes: ``x[..., in] -> y[..., features]``; ``P = max(in, features)``,
@@ -210,11 +212,11 @@ class DiagonalDense(nn.Module):
 
         frozen = self.has_variable("diagonals", "offsets") or (
             self.is_initializing() and self.init_phase == "frozen")
+        given = self._given_hyper(strength, temperature)  # checked in both phases
         if frozen:
             y = self._frozen(x, geo, k, dtype)
         else:
-            hyper = self._gate_hyper(strength, temperature)
-            y = self._search(x, geo, k, dtype, hyper)
+            y = self._search(x, geo, k, dtype, self._gate_hyper(given))
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros_init(), (self.features,),
                               self.param_dtype)
@@ -234,13 +236,18 @@ class DiagonalDense(nn.Module):
         return diag_matmul(x, values.astype(dtype), offsets, out_features=self.features,
                            impl=self.impl)
 
-    def _gate_hyper(self, strength, temperature):
+    def _given_hyper(self, strength, temperature):
+        """The call's value for this gate's hyper-parameter (or None), validated."""
         name = self.hyper_name
         given, wrong = (strength, temperature) if name == "strength" else (temperature, strength)
         if wrong is not None:
             other = "temperature" if name == "strength" else "strength"
             raise ValueError(f"gate={self.gate!r} takes {name}=, not {other}=")
         _positive_scalar(given, name)
+        return given
+
+    def _gate_hyper(self, given):
+        name = self.hyper_name
         if self.is_initializing():
             start = given if given is not None else (
                 self.gate_init if self.gate_init is not None else DEFAULT_HYPER[name])
@@ -258,11 +265,10 @@ class DiagonalDense(nn.Module):
 
     def _search(self, x, geo, k, dtype, hyper):
         p, d_len = geo.num_candidates, geo.length
-        alpha = self.param("alpha", _alpha_init, (p,), self.param_dtype)
+        work = work_dtype(self.param_dtype)
+        alpha = self.param("alpha", _alpha_init, (p,), work).astype(work)
         values = self.param("values", _uniform(1.0 / math.sqrt(d_len)), (p, d_len),
                             self.param_dtype)
-        work = work_dtype(self.param_dtype)
-        alpha = alpha.astype(work)
         if self.gate == "sparse_topk":
             gate = sparse_soft_topk(alpha, k, strength=jnp.asarray(hyper, work))
         else:
