@@ -15,7 +15,7 @@ the sparse gate's strength annealed; then it is frozen. Reported per mechanism (
   --repeats runs after compilation; a ratio measured in the same process, noisy on shared CPUs).
 
 Usage:
-  PYTHONPATH=. python bench/exploration.py [--steps 300] [--seeds 3] [--repeats 3] [--out DIR]
+  python bench/exploration.py [--steps 300] [--seeds 3] [--repeats 3] [--out DIR]
 Writes DIR/exploration.csv (default bench/results/) and prints a table.
 """
 
