@@ -66,6 +66,21 @@ def test_trace_time_errors_name_the_argument(kwargs, error, match):
         dd.diag_matmul(args.pop("x"), args.pop("values"), args.pop("offsets"), **args)
 
 
+@pytest.mark.parametrize(
+    "offsets",
+    [
+        np.asarray([0, 12], np.int32),
+        np.asarray([-1, 3], np.int64),
+        jax.device_put(np.asarray([0, 12], np.int32), jax.devices("cpu")[0]),
+    ],
+    ids=["numpy", "numpy int64", "committed to a CPU device"],
+)
+def test_host_offsets_are_range_checked_at_trace_time(offsets):
+    # read on the host even where the default device is an accelerator
+    with pytest.raises(ValueError, match=r"offsets must lie in \[0, P\) = \[0, 12\)"):
+        dd.diag_matmul(X, V, offsets, out_features=12, impl="jax")
+
+
 def test_errors_also_under_jit():
     with pytest.raises(ValueError, match=r"\[K, min\(in, out\)\] = \[K, 8\]"):
         jax.jit(lambda x, v: dd.diag_matmul(x, v, OFF, out_features=12))(X, jnp.ones((2, 9)))

@@ -65,7 +65,21 @@ def _as_array(a, name):
     return a
 
 
-def _check_args(x, values, offsets, out_features):
+def _host_offsets(offsets):
+    """``offsets`` as a numpy array if they are already on the host, else None.
+
+    Reading arrays that live on an accelerator would copy them to the host and wait for the device
+    on every eager call; the kernels check those at run time instead.
+    """
+    if isinstance(offsets, np.ndarray):
+        return offsets
+    if isinstance(offsets, jax.Array) and not isinstance(offsets, jax.core.Tracer):
+        if all(d.platform == "cpu" for d in offsets.devices()):
+            return np.asarray(offsets)
+    return None
+
+
+def _check_args(x, values, offsets, out_features, host_offsets):
     if x.ndim < 1:
         raise ValueError("x must have shape [..., in_features], got a scalar")
     geo = geometry(x.shape[-1], out_features)
@@ -89,8 +103,8 @@ def _check_args(x, values, offsets, out_features):
         raise TypeError(f"x must be a floating array, got dtype {x.dtype}")
     if values.dtype != x.dtype:
         raise TypeError(f"values dtype {values.dtype} must equal x dtype {x.dtype}")
-    if not isinstance(offsets, jax.core.Tracer):
-        off = np.asarray(offsets)
+    if host_offsets is not None:
+        off = host_offsets
         if off.size and (off.min() < 0 or off.max() >= geo.num_candidates):
             raise ValueError(
                 f"offsets must lie in [0, P) = [0, {geo.num_candidates}); got values in "
@@ -158,14 +172,18 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
       Differentiable in ``x`` and ``values`` without building a dense ``W`` (except ``"dense"``).
 
     Raises:
-      TypeError, ValueError: at trace time, for bad ranks, shapes, dtypes or a concrete offset
-        outside ``[0, P)``. A traced offset outside that range makes the compiled kernel raise at
-        run time; the ``"jax"`` path poisons the affected outputs with NaN.
+      TypeError, ValueError: at trace time, for bad ranks, shapes, dtypes, or an offset outside
+        ``[0, P)`` in host data (numpy, or a jax array on CPU devices). Offsets that are traced or
+        live on an accelerator are not read back; one out of range there makes the CPU kernel
+        raise at run time, while the CUDA kernels (which cannot report without a host sync)
+        write NaN (all of ``y``/``dx``, that diagonal's row of ``dvalues``), and the ``"jax"``
+        path poisons the affected outputs with NaN.
     """
+    host_offsets = _host_offsets(offsets)  # before _as_array moves numpy data to the device
     x, values, offsets = (
         _as_array(a, n) for a, n in ((x, "x"), (values, "values"), (offsets, "offsets"))
     )
-    geo = _check_args(x, values, offsets, out_features)
+    geo = _check_args(x, values, offsets, out_features, host_offsets)
     impl = _resolve_impl(impl, x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape((-1, geo.in_features))
