@@ -161,10 +161,14 @@ def test_both_paths_are_exercised(in_f, out_f, rng):
         assert (ks.block_structure(scattered, in_f, out_f, kind, jnp.bfloat16)[2] == 0).any()
 
 
-def emulated_call(kind, a, b, offsets, out_shape, out_dtype, in_f, out_f):
-    """Call one emulated target directly; returns (result, workspace bytes)."""
+def emulated_call(kind, a, b, offsets, out_shape, out_dtype, in_f, out_f, nbytes=None):
+    """Call one emulated target directly (with the planned workspace unless ``nbytes`` is given).
+
+    Returns (result, workspace).
+    """
     rows = int(np.prod(a.shape[:-1]))
-    nbytes = cuda.workspace_bytes(kind, rows, in_f, out_f, offsets.shape[0])
+    if nbytes is None:
+        nbytes = cuda.workspace_bytes(kind, rows, in_f, out_f, offsets.shape[0], a.dtype)
     call = jax.ffi.ffi_call(
         f"{cuda.EMULATED_PREFIX}_{kind}",
         (
@@ -203,6 +207,36 @@ def test_device_tile_structure_equals_kernel_stats(kind, in_f, out_f, rng):
         np.testing.assert_array_equal(tiles[ob, : ntiles[ob]], np.nonzero(per_block[ob])[0])
 
 
+def test_float32_products_need_no_workspace(rng):
+    in_f, out_f, rows = 24, 40, 5
+    assert cuda.workspace_bytes("fwd", rows, in_f, out_f, 9, jnp.float32) == 0
+    assert cuda.workspace_bytes("fwd", rows, in_f, out_f, 9, jnp.bfloat16) > 0
+    offsets = offsets_of("band", rng, out_f)[:9]
+    x, values, off, dy = make(rng, (rows,), in_f, out_f, offsets, jnp.float32)
+    y_exact, dx_exact, _ = reference(x, values, offsets, dy, out_f)
+    for kind, a, o_shape, exact in (
+        ("fwd", x, y_exact.shape, y_exact),
+        ("dx", dy, x.shape, dx_exact),
+    ):
+        got, _ = emulated_call(kind, a, values, off, o_shape, jnp.float32, in_f, out_f, nbytes=1)
+        assert_close(got, exact, f"{kind} with a 1-byte workspace", jnp.float32)
+
+
+def test_dvalues_with_a_smaller_workspace_splits_less(rng):
+    # the handler plans with the workspace it is given: fewer row splits, the same sums
+    rows, in_f, out_f = 600, 40, 24
+    offsets = offsets_of("band", rng, in_f)
+    x, values, off, dy = make(rng, (rows,), in_f, out_f, offsets, jnp.float32)
+    planned = cuda.workspace_bytes("dvalues", rows, in_f, out_f, len(offsets))
+    assert planned > 0
+    exact = reference(x, values, offsets, dy, out_f)[2]
+    for nbytes in (planned, planned // 2, 1):
+        got, _ = emulated_call(
+            "dvalues", dy, x, off, values.shape, jnp.float32, in_f, out_f, nbytes=nbytes
+        )
+        assert_close(got, exact, f"dvalues with {nbytes} workspace bytes", jnp.float32)
+
+
 def test_workspace_plan_matches_the_cpp_plan():
     from dynadiag_jax import _emu_ext  # noqa: PLC0415 - present whenever this module runs
 
@@ -210,9 +244,14 @@ def test_workspace_plan_matches_the_cpp_plan():
         for in_f, out_f in [(1, 1), (7, 33), (33, 7), (768, 3072), (3072, 768), (130, 130)]:
             for k in (0, 1, 9, 300):
                 for kind in ("fwd", "dx", "dvalues"):
+                    for dtype in DTYPES:
+                        tc = dtype != jnp.float32
+                        want = _emu_ext.workspace_bytes(kind, rows, in_f, out_f, k, tc)
+                        got = cuda.workspace_bytes(kind, rows, in_f, out_f, k, dtype)
+                        assert got == want, (kind, rows, in_f, out_f, k, dtype)
+                    # without a dtype: the most any dtype needs
                     want = _emu_ext.workspace_bytes(kind, rows, in_f, out_f, k, True)
-                    got = cuda.workspace_bytes(kind, rows, in_f, out_f, k)
-                    assert got == want, (kind, rows, in_f, out_f, k)
+                    assert cuda.workspace_bytes(kind, rows, in_f, out_f, k) == want
 
 
 def test_vmap_over_x_and_over_values(rng):

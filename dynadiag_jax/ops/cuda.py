@@ -7,8 +7,8 @@ two); the handlers reject a workspace smaller than their plan.
 
 * ``fwd`` / ``dx``: the tile structure the device computes from ``offsets`` - entries per 16x16 tile
   of ``W`` (int32 ``[n_mb, n_tb]``), per 16-wide output block its touched input blocks
-  (``[n_ob, n_qb]``), their number and its path (``[n_ob]`` each), in 256-byte aligned segments. The
-  size does not depend on the dtype; float32, which has no tensor-core path, leaves it unused.
+  (``[n_ob, n_qb]``), their number and its path (``[n_ob]`` each), in 256-byte aligned segments,
+  for bfloat16/float16 only: float32 has no tensor-core path and needs no workspace.
 * ``dvalues``: float32 partial sums ``[splits, K, D]`` when the batch rows are split over several
   thread blocks (small ``K * D``, many rows), else nothing.
 
@@ -46,6 +46,8 @@ SDDMM_MAX_SPLITS = 64
 SDDMM_TARGET_BLOCKS = 512
 
 EMULATED_PREFIX = "dynadiag_emu_diag_matmul"
+# Input dtypes with a tensor-core path (kHasTensorCorePath in diag_launch.cuh).
+TENSOR_CORE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -101,7 +103,7 @@ def sddmm_splits(rows: int, in_features: int, out_features: int, num_diagonals: 
 
 
 def workspace_bytes(
-    kind: str, rows: int, in_features: int, out_features: int, num_diagonals: int
+    kind: str, rows: int, in_features: int, out_features: int, num_diagonals: int, dtype=None
 ) -> int:
     """Bytes of device workspace the CUDA target ``kind`` (``fwd``, ``dx``, ``dvalues``) needs.
 
@@ -110,12 +112,17 @@ def workspace_bytes(
       rows: product of the leading dimensions of ``x``/``dy``.
       in_features, out_features: the shape of ``W[out, in]``.
       num_diagonals: ``K``.
+      dtype: of the operands; None gives the most any dtype needs (the tensor-core plan), which
+        is what the lowering in ``ops/ffi.py`` asks for, as it does not pass the dtype.
     """
     if kind == "dvalues":
         splits = sddmm_splits(rows, in_features, out_features, num_diagonals)
         d = min(in_features, out_features)
         return 4 * splits * num_diagonals * d if splits > 1 else 0
-    return product_layout(kind, in_features, out_features).nbytes
+    layout = product_layout(kind, in_features, out_features)  # also validates kind
+    if dtype is not None and jnp.dtype(dtype) not in TENSOR_CORE_DTYPES:
+        return 0  # the diagonal path computes no tile structure
+    return layout.nbytes
 
 
 # What the CUDA handlers and their emulation accept (ops/ffi.py adds the workspace result).
