@@ -113,8 +113,16 @@ def test_tensor_core_kernels_issue_wmma(ptxas):
         )
 
 
-@pytest.mark.skipif(not dd.has_cuda_kernels(), reason="CUDA targets not built (no nvcc at install)")
 def test_diag_matmul_lowers_to_the_cuda_targets_with_a_workspace():
+    if not dd.has_cuda_kernels():
+        # with a CUDA compiler at hand a missing build is a CI failure, not a reason to skip
+        if shutil.which("nvcc") is not None:
+            pytest.fail(
+                "nvcc is on PATH but dynadiag_jax was installed without the CUDA kernels; "
+                "reinstall with `DYNADIAG_CUDA=ON pip install .` to see why the CUDA build failed "
+                "or was skipped"
+            )
+        pytest.skip("CUDA targets not built (no nvcc on PATH)")
     rows, in_f, out_f, k = 4, 16, 48, 3
     x = jax.ShapeDtypeStruct((rows, in_f), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((k, in_f), jnp.bfloat16)
