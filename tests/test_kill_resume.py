@@ -19,6 +19,8 @@ STEPS = 16
 SLEEP = "0.15"  # seconds per step, so that a random kill lands in training as often as in start-up
 DENSE = ()
 SPARSE = ("--sparsity", "0.8", "--freeze", "8")  # checkpoints every 2 steps; frozen from step 8
+# Training records every 3 steps: the checkpoint of step 8 holds steps 7-8, not logged yet.
+SPARSE_LOG3 = (*SPARSE, "--log-every", "3")
 
 
 def _run(run_python, workdir, *extra, check=True):
@@ -59,6 +61,7 @@ def references(tmp_path_factory):
         (DENSE, 11),
         pytest.param(SPARSE, 7, id="sparse-just-before-freeze"),
         pytest.param(SPARSE, 9, id="sparse-just-after-freeze"),
+        pytest.param(SPARSE_LOG3, 9, id="sparse-after-freeze-mid-log-interval"),
     ],
 )
 def test_kill_at_a_step_then_resume(run_python, references, tmp_path, config, kill_at):

@@ -1,6 +1,7 @@
 """The training library: loop, resuming, checkpoint shape checks, compile counts, metrics, tasks."""
 
 import json
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,31 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
     assert a == b  # records written after step 6 by the crashed run were replaced
 
 
+def test_resumed_log_averages_the_same_steps_as_the_uninterrupted_one(tmp_path):
+    # Records every 3 steps; checkpoints at 4, at the freeze (5) and at 8. The crash at step 7
+    # resumes from step 5 with steps 4-5 not logged yet; a stop request (SIGINT) after step 10
+    # saves step 10 with step 10 not logged yet.
+    def stop_at(step):
+        def hook(s, state):
+            if s == step:
+                signal.raise_signal(signal.SIGINT)
+
+        return hook
+
+    run = dict(num_steps=12, sparsity=0.8, freeze_step=5, checkpoint_every=4, log_every=3)
+    full = train_tiny(tmp_path / "full", **run)
+    with pytest.raises(Crash):
+        train_tiny(tmp_path / "cut", **run, hooks=[crash_at(7)])
+    with pytest.raises(KeyboardInterrupt, match="stopped at step 10 of 12"):
+        train_tiny(tmp_path / "cut", **run, hooks=[stop_at(10)])
+    resumed = train_tiny(tmp_path / "cut", **run)
+    assert resumed.start_step == 10 and resumed.eval_metrics == full.eval_metrics
+    a = comparable(T.read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    b = comparable(T.read_jsonl(tmp_path / "cut" / "metrics.jsonl"))
+    assert [r["step"] for r in a if r["kind"] == "train"] == [3, 6, 9, 12]
+    assert a == b
+
+
 def test_crash_at_the_last_step_resumes_before_the_final_evaluation(tmp_path):
     full = train_tiny(tmp_path / "full", num_steps=12, eval_every=4)
     with pytest.raises(Crash):
@@ -96,19 +122,35 @@ def test_restoring_another_shape_fails_clearly(tmp_path):
             seed=0,
             workdir=tmp_path,
             progress=False,
-            run_info={"hidden": [32, 48]},
+            run_info={"sparsity": None},  # train_tiny's: the description does not tell them apart
         )
     message = str(err.value)
     assert "does not fit this model" in message
     assert "params/hidden_1/kernel: checkpoint (32, 32), this run (32, 48)" in message
-    assert "{'hidden': [32, 48], 'seed': 0}" in message
     assert compiles.count == 0
 
 
 def test_other_seed_in_the_same_workdir_is_refused(tmp_path):
     train_tiny(tmp_path, num_steps=2)
-    with pytest.raises(ValueError, match="written with seed 0, this run has seed 1"):
+    with pytest.raises(T.CheckpointMismatch, match="seed: 0 in the checkpoint, 1 in this run"):
         train_tiny(tmp_path, num_steps=4, seed=1)
+
+
+def test_other_run_description_in_the_same_workdir_is_refused(tmp_path):
+    train_tiny(tmp_path, num_steps=2, run_info={"optimizer": {"lr": 1e-2}, "layers": ("a", "b")})
+    # Tuples come back from the checkpoint's JSON as lists: the same description.
+    same = train_tiny(
+        tmp_path, num_steps=2, run_info={"optimizer": {"lr": 1e-2}, "layers": ("a", "b")}
+    )
+    assert same.start_step == 2
+    with CompileCounter() as compiles, pytest.raises(T.CheckpointMismatch) as err:
+        train_tiny(tmp_path, num_steps=4, run_info={"optimizer": {"lr": 3e-2}, "epochs": 2})
+    message = str(err.value)
+    assert "optimizer.lr: 0.01 in the checkpoint, 0.03 in this run" in message
+    assert "epochs: absent in the checkpoint, 2 in this run" in message
+    assert "layers: ['a', 'b'] in the checkpoint, absent in this run" in message
+    assert "sparsity" not in message and "use another workdir" in message
+    assert compiles.count == 0
 
 
 def test_no_recompilation_as_training_goes_on():

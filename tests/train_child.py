@@ -1,7 +1,7 @@
 """A tiny training run in its own process, for the multi-device and kill-and-resume tests.
 
   python train_child.py WORKDIR [--steps N] [--sparsity S --freeze F] [--kill-at STEP]
-                                [--step-sleep SECONDS] [--batch B]
+                                [--step-sleep SECONDS] [--batch B] [--log-every N]
 
 One of several processes when JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID are set.
 
@@ -36,6 +36,7 @@ def main():
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--log-every", type=int, default=1)
     args = parser.parse_args()
     T.initialize_distributed()  # several processes when JAX_NUM_PROCESSES etc. are set
 
@@ -53,6 +54,7 @@ def main():
         batch_size=args.batch,
         eval_every=4,
         selection_every=2,
+        log_every=args.log_every,
         hooks=[hook],
     )
     leaves = jax.device_get(jax.tree.leaves(result.state.params))

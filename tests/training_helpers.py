@@ -72,6 +72,8 @@ def train_tiny(
     checkpoint_every: int = 2,
     eval_every: int = 0,
     selection_every: int = 0,
+    log_every: int = 1,
+    run_info=None,
     mesh=None,
     **kwargs,
 ) -> T.TrainResult:
@@ -96,12 +98,12 @@ def train_tiny(
         gate=gate,
         workdir=workdir,
         checkpoint_every=checkpoint_every if workdir else 0,
-        log_every=1,
+        log_every=log_every,
         selection_every=selection_every,
         mesh=mesh,
         progress=False,
         hooks=hooks,
-        run_info={"sparsity": sparsity},
+        run_info={"sparsity": sparsity} if run_info is None else run_info,
         **kwargs,
     )
 

@@ -4,7 +4,7 @@
 TensorBoard and JSONL, Orbax checkpoints, data parallelism over every device).
 """
 
-from dynadiag_jax.training.checkpoint import Checkpointer
+from dynadiag_jax.training.checkpoint import Checkpointer, CheckpointMismatch
 from dynadiag_jax.training.loop import BatchSource, TrainResult, evaluate, train
 from dynadiag_jax.training.metrics import MetricWriter, read_jsonl
 from dynadiag_jax.training.mixup import MixupCutmix
@@ -31,6 +31,7 @@ from dynadiag_jax.training.tasks import Classification, LanguageModeling
 
 __all__ = [
     "BatchSource",
+    "CheckpointMismatch",
     "Checkpointer",
     "Classification",
     "GateSchedule",

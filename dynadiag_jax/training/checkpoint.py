@@ -1,10 +1,11 @@
 """Checkpoints with Orbax's ``CheckpointManager``: keep the last N, asynchronous, atomic.
 
-A checkpoint holds the :class:`~dynadiag_jax.training.state.TrainState` and a small JSON ``meta``
-record (the phase, and whatever describes the run: model, variant, sparsity). A checkpoint
-interrupted mid-write stays a temporary directory that Orbax ignores, so the latest *committed*
-step is always complete. Restoring checks every stored shape against the expected one first and
-names the mismatching parameters instead of failing deep inside TensorStore.
+A checkpoint holds the :class:`~dynadiag_jax.training.state.TrainState` and a JSON ``meta``
+record (what the training loop needs besides the state: the phase, the run's description, the
+metrics not logged yet). A checkpoint interrupted mid-write stays a temporary directory that Orbax
+ignores, so the latest *committed* step is always complete. Restoring checks every stored shape
+against the expected one first and names the mismatching parameters instead of failing deep inside
+TensorStore.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import orbax.checkpoint as ocp
 
 from dynadiag_jax.training.state import TrainState
 
-__all__ = ["Checkpointer"]
+__all__ = ["CheckpointMismatch", "Checkpointer"]
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that this run cannot resume from (another model shape, recipe or seed)."""
 
 
 def _shape_of(leaf) -> tuple[int, ...] | None:
@@ -76,13 +81,9 @@ class Checkpointer:
             "meta"
         ]
 
-    def check_compatible(
-        self, step: int, target: TrainState, *, meta: Mapping[str, Any] | None = None
-    ) -> None:
-        """Raise ``ValueError`` if the state stored at ``step`` does not have ``target``'s shapes.
-
-        ``meta`` (this run's description) is shown next to the checkpoint's in the message.
-        """
+    def check_compatible(self, step: int, target: TrainState) -> None:
+        """Raise :class:`CheckpointMismatch` if the state stored at ``step`` does not have
+        ``target``'s shapes."""
         stored = self._manager.item_metadata(step)["state"]
         stored = getattr(stored, "tree", stored)
         problems = []
@@ -110,23 +111,19 @@ class Checkpointer:
                 problems.append(f"collections differ, e.g. {diff}")
         if problems:
             shown = "\n  ".join(problems[:8]) + ("\n  ..." if len(problems) > 8 else "")
-            ckpt_meta = self.read_meta(step)
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"checkpoint {self.directory}/{step} does not fit this model "
                 f"(another sparsity, size or phase?):\n  {shown}\n"
-                f"checkpoint run: {ckpt_meta}\nthis run: {dict(meta or {})}\n"
                 f"use another workdir, or the settings the checkpoint was written with"
             )
 
-    def restore(
-        self, step: int, target: TrainState, *, meta: Mapping[str, Any] | None = None
-    ) -> TrainState:
+    def restore(self, step: int, target: TrainState) -> TrainState:
         """Restore ``step`` into the structure, shapes and shardings of ``target``.
 
         ``target`` may be abstract (``jax.ShapeDtypeStruct`` leaves, with ``sharding`` set).
-        Raises ``ValueError`` (see :meth:`check_compatible`) before reading any array.
+        Raises :class:`CheckpointMismatch` (see :meth:`check_compatible`) before reading any array.
         """
-        self.check_compatible(step, target, meta=meta)
+        self.check_compatible(step, target)
         restored = self._manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
         )

@@ -3,12 +3,14 @@
 One function, :func:`train`, used by every script. It takes explicit arguments and never reads a
 config. A run with a ``workdir`` resumes from the newest checkpoint there; because data order,
 dropout and augmentation depend only on ``(seed, step)`` and the gate schedule only on the step,
-a resumed run continues exactly as the uninterrupted one would have.
+a resumed run continues exactly as the uninterrupted one would have; the checkpoint also holds the
+sums of the metrics since the last training record, so its log continues exactly too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import pathlib
 import signal
 import threading
@@ -22,7 +24,7 @@ import numpy as np
 import optax
 import tqdm
 
-from dynadiag_jax.training.checkpoint import Checkpointer
+from dynadiag_jax.training.checkpoint import Checkpointer, CheckpointMismatch
 from dynadiag_jax.training.metrics import MetricWriter
 from dynadiag_jax.training.parallel import (
     batch_sharded,
@@ -187,8 +189,8 @@ def train(
       checkpoint_every: save every this many steps (and at the freeze, at the end and on
         SIGINT/SIGTERM).
       keep_checkpoints: how many checkpoints to keep.
-      run_info: JSON-able description of the run stored with checkpoints and shown when a
-        checkpoint does not fit (model, variant, sparsity, ...).
+      run_info: JSON-able description of the run (model, sparsity, recipe, ...), stored with
+        checkpoints; a checkpoint written with another description (or seed) is not resumed.
       log_every: write training metrics every this many steps (averaged over the interval).
       selection_every: record each layer's current top-K diagonals every this many search steps
         (``"selection"`` records in ``metrics.jsonl``; also at step 0 and at the freeze).
@@ -202,8 +204,9 @@ def train(
       A :class:`TrainResult`.
 
     Raises:
-      ValueError: bad arguments, a batch size not divisible by the device count, or a checkpoint
-        in ``workdir`` written for another model shape — all before anything is compiled.
+      ValueError: bad arguments or a batch size not divisible by the device count;
+        :class:`CheckpointMismatch` (a ``ValueError``): the newest checkpoint in ``workdir`` was
+        written with another ``run_info``, seed or model shape — all before anything is compiled.
       KeyboardInterrupt: after SIGINT/SIGTERM, once the current step is checkpointed.
     """
     _check_args(
@@ -221,7 +224,8 @@ def train(
         )
     if gate is not None:
         gate.check()
-    run_info = {**dict(run_info or {}), "seed": int(seed)}
+    # As the checkpoint's JSON gives it back (tuples become lists), to compare on resume.
+    run_info = json.loads(json.dumps({**dict(run_info or {}), "seed": int(seed)}))
     is_main = jax.process_index() == 0
 
     ckpt = (
@@ -231,7 +235,11 @@ def train(
     )
     writer = _NullWriter()
     try:
-        state, resumed_step = _initial_state(ckpt, init, abstract, rep, sparse, run_info)
+        # The metrics since the last training record: `pending` (device arrays, fetched at once
+        # at the next record or save) folded into `interval`, host sums that a checkpoint keeps
+        # so that the first record after a resume averages the same steps as without the resume.
+        state, resumed_step, interval = _initial_state(ckpt, init, abstract, rep, sparse, run_info)
+        pending = []
         start = resumed_step or 0
         if workdir is not None:
             writer = MetricWriter(
@@ -262,7 +270,9 @@ def train(
         def save(state, frozen):
             if ckpt is not None:
                 writer.flush()
-                ckpt.save(state, meta={**run_info, "frozen": frozen})
+                # A copy: the save is asynchronous, and `interval` keeps changing.
+                sums = {name: list(total) for name, total in _accumulate(interval, pending).items()}
+                ckpt.save(state, meta={"run": run_info, "frozen": frozen, "interval": sums})
 
         searching = is_searching(state.params)
         if searching and start == 0:
@@ -271,7 +281,7 @@ def train(
             state, searching = freeze(state), False
             save(state, True)
 
-        step, eval_metrics, pending = start, {}, []
+        step, eval_metrics = start, {}
         bar = tqdm.tqdm(
             total=num_steps,
             initial=start,
@@ -293,8 +303,9 @@ def train(
                 else:
                     timed_steps += 1
                 if (log_every and step % log_every == 0) or step == num_steps:
-                    record = _average(jax.device_get(pending))
-                    pending = []
+                    sums = _accumulate(interval, pending)
+                    record = {name: total / count for name, (total, count) in sums.items()}
+                    interval.clear()
                     if timed_steps:
                         elapsed = time.perf_counter() - timer
                         record["step_time_s"] = elapsed / timed_steps
@@ -349,29 +360,59 @@ def train(
 
 
 def _initial_state(ckpt, init, abstract, rep, sparse, run_info):
-    """``(state, step)``: the newest checkpoint restored into the right phase's structure and its
-    step, or a fresh state and None."""
+    """``(state, step, interval sums)``: the newest checkpoint restored into the right phase's
+    structure, its step and the metric sums it holds; or a fresh state, None and {}."""
     latest = None if ckpt is None else ckpt.latest_step()
     if latest is None:
-        return jax.jit(init, out_shardings=rep)(), None
+        return jax.jit(init, out_shardings=rep)(), None, {}
     meta = ckpt.read_meta(latest)
-    if meta.get("seed") is not None and meta["seed"] != run_info["seed"]:
-        raise ValueError(
-            f"checkpoint {ckpt.directory}/{latest} was written with seed {meta['seed']}, "
-            f"this run has seed {run_info['seed']}; use another workdir or the same seed"
+    differences = _differences(meta.get("run", {}), run_info)
+    if differences:
+        shown = "\n  ".join(differences)
+        raise CheckpointMismatch(
+            f"checkpoint {ckpt.directory}/{latest} was written by another run:\n  {shown}\n"
+            "resume with the settings it was written with, or use another workdir"
         )
     target = abstract
     if meta.get("frozen") and sparse:
         target = jax.eval_shape(freeze_state, abstract)
-    state = ckpt.restore(latest, _abstract(target, rep), meta=run_info)
-    return state, latest
+    state = ckpt.restore(latest, _abstract(target, rep))
+    return state, latest, dict(meta.get("interval", {}))
 
 
-def _average(records: list[dict]) -> dict:
-    """Mean of each metric over the steps of a logging interval that report it (per-layer gate
-    metrics stop at the freeze)."""
-    names = dict.fromkeys(name for r in records for name in r)
-    return {
-        name: float(np.mean([np.asarray(r[name], np.float64) for r in records if name in r]))
-        for name in names
-    }
+def _flat(tree: Mapping, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _differences(stored: Mapping, current: Mapping) -> list[str]:
+    """``"key: X in the checkpoint, Y in this run"`` for each entry (nested keys dotted) on which
+    two run descriptions differ."""
+    a, b = _flat(stored), _flat(current)
+    show = lambda tree, key: repr(tree[key]) if key in tree else "absent"  # noqa: E731
+    return [
+        f"{key}: {show(a, key)} in the checkpoint, {show(b, key)} in this run"
+        for key in sorted(set(a) | set(b))
+        if key not in a or key not in b or a[key] != b[key]
+    ]
+
+
+def _accumulate(interval: dict, pending: list) -> dict:
+    """Move the per-step metrics of ``pending`` into ``interval``'s ``{name: [sum, count]}``.
+
+    Added one step at a time in float64, so the sums do not depend on when they are folded (at a
+    record, at a save, before or after a resume); a metric counts only the steps that report it
+    (per-layer gate metrics stop at the freeze).
+    """
+    for record in jax.device_get(pending):
+        for name, value in record.items():
+            total = interval.setdefault(name, [0.0, 0])
+            total[0] += float(value)
+            total[1] += 1
+    pending.clear()
+    return interval
