@@ -1,6 +1,6 @@
 """ImageNet-1k through ``tfds.data_source("imagenet2012")`` (array_record, no TensorFlow) and grain.
 
-Prepare once (TensorFlow needed for that step only; see the README)::
+Prepare once (TensorFlow needed for that step only; docs/training.md, 'Preparing the data')::
 
     builder = tfds.builder("imagenet2012", data_dir=DATA_DIR, file_format="array_record")
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=TARS))
@@ -42,7 +42,7 @@ def check_imagenet_dir(data_dir) -> pathlib.Path:
     if data_dir is None:
         raise FileNotFoundError(
             "ImageNet needs data_dir: the tfds data directory in which imagenet2012 was prepared "
-            "(see the README, 'Preparing ImageNet')"
+            "(see docs/training.md, 'Preparing the data')"
         )
     root = pathlib.Path(data_dir)
     if not root.is_dir():
@@ -51,7 +51,7 @@ def check_imagenet_dir(data_dir) -> pathlib.Path:
     if not prepared:
         raise FileNotFoundError(
             f"{root} holds no prepared {DATASET} (no {DATASET}/<version>/dataset_info.json); "
-            "prepare it with tfds from ILSVRC2012_img_{train,val}.tar (README)"
+            "prepare it with tfds from ILSVRC2012_img_{train,val}.tar (docs/training.md)"
         )
     if not any(p.parent.glob("*.array_record*") for p in prepared):
         raise FileNotFoundError(
