@@ -1,0 +1,79 @@
+"""Smoke runs of the benchmark scripts on their tiniest configuration: table and CSV complete."""
+
+import csv
+import math
+import pathlib
+
+import jax
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["--shapes", "16:32", "--sparsities", "0.5", "--batch", "4", "--repeats", "1"]
+
+
+def read_rows(path):
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        return reader.fieldnames, list(reader)
+
+
+def assert_timings(rows):
+    for r in rows:
+        ms, ratio = float(r["ms"]), float(r["speedup_vs_dense"])
+        assert math.isfinite(ms) and ms > 0, r
+        assert math.isfinite(ratio) and ratio > 0, r
+        if r["impl"] == "dense":
+            assert ratio == 1.0, r
+
+
+def test_diag_matmul_benchmark_writes_its_table_and_csv(run_python, tmp_path):
+    out = tmp_path / "bench.csv"
+    proc = run_python(
+        [
+            str(ROOT / "bench" / "diag_matmul.py"),
+            *TINY,
+            "--impls",
+            "ffi,jax,bcoo",
+            "--out",
+            str(out),
+        ]
+    )
+    assert "dense ms" in proc.stdout and "16->32" in proc.stdout, proc.stdout
+    fields, rows = read_rows(out)
+    assert {"in", "out", "sparsity", "k", "impl", "phase", "ms", "speedup_vs_dense"} <= set(fields)
+    got = {(r["in"], r["out"], r["sparsity"], r["impl"], r["phase"]) for r in rows}
+    phases = ("fwd", "bwd", "fwd+bwd")
+    impls = ("dense", "ffi", "jax", "bcoo")
+    assert got == {("16", "32", "0.5", i, p) for i in impls for p in phases}
+    assert len(rows) == len(got)
+    assert_timings(rows)
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_gpu_benchmark_runs_on_the_cpu_when_allowed(run_python, tmp_path):
+    out = tmp_path / "gpu.csv"
+    proc = run_python(
+        [str(ROOT / "bench" / "diag_matmul_gpu.py"), "--allow-cpu", *TINY, "--out", str(out)]
+    )
+    assert "x dense" in proc.stdout and f"wrote {out}" in proc.stdout, proc.stdout
+    fields, rows = read_rows(out)
+    assert {"device", "layout", "impl", "phase", "ms", "speedup_vs_dense"} <= set(fields)
+    assert {"tiles_touched", "tile_fill", "tensor_core_share"} <= set(fields)
+    got = {(r["layout"], r["impl"], r["phase"]) for r in rows}
+    layouts, impls, phases = ("random", "band"), ("ffi", "dense", "bcoo"), ("fwd", "fwd+bwd")
+    assert got == {(lay, i, p) for lay in layouts for i in impls for p in phases}
+    assert len(rows) == len(got)
+    assert {r["device"] for r in rows} == {jax.devices()[0].device_kind}
+    assert_timings(rows)
+    # one table line per row
+    assert sum(line.lstrip().startswith("16:32") for line in proc.stdout.splitlines()) == len(rows)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="only the CPU backend is refused")
+def test_gpu_benchmark_refuses_the_cpu_by_default(run_python, tmp_path):
+    out = tmp_path / "gpu.csv"
+    proc = run_python(
+        [str(ROOT / "bench" / "diag_matmul_gpu.py"), *TINY, "--out", str(out)], check=False
+    )
+    assert proc.returncode == 2 and "--allow-cpu" in proc.stderr, proc.stderr
+    assert not out.exists()
