@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dynadiag_jax import data as D
-from dynadiag_jax.data import mnist
+from dynadiag_jax.data import mnist, text
 
 
 def _write_idx(path, array, *, gz=True):
@@ -149,6 +149,20 @@ def test_bytes_round_trip_and_corpora(tmp_path):
         D.load_corpus("books")
     stdlib = D.load_corpus("stdlib", max_bytes=200_000)
     assert len(stdlib.train) > 150_000 and b"def " in stdlib.train.astype(np.uint8).tobytes()
+
+
+def test_auto_corpus_is_fortunes_where_installed_else_the_stdlib_sources(tmp_path, monkeypatch):
+    fortunes = tmp_path / "fortunes"
+    fortunes.mkdir()
+    (fortunes / "art").write_text("%\nA fortune.\n" * 100)
+    monkeypatch.setattr(text, "FORTUNES_DIR", fortunes)
+    assert D.load_corpus().name.startswith(f"fortunes ({fortunes}")
+    monkeypatch.setattr(text, "FORTUNES_DIR", tmp_path / "missing")
+    assert D.load_corpus(max_bytes=200_000).name.startswith("stdlib")
+    with pytest.raises(FileNotFoundError, match="apt-get install fortunes"):
+        D.load_corpus("fortunes")
+    with pytest.raises(ValueError, match="takes no path"):
+        D.load_corpus("auto", fortunes)
 
 
 def _empty(path):

@@ -8,6 +8,7 @@ import tensorflow_datasets as tfds
 from training_helpers import CompileCounter, fast_compile  # noqa: F401 - fixture
 
 from dynadiag_jax import training as T
+from dynadiag_jax.data import text
 from train import common, fashion_mnist, imagenet, lm
 from train.configs import fashion_mnist as fashion_config
 from train.configs import gpt2_lm, vit_imagenet
@@ -107,6 +108,14 @@ def test_lm_runs_on_fortunes_and_reports_perplexity(tmp_path, sparsity):
     m = result.eval_metrics
     assert 1.0 < m["perplexity"] < 256.0 and m["count"] == 16 * 32
     assert m["bits_per_token"] == pytest.approx(np.log2(m["perplexity"]))
+
+
+def test_lm_default_corpus_falls_back_to_the_stdlib_sources(tmp_path, monkeypatch):
+    monkeypatch.setattr(text, "FORTUNES_DIR", tmp_path / "no-fortunes")
+    _, corpus, *_ = lm.prepare(gpt2_lm.get_config("runlocal,sparsity=0"))
+    assert corpus.name.startswith("stdlib (")
+    with pytest.raises(common.ConfigError, match="apt-get install fortunes"):
+        lm.prepare(gpt2_lm.get_config("runlocal,sparsity=0,corpus=fortunes"))
 
 
 def test_lm_bad_corpus_paths(tmp_path):

@@ -5,8 +5,9 @@
       --config=train/configs/gpt2_lm.py:corpus=wikitext,variant=small \\
       --config.data.path=/data/wikitext-103-raw
 
-Corpora: ``fortunes`` (/usr/share/games/fortunes), ``stdlib`` (this Python's standard library
-sources), ``wikitext`` (WikiText-103 raw files at ``--config.data.path``). Tokens are bytes, so
+Corpora: ``auto`` (the default: fortunes where installed, else stdlib; the script prints which),
+``fortunes`` (/usr/share/games/fortunes), ``stdlib`` (this Python's standard library sources),
+``wikitext`` (WikiText-103 raw files at ``--config.data.path``). Tokens are bytes, so
 perplexity is per byte (bits per byte = log2 of it).
 """
 
@@ -65,6 +66,7 @@ def prepare(config):
 def train_and_evaluate(config, workdir, *, progress: bool = True):
     """Train and evaluate as ``config`` says; returns ``(TrainResult, corpus name)``."""
     model, corpus, train_data, eval_data, example = prepare(config)
+    print(f"corpus: {corpus.name}")
     result = common.train_from_config(
         config,
         model=model,

@@ -2,7 +2,8 @@
 
 Tokens are the UTF-8 bytes of the text (vocabulary 256), so no tokenizer file is needed.
 Corpora: ``"fortunes"`` (Debian ``fortunes``), ``"stdlib"`` (the Python standard library's
-``.py`` sources), ``"wikitext"`` (WikiText-103 raw: ``wiki.{train,valid,test}.raw`` in a directory).
+``.py`` sources), ``"wikitext"`` (WikiText-103 raw: ``wiki.{train,valid,test}.raw`` in a directory),
+and ``"auto"``: fortunes where installed, else the standard library's sources (both are local).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ __all__ = [
 BYTE_VOCAB_SIZE = 256
 FORTUNES_DIR = pathlib.Path("/usr/share/games/fortunes")
 WIKITEXT_FILES = {"train": "wiki.train.raw", "valid": "wiki.valid.raw", "test": "wiki.test.raw"}
-CORPORA = ("fortunes", "stdlib", "wikitext")
+CORPORA = ("auto", "fortunes", "stdlib", "wikitext")
 
 
 class Corpus(NamedTuple):
@@ -113,12 +114,14 @@ def _wikitext(path) -> Corpus:
     return Corpus(train, valid, f"wikitext ({root})")
 
 
-def load_corpus(name: str = "fortunes", path=None, *, max_bytes: int = 16 << 20) -> Corpus:
-    """Load a byte-level corpus.
+def load_corpus(name: str = "auto", path=None, *, max_bytes: int = 16 << 20) -> Corpus:
+    """Load a byte-level corpus; its ``name`` says which one (and from where).
 
     Args:
-      name: ``"fortunes"``, ``"stdlib"`` or ``"wikitext"``.
-      path: the corpus directory (``None``: the system default; required for ``wikitext``).
+      name: ``"auto"`` (fortunes if :data:`FORTUNES_DIR` exists, else ``"stdlib"``),
+        ``"fortunes"``, ``"stdlib"`` or ``"wikitext"``.
+      path: the corpus directory (``None``: the system default; required for ``wikitext``; not
+        accepted with ``auto``).
       max_bytes: cap on the ``stdlib`` corpus size.
 
     Raises:
@@ -126,6 +129,10 @@ def load_corpus(name: str = "fortunes", path=None, *, max_bytes: int = 16 << 20)
     """
     if name not in CORPORA:
         raise ValueError(f"unknown corpus {name!r}; expected one of {CORPORA}")
+    if name == "auto":
+        if path is not None:
+            raise ValueError("corpus 'auto' takes no path: name the corpus the path holds")
+        name = "fortunes" if FORTUNES_DIR.is_dir() else "stdlib"
     if name == "fortunes":
         return _fortunes(path)
     if name == "stdlib":

@@ -1,6 +1,7 @@
 """GPT-2 byte-level language model: dense or DynaDiag (c_attn, c_proj, c_fc, mlp c_proj).
 
-Default: the "mini" size (4 layers, width 128) on the Debian fortunes corpus, sized for a CPU.
+Default: the "mini" size (4 layers, width 128) on a local corpus, sized for a CPU: the Debian
+fortunes where installed, else this Python's standard library sources (``corpus=auto``).
 GPT-2 small/medium on WikiText-103 (raw files wiki.{train,valid,test}.raw in a directory):
 
   python train/lm.py --workdir=runs/lm_fortunes_s90
@@ -22,7 +23,7 @@ SPARSE_LAYERS = (r".*/attn/(c_attn|c_proj)", r".*/mlp/(c_fc|c_proj)")
 
 def get_config(arg=None):
     arg = parse_arg(
-        arg, variant="mini", sparsity=0.9, corpus="fortunes", gate="sparse_topk", runlocal=False
+        arg, variant="mini", sparsity=0.9, corpus="auto", gate="sparse_topk", runlocal=False
     )
     config = ml_collections.ConfigDict()
     config.seed = 0
