@@ -34,6 +34,14 @@ def support_mask(offsets, in_features: int, out_features: int) -> np.ndarray:
     return mask
 
 
+def _column_edges(steps) -> np.ndarray:
+    """``[n + 1]`` column boundaries: column ``j`` spans ``steps[j]`` to ``steps[j + 1]`` (the
+    selection in force until the next snapshot); the last one as long as the one before."""
+    steps = np.asarray(steps, np.float64)
+    last = steps[-1] - steps[-2] if len(steps) > 1 else 1.0
+    return np.append(steps, steps[-1] + last)
+
+
 def plot_diagonals(
     metrics_path,
     kept: Mapping[str, np.ndarray],
@@ -51,7 +59,7 @@ def plot_diagonals(
       kept: ``{layer path: offsets}`` of the final (frozen) model.
       shapes: ``{layer path: (in_features, out_features)}``.
       out_path: the PNG to write.
-      freeze_step: the step of the freeze (named in the titles).
+      freeze_step: the step of the freeze (named in the titles, a dashed line on the step axis).
     """
     import matplotlib
 
@@ -85,13 +93,17 @@ def plot_diagonals(
             grid = np.zeros((p, len(snaps)), np.uint8)
             for j, sel in enumerate(snaps):
                 grid[sel, j] = 1
-            extent = (steps[0], steps[-1] if len(steps) > 1 else steps[0] + 1, p - 0.5, -0.5)
-            row[1].imshow(grid, cmap="Blues", interpolation="nearest", aspect="auto", extent=extent)
+            # Columns at their snapshots' steps: the intervals are uneven (the last one ends at
+            # the freeze), so an evenly stretched image would drift off the step axis.
+            row[1].pcolormesh(_column_edges(steps), np.arange(p + 1) - 0.5, grid, cmap="Blues")
+            row[1].set_ylim(p - 0.5, -0.5)  # offset 0 at the top, as in the support image
+            if freeze_step is not None:
+                row[1].axvline(freeze_step, color="black", ls="--", lw=1)
             churn = [0] + [len(np.setdiff1d(b, a)) for a, b in zip(snaps, snaps[1:])]
             twin = row[1].twinx()
             twin.plot(steps, churn, color="tab:red", lw=1)
             twin.set_ylabel("diagonals swapped in since previous snapshot", color="tab:red")
-            frozen = "" if freeze_step is None else f", frozen at step {freeze_step}"
+            frozen = "" if freeze_step is None else f", frozen at step {freeze_step} (dashed)"
             row[1].set_title(f"top-K by alpha during the search phase{frozen}")
         else:
             row[1].set_title("no selection snapshots recorded")
