@@ -144,6 +144,28 @@ def test_batch_not_divisible_by_devices_is_reported(run_python, tmp_path):
     assert not (tmp_path / "dense").exists()
 
 
+@pytest.mark.parametrize(
+    "script, flag",
+    [("fashion_mnist.py", "train.eval_batch_size"), ("results.py", "eval_batch_size")],
+)
+def test_eval_batch_not_divisible_by_devices_is_reported(run_python, tmp_path, script, flag):
+    # The training batch (128) splits over 16 devices; the evaluation batch (1000) does not.
+    proc = run_python(
+        [
+            str(ROOT / "train" / script),
+            "--config.data.source=mnist5k",
+            f"--workdir={tmp_path / 'run'}",
+            f"--docs={tmp_path / 'docs'}" if script == "results.py" else "--noprogress",
+        ],
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=16"},
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"{flag}=1000 is not divisible by the number of devices (16)" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_unknown_flag_override_is_refused(run_python, tmp_path):
     proc = run_python(
         [str(ROOT / "train" / "lm.py"), "--config.train.bogus=1", f"--workdir={tmp_path}"],

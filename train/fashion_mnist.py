@@ -46,8 +46,9 @@ def prepare(config):
     """
     common.check_config(config, default_config.get_config())
     data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
-    batch = int(config.train.batch_size)
-    T.check_batch_size(batch, T.data_mesh())
+    batch, mesh = int(config.train.batch_size), T.data_mesh()
+    T.check_batch_size(batch, mesh)
+    T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
     steps = int(config.train.epochs) * (len(data.train["label"]) // batch)
     if steps < 1:
         raise common.ConfigError(f"train.epochs={config.train.epochs} gives no training step")
@@ -97,7 +98,7 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
             train_data=D.ArrayBatches(
                 data.train, int(config.train.batch_size), seed=int(config.seed)
             ),
-            eval_data=D.EvalBatches(data.test, 1000),
+            eval_data=D.EvalBatches(data.test, int(config.train.eval_batch_size)),
             num_steps=steps,
             warmup_steps=int(config.optimizer.warmup_steps),
             example_input=example,

@@ -78,8 +78,10 @@ def prepare(config):
         data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
     except (FileNotFoundError, ValueError) as e:
         raise common.ConfigError(str(e)) from None
+    mesh = T.data_mesh()
+    T.check_batch_size(int(config.eval_batch_size), mesh, name="eval_batch_size")
     for name, m in config.models.items():
-        T.check_batch_size(int(m.batch_size), T.data_mesh())
+        T.check_batch_size(int(m.batch_size), mesh)
         steps = steps_of(m, data)
         if steps <= int(config.unstructured.update_every):
             raise common.ConfigError(
@@ -157,7 +159,7 @@ def train_run(config, data, spec, steps: int, workdir: pathlib.Path, fp: str) ->
         optimizer=built.optimizer,
         task=T.Classification(data.num_classes, float(m.optimizer.label_smoothing)),
         train_data=D.ArrayBatches(data.train, int(m.batch_size), seed=seed),
-        eval_data=D.EvalBatches(data.test, 1000),
+        eval_data=D.EvalBatches(data.test, int(config.eval_batch_size)),
         num_steps=steps,
         example_input=example,
         seed=seed,

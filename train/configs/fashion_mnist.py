@@ -31,6 +31,7 @@ def get_config(arg=None):
     config.data = dict(source="auto", data_dir="")
     config.train = dict(
         batch_size=128,
+        eval_batch_size=1000,  # the last batch is padded; both batches: multiples of the devices
         epochs=arg.epochs,
         log_every=50,
         eval_every=0,

@@ -65,6 +65,7 @@ def get_config(arg=None):
         raise ValueError(f"unknown models {unknown}; known: {', '.join(all_models)}")
     config.models = {name: all_models[name] for name in arg.models.split("+")}
     config.unstructured = unstructured_defaults()
+    config.eval_batch_size = 1000  # the last batch is padded; a multiple of the device count
     # Timing: every method's jitted step on one fixed batch, interleaved, median of `repeats`.
     config.speed = dict(train_batch=128, inference_batches=(1, 256), repeats=40, warmup=5)
     if arg.quick:
