@@ -124,29 +124,33 @@ def test_diag_matmul_lowers_to_the_cuda_targets_with_a_workspace():
             )
         pytest.skip("CUDA targets not built (no nvcc on PATH)")
     rows, in_f, out_f, k = 4, 16, 48, 3
-    x = jax.ShapeDtypeStruct((rows, in_f), jnp.bfloat16)
-    v = jax.ShapeDtypeStruct((k, in_f), jnp.bfloat16)
-    o = jax.ShapeDtypeStruct((k,), jnp.int32)
+    for dtype in (jnp.bfloat16, jnp.float32):  # tensor-core plan, and no tile structure at all
+        x = jax.ShapeDtypeStruct((rows, in_f), dtype)
+        v = jax.ShapeDtypeStruct((k, in_f), dtype)
+        o = jax.ShapeDtypeStruct((k,), jnp.int32)
 
-    def f(x, v, o):
-        return dd.diag_matmul(x, v, o, out_features=out_f, impl="ffi")
+        def f(x, v, o):
+            return dd.diag_matmul(x, v, o, out_features=out_f, impl="ffi")
 
-    def loss(x, v, o):
-        return jnp.sum(f(x, v, o).astype(jnp.float32) ** 2)
+        def loss(x, v, o):
+            return jnp.sum(f(x, v, o).astype(jnp.float32) ** 2)
 
-    fwd = jax.jit(f).trace(x, v, o).lower(lowering_platforms=("cuda",)).as_text()
-    grad = (
-        jax.jit(jax.grad(loss, argnums=(0, 1)))
-        .trace(x, v, o)
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
-    for kind, text in (("fwd", fwd), ("fwd", grad), ("dx", grad), ("dvalues", grad)):
-        calls = [
-            line
-            for line in text.splitlines()
-            if f"stablehlo.custom_call @dynadiag_diag_matmul_{kind}(" in line
-        ]
-        assert calls, f"no {kind} custom call in the CUDA lowering"
-        nbytes = max(1, cuda.workspace_bytes(kind, rows, in_f, out_f, k))
-        assert all(f"tensor<{nbytes}xui8>" in c for c in calls), f"{kind} workspace: {calls[0]}"
+        fwd = jax.jit(f).trace(x, v, o).lower(lowering_platforms=("cuda",)).as_text()
+        grad = (
+            jax.jit(jax.grad(loss, argnums=(0, 1)))
+            .trace(x, v, o)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        for kind, text in (("fwd", fwd), ("fwd", grad), ("dx", grad), ("dvalues", grad)):
+            calls = [
+                line
+                for line in text.splitlines()
+                if f"stablehlo.custom_call @dynadiag_diag_matmul_{kind}(" in line
+            ]
+            assert calls, f"no {kind} custom call in the CUDA lowering ({dtype.__name__})"
+            nbytes = max(1, cuda.workspace_bytes(kind, rows, in_f, out_f, k, dtype))
+            if kind != "dvalues":
+                assert (nbytes > 1) == (dtype == jnp.bfloat16), (kind, dtype.__name__, nbytes)
+            where = f"{kind} ({dtype.__name__}) workspace: {calls[0]}"
+            assert all(f"tensor<{nbytes}xui8>" in c for c in calls), where

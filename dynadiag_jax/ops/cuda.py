@@ -112,8 +112,8 @@ def workspace_bytes(
       rows: product of the leading dimensions of ``x``/``dy``.
       in_features, out_features: the shape of ``W[out, in]``.
       num_diagonals: ``K``.
-      dtype: of the operands; None gives the most any dtype needs (the tensor-core plan), which
-        is what the lowering in ``ops/ffi.py`` asks for, as it does not pass the dtype.
+      dtype: of the operands (the lowering in ``ops/ffi.py`` passes it); None gives the most any
+        dtype needs (the tensor-core plan).
     """
     if kind == "dvalues":
         splits = sddmm_splits(rows, in_features, out_features, num_diagonals)

@@ -30,8 +30,8 @@ from dynadiag_jax.ops.diag_matmul import Backend
 
 __all__ = ["PlatformKernels", "make_ffi_backend", "platform_of_default_backend"]
 
-# workspace_bytes(kind, rows, in_features, out_features, k) -> bytes, or None for no workspace.
-WorkspaceFn = Callable[[str, int, int, int, int], int]
+# workspace_bytes(kind, rows, in_features, out_features, k, dtype) -> bytes.
+WorkspaceFn = Callable[[str, int, int, int, int, jnp.dtype], int]
 
 
 class PlatformKernels(NamedTuple):
@@ -191,7 +191,7 @@ def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels):
             in_f, out_f = _features(kind, ctx.avals_in, avals_out)
             a, offsets = ctx.avals_in[0], ctx.avals_in[-1]
             rows = int(np.prod(a.shape[:-1], dtype=np.int64))
-            nbytes = kernels.workspace_bytes(kind, rows, in_f, out_f, offsets.shape[0])
+            nbytes = kernels.workspace_bytes(kind, rows, in_f, out_f, offsets.shape[0], a.dtype)
             avals_out.append(ShapedArray((max(int(nbytes), 1),), jnp.uint8))
         results = jax.ffi.ffi_lowering(target)(ctx.replace(avals_out=avals_out), *operands)
         return results[: len(ctx.avals_out)]
