@@ -38,9 +38,10 @@ def _build(config, method, sparsity=0.9, steps=100):
         unstructured_cfg=config.unstructured,
         optimizer_cfg=m.optimizer,
         sparsity=sparsity,
-        num_classes=10,
         num_steps=steps,
+        warmup_steps=0,
         seed=0,
+        num_classes=10,
     )
 
 

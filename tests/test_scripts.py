@@ -9,7 +9,7 @@ from training_helpers import CompileCounter, fast_compile  # noqa: F401 - fixtur
 
 from dynadiag_jax import training as T
 from dynadiag_jax.data import text
-from train import common, fashion_mnist, imagenet, lm
+from train import common, fashion_mnist, imagenet, lm, results_runs
 from train.configs import fashion_mnist as fashion_config
 from train.configs import gpt2_lm, vit_imagenet
 
@@ -98,6 +98,57 @@ def test_imagenet_runs_on_mock_data(tmp_path, sparsity):
     assert [r["step"] for r in records if r["kind"] == "train"] == [2, 4, 6]
     assert all(np.isfinite(r["loss"]) for r in records if r["kind"] == "train")
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4", "6"]
+
+
+def _sparse_layer_density(method, example, config, params) -> float:
+    """Non-zero weights over dense weights in the layers that ``dynadiag.layers`` selects."""
+    selected = common.check_layer_patterns(method.model, example, config.dynadiag)
+    shapes = common.layer_shapes(method.model, example)
+    return results_runs.sparse_layer_density(params, {p: shapes[p] for p in selected})
+
+
+@pytest.mark.parametrize("method", ["rigl", "static_diagonals"])
+def test_imagenet_trains_the_baseline_its_config_names(tmp_path, method):
+    config = vit_imagenet.get_config(f"runlocal,sparsity=0.9,method={method}")
+    config.unstructured.update_every = 2  # a drop-and-grow step within the 6 steps
+    config.data.data_dir = str(_fake_prepared_imagenet(tmp_path / "data"))
+    with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
+        built, _, _, _, example = imagenet.prepare(config)
+        result = imagenet.train_and_evaluate(config, tmp_path / "run", progress=False)
+    assert built.name == method and np.isfinite(result.eval_metrics["loss"])
+    density = _sparse_layer_density(built, example, config, result.state.params)
+    assert density == pytest.approx(0.1, abs=0.02)
+
+
+def test_lm_trains_the_baseline_its_config_names(tmp_path):
+    config = gpt2_lm.get_config("runlocal,sparsity=0.9,method=mest")
+    config.unstructured.update_every = 2
+    built, _, _, _, example = lm.prepare(config)
+    result, _ = lm.train_and_evaluate(config, tmp_path, progress=False)
+    assert built.name == "mest" and 1.0 < result.eval_metrics["perplexity"] < 256.0
+    density = _sparse_layer_density(built, example, config, result.state.params)
+    assert density == pytest.approx(0.1, abs=0.02)
+
+
+def test_another_recipe_in_the_same_workdir_is_refused(tmp_path):
+    config = gpt2_lm.get_config("runlocal,sparsity=0")
+    lm.train_and_evaluate(config, tmp_path, progress=False)
+    changed = gpt2_lm.get_config("runlocal,sparsity=0")
+    changed.optimizer.learning_rate = 2e-3
+    changed.train.num_steps = 8
+    with CompileCounter() as c, pytest.raises(common.ConfigError) as err:
+        lm.train_and_evaluate(changed, tmp_path, progress=False)
+    assert c.count == 0
+    message = str(err.value)
+    assert "optimizer.learning_rate: 0.001 in the checkpoint, 0.002 in this run" in message
+    assert "train.num_steps: 6 in the checkpoint, 8 in this run" in message
+    assert "another workdir" in message and "optimizer.b1" not in message  # only differences
+    # Entries that cannot change a dense run's result may change: it resumes at its last step.
+    same = gpt2_lm.get_config("runlocal,sparsity=0")
+    same.train.log_every, same.train.checkpoint_every = 3, 3
+    same.unstructured.drop_fraction = 0.5  # read by RigL and SET only
+    result, _ = lm.train_and_evaluate(same, tmp_path, progress=False)
+    assert result.start_step == 6
 
 
 @pytest.mark.parametrize("sparsity", [0.0, pytest.param(0.9, marks=pytest.mark.slow)])

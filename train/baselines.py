@@ -10,7 +10,8 @@ recipe:
 * ``rigl``, ``set``, ``mest``: dense layers whose selected kernels an optimizer wrapper keeps
   unstructured-sparse (masks in the optimizer state, :mod:`dynadiag_jax.baselines`).
 
-The ``unstructured`` config section holds the drop-and-grow schedule (see :func:`check`).
+The ``unstructured`` config section holds the drop-and-grow schedule (see :func:`check`). Every
+training script selects the method with its config's ``method`` entry (:func:`from_config`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ from train import common
 METHODS = ("dense", "dynadiag", "static_diagonals", "rigl", "set", "mest")
 UNSTRUCTURED = {"rigl": B.rigl, "set": B.set_, "mest": B.mest}
 DISTRIBUTIONS = {"uniform": B.uniform, "erk": B.erk}
+# The entries of the ``dynadiag`` and ``unstructured`` sections that each method reads (a section's
+# name: all of it); the other sections (model, optimizer, ...) every method reads.
+READS = {
+    "dense": (),
+    "dynadiag": ("dynadiag",),
+    "static_diagonals": ("dynadiag.layers", "dynadiag.sparsity"),
+    **{m: ("dynadiag.layers", "dynadiag.sparsity", "unstructured") for m in UNSTRUCTURED},
+}
 # Folded into the run's seed for the masks' key, apart from the initialisation and data keys.
 MASK_STREAM = 0x6D61736B
 
@@ -61,6 +70,7 @@ class Method(NamedTuple):
       learning_rate: the learning-rate schedule (for logging).
       gate: the gate schedule (``dynadiag`` only, else ``None``).
       freeze_step: the freeze step (``dynadiag`` only, else ``None``).
+      reads: the ``dynadiag`` and ``unstructured`` config entries the method reads (:data:`READS`).
     """
 
     name: str
@@ -69,6 +79,7 @@ class Method(NamedTuple):
     learning_rate: Callable
     gate: Any
     freeze_step: int | None
+    reads: tuple[str, ...]
 
 
 def check(method: str, unstructured_cfg) -> None:
@@ -102,12 +113,12 @@ def _with_sparsity(dynadiag_cfg, sparsity: float):
     return cfg
 
 
-def model_with_layer(model_cfg, dynadiag_cfg, layer: Callable, *, num_classes: int):
+def model_with_layer(model_cfg, dynadiag_cfg, layer: Callable, **model_kwargs):
     """The model with ``layer`` (a constructor like ``partial(BCOODense, sparsity=0.9)``) in place
-    of every layer that ``dynadiag_cfg.layers`` selects; the other layers stay dense."""
-    dense = common.build_model(
-        model_cfg, _with_sparsity(dynadiag_cfg, 0.0), num_classes=num_classes
-    )
+    of every layer that ``dynadiag_cfg.layers`` selects; the other layers stay dense.
+
+    ``model_kwargs`` (e.g. ``num_classes``) go to the model's constructor with the config's."""
+    dense = common.build_model(model_cfg, _with_sparsity(dynadiag_cfg, 0.0), **model_kwargs)
     return dense.clone(dense=models.ByPath(tuple(dynadiag_cfg.layers), sparse=layer))
 
 
@@ -119,13 +130,15 @@ def build(
     unstructured_cfg,
     optimizer_cfg,
     sparsity: float,
-    num_classes: int,
     num_steps: int,
+    warmup_steps: int,
     seed: int,
+    **model_kwargs,
 ) -> Method:
     """The model, optimizer, gate schedule and freeze step of ``method`` at ``sparsity``.
 
-    ``sparsity`` is ignored for ``dense``. Raises :class:`common.ConfigError` on bad settings.
+    ``sparsity`` is ignored for ``dense``; ``model_kwargs`` (``num_classes=...``, ...) go to the
+    model's constructor. Raises :class:`common.ConfigError` on bad settings.
     """
     check(method, unstructured_cfg)
     if method != "dense" and not 0.0 < float(sparsity) < 1.0:
@@ -133,11 +146,10 @@ def build(
             f"dynadiag.sparsity must be 0 (dense) or in (0, 1), got {sparsity} (method {method})"
         )
     diag_cfg = _with_sparsity(dynadiag_cfg, sparsity if method == "dynadiag" else 0.0)
-    warmup = int(optimizer_cfg.warmup_steps)
-    optimizer, lr = common.build_optimizer(optimizer_cfg, diag_cfg, num_steps, warmup)
+    optimizer, lr = common.build_optimizer(optimizer_cfg, diag_cfg, num_steps, warmup_steps)
     gate = freeze = None
     if method == "dynadiag":
-        model = common.build_model(model_cfg, diag_cfg, num_classes=num_classes)
+        model = common.build_model(model_cfg, diag_cfg, **model_kwargs)
         freeze = common.freeze_step(diag_cfg, num_steps)
         gate = common.gate_schedule(diag_cfg, freeze, num_steps)
     elif method == "static_diagonals":
@@ -147,9 +159,9 @@ def build(
             init_phase="frozen",
             impl=dynadiag_cfg.get("impl", "auto"),
         )
-        model = model_with_layer(model_cfg, dynadiag_cfg, static, num_classes=num_classes)
+        model = model_with_layer(model_cfg, dynadiag_cfg, static, **model_kwargs)
     else:
-        model = common.build_model(model_cfg, diag_cfg, num_classes=num_classes)
+        model = common.build_model(model_cfg, diag_cfg, **model_kwargs)
     if method in UNSTRUCTURED:
         u = unstructured_cfg
         distribution = functools.partial(
@@ -168,4 +180,22 @@ def build(
         else:
             kwargs.update(drop_fraction=float(u.drop_fraction))
         optimizer = UNSTRUCTURED[method](optimizer, **kwargs)
-    return Method(method, model, optimizer, lr, gate, freeze)
+    return Method(method, model, optimizer, lr, gate, freeze, READS[method])
+
+
+def from_config(config, *, num_steps: int, warmup_steps: int, **model_kwargs) -> Method:
+    """The method that ``config.method`` names (``dense`` when ``dynadiag.sparsity`` is 0), built
+    from the config's ``model``, ``dynadiag``, ``unstructured`` and ``optimizer`` sections."""
+    sparsity = float(config.dynadiag.sparsity)
+    return build(
+        config.method if sparsity else "dense",
+        model_cfg=config.model,
+        dynadiag_cfg=config.dynadiag,
+        unstructured_cfg=config.unstructured,
+        optimizer_cfg=config.optimizer,
+        sparsity=sparsity,
+        num_steps=num_steps,
+        warmup_steps=warmup_steps,
+        seed=int(config.seed),
+        **model_kwargs,
+    )

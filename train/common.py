@@ -210,67 +210,89 @@ def reports_config_errors(prepare: Callable) -> Callable:
     return wrapper
 
 
+# Config entries that do not change what a run computes, so that a resumed run may change them:
+# where the data lives, input-pipeline threads, how often to checkpoint, log and evaluate, the
+# evaluation batch (padded; only the rounding of the summed loss can change), the kernel backend
+# (the same products), and which runs fashion_mnist.py trains (each in its own subdirectory; the
+# method is recorded by name). Every other entry is part of the recipe (see :func:`recipe`).
+NOT_RECIPE = frozenset(
+    {
+        "data.data_dir",
+        "data.path",
+        "data.num_threads",
+        "data.prefetch",
+        "train.checkpoint_every",
+        "train.keep_checkpoints",
+        "train.log_every",
+        "train.eval_every",
+        "train.selection_every",
+        "train.eval_batch_size",
+        "dynadiag.impl",
+        "compare_dense",
+        "method",
+    }
+)
+
+
+def recipe(config, method) -> dict[str, Any]:
+    """What decides the result of a run of ``method`` (a :class:`train.baselines.Method`), flat:
+    ``{"method": name, "optimizer.learning_rate": 1e-3, ...}``: every config entry but
+    :data:`NOT_RECIPE`, and of the ``dynadiag`` and ``unstructured`` sections only what the method
+    reads. Stored with the run's checkpoints; resuming with another recipe is refused."""
+
+    def kept(key):
+        if key in NOT_RECIPE:
+            return False
+        if key.split(".")[0] in ("dynadiag", "unstructured"):
+            return any(key == r or key.startswith(r + ".") for r in method.reads)
+        return True
+
+    return {"method": method.name, **{k: v for k, v in _flat_keys(config).items() if kept(k)}}
+
+
 def train_from_config(
     config,
     *,
-    model,
+    method,
     task,
     train_data,
     eval_data,
     num_steps: int,
-    warmup_steps: int,
     example_input,
     workdir,
     progress: bool,
-    dynadiag_cfg=None,
-    method=None,
 ) -> T.TrainResult:
-    """:func:`dynadiag_jax.training.train` with the optimizer, freeze, gate schedule and the
-    ``train`` section taken from ``config`` (``dynadiag_cfg`` overrides ``config.dynadiag``).
+    """:func:`dynadiag_jax.training.train` of ``method`` (a :class:`train.baselines.Method`: the
+    model, optimizer, freeze step and gate schedule) with the ``train`` section of ``config``.
 
-    ``method`` (a :class:`train.baselines.Method`) supplies the optimizer, learning rate, freeze
-    step and gate schedule instead, for the baselines.
+    Raises:
+      ConfigError: ``workdir`` holds a checkpoint of another recipe (:func:`recipe`) or seed.
     """
-    dyn = config.dynadiag if dynadiag_cfg is None else dynadiag_cfg
-    if method is None:
-        optimizer, lr = build_optimizer(config.optimizer, dyn, num_steps, warmup_steps)
-        freeze_at = freeze_step(dyn, num_steps)
-        gate = gate_schedule(dyn, freeze_at, num_steps)
-    else:
-        optimizer, lr, freeze_at, gate = (
-            method.optimizer,
-            method.learning_rate,
-            method.freeze_step,
-            method.gate,
-        )
     t = config.train
-    return T.train(
-        model=model,
-        optimizer=optimizer,
-        task=task,
-        train_data=train_data,
-        eval_data=eval_data,
-        num_steps=num_steps,
-        example_input=example_input,
-        seed=int(config.seed),
-        freeze_step=freeze_at,
-        gate=gate,
-        workdir=workdir,
-        eval_every=int(t.eval_every),
-        checkpoint_every=int(t.checkpoint_every),
-        keep_checkpoints=int(t.keep_checkpoints),
-        log_every=int(t.log_every),
-        selection_every=int(t.selection_every),
-        learning_rate=lr,
-        # Stored with checkpoints and shown when one does not fit this run.
-        run_info={
-            "model": dict(config.model),
-            "sparsity": float(dyn.sparsity),
-            "gate": dyn.gate,
-            **({} if method is None else {"method": method.name}),
-        },
-        progress=progress,
-    )
+    try:
+        return T.train(
+            model=method.model,
+            optimizer=method.optimizer,
+            task=task,
+            train_data=train_data,
+            eval_data=eval_data,
+            num_steps=num_steps,
+            example_input=example_input,
+            seed=int(config.seed),
+            freeze_step=method.freeze_step,
+            gate=method.gate,
+            workdir=workdir,
+            eval_every=int(t.eval_every),
+            checkpoint_every=int(t.checkpoint_every),
+            keep_checkpoints=int(t.keep_checkpoints),
+            log_every=int(t.log_every),
+            selection_every=int(t.selection_every),
+            learning_rate=method.learning_rate,
+            run_info=recipe(config, method),
+            progress=progress,
+        )
+    except T.CheckpointMismatch as e:
+        raise ConfigError(f"{e} (--workdir)") from None
 
 
 def run_script(body: Callable[[], Any]) -> Any:

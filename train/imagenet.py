@@ -1,4 +1,5 @@
-"""ViT on ImageNet-1k: tfds ``data_source("imagenet2012")`` + grain, the DeiT recipe.
+"""ViT on ImageNet-1k: tfds ``data_source("imagenet2012")`` + grain, the DeiT recipe; DynaDiag or a
+baseline (``method=``: dense, static_diagonals, rigl, set, mest) on the same layers.
 
   python train/imagenet.py --workdir=runs/vit_b16_s90 \\
       --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9 \\
@@ -26,7 +27,7 @@ from ml_collections import config_flags
 
 from dynadiag_jax import data as D
 from dynadiag_jax import training as T
-from train import common
+from train import baselines, common
 from train.configs import vit_imagenet
 
 FLAGS = flags.FLAGS
@@ -37,7 +38,8 @@ NUM_CLASSES = 1000
 def prepare(config):
     """Check the config, the data directory and the batch sizes; build the model and the data.
 
-    Returns ``(model, train_data, eval_data, num_steps, warmup_steps, example_input)``.
+    Returns ``(method, train_data, eval_data, num_steps, example_input)``: ``method`` is the
+    :class:`train.baselines.Method` that ``config.method`` names.
 
     Raises:
       common.ConfigError: for any of these problems (nothing has been compiled yet).
@@ -53,8 +55,11 @@ def prepare(config):
     steps_per_epoch = max(1, len(train_source) // batch)
     num_steps = int(config.train.num_steps) or int(config.train.epochs) * steps_per_epoch
     example = jax.ShapeDtypeStruct((batch, size, size, 3), jnp.float32)
-    model = common.build_model(config.model, config.dynadiag, num_classes=NUM_CLASSES)
-    common.check_layer_patterns(model, example, config.dynadiag)
+    warmup = int(config.optimizer.warmup_epochs) * steps_per_epoch
+    method = baselines.from_config(
+        config, num_steps=num_steps, warmup_steps=warmup, num_classes=NUM_CLASSES
+    )
+    common.check_layer_patterns(method.model, example, config.dynadiag)
     ra, threads, prefetch = (
         config.data.randaugment,
         int(config.data.num_threads),
@@ -80,8 +85,7 @@ def prepare(config):
         prefetch=prefetch,
         max_examples=int(config.data.eval_max_examples) or None,
     )
-    warmup = int(config.optimizer.warmup_epochs) * steps_per_epoch
-    return model, train_data, eval_data, num_steps, warmup, example
+    return method, train_data, eval_data, num_steps, example
 
 
 def train_and_evaluate(config, workdir, *, progress: bool = True) -> T.TrainResult:
@@ -90,7 +94,7 @@ def train_and_evaluate(config, workdir, *, progress: bool = True) -> T.TrainResu
     Raises:
       common.ConfigError: bad config, data directory or batch size (before compiling anything).
     """
-    model, train_data, eval_data, num_steps, warmup, example = prepare(config)
+    method, train_data, eval_data, num_steps, example = prepare(config)
     mix = config.mixup
     task = T.Classification(
         NUM_CLASSES,
@@ -102,12 +106,11 @@ def train_and_evaluate(config, workdir, *, progress: bool = True) -> T.TrainResu
     )
     return common.train_from_config(
         config,
-        model=model,
+        method=method,
         task=task,
         train_data=train_data,
         eval_data=eval_data,
         num_steps=num_steps,
-        warmup_steps=warmup,
         example_input=example,
         workdir=workdir,
         progress=progress,

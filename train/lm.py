@@ -1,7 +1,8 @@
-"""GPT-2 on a byte-level corpus, dense or DynaDiag; reports validation perplexity.
+"""GPT-2 on a byte-level corpus, DynaDiag or a baseline (``method=``: dense, static_diagonals,
+rigl, set, mest); reports validation perplexity.
 
   python train/lm.py --workdir=runs/lm_fortunes_s90           # mini GPT-2, fortunes, 90% sparse
-  python train/lm.py --workdir=runs/lm \\
+  python train/lm.py --workdir=runs/gpt2s_wt103_s90 \\
       --config=train/configs/gpt2_lm.py:corpus=wikitext,variant=small \\
       --config.data.path=/data/wikitext-103-raw
 
@@ -27,7 +28,7 @@ from ml_collections import config_flags
 
 from dynadiag_jax import data as D
 from dynadiag_jax import training as T
-from train import common
+from train import baselines, common
 from train.configs import gpt2_lm
 
 FLAGS = flags.FLAGS
@@ -37,7 +38,8 @@ FLAGS = flags.FLAGS
 def prepare(config):
     """Check the config, corpus and batch sizes; build the model and the token batches.
 
-    Returns ``(model, corpus, train_data, eval_data, example_input)``.
+    Returns ``(method, corpus, train_data, eval_data, example_input)``: ``method`` is the
+    :class:`train.baselines.Method` that ``config.method`` names.
 
     Raises:
       common.ConfigError: for any of these problems (nothing has been compiled yet).
@@ -56,25 +58,28 @@ def prepare(config):
         max_windows=int(config.data.eval_windows) or None,
     )
     example = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
-    model = common.build_model(
-        config.model, config.dynadiag, vocab_size=D.BYTE_VOCAB_SIZE, block_size=seq_len
+    method = baselines.from_config(
+        config,
+        num_steps=int(config.train.num_steps),
+        warmup_steps=int(config.optimizer.warmup_steps),
+        vocab_size=D.BYTE_VOCAB_SIZE,
+        block_size=seq_len,
     )
-    common.check_layer_patterns(model, example, config.dynadiag)
-    return model, corpus, train_data, eval_data, example
+    common.check_layer_patterns(method.model, example, config.dynadiag)
+    return method, corpus, train_data, eval_data, example
 
 
 def train_and_evaluate(config, workdir, *, progress: bool = True):
     """Train and evaluate as ``config`` says; returns ``(TrainResult, corpus name)``."""
-    model, corpus, train_data, eval_data, example = prepare(config)
+    method, corpus, train_data, eval_data, example = prepare(config)
     print(f"corpus: {corpus.name}")
     result = common.train_from_config(
         config,
-        model=model,
+        method=method,
         task=T.LanguageModeling(),
         train_data=train_data,
         eval_data=eval_data,
         num_steps=int(config.train.num_steps),
-        warmup_steps=int(config.optimizer.warmup_steps),
         example_input=example,
         workdir=workdir,
         progress=progress,

@@ -50,9 +50,10 @@ def build(
         unstructured_cfg=config.unstructured,
         optimizer_cfg=m.optimizer,
         sparsity=sparsity,
-        num_classes=data.num_classes,
         num_steps=steps,
+        warmup_steps=int(m.optimizer.warmup_steps),
         seed=seed,
+        num_classes=data.num_classes,
     )
 
 

