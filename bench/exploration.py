@@ -59,16 +59,16 @@ def make_teacher(key, n_in: int, n_out: int, k: int):
     shape = variables["params"]["values"].shape
     mag = jax.random.uniform(k_mag, shape, minval=0.5, maxval=1.0)
     sign = jnp.where(jax.random.bernoulli(k_sign, 0.5, shape), 1.0, -1.0)
-    variables = {"params": {"values": mag * sign / np.sqrt(k)},
-                 "diagonals": variables["diagonals"]}
+    variables = {"params": {"values": mag * sign / np.sqrt(k)}, "diagonals": variables["diagonals"]}
     return teacher, variables
 
 
 def strength_schedule(kind: str, steps: int):
     if kind == "narrow":
         return dd.schedules.constant(NARROW_STRENGTH)
-    return dd.schedules.by_name(kind, init_value=STRENGTH_START, end_value=STRENGTH_END,
-                                steps=steps)
+    return dd.schedules.by_name(
+        kind, init_value=STRENGTH_START, end_value=STRENGTH_END, steps=steps
+    )
 
 
 def run_one(mechanism: str, problem, seed: int, steps: int, repeats: int) -> dict:
@@ -137,25 +137,29 @@ def main():
     jobs = [(m, p, s) for p in PROBLEMS for m in MECHANISMS for s in range(args.seeds)]
     results = {}
     for mechanism, problem, seed in tqdm(jobs, desc="exploration"):
-        results[mechanism, problem, seed] = run_one(mechanism, problem, seed, args.steps,
-                                                    args.repeats)
+        results[mechanism, problem, seed] = run_one(
+            mechanism, problem, seed, args.steps, args.repeats
+        )
 
     rows = []
     for problem in PROBLEMS:
-        base = statistics.mean(results["none (narrow)", problem, s]["seconds"]
-                               for s in range(args.seeds))
+        base = statistics.mean(
+            results["none (narrow)", problem, s]["seconds"] for s in range(args.seeds)
+        )
         for mechanism in MECHANISMS:
             runs = [results[mechanism, problem, s] for s in range(args.seeds)]
-            rows.append({
-                "problem": "{}x{} K={}".format(*problem),
-                "mechanism": mechanism,
-                "recovered": statistics.mean(r["recovered"] for r in runs),
-                "worst": min(r["recovered"] for r in runs),
-                "rel_err": statistics.mean(r["rel_err"] for r in runs),
-                "computed": statistics.mean(r["computed"] for r in runs),
-                "cost": statistics.mean(r["cost"] for r in runs),
-                "time": statistics.mean(r["seconds"] for r in runs) / base,
-            })
+            rows.append(
+                {
+                    "problem": "{}x{} K={}".format(*problem),
+                    "mechanism": mechanism,
+                    "recovered": statistics.mean(r["recovered"] for r in runs),
+                    "worst": min(r["recovered"] for r in runs),
+                    "rel_err": statistics.mean(r["rel_err"] for r in runs),
+                    "computed": statistics.mean(r["computed"] for r in runs),
+                    "cost": statistics.mean(r["cost"] for r in runs),
+                    "time": statistics.mean(r["seconds"] for r in runs) / base,
+                }
+            )
 
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "exploration.csv"
@@ -163,14 +167,17 @@ def main():
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    header = ("| problem (in x out) | mechanism | recovered | worst | rel_err | computed | cost "
-              "| time |")
+    header = (
+        "| problem (in x out) | mechanism | recovered | worst | rel_err | computed | cost | time |"
+    )
     print(f"\n{args.steps} search steps, {args.seeds} seeds, jax impl on {jax.default_backend()}\n")
     print(header)
     print("|" + "---|" * 8)
     for r in rows:
-        print(f"| {r['problem']} | {r['mechanism']} | {r['recovered']:.2f} | {r['worst']:.2f} | "
-              f"{r['rel_err']:.3f} | {r['computed']:.1f} | {r['cost']:.3f} | {r['time']:.2f} |")
+        print(
+            f"| {r['problem']} | {r['mechanism']} | {r['recovered']:.2f} | {r['worst']:.2f} | "
+            f"{r['rel_err']:.3f} | {r['computed']:.1f} | {r['cost']:.3f} | {r['time']:.2f} |"
+        )
     print(f"\nwrote {path}")
 
 

@@ -44,8 +44,12 @@ def _is_search_layer(node) -> bool:
     if not isinstance(node, Mapping) or "alpha" not in node or "values" not in node:
         return False
     alpha, values = node["alpha"], node["values"]
-    return (hasattr(alpha, "shape") and hasattr(values, "shape")
-            and values.ndim == alpha.ndim + 1 and values.shape[-2] == alpha.shape[-1])
+    return (
+        hasattr(alpha, "shape")
+        and hasattr(values, "shape")
+        and values.ndim == alpha.ndim + 1
+        and values.shape[-2] == alpha.shape[-1]
+    )
 
 
 def _freeze_params(node, k: int):
@@ -79,6 +83,7 @@ def _set_path(tree: dict, path: tuple, value: dict):
 
 def _drop_search_state(dyn, layer_paths):
     """The ``"dynadiag"`` tree without the search entries of the frozen layers (empty dicts go)."""
+
     def prune(node, path):
         if not isinstance(node, Mapping):
             return node
@@ -130,7 +135,8 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
             raise ValueError(
                 f"freeze_tree: cannot tell K for the DiagonalDense at params path {path}: its "
                 f"'dynadiag' entry 'topk' (created by init) is missing; keep the 'dynadiag' "
-                f"collection in the variables or pass budgets={{{path!r}: K}}")
+                f"collection in the variables or pass budgets={{{path!r}: K}}"
+            )
         params, offsets = _freeze_params(layer, k)
         _set_path(diagonals, path, {"offsets": offsets})
         frozen_paths.add(path)
@@ -166,8 +172,10 @@ def freeze(layer: DiagonalDense, variables):
       ``{"diagonals": {"offsets": [K] int32}}``.
     """
     if not isinstance(layer, DiagonalDense):
-        raise TypeError(f"freeze expects a DiagonalDense, got {type(layer).__name__}; "
-                        f"use freeze_tree for a whole model")
+        raise TypeError(
+            f"freeze expects a DiagonalDense, got {type(layer).__name__}; "
+            f"use freeze_tree for a whole model"
+        )
     if not isinstance(variables, Mapping) or "params" not in variables:
         raise ValueError("freeze needs the layer's variables with a 'params' collection")
     frozen_layer = layer.clone(init_phase="frozen")
@@ -175,16 +183,17 @@ def freeze(layer: DiagonalDense, variables):
     if not _is_search_layer(params):
         if "values" in params and "offsets" in variables.get("diagonals", {}):
             return frozen_layer, variables
-        raise ValueError("freeze: variables are not those of a DiagonalDense (need params "
-                         "'alpha' [P] and 'values' [P, D])")
+        raise ValueError(
+            "freeze: variables are not those of a DiagonalDense (need params "
+            "'alpha' [P] and 'values' [P, D])"
+        )
     p, d_len = params["values"].shape[-2:]
     in_features = d_len if layer.features == p else p
     return frozen_layer, freeze_tree(variables, budgets={(): layer.budget(in_features)})
 
 
 def _is_params_like(node, params) -> bool:
-    return (isinstance(node, Mapping) and isinstance(params, Mapping)
-            and set(node) == set(params))
+    return isinstance(node, Mapping) and isinstance(params, Mapping) and set(node) == set(params)
 
 
 def _convert_params_like(node, before, after):
@@ -201,8 +210,10 @@ def _convert_params_like(node, before, after):
             out[key] = value
         return out
     if isinstance(node, Mapping) and isinstance(before, Mapping):
-        return {key: _convert_params_like(value, before.get(key), (after or {}).get(key))
-                for key, value in node.items()}
+        return {
+            key: _convert_params_like(value, before.get(key), (after or {}).get(key))
+            for key, value in node.items()
+        }
     return node
 
 
@@ -220,6 +231,7 @@ def freeze_opt_state(opt_state: Any, params_before, params_after):
       params_before: the search-phase params (``variables["params"]``).
       params_after: the frozen params.
     """
+
     def convert(node):
         if _is_params_like(node, params_before):
             return _convert_params_like(node, params_before, params_after)

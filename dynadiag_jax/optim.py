@@ -30,8 +30,12 @@ def _map_named(params, fn, parent=None):
     """``fn(name, leaf, parent_mapping)`` on every leaf of a nested mapping."""
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a nested mapping, got {type(params).__name__}")
-    return {name: (_map_named(value, fn, params) if isinstance(value, Mapping)
-                   else fn(name, value, params)) for name, value in params.items()}
+    return {
+        name: (
+            _map_named(value, fn, params) if isinstance(value, Mapping) else fn(name, value, params)
+        )
+        for name, value in params.items()
+    }
 
 
 def alpha_mask(params):
@@ -42,25 +46,37 @@ def alpha_mask(params):
 def weight_decay_mask(params):
     """Tree of bools: True where weight decay applies (leaves with >= 2 axes, except those named
     ``alpha``, ``bias`` or ``scale``, so stacked layers' biases stay undecayed too)."""
-    return _map_named(params, lambda name, leaf, parent: (
-        name not in NO_DECAY_NAMES and getattr(leaf, "ndim", 0) >= 2))
+    return _map_named(
+        params,
+        lambda name, leaf, parent: name not in NO_DECAY_NAMES and getattr(leaf, "ndim", 0) >= 2,
+    )
 
 
 def param_labels(params):
     """``"alpha"`` for alpha leaves, ``"weights"`` for everything else (``multi_transform``)."""
-    return _map_named(params, lambda name, leaf, parent: (
-        "alpha" if name == "alpha" and "values" in parent else "weights"))
+    return _map_named(
+        params,
+        lambda name, leaf, parent: "alpha" if name == "alpha" and "values" in parent else "weights",
+    )
 
 
-def with_alpha_optimizer(tx: optax.GradientTransformation,
-                         alpha_tx: optax.GradientTransformation) -> optax.GradientTransformation:
+def with_alpha_optimizer(
+    tx: optax.GradientTransformation, alpha_tx: optax.GradientTransformation
+) -> optax.GradientTransformation:
     """``alpha_tx`` on alpha, ``tx`` on every other param (``optax.multi_transform``)."""
     return optax.multi_transform({"alpha": alpha_tx, "weights": tx}, param_labels)
 
 
-def diag_optimizer(learning_rate, *, alpha_learning_rate, weight_decay: float = 0.0,
-                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                   decay_mask=weight_decay_mask) -> optax.GradientTransformation:
+def diag_optimizer(
+    learning_rate,
+    *,
+    alpha_learning_rate,
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    decay_mask=weight_decay_mask,
+) -> optax.GradientTransformation:
     """AdamW on the weights, Adam with its own learning rate (and no decay) on alpha.
 
     Args:
@@ -73,7 +89,8 @@ def diag_optimizer(learning_rate, *, alpha_learning_rate, weight_decay: float = 
     Returns:
       An ``optax.GradientTransformation``; combine with ``optax.chain`` for clipping etc.
     """
-    weights = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                          mask=decay_mask)
+    weights = optax.adamw(
+        learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask
+    )
     alpha = optax.adam(alpha_learning_rate, b1=b1, b2=b2, eps=eps)
     return with_alpha_optimizer(weights, alpha)

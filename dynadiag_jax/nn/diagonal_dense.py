@@ -59,7 +59,8 @@ def layer_budget(in_features: int, out_features: int, *, sparsity=None, k=None) 
     if not 1 <= k <= geo.num_candidates:
         raise ValueError(
             f"budget k={k} must be in [1, P] with P = max(in, out) = {geo.num_candidates} "
-            f"for a {geo.in_features} -> {geo.out_features} layer")
+            f"for a {geo.in_features} -> {geo.out_features} layer"
+        )
     return int(k)
 
 
@@ -206,20 +207,25 @@ class DiagonalDense(nn.Module):
             raise ValueError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
         geo = geometry(x.shape[-1], self.features)
         k = self.budget(geo.in_features)
-        dtype = jnp.dtype(self.dtype) if self.dtype is not None else promote_floats(
-            x.dtype, self.param_dtype)
+        dtype = (
+            jnp.dtype(self.dtype)
+            if self.dtype is not None
+            else promote_floats(x.dtype, self.param_dtype)
+        )
         x = x.astype(dtype)
 
         frozen = self.has_variable("diagonals", "offsets") or (
-            self.is_initializing() and self.init_phase == "frozen")
+            self.is_initializing() and self.init_phase == "frozen"
+        )
         given = self._given_hyper(strength, temperature)  # checked in both phases
         if frozen:
             y = self._frozen(x, geo, k, dtype)
         else:
             y = self._search(x, geo, k, dtype, self._gate_hyper(given))
         if self.use_bias:
-            bias = self.param("bias", nn.initializers.zeros_init(), (self.features,),
-                              self.param_dtype)
+            bias = self.param(
+                "bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype
+            )
             y = y + bias.astype(dtype).reshape((1,) * (y.ndim - 1) + (self.features,))
         return y
 
@@ -231,10 +237,12 @@ class DiagonalDense(nn.Module):
         offsets = self.variable("diagonals", "offsets", init_offsets).value
         if offsets.shape != (k,):
             raise ValueError(f"diagonals/offsets must have shape [K] = [{k}], got {offsets.shape}")
-        values = self.param("values", _uniform(1.0 / math.sqrt(geo.length)), (k, geo.length),
-                            self.param_dtype)
-        return diag_matmul(x, values.astype(dtype), offsets, out_features=self.features,
-                           impl=self.impl)
+        values = self.param(
+            "values", _uniform(1.0 / math.sqrt(geo.length)), (k, geo.length), self.param_dtype
+        )
+        return diag_matmul(
+            x, values.astype(dtype), offsets, out_features=self.features, impl=self.impl
+        )
 
     def _given_hyper(self, strength, temperature):
         """The call's value for this gate's hyper-parameter (or None), validated."""
@@ -249,8 +257,11 @@ class DiagonalDense(nn.Module):
     def _gate_hyper(self, given):
         name = self.hyper_name
         if self.is_initializing():
-            start = given if given is not None else (
-                self.gate_init if self.gate_init is not None else DEFAULT_HYPER[name])
+            start = (
+                given
+                if given is not None
+                else (self.gate_init if self.gate_init is not None else DEFAULT_HYPER[name])
+            )
             stored = self.variable("dynadiag", name, lambda: jnp.asarray(start, jnp.float32))
             self.variable("dynadiag", "score", lambda: jnp.asarray(False))
             return stored.value if given is None else given
@@ -261,14 +272,16 @@ class DiagonalDense(nn.Module):
         raise ValueError(
             f"{self.name or 'DiagonalDense'}: the gate needs {name}=: pass it to the call, or "
             f"include the 'dynadiag' collection created by init in the variables "
-            f"(set it with dd.nn.set_gate(variables, {name}=...))")
+            f"(set it with dd.nn.set_gate(variables, {name}=...))"
+        )
 
     def _search(self, x, geo, k, dtype, hyper):
         p, d_len = geo.num_candidates, geo.length
         work = work_dtype(self.param_dtype)
         alpha = self.param("alpha", _alpha_init, (p,), work).astype(work)
-        values = self.param("values", _uniform(1.0 / math.sqrt(d_len)), (p, d_len),
-                            self.param_dtype)
+        values = self.param(
+            "values", _uniform(1.0 / math.sqrt(d_len)), (p, d_len), self.param_dtype
+        )
         if self.gate == "sparse_topk":
             gate = sparse_soft_topk(alpha, k, strength=jnp.asarray(hyper, work))
         else:
@@ -287,18 +300,25 @@ class DiagonalDense(nn.Module):
                 y, kept = jax.lax.switch(branch, [lambda s=s: product.sparse(s) for s in sizes])
             computed = jnp.asarray(sizes, jnp.float32)[branch]
         elif self.explore == "dense_score":
-            score = self.get_variable("dynadiag", "score") if self.has_variable(
-                "dynadiag", "score") else jnp.asarray(False)
-            y, kept = jax.lax.cond(score, lambda: product.scored(k_cap),
-                                   lambda: product.sparse(k_cap))
+            score = (
+                self.get_variable("dynadiag", "score")
+                if self.has_variable("dynadiag", "score")
+                else jnp.asarray(False)
+            )
+            y, kept = jax.lax.cond(
+                score, lambda: product.scored(k_cap), lambda: product.sparse(k_cap)
+            )
             computed = jnp.asarray(k_cap, jnp.float32)
         else:
             y, kept = product.sparse(k_cap)
             computed = jnp.asarray(k_cap, jnp.float32)
 
         self.sow("intermediates", "gate_nonzero", jnp.sum(gate > 0).astype(jnp.float32))
-        self.sow("intermediates", "gate_mass_outside",
-                 jax.lax.stop_gradient(jnp.sum(gate) - kept).astype(jnp.float32))
+        self.sow(
+            "intermediates",
+            "gate_mass_outside",
+            jax.lax.stop_gradient(jnp.sum(gate) - kept).astype(jnp.float32),
+        )
         self.sow("intermediates", "gate_mean", jax.lax.stop_gradient(jnp.mean(gate)))
         self.sow("intermediates", "computed_diagonals", computed)
         return y
@@ -384,12 +404,15 @@ def _scored_vjp(out_features: int, impl: str):
     def bwd(res, dy):
         x, gate, values, idx = res
         w = _selected_weights(gate, values, idx, x.dtype)
-        _, pull_x = jax.vjp(lambda x_: diag_matmul(x_, w, idx, out_features=out_features,
-                                                   impl=impl), x)
+        _, pull_x = jax.vjp(
+            lambda x_: diag_matmul(x_, w, idx, out_features=out_features, impl=impl), x
+        )
         (dx,) = pull_x(dy)
         every = jnp.arange(values.shape[0], dtype=jnp.int32)
-        _, pull_v = jax.vjp(lambda v: diag_matmul(x, v, every, out_features=out_features,
-                                                  impl=impl), jnp.zeros(values.shape, x.dtype))
+        _, pull_v = jax.vjp(
+            lambda v: diag_matmul(x, v, every, out_features=out_features, impl=impl),
+            jnp.zeros(values.shape, x.dtype),
+        )
         (g_all,) = pull_v(dy)
         g_all = g_all.astype(gate.dtype)
         dgate = jnp.sum(values.astype(gate.dtype) * g_all, axis=1)

@@ -15,8 +15,14 @@ COLLECTION = "dynadiag"
 
 def _replace(tree, updates: dict):
     if isinstance(tree, Mapping):
-        return {key: (updates[key](value) if key in updates and not isinstance(value, Mapping)
-                      else _replace(value, updates)) for key, value in tree.items()}
+        return {
+            key: (
+                updates[key](value)
+                if key in updates and not isinstance(value, Mapping)
+                else _replace(value, updates)
+            )
+            for key, value in tree.items()
+        }
     return tree
 
 
@@ -42,17 +48,20 @@ def set_gate(variables, *, strength=None, temperature=None, score=None):
     _positive_scalar(temperature, "temperature")
     if not isinstance(variables, Mapping):
         raise TypeError(
-            f"variables must be a mapping of collections, got {type(variables).__name__}")
+            f"variables must be a mapping of collections, got {type(variables).__name__}"
+        )
     if COLLECTION not in variables:
         return variables
     updates = {}
     for name, value in (("strength", strength), ("temperature", temperature)):
         if value is not None:
             updates[name] = lambda old, value=value: jnp.broadcast_to(
-                jnp.asarray(value, jnp.float32), jnp.shape(old))
+                jnp.asarray(value, jnp.float32), jnp.shape(old)
+            )
     if score is not None:
-        updates["score"] = lambda old: jnp.broadcast_to(jnp.asarray(score, jnp.bool_),
-                                                        jnp.shape(old))
+        updates["score"] = lambda old: jnp.broadcast_to(
+            jnp.asarray(score, jnp.bool_), jnp.shape(old)
+        )
     out = dict(variables)
     out[COLLECTION] = _replace(variables[COLLECTION], updates)
     return out
