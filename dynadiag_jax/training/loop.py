@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import optax
 import tqdm
+from flax import traverse_util
 
 from dynadiag_jax.training.checkpoint import Checkpointer, CheckpointMismatch
 from dynadiag_jax.training.metrics import MetricWriter
@@ -380,21 +381,18 @@ def _initial_state(ckpt, init, abstract, rep, sparse, run_info):
     return state, latest, dict(meta.get("interval", {}))
 
 
-def _flat(tree: Mapping, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _differences(stored: Mapping, current: Mapping) -> list[str]:
     """``"key: X in the checkpoint, Y in this run"`` for each entry (nested keys dotted) on which
     two run descriptions differ."""
-    a, b = _flat(stored), _flat(current)
-    show = lambda tree, key: repr(tree[key]) if key in tree else "absent"  # noqa: E731
+    a, b = (
+        traverse_util.flatten_dict(t, keep_empty_nodes=True, sep=".") for t in (stored, current)
+    )
+
+    def show(tree, key):
+        if key not in tree:
+            return "absent"
+        return "{}" if tree[key] is traverse_util.empty_node else repr(tree[key])
+
     return [
         f"{key}: {show(a, key)} in the checkpoint, {show(b, key)} in this run"
         for key in sorted(set(a) | set(b))
