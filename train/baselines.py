@@ -106,7 +106,8 @@ def kernel_include(layer_patterns) -> Callable:
     return B.include_paths([f"^(?:{p})/kernel$" for p in layer_patterns])
 
 
-def _with_sparsity(dynadiag_cfg, sparsity: float):
+def with_sparsity(dynadiag_cfg, sparsity: float):
+    """A copy of the ``dynadiag`` config section with ``sparsity`` set."""
     cfg = dynadiag_cfg.copy_and_resolve_references()
     with cfg.unlocked():
         cfg.sparsity = float(sparsity)
@@ -118,7 +119,7 @@ def model_with_layer(model_cfg, dynadiag_cfg, layer: Callable, **model_kwargs):
     of every layer that ``dynadiag_cfg.layers`` selects; the other layers stay dense.
 
     ``model_kwargs`` (e.g. ``num_classes``) go to the model's constructor with the config's."""
-    dense = common.build_model(model_cfg, _with_sparsity(dynadiag_cfg, 0.0), **model_kwargs)
+    dense = common.build_model(model_cfg, with_sparsity(dynadiag_cfg, 0.0), **model_kwargs)
     return dense.clone(dense=models.ByPath(tuple(dynadiag_cfg.layers), sparse=layer))
 
 
@@ -145,7 +146,7 @@ def build(
         raise common.ConfigError(
             f"dynadiag.sparsity must be 0 (dense) or in (0, 1), got {sparsity} (method {method})"
         )
-    diag_cfg = _with_sparsity(dynadiag_cfg, sparsity if method == "dynadiag" else 0.0)
+    diag_cfg = with_sparsity(dynadiag_cfg, sparsity if method == "dynadiag" else 0.0)
     optimizer, lr = common.build_optimizer(optimizer_cfg, diag_cfg, num_steps, warmup_steps)
     gate = freeze = None
     if method == "dynadiag":

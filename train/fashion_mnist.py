@@ -63,9 +63,7 @@ def prepare(config):
     example = jax.ShapeDtypeStruct((batch, *data.train["image"].shape[1:]), jnp.float32)
     models = {}
     for name, run_method, run_sparsity in runs:
-        dyn = config.dynadiag.copy_and_resolve_references()
-        with dyn.unlocked():
-            dyn.sparsity = run_sparsity
+        dyn = baselines.with_sparsity(config.dynadiag, run_sparsity)
         built = baselines.build(
             run_method,
             model_cfg=config.model,
