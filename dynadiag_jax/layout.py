@@ -1,10 +1,25 @@
-"""Index maths of wrapped diagonals (DESIGN.md section 1).
+"""Index maths of wrapped diagonals and block diagonals (docs/design.md section 1).
 
-A layer maps ``x[..., in]`` to ``x @ W.T`` with ``W[out, in]``. There are ``P = max(in, out)``
-candidate diagonals of length ``D = min(in, out)``:
+A layer maps ``x[..., in]`` to ``x @ W.T`` with ``W[out, in]``.
+
+Element diagonals (``values[K, D]``): ``P = max(in, out)`` candidates of length
+``D = min(in, out)``:
 
 * tall or square (``out >= in``): diagonal ``d`` holds ``W[(j + d) % out, j]`` = ``values[k, j]``;
 * wide (``out < in``): diagonal ``d`` holds ``W[i, (i + d) % in]`` = ``values[k, i]``.
+
+Block diagonals (``values[K, L_b, b, b]``, ``b >= 2`` dividing ``in`` and ``out``): W is a grid of
+``nb_out x nb_in`` blocks; ``P_b = min(nb_out, nb_in)`` candidates, each a chain of
+``L_b = max(nb_out, nb_in)`` blocks that wraps around the shorter axis, so that every diagonal
+touches every block row and block column:
+
+* tall or square: block ``t`` of diagonal ``d`` is (block row ``t``, block col ``(t + d) % nb_in``);
+* wide: block ``t`` of diagonal ``d`` is (block row ``(t + d) % nb_out``, block col ``t``);
+
+and ``values[k, t, i, j] = W[block_row * b + i, block_col * b + j]``.
+
+In both forms ``values.shape[1] == length`` and offsets lie in ``[0, num_candidates)`` of
+:class:`DiagGeometry`.
 
 References:
   Tyagi et al., "Dynamic Sparse Training of Diagonally Sparse Networks", ICML 2025,
@@ -20,61 +35,126 @@ import jax.numpy as jnp
 
 from dynadiag_jax._checks import int_at_least
 
-__all__ = ["DiagGeometry", "num_diagonals", "diag_indices", "transpose_diagonals"]
+__all__ = [
+    "KERNEL_BLOCK_SIZES",
+    "DiagGeometry",
+    "geometry",
+    "num_diagonals",
+    "diag_indices",
+    "block_indices",
+    "transpose_diagonals",
+]
+
+# Block sizes the compiled kernels and the layer accept. The pure-JAX path takes any b >= 2 that
+# divides both widths.
+KERNEL_BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
 class DiagGeometry(NamedTuple):
-    """Static shape facts of a ``[out, in]`` diagonal matrix."""
+    """Static shape facts of a ``[out, in]`` diagonal (``block_size == 1``) or block matrix."""
 
     in_features: int
     out_features: int
+    block_size: int = 1
+
+    @property
+    def blocked(self) -> bool:
+        """True for block diagonals (``block_size >= 2``)."""
+        return self.block_size > 1
+
+    @property
+    def nb_in(self) -> int:
+        """Block columns ``in / b`` (``in`` for element diagonals)."""
+        return self.in_features // self.block_size
+
+    @property
+    def nb_out(self) -> int:
+        """Block rows ``out / b`` (``out`` for element diagonals)."""
+        return self.out_features // self.block_size
 
     @property
     def num_candidates(self) -> int:
-        """``P = max(in, out)``: how many distinct diagonals exist."""
+        """Distinct diagonals: ``P = max(in, out)``, or ``P_b = min(nb_out, nb_in)`` for blocks."""
+        if self.blocked:
+            return min(self.nb_in, self.nb_out)
         return max(self.in_features, self.out_features)
 
     @property
     def length(self) -> int:
-        """``D = min(in, out)``: entries per diagonal."""
+        """Entries per diagonal ``D = min(in, out)``, or blocks per diagonal ``L_b = max(nb)``."""
+        if self.blocked:
+            return max(self.nb_in, self.nb_out)
         return min(self.in_features, self.out_features)
 
     @property
     def tall(self) -> bool:
-        """True for ``out >= in`` (one entry per column), False for wide (one per row)."""
+        """True for ``out >= in``, False for wide."""
         return self.out_features >= self.in_features
+
+    @property
+    def values_shape(self) -> tuple:
+        """Shape of ``values`` without its leading ``K``: ``(D,)`` or ``(L_b, b, b)``."""
+        if self.blocked:
+            return (self.length, self.block_size, self.block_size)
+        return (self.length,)
 
     def transposed(self) -> DiagGeometry:
         """Geometry of ``W.T``."""
-        return DiagGeometry(self.out_features, self.in_features)
+        return DiagGeometry(self.out_features, self.in_features, self.block_size)
 
 
-def geometry(in_features, out_features) -> DiagGeometry:
-    """Validated :class:`DiagGeometry` for ``W[out_features, in_features]``."""
-    return DiagGeometry(
-        int_at_least(in_features, "in_features", 1), int_at_least(out_features, "out_features", 1)
-    )
+def _fitting_block_sizes(in_features: int, out_features: int) -> list[int]:
+    return [b for b in KERNEL_BLOCK_SIZES if in_features % b == 0 and out_features % b == 0]
 
 
-def num_diagonals(in_features: int, out_features: int, sparsity: float) -> int:
-    """Number of diagonals ``K`` a layer keeps at ``sparsity`` (the authors' budget rule).
-
-    ``K = max(1, ceil(floor((1 - s) * in * out) / D))``, so the density ``K * D / (in * out)`` is
-    at least ``1 - s``. Example: 768 -> 3072 at ``s = 0.9`` gives ``K = 308``.
+def geometry(in_features, out_features, block_size=1) -> DiagGeometry:
+    """Validated :class:`DiagGeometry` for ``W[out_features, in_features]``.
 
     Raises:
-      ValueError: if ``sparsity`` is not in the open interval (0, 1).
+      TypeError, ValueError: non-integral or too small arguments, or a ``block_size`` that does
+        not divide both widths (the message lists the kernel block sizes that would).
     """
-    geo = geometry(in_features, out_features)
+    in_features = int_at_least(in_features, "in_features", 1)
+    out_features = int_at_least(out_features, "out_features", 1)
+    block_size = int_at_least(block_size, "block_size", 1)
+    if in_features % block_size or out_features % block_size:
+        fits = _fitting_block_sizes(in_features, out_features)
+        raise ValueError(
+            f"block_size={block_size} must divide in_features={in_features} and out_features="
+            f"{out_features}; block sizes in {KERNEL_BLOCK_SIZES} that fit: "
+            f"{', '.join(map(str, fits)) or 'none'} (the pure-JAX path takes any common divisor "
+            ">= 2)"
+        )
+    return DiagGeometry(in_features, out_features, block_size)
+
+
+def num_diagonals(in_features: int, out_features: int, sparsity: float, *, block_size=1) -> int:
+    """Number of diagonals ``K`` a layer keeps at ``sparsity`` (the authors' budget rule).
+
+    Element diagonals: ``K = max(1, ceil(floor((1 - s) * in * out) / D))``, so the density
+    ``K * D / (in * out)`` is at least ``1 - s``. Example: 768 -> 3072 at ``s = 0.9`` gives 308.
+
+    Block diagonals (``block_size = b >= 2``):
+    ``K = max(1, min(P_b, ceil(floor((1 - s) * in * out) / (max(in, out) * b))))``; each holds
+    ``max(in, out) * b`` non-zeros. Example: 768 -> 3072, ``s = 0.9``, ``b = 16`` gives 5 of 48.
+
+    Raises:
+      ValueError: if ``sparsity`` is not in the open interval (0, 1), or ``block_size`` does not
+        divide both widths.
+    """
+    geo = geometry(in_features, out_features, block_size)
     s = float(sparsity)
     if not 0.0 < s < 1.0:
         raise ValueError(f"sparsity must be in (0, 1), got {sparsity!r}")
     nonzeros = math.floor((1.0 - s) * geo.in_features * geo.out_features)
-    return max(1, math.ceil(nonzeros / geo.length))
+    if not geo.blocked:
+        return max(1, math.ceil(nonzeros / geo.length))
+    per_diagonal = max(geo.in_features, geo.out_features) * geo.block_size
+    return max(1, min(geo.num_candidates, math.ceil(nonzeros / per_diagonal)))
 
 
 def diag_indices(offsets, in_features: int, out_features: int):
-    """Dense coordinates of every diagonal entry.
+    """Dense coordinates of every element-diagonal entry.
 
     Args:
       offsets: ``[K]`` integer diagonal ids in ``[0, P)`` (may be traced).
@@ -92,23 +172,48 @@ def diag_indices(offsets, in_features: int, out_features: int):
     return (moving, fixed) if geo.tall else (fixed, moving)
 
 
+def block_indices(offsets, in_features: int, out_features: int, block_size: int):
+    """Block coordinates of every block of the given block diagonals.
+
+    Args:
+      offsets: ``[K]`` integer diagonal ids in ``[0, P_b)`` (may be traced).
+      in_features, out_features: the shape of ``W[out, in]``; block_size: ``b >= 2``.
+
+    Returns:
+      ``(block_rows, block_cols)``, each ``[K, L_b]`` int32: ``values[k, t]`` is the block
+      ``W[block_rows[k, t] * b : ... + b, block_cols[k, t] * b : ... + b]``.
+    """
+    geo = geometry(in_features, out_features, int_at_least(block_size, "block_size", 2))
+    offsets = jnp.asarray(offsets, jnp.int32)[:, None]
+    t = jnp.arange(geo.length, dtype=jnp.int32)[None, :]
+    wrapped = (t + offsets) % geo.num_candidates  # along the shorter block axis
+    along = jnp.broadcast_to(t, wrapped.shape)
+    return (along, wrapped) if geo.tall else (wrapped, along)
+
+
 def transpose_diagonals(values, offsets, in_features: int, out_features: int):
     """The diagonals of ``W.T`` (an ``[in, out]`` matrix) from those of ``W[out, in]``.
 
-    Rectangular: same offsets, same value rows. Square ``n x n``: offsets become ``(-d) % n`` and
-    each value row rolls by ``d``, i.e. ``values_t[k, c] = values[k, (c - d_k) % n]``.
+    Rectangular: same offsets, same value rows. Square (``n`` diagonals): offsets become
+    ``(-d) % n`` and each value row rolls by ``d``: ``values_t[k, c] = values[k, (c - d_k) % n]``.
+    Block diagonals (``values[K, L_b, b, b]``) follow the same rule on the block grid, and every
+    block is transposed as well.
 
     Args:
-      values: ``[K, D]``; offsets: ``[K]`` integer.
+      values: ``[K, D]`` or ``[K, L_b, b, b]``; offsets: ``[K]`` integer.
 
     Returns:
-      ``(values_t [K, D], offsets_t [K] int32)``.
+      ``(values_t, offsets_t [K] int32)``, ``values_t`` of the shape of ``values``.
     """
-    geo = geometry(in_features, out_features)
+    block_size = values.shape[-1] if values.ndim == 4 else 1
+    geo = geometry(in_features, out_features, block_size)
     offsets = jnp.asarray(offsets, jnp.int32)
+    if geo.blocked:
+        values = jnp.swapaxes(values, -1, -2)
     if geo.in_features != geo.out_features:
         return values, offsets
     n = geo.length
     c = jnp.arange(n, dtype=jnp.int32)[None, :]
     src = (c - offsets[:, None]) % n
+    src = src.reshape(src.shape + (1,) * (values.ndim - 2))
     return jnp.take_along_axis(values, src, axis=1), (-offsets) % n

@@ -150,11 +150,18 @@ def test_leading_dims_and_empty_batch(impl, rng):
 
 
 @pytest.mark.parametrize("impl", [*KERNEL_IMPLS, "jax"])
-def test_vmap_over_each_argument(impl, rng):
-    n, in_f, out_f, k = 3, 9, 14, 4
+@pytest.mark.parametrize("block_size", [1, 8], ids=["element", "block"])
+def test_vmap_over_each_argument(impl, block_size, rng):
+    if impl not in dd.available_impls(block_size=block_size):
+        pytest.skip(f"{impl} has no block-diagonal kernels here")
+    n, k = 3, 4
+    if block_size == 1:  # values [K, 9], P = 14
+        in_f, out_f, vshape, p = 9, 14, (k, 9), 14
+    else:  # values [K, 3, 8, 8], P_b = 2 (repeated offsets)
+        in_f, out_f, vshape, p = 16, 24, (k, 3, 8, 8), 2
     xs = jnp.asarray(rng.standard_normal((n, 5, in_f)).astype(np.float32))
-    vs = jnp.asarray(rng.standard_normal((n, k, in_f)).astype(np.float32))
-    offs = jnp.asarray(np.stack([rng.choice(out_f, k, replace=False) for _ in range(n)]), jnp.int32)
+    vs = jnp.asarray(rng.standard_normal((n,) + vshape).astype(np.float32))
+    offs = jnp.asarray(np.stack([rng.choice(p, k, replace=p < k) for _ in range(n)]), jnp.int32)
 
     def f(x, v, o):
         return dd.diag_matmul(x, v, o, out_features=out_f, impl=impl)
@@ -173,7 +180,9 @@ def test_vmap_over_each_argument(impl, rng):
             xi, vi, oi = (
                 a if ax is None else jnp.take(a, i, axis=ax) for a, ax in zip((x, v, o), axes)
             )
-            assert_close_f32(got[i], dense_reference(xi, vi, oi, out_f)[0], f"vmap over {name}")
+            w = dd.diag_to_dense(vi, oi, in_features=in_f, out_features=out_f)  # see test_layout
+            expected = np.asarray(xi, np.float64) @ np.asarray(w, np.float64).T
+            assert_close_f32(got[i], expected, f"vmap over {name}")
 
 
 @pytest.mark.parametrize("impl", [*KERNEL_IMPLS, "jax"])

@@ -56,6 +56,48 @@ OFF = jnp.asarray([0, 5], jnp.int32)
             r"offsets must lie in \[0, P\) = \[0, 12\)",
         ),
         (dict(offsets=jnp.asarray([-1, 3], jnp.int32)), ValueError, r"\[0, 12\)"),
+        (
+            dict(values=jnp.ones((2, 8, 1), jnp.float32)),
+            ValueError,
+            r"values must have shape \[K, D\] = \[K, 8\] \(element diagonals\) or "
+            r"\[K, L_b, b, b\] \(block diagonals\), got \(2, 8, 1\)",
+        ),
+        (
+            dict(values=jnp.ones((2, 3, 4, 2), jnp.float32)),
+            ValueError,
+            r"square b x b blocks; got \(2, 3, 4, 2\)",
+        ),
+        (
+            dict(values=jnp.ones((2, 12, 1, 1), jnp.float32)),
+            ValueError,
+            r"need b >= 2, got \(2, 12, 1, 1\); element diagonals take values of shape "
+            r"\[K, D\] = \[K, 8\]",
+        ),
+        (
+            dict(values=jnp.ones((2, 1, 8, 8), jnp.float32)),
+            ValueError,
+            r"values of shape \(2, 1, 8, 8\) \(b = 8\): block_size=8 must divide in_features=8 "
+            r"and out_features=12; block sizes in \(8, 16, 32, 64, 128\) that fit: none",
+        ),
+        (
+            dict(values=jnp.ones((2, 2, 4, 4), jnp.float32)),
+            ValueError,
+            r"\[K, L_b, b, b\] = \[K, 3, 4, 4\] \(L_b = max\(in, out\) / b\) for "
+            r"in_features=8, out_features=12; got \(2, 2, 4, 4\)",
+        ),
+        (
+            dict(values=jnp.ones((2, 3, 4, 4), jnp.float32), offsets=jnp.asarray([0, 2])),
+            ValueError,
+            r"offsets must lie in \[0, P_b\) = \[0, 2\); got values in \[0, 2\]",
+        ),
+        (
+            dict(
+                values=jnp.ones((2, 3, 4, 4), jnp.float32), offsets=jnp.asarray([0, 1]), impl="ffi"
+            ),
+            ValueError,
+            r"impl='ffi' takes block sizes b in \(8, 16, 32, 64, 128\), got b = 4; "
+            r"impl='jax' and impl='dense' run any block size",
+        ),
         (dict(impl="cusparse"), ValueError, "impl must be one of"),
         (dict(x=[[1.0] * 8]), TypeError, "x must be an array"),
     ],

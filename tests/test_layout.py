@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dynadiag_jax as dd
-from dynadiag_jax.layout import transpose_diagonals
+from dynadiag_jax.layout import block_indices, geometry, transpose_diagonals
 
 
 def design_dense(values, offsets, in_features, out_features):
@@ -113,3 +113,100 @@ def test_num_diagonals_worked_examples(in_f, out_f, s, k):
 def test_num_diagonals_rejects_sparsity_outside_the_open_interval(bad):
     with pytest.raises(ValueError, match="sparsity"):
         dd.num_diagonals(8, 8, bad)
+
+
+# --- block diagonals (docs/design.md section 1, "Block diagonals") ---------------------------
+
+
+def design_block_dense(values, offsets, in_features, out_features):
+    """``W[out, in]`` from the block formulas, block by block; repeated offsets add up."""
+    b = values.shape[-1]
+    nb_in, nb_out = in_features // b, out_features // b
+    w = np.zeros((out_features, in_features))
+    for k, d in enumerate(offsets):
+        for t in range(max(nb_in, nb_out)):
+            if out_features >= in_features:  # tall or square: chain down the block rows
+                r, c = t, (t + d) % nb_in
+            else:  # wide: chain along the block columns
+                r, c = (t + d) % nb_out, t
+            w[r * b : (r + 1) * b, c * b : (c + 1) * b] += values[k][t]
+    return w
+
+
+@pytest.mark.parametrize("in_f,out_f,b", [(4, 12, 2), (12, 4, 2), (6, 6, 2), (6, 4, 2), (9, 3, 3)])
+def test_block_diagonals_cover_the_matrix_exactly_once(in_f, out_f, b):
+    geo = geometry(in_f, out_f, b)
+    assert geo.num_candidates == min(in_f, out_f) // b
+    assert geo.length == max(in_f, out_f) // b
+    ones = np.ones((1, geo.length, b, b))
+    cover = sum(design_block_dense(ones, [d], in_f, out_f) for d in range(geo.num_candidates))
+    np.testing.assert_array_equal(cover, np.ones((out_f, in_f)))
+    # every block diagonal touches every block row and block column
+    for d in range(geo.num_candidates):
+        rows, cols = (np.asarray(a) for a in block_indices(jnp.asarray([d]), in_f, out_f, b))
+        assert set(rows[0]) == set(range(out_f // b)) and set(cols[0]) == set(range(in_f // b))
+
+
+@pytest.mark.parametrize("in_f,out_f,b", [(4, 12, 2), (12, 4, 2), (6, 6, 2), (12, 12, 3)])
+def test_block_transpose_closure(in_f, out_f, b, rng):
+    geo = geometry(in_f, out_f, b)
+    offsets = np.concatenate([rng.permutation(geo.num_candidates), [0]])
+    values = rng.standard_normal((len(offsets), geo.length, b, b)).astype(np.float32)
+    vt, ot = transpose_diagonals(jnp.asarray(values), jnp.asarray(offsets), in_f, out_f)
+    w_t = design_block_dense(np.asarray(vt), np.asarray(ot), out_f, in_f)  # [in, out]
+    np.testing.assert_allclose(w_t, design_block_dense(values, offsets, in_f, out_f).T, atol=1e-12)
+    if in_f != out_f:  # same offsets, every block transposed
+        np.testing.assert_array_equal(np.asarray(ot), offsets)
+        np.testing.assert_array_equal(np.asarray(vt), np.swapaxes(values, -1, -2))
+    else:  # offsets (-d) % nb, value rows rolled by d
+        nb = in_f // b
+        np.testing.assert_array_equal(np.asarray(ot), (-offsets) % nb)
+        for k, d in enumerate(offsets):
+            np.testing.assert_array_equal(
+                np.asarray(vt[k]), np.swapaxes(np.roll(values[k], d, axis=0), -1, -2)
+            )
+
+
+BLOCK_BUDGETS = [  # (in, out, s, b, K, P_b)
+    (768, 3072, 0.9, 16, 5, 48),
+    (3072, 768, 0.9, 16, 5, 48),
+    (768, 768, 0.9, 16, 5, 48),
+    (768, 3072, 0.9, 32, 3, 24),
+    (768, 3072, 0.5, 64, 6, 12),
+    (768, 768, 0.99, 128, 1, 6),  # never fewer than one
+    (64, 64, 0.001, 32, 2, 2),  # never more than P_b
+]
+
+
+@pytest.mark.parametrize("in_f,out_f,s,b,k,p", BLOCK_BUDGETS)
+def test_block_budget_worked_examples(in_f, out_f, s, b, k, p):
+    assert dd.num_diagonals(in_f, out_f, s, block_size=b) == k
+    assert geometry(in_f, out_f, b).num_candidates == p
+    density = k * max(in_f, out_f) * b / (in_f * out_f)
+    assert density >= 1 - s - 1e-12 or k == 1
+
+
+def test_block_size_one_is_the_element_budget():
+    assert dd.num_diagonals(768, 3072, 0.9, block_size=1) == dd.num_diagonals(768, 3072, 0.9)
+
+
+@pytest.mark.parametrize(
+    "in_f,out_f,b,fits",
+    [(48, 96, 32, "8, 16"), (100, 64, 16, "none"), (768, 3072, 40, "8, 16, 32, 64, 128")],
+)
+def test_block_size_that_does_not_divide_names_the_sizes_that_fit(in_f, out_f, b, fits):
+    match = (
+        rf"block_size={b} must divide in_features={in_f} and out_features={out_f}; "
+        rf"block sizes in \(8, 16, 32, 64, 128\) that fit: {fits}"
+    )
+    with pytest.raises(ValueError, match=match):
+        dd.num_diagonals(in_f, out_f, 0.9, block_size=b)
+
+
+@pytest.mark.parametrize(
+    "b,error,match",
+    [(0, ValueError, "block_size must be >= 1"), (16.0, TypeError, "block_size must be an int")],
+)
+def test_block_size_argument_checks(b, error, match):
+    with pytest.raises(error, match=match):
+        dd.num_diagonals(64, 64, 0.9, block_size=b)

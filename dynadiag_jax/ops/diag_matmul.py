@@ -6,6 +6,9 @@ The product is a ``jax.custom_vjp`` over three primitive products, each provided
 * ``dx``:      ``dx[B, in]     = dy[B, out] @ W``           (the transpose closure)
 * ``dvalues``: ``dvalues[K, D] = sum_b dy[b, row] * x[b, col]``  (a diagonal SDDMM)
 
+``W`` is a sum of element diagonals (``values[K, D]``) or of block diagonals
+(``values[K, L_b, b, b]``, where ``dvalues`` is a block SDDMM); docs/design.md section 1.
+
 Backends: ``"jax"`` (pure JAX, any platform), ``"ffi"`` (our XLA FFI kernels: C++ on CPU, CUDA on
 GPU), and ``"dense"`` (materialise ``W`` and use XLA's dot; a baseline, differentiated by JAX).
 """
@@ -20,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax.layout import geometry
+from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, geometry
 from dynadiag_jax.ops import reference
 
 __all__ = ["diag_matmul", "available_impls"]
@@ -31,9 +34,11 @@ class Backend(NamedTuple):
 
     fwd: Callable  # (x2, values, offsets, *, out_features) -> y2
     dx: Callable  # (dy2, values, offsets, *, in_features) -> dx2
-    dvalues: Callable  # (dy2, x2, offsets) -> dvalues [K, D]
+    dvalues: Callable  # (dy2, x2, offsets, *, block_size) -> dvalues [K, D] or [K, L_b, b, b]
     dtypes: Callable  # () -> dtypes supported on the current default platform
     bwd: Callable | None = None  # (dy2, x2, values, offsets) -> (dx2, dvalues), one pass
+    # (block_size) -> whether the current default platform runs it (1 = element diagonals)
+    block_size_ok: Callable = lambda block_size: block_size == 1
 
 
 _JAX = Backend(
@@ -41,6 +46,7 @@ _JAX = Backend(
     dx=reference.diag_matmul_dx_reference,
     dvalues=reference.diag_matmul_dvalues_reference,
     dtypes=lambda: (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64),
+    block_size_ok=lambda block_size: True,
 )
 
 # Registered by dynadiag_jax.ops.ffi when the compiled extension is importable.
@@ -52,9 +58,14 @@ def register_backend(name: str, backend: Backend) -> None:
     _BACKENDS[name] = backend
 
 
-def available_impls() -> tuple[str, ...]:
-    """Names accepted by ``diag_matmul(impl=...)`` in this installation."""
-    return ("auto", "dense", *_BACKENDS)
+def available_impls(*, block_size: int = 1) -> tuple[str, ...]:
+    """Names accepted by ``diag_matmul(impl=...)`` in this installation.
+
+    With ``block_size = b >= 2``: those that run block diagonals of that size on the default
+    platform (``"jax"`` and ``"dense"`` take any ``b``; the kernels ``b`` in
+    ``layout.KERNEL_BLOCK_SIZES`` where their platform has block kernels).
+    """
+    return ("auto", "dense", *(n for n, be in _BACKENDS.items() if be.block_size_ok(block_size)))
 
 
 def _as_array(a, name):
@@ -79,19 +90,57 @@ def _host_offsets(offsets):
     return None
 
 
+def _block_size_of(values) -> int:
+    """``b`` of block-diagonal ``values[K, L_b, b, b]``, 1 for element ``values[K, D]``."""
+    return values.shape[-1] if values.ndim == 4 else 1
+
+
+def _check_values(values, in_features, out_features):
+    """The geometry ``values`` describe; ``ValueError`` naming the expected shape otherwise."""
+    element = geometry(in_features, out_features)
+    if values.ndim not in (2, 4):
+        raise ValueError(
+            f"values must have shape [K, D] = [K, {element.length}] (element diagonals) or "
+            f"[K, L_b, b, b] (block diagonals), got {values.shape}"
+        )
+    if values.ndim == 2:
+        if values.shape[1] != element.length:
+            raise ValueError(
+                f"values must have shape [K, min(in, out)] = [K, {element.length}] for "
+                f"in_features={in_features}, out_features={out_features}; got {values.shape}"
+            )
+        return element
+    b = values.shape[-1]
+    if values.shape[2] != b:
+        raise ValueError(
+            f"block-diagonal values must have shape [K, L_b, b, b] with square b x b blocks; "
+            f"got {values.shape}"
+        )
+    if b == 1:
+        raise ValueError(
+            f"block-diagonal values [K, L_b, b, b] need b >= 2, got {values.shape}; element "
+            f"diagonals take values of shape [K, D] = [K, {element.length}]"
+        )
+    try:
+        geo = geometry(in_features, out_features, b)
+    except ValueError as e:
+        raise ValueError(f"values of shape {values.shape} (b = {b}): {e}") from None
+    if values.shape[1] != geo.length:
+        raise ValueError(
+            f"block-diagonal values must have shape [K, L_b, b, b] = [K, {geo.length}, {b}, {b}] "
+            f"(L_b = max(in, out) / b) for in_features={in_features}, out_features="
+            f"{out_features}; got {values.shape}"
+        )
+    return geo
+
+
 def _check_args(x, values, offsets, out_features, host_offsets):
     if x.ndim < 1:
         raise ValueError("x must have shape [..., in_features], got a scalar")
-    geo = geometry(x.shape[-1], out_features)
-    if values.ndim != 2:
-        raise ValueError(f"values must have shape [K, D] = [K, {geo.length}], got {values.shape}")
+    geometry(x.shape[-1], out_features)  # names bad widths before any shape message uses them
+    geo = _check_values(values, x.shape[-1], out_features)
     if offsets.ndim != 1:
         raise ValueError(f"offsets must have shape [K] = [{values.shape[0]}], got {offsets.shape}")
-    if values.shape[1] != geo.length:
-        raise ValueError(
-            f"values must have shape [K, min(in, out)] = [K, {geo.length}] for in_features="
-            f"{geo.in_features}, out_features={geo.out_features}; got {values.shape}"
-        )
     if offsets.shape[0] != values.shape[0]:
         raise ValueError(
             f"offsets must have shape [K] = [{values.shape[0]}] to match values {values.shape}; "
@@ -106,8 +155,9 @@ def _check_args(x, values, offsets, out_features, host_offsets):
     if host_offsets is not None:
         off = host_offsets
         if off.size and (off.min() < 0 or off.max() >= geo.num_candidates):
+            p = "P_b" if geo.blocked else "P"
             raise ValueError(
-                f"offsets must lie in [0, P) = [0, {geo.num_candidates}); got values in "
+                f"offsets must lie in [0, {p}) = [0, {geo.num_candidates}); got values in "
                 f"[{off.min()}, {off.max()}]"
             )
     return geo
@@ -117,17 +167,27 @@ def _supports(impl: str, dtype) -> bool:
     return any(dtype == d for d in _BACKENDS[impl].dtypes())
 
 
-def _resolve_impl(impl: str, dtype) -> str:
+def _resolve_impl(impl: str, dtype, block_size: int) -> str:
     if impl == "auto":
-        return "ffi" if "ffi" in _BACKENDS and _supports("ffi", dtype) else "jax"
+        usable = "ffi" in _BACKENDS and _supports("ffi", dtype)
+        return "ffi" if usable and _BACKENDS["ffi"].block_size_ok(block_size) else "jax"
     if impl != "dense" and impl not in _BACKENDS:
         raise ValueError(f"impl must be one of {available_impls()}, got {impl!r}")
-    if impl != "dense" and not _supports(impl, dtype):
+    if impl == "dense":
+        return impl
+    if not _supports(impl, dtype):
         supported = ", ".join(str(jnp.dtype(d)) for d in _BACKENDS[impl].dtypes()) or "none"
         raise TypeError(
             f"impl={impl!r} supports dtypes ({supported}) on platform {jax.default_backend()!r}; "
             f"got {jnp.dtype(dtype)} (impl='jax' runs every floating dtype on every platform)"
         )
+    if not _BACKENDS[impl].block_size_ok(block_size):
+        if block_size in KERNEL_BLOCK_SIZES:
+            platform = jax.default_backend()
+            why = f"has no block-diagonal kernels on platform {platform!r} in this build"
+        else:
+            why = f"takes block sizes b in {KERNEL_BLOCK_SIZES}, got b = {block_size}"
+        raise ValueError(f"impl={impl!r} {why}; impl='jax' and impl='dense' run any block size")
     return impl
 
 
@@ -148,7 +208,7 @@ def _product_bwd(out_features, impl, res, dy2):
         dx2, dvalues = backend.bwd(dy2, x2, values, offsets)
     else:
         dx2 = backend.dx(dy2, values, offsets, in_features=x2.shape[1])
-        dvalues = backend.dvalues(dy2, x2, offsets)
+        dvalues = backend.dvalues(dy2, x2, offsets, block_size=_block_size_of(values))
     return dx2, dvalues, None
 
 
@@ -160,12 +220,16 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
 
     Args:
       x: ``[..., in]`` floating input.
-      values: ``[K, D]`` with ``D = min(in, out_features)``, same dtype as ``x``; row ``k`` holds
-        the entries of diagonal ``offsets[k]`` (DESIGN.md section 1 gives the index convention).
-      offsets: ``[K]`` integer diagonal ids in ``[0, max(in, out_features))``; repeats add up.
+      values: same dtype as ``x``; either element diagonals ``[K, D]`` with
+        ``D = min(in, out_features)``, row ``k`` holding the entries of diagonal ``offsets[k]``,
+        or block diagonals ``[K, L_b, b, b]`` with ``b = values.shape[-1] >= 2`` dividing ``in``
+        and ``out_features`` and ``L_b = max(in, out_features) / b`` (docs/design.md section 1
+        gives both index conventions).
+      offsets: ``[K]`` integer diagonal ids in ``[0, P)``, ``P = max(in, out_features)``
+        (block diagonals: ``[0, P_b)``, ``P_b = min(in, out_features) / b``); repeats add up.
       out_features: the output width.
-      impl: ``"auto"`` (the compiled kernel where it is built and supports the dtype, else
-        ``"jax"``), ``"ffi"``, ``"jax"`` or ``"dense"``; see :func:`available_impls`.
+      impl: ``"auto"`` (the compiled kernel where it is built and supports the dtype and block
+        size, else ``"jax"``), ``"ffi"``, ``"jax"`` or ``"dense"``; see :func:`available_impls`.
 
     Returns:
       ``[..., out_features]`` in ``x.dtype``; low-precision inputs accumulate in float32.
@@ -184,7 +248,7 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
         _as_array(a, n) for a, n in ((x, "x"), (values, "values"), (offsets, "offsets"))
     )
     geo = _check_args(x, values, offsets, out_features, host_offsets)
-    impl = _resolve_impl(impl, x.dtype)
+    impl = _resolve_impl(impl, x.dtype, geo.block_size)
     lead = x.shape[:-1]
     x2 = x.reshape((-1, geo.in_features))
     if impl == "dense":
@@ -199,4 +263,5 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
 def _poison_invalid(values, offsets, num_candidates):
     # dynamic_slice clamps out-of-range starts; NaN makes a bad traced offset visible instead.
     valid = (offsets >= 0) & (offsets < num_candidates)
-    return jnp.where(valid[:, None], values, jnp.asarray(jnp.nan, values.dtype))
+    valid = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
+    return jnp.where(valid, values, jnp.asarray(jnp.nan, values.dtype))

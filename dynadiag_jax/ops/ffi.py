@@ -26,12 +26,14 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.ops.diag_matmul import Backend
 
 __all__ = ["PlatformKernels", "make_ffi_backend", "platform_of_default_backend"]
 
-# workspace_bytes(kind, rows, in_features, out_features, k, dtype) -> bytes.
-WorkspaceFn = Callable[[str, int, int, int, int, jnp.dtype], int]
+# workspace_bytes(kind, rows, in_features, out_features, k, dtype) -> bytes; for block diagonals
+# the lowering adds the keyword block_size=b (b >= 2).
+WorkspaceFn = Callable[..., int]
 
 
 class PlatformKernels(NamedTuple):
@@ -40,6 +42,9 @@ class PlatformKernels(NamedTuple):
     dtypes: tuple  # floating dtypes its handlers accept
     workspace_bytes: WorkspaceFn | None = None
     fused_backward: bool = False  # provides {prefix}_bwd: (dy, x, values, offsets) -> (dx, dvalues)
+    # Its handlers take rank-4 block-diagonal values[K, L_b, b, b] for b in KERNEL_BLOCK_SIZES
+    # (docs/kernel_abi.md); without them, impl="auto" runs block diagonals on the "jax" path.
+    block_diagonals: bool = False
 
 
 def platform_of_default_backend() -> str:
@@ -75,6 +80,7 @@ class _Kind(NamedTuple):
     reduction: bool  # whether the row factors are a reduction in the rule
 
 
+# "k d" stands for the values' dimensions: [K, D], or [K, L_b, b, b] as "k d u v".
 _KINDS = {
     "fwd": _Kind((True, False, False), (False,), "R i, k d, k -> R o", False),
     "dx": _Kind((True, False, False), (False,), "R o, k d, k -> R i", False),
@@ -83,8 +89,11 @@ _KINDS = {
 }
 
 
-def _partitioned(kind: str, raw: Primitive, rank: int, params: dict):
-    """``raw.bind`` in ``custom_partitioning``, for operands with ``rank - 1`` row dimensions."""
+def _partitioned(kind: str, raw: Primitive, rank: int, blocked: bool, params: dict):
+    """``raw.bind`` in ``custom_partitioning``, for operands with ``rank - 1`` row dimensions.
+
+    ``blocked``: the values are block diagonals ``[K, L_b, b, b]``.
+    """
     spec = _KINDS[kind]
     multiple = len(spec.summed_results) > 1
 
@@ -123,9 +132,11 @@ def _partitioned(kind: str, raw: Primitive, rank: int, params: dict):
 
     rows = " ".join(f"r{i}" for i in range(rank - 1))
     rule = spec.rule.replace("R", rows)
+    if blocked:
+        rule = rule.replace("k d", "k d u v")
     # Shardy wants special factors in order of first appearance.
     order = list(dict.fromkeys(rule.replace(",", " ").replace("->", " ").split()))
-    factors = {"need_replication_factors": tuple(f for f in order if f in "oikd")}
+    factors = {"need_replication_factors": tuple(f for f in order if f in {*"oikduv"})}
     if spec.reduction and rows:
         factors["reduction_factors"] = tuple(rows.split())
     wrapped = custom_partitioning(call)
@@ -160,10 +171,14 @@ def _require_devices_during_lowering(prim: Primitive) -> None:
 
 
 def _abstract(kind):
-    def abstract(*avals, width=None):
+    def abstract(*avals, width=None, block_size=1):
         if kind == "dvalues":  # dy [..., out], x [..., in], offsets [K]
             dy, x, offsets = avals
-            return ShapedArray((offsets.shape[0], min(dy.shape[-1], x.shape[-1])), x.dtype)
+            k, (n_out, n_in) = offsets.shape[0], (dy.shape[-1], x.shape[-1])
+            if block_size == 1:
+                return ShapedArray((k, min(n_out, n_in)), x.dtype)
+            length = max(n_out, n_in) // block_size
+            return ShapedArray((k, length, block_size, block_size), x.dtype)
         if kind == "bwd":  # dy, x, values, offsets -> (dx, dvalues)
             _, x, values, _ = avals
             return ShapedArray(x.shape, x.dtype), ShapedArray(values.shape, values.dtype)
@@ -183,15 +198,24 @@ def _features(kind, avals_in, avals_out):
     return avals_out[0].shape[-1], a.shape[-1]
 
 
+def _values_aval(kind, avals_in, avals_out):
+    """The aval of ``values`` (an operand) or ``dvalues`` (the result) of a call."""
+    return avals_out[0] if kind == "dvalues" else avals_in[2 if kind == "bwd" else 1]
+
+
 def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels):
-    def rule(ctx, *operands, width=None):
-        del width
+    def rule(ctx, *operands, **params):
+        del params  # the handlers read every size from the operand and result shapes
         avals_out = list(ctx.avals_out)
         if kernels.workspace_bytes is not None:
             in_f, out_f = _features(kind, ctx.avals_in, avals_out)
             a, offsets = ctx.avals_in[0], ctx.avals_in[-1]
             rows = int(np.prod(a.shape[:-1], dtype=np.int64))
-            nbytes = kernels.workspace_bytes(kind, rows, in_f, out_f, offsets.shape[0], a.dtype)
+            values = _values_aval(kind, ctx.avals_in, avals_out)
+            blocks = {"block_size": values.shape[-1]} if len(values.shape) == 4 else {}
+            nbytes = kernels.workspace_bytes(
+                kind, rows, in_f, out_f, offsets.shape[0], a.dtype, **blocks
+            )
             avals_out.append(ShapedArray((max(int(nbytes), 1),), jnp.uint8))
         results = jax.ffi.ffi_lowering(target)(ctx.replace(avals_out=avals_out), *operands)
         return results[: len(ctx.avals_out)]
@@ -212,7 +236,8 @@ def _make_primitive(kind: str, raw: Primitive) -> Primitive:
     prim.def_impl(lambda *args, **params: jax.jit(functools.partial(prim.bind, **params))(*args))
 
     def lowering(ctx, *operands, **params):
-        wrapped = _partitioned(kind, raw, len(ctx.avals_in[0].shape), params)
+        blocked = len(_values_aval(kind, ctx.avals_in, ctx.avals_out).shape) == 4
+        wrapped = _partitioned(kind, raw, len(ctx.avals_in[0].shape), blocked, params)
         return mlir.lower_fun(wrapped, multiple_results=prim.multiple_results)(ctx, *operands)
 
     mlir.register_lowering(prim, lowering)
@@ -259,7 +284,8 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
 
     def separate_backward(dy, x, values, offsets):
         dx = raws["dx"].bind(dy, values, offsets, width=x.shape[-1])
-        return dx, raws["dvalues"].bind(dy, x, offsets)
+        block_size = values.shape[-1] if values.ndim == 4 else 1
+        return dx, raws["dvalues"].bind(dy, x, offsets, block_size=block_size)
 
     raws["bwd"] = _new_primitive(f"{prefix}_bwd_call", "bwd")
     for platform, kernels in platforms.items():
@@ -275,6 +301,12 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
         kernels = platforms.get(platform_of_default_backend())
         return kernels.dtypes if kernels else ()
 
+    def block_size_ok(block_size):
+        if block_size == 1:
+            return True
+        kernels = platforms.get(platform_of_default_backend())
+        return bool(kernels and kernels.block_diagonals and block_size in KERNEL_BLOCK_SIZES)
+
     def bwd(dy2, x2, values, offsets):
         dx, dvalues = prims["bwd"].bind(dy2, x2, values, offsets)
         return dx, dvalues
@@ -286,7 +318,10 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
         dx=lambda dy2, values, offsets, *, in_features: prims["dx"].bind(
             dy2, values, offsets, width=in_features
         ),
-        dvalues=lambda dy2, x2, offsets: prims["dvalues"].bind(dy2, x2, offsets),
+        dvalues=lambda dy2, x2, offsets, *, block_size=1: prims["dvalues"].bind(
+            dy2, x2, offsets, block_size=block_size
+        ),
         dtypes=dtypes,
         bwd=bwd,
+        block_size_ok=block_size_ok,
     )
