@@ -9,6 +9,7 @@
 #include <mutex>
 #include <new>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -28,11 +29,15 @@ constexpr int64_t kBackwardGroupSegments = 4096;
 // they save: small calls run in one task, inline in the handler.
 constexpr int64_t kMinMacsPerTask = int64_t{1} << 21;
 
-// How many tasks share `rows` rows claimed `chunk` at a time, for a plan of `segs` segments.
+// How many tasks share `units` units of work (row chunks, blocks) of `macs` multiply-adds in all.
+int64_t TaskCount(int64_t units, int64_t macs, int64_t workers) {
+  return std::clamp<int64_t>(std::min(units, macs / kMinMacsPerTask), 1,
+                             std::max<int64_t>(workers, 1));
+}
+
+// ... for `rows` rows claimed `chunk` at a time, for a plan of `segs` segments.
 int64_t TaskCount(int64_t rows, int64_t chunk, int64_t segs, int64_t workers) {
-  const int64_t chunks = (rows + chunk - 1) / chunk;
-  const int64_t by_work = rows * segs * kLanes / kMinMacsPerTask;
-  return std::clamp<int64_t>(std::min(chunks, by_work), 1, std::max<int64_t>(workers, 1));
+  return TaskCount((rows + chunk - 1) / chunk, rows * segs * kLanes, workers);
 }
 
 // Per-call arrays (plan, packed values, partial sums) come from a small cache of 64-byte aligned
@@ -369,7 +374,6 @@ class DvaluesJob : public Job {
 // s pairs dx (and x) column 16 j + l with dy column c0 + l and with entry vbase + l of both values
 // and dvalues, so every dy window feeds both products. Tasks accumulate row chunks into their
 // PartialSums blocks, walking the tiles in groups whose packed values and partial sums stay in L2.
-// Families without a fused kernel run the two separate jobs instead.
 template <typename T>
 class BackwardJob : public Job {
  public:
@@ -380,13 +384,6 @@ class BackwardJob : public Job {
         dx_(static_cast<T*>(a.dx)),
         dvalues_(static_cast<T*>(a.dvalues)),
         table_(TableFor<T>(kernels)) {
-    if (table_.backward == nullptr) {
-      dx_job_ = std::make_unique<ProductJob<T>>(a.rows, a.w, a.w.out < a.w.in, a.dy, a.dx, workers,
-                                                kernels);
-      dvalues_job_ = std::make_unique<DvaluesJob<T>>(
-          DvaluesArgs{a.type, a.rows, a.w, a.dy, a.x, a.dvalues}, workers, kernels);
-      return;
-    }
     dy_width_ = a.w.out;
     width_ = a.w.in;
     plan_ = BuildPlan(a.w, /*moving_on_output=*/a.w.out < a.w.in);
@@ -403,17 +400,9 @@ class BackwardJob : public Job {
     sums_.Init(TaskCount(rows_, kBackwardRowChunk, plan.num_segs, workers), plan.num_segs);
   }
 
-  int64_t num_tasks() const override {
-    if (dx_job_) return std::max(dx_job_->num_tasks(), dvalues_job_->num_tasks());
-    return sums_.tasks();
-  }
+  int64_t num_tasks() const override { return sums_.tasks(); }
 
   void RunTask(int64_t task) override {
-    if (dx_job_) {
-      if (task < dx_job_->num_tasks()) dx_job_->RunTask(task);
-      if (task < dvalues_job_->num_tasks()) dvalues_job_->RunTask(task);
-      return;
-    }
     const PlanView plan = plan_.view();
     float* acc = sums_.Begin(task);
     const int64_t stride = sums_.tasks() * kBackwardRowChunk;
@@ -439,7 +428,286 @@ class BackwardJob : public Job {
   Scratch<float> vp_;
   PartialSums sums_;
   std::vector<int64_t> group_begin_;  // tile groups: [group_begin_[g], group_begin_[g + 1])
-  std::unique_ptr<Job> dx_job_, dvalues_job_;
+};
+
+// Two independent jobs as one: task i runs task i of each (where it has one). The backward of
+// families without a fused kernel, and of block diagonals.
+class PairJob : public Job {
+ public:
+  PairJob(std::unique_ptr<Job> first, std::unique_ptr<Job> second)
+      : first_(std::move(first)), second_(std::move(second)) {}
+
+  int64_t num_tasks() const override {
+    return std::max(first_->num_tasks(), second_->num_tasks());
+  }
+
+  void RunTask(int64_t task) override {
+    if (task < first_->num_tasks()) first_->RunTask(task);
+    if (task < second_->num_tasks()) second_->RunTask(task);
+  }
+
+ private:
+  std::unique_ptr<Job> first_, second_;
+};
+
+
+
+// --- Block diagonals ---------------------------------------------------------------------------
+
+// Float32 input rows a product chunk keeps in L2 (x of the forward, dy of dx): every output block
+// of the chunk reads its entries' columns from them.
+constexpr int64_t kBlockChunkBytes = int64_t{192} << 10;
+// Product chunks are a multiple of every family's register tile (6 or 12 rows).
+constexpr int64_t kBlockChunkRows = 12;
+// Bytes of the short side of W (x if tall, dy if wide) a dvalues chunk copies into strips: with
+// the long strips of a group they stay in L2 while the group's blocks run.
+constexpr int64_t kBlockShortBytes = int64_t{192} << 10;
+
+template <typename T>
+const BlockKernelTable<T>& BlockTableFor(const Kernels& kernels);
+template <>
+const BlockKernelTable<float>& BlockTableFor<float>(const Kernels& kernels) {
+  return kernels.f32_blocks;
+}
+template <>
+const BlockKernelTable<Bf16>& BlockTableFor<Bf16>(const Kernels& kernels) {
+  return kernels.bf16_blocks;
+}
+
+// rows x cols of src (row stride `stride`) as float32 rows of stride dst_stride in dst.
+template <typename T>
+void CopyRows(const T* src, int64_t stride, int64_t rows, int64_t cols, float* dst,
+              int64_t dst_stride) {
+  for (int64_t r = 0; r < rows; ++r, src += stride, dst += dst_stride) {
+    for (int64_t c = 0; c < cols; ++c) dst[c] = ToFloat(src[c]);
+  }
+}
+
+struct BlockPlan {
+  int64_t b = 0;
+  int64_t num_out_blocks = 0;
+  int64_t num_entries = 0;
+  int64_t max_entries = 0;  // of one output block
+  bool transpose = false;
+  Scratch<int64_t> entry_begin;
+  Scratch<int32_t> in_block;
+  Scratch<int64_t> value_block;
+
+  BlockPlanView view() const {
+    return BlockPlanView{b, num_out_blocks, entry_begin.get(), in_block.get(), value_block.get(),
+                         transpose};
+  }
+};
+
+// The plan of the forward (`forward`: output blocks are W's block rows, input blocks its block
+// columns, panels transposed) or of dx (the transpose closure: output blocks are W's block
+// columns, input blocks its block rows, the blocks as they are). Every (k, t) is one entry; the
+// entries of an output block come in increasing input block order, so a tile sweeps its input
+// row once.
+BlockPlan BuildBlockPlan(const DiagMatrix& w, bool forward) {
+  const int64_t b = w.block, nb_in = w.in / b, nb_out = w.out / b;
+  const int64_t len = std::max(nb_in, nb_out);
+  const bool tall = w.out >= w.in;
+  BlockPlan plan;
+  plan.b = b;
+  plan.transpose = forward;
+  plan.num_out_blocks = forward ? nb_out : nb_in;
+  plan.num_entries = w.k * len;
+  std::vector<std::pair<int64_t, int64_t>> out_in(plan.num_entries);  // per (k, t)
+  std::vector<int64_t> count(plan.num_out_blocks + 1, 0);
+  for (int64_t k = 0; k < w.k; ++k) {
+    const int64_t d = w.offsets[k];
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t row = tall ? t : (t + d) % nb_out, col = tall ? (t + d) % nb_in : t;
+      out_in[k * len + t] = forward ? std::pair{row, col} : std::pair{col, row};
+      ++count[out_in[k * len + t].first + 1];
+    }
+  }
+  plan.entry_begin = Scratch<int64_t>(plan.num_out_blocks + 1);
+  plan.entry_begin[0] = 0;
+  for (int64_t o = 0; o < plan.num_out_blocks; ++o) {
+    plan.entry_begin[o + 1] = plan.entry_begin[o] + count[o + 1];
+    plan.max_entries = std::max(plan.max_entries, count[o + 1]);
+  }
+  std::vector<int64_t> order(plan.num_entries);  // (k, t) by output block, then input block
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t c) { return out_in[a] < out_in[c]; });
+  plan.in_block = Scratch<int32_t>(plan.num_entries);
+  plan.value_block = Scratch<int64_t>(plan.num_entries);
+  for (int64_t e = 0; e < plan.num_entries; ++e) {
+    plan.in_block[e] = static_cast<int32_t>(out_in[order[e]].second);
+    plan.value_block[e] = order[e];
+  }
+  return plan;
+}
+
+// out[rows, out_width] = in[rows, in_width] (x) block diagonals: the forward and dx. The values
+// are packed once into the family's panels; workers claim chunks of rows and copy each (bfloat16:
+// widen it) into their own buffer first. The copy pays for itself even in float32: it streams the
+// rows in once, in order, where the kernel would take them from memory a few lines at a time in a
+// pattern the prefetchers do not follow; the buffer then stays in L2 for every output block.
+template <typename T>
+class BlockProductJob : public Job {
+ public:
+  BlockProductJob(int64_t rows, const DiagMatrix& w, bool forward, const void* in, void* out,
+                  int64_t workers, const Kernels& kernels)
+      : rows_(rows),
+        in_width_(forward ? w.in : w.out),
+        out_width_(forward ? w.out : w.in),
+        in_(static_cast<const T*>(in)),
+        out_(static_cast<T*>(out)),
+        table_(BlockTableFor<T>(kernels)) {
+    plan_ = BuildBlockPlan(w, forward);
+    const int64_t bb = w.block * w.block;
+    panels_ = Scratch<float>(plan_.num_entries * bb);
+    table_.pack(plan_.view(), static_cast<const T*>(w.values), panels_.get());
+    chunk_ = std::clamp<int64_t>(
+        kBlockChunkBytes / (4 * in_width_) / kBlockChunkRows * kBlockChunkRows, kBlockChunkRows,
+        20 * kBlockChunkRows);
+    tasks_ = TaskCount((rows_ + chunk_ - 1) / chunk_, rows_ * plan_.num_entries * bb, workers);
+    // A row stride of a multiple of 4 KiB would put a column of every row in one L1 set.
+    stride_ = in_width_ % 1024 == 0 ? in_width_ + 16 : in_width_;
+    rows_copy_ = Scratch<float>(tasks_ * chunk_ * stride_);
+  }
+
+  int64_t num_tasks() const override { return tasks_; }
+
+  void RunTask(int64_t task) override {
+    for (;;) {
+      const int64_t r0 = next_row_.fetch_add(chunk_, std::memory_order_relaxed);
+      if (r0 >= rows_) return;
+      const int64_t n = std::min(chunk_, rows_ - r0);
+      float* rows = rows_copy_.get() + task * chunk_ * stride_;
+      CopyRows(in_ + r0 * in_width_, in_width_, n, in_width_, rows, stride_);
+      table_.product(plan_.view(), panels_.get(), rows, stride_, out_ + r0 * out_width_,
+                     out_width_, n);
+    }
+  }
+
+ private:
+  int64_t rows_, in_width_, out_width_, chunk_ = kBlockChunkRows, tasks_ = 1, stride_ = 0;
+  const T* in_;
+  T* out_;
+  const BlockKernelTable<T>& table_;
+  BlockPlan plan_;
+  Scratch<float> panels_;
+  Scratch<float> rows_copy_;  // [tasks][chunk][stride]
+  std::atomic<int64_t> next_row_{0};
+};
+
+// Copies strips [s0, s1) of b columns of rows x (width) of src (row stride `width`), as float32,
+// into contiguous [s1 - s0][rows][b] strips at dst.
+template <typename T>
+void PackStrips(const T* src, int64_t width, int64_t rows, int64_t b, int64_t s0, int64_t s1,
+                float* dst) {
+  for (int64_t r = 0; r < rows; ++r, src += width) {
+    for (int64_t s = s0; s < s1; ++s) {
+      float* out = dst + ((s - s0) * rows + r) * b;
+      for (int64_t c = 0; c < b; ++c) out[c] = ToFloat(src[s * b + c]);
+    }
+  }
+}
+
+// dvalues[k, t] = dy[:, rows of block (k, t)]^T @ x[:, its columns], the block SDDMM. Block t of
+// every diagonal lies in strip t of b columns of W's long side (dy if tall, x if wide) and in
+// strip (t + d) % P_b of its short side. Read in place, a strip's rows are far apart: every row is
+// another page, and with row strides of a multiple of 4 KiB all of them fall in one L1 set. So for
+// every chunk of rows a task copies (bfloat16: widens) the whole short side and its own long strips
+// into contiguous [chunk][b] strips, then runs the K blocks of each of its long strips. Tasks claim
+// groups of long strips; every block of dvalues is summed by one task, chunk after chunk in order,
+// so gradients repeat bit for bit.
+template <typename T>
+class BlockDvaluesJob : public Job {
+ public:
+  BlockDvaluesJob(const DvaluesArgs& a, int64_t workers, const Kernels& kernels)
+      : rows_(a.rows),
+        b_(a.w.block),
+        k_(a.w.k),
+        offsets_(a.w.offsets),
+        tall_(a.w.out >= a.w.in),
+        dvalues_(static_cast<T*>(a.dvalues)),
+        sddmm_(kernels.block_sddmm) {
+    long_ = static_cast<const T*>(tall_ ? a.dy : a.x);
+    short_ = static_cast<const T*>(tall_ ? a.x : a.dy);
+    long_width_ = std::max(a.w.in, a.w.out);
+    short_width_ = std::min(a.w.in, a.w.out);
+    num_long_ = long_width_ / b_;
+    chunk_ = std::clamp<int64_t>(kBlockShortBytes / (4 * short_width_) / 8 * 8, 8, 256);
+    const int64_t macs = rows_ * k_ * long_width_ * b_;
+    // Two groups per worker balance the load; each group copies the short side once more.
+    groups_ = std::min(num_long_, 2 * std::max<int64_t>(workers, 1));
+    group_size_ = (num_long_ + groups_ - 1) / groups_;
+    groups_ = (num_long_ + group_size_ - 1) / group_size_;
+    tasks_ = TaskCount(groups_, macs, workers);
+    task_floats_ = chunk_ * (short_width_ + group_size_ * b_);
+    strips_ = Scratch<float>(tasks_ * task_floats_);
+    if constexpr (!std::is_same_v<T, float>) sums_ = Scratch<float>(k_ * long_width_ * b_);
+  }
+
+  int64_t num_tasks() const override { return tasks_; }
+
+  void RunTask(int64_t task) override {
+    const int64_t bb = b_ * b_, num_short = short_width_ / b_;
+    float* shorts = strips_.get() + task * task_floats_;
+    float* longs = shorts + chunk_ * short_width_;
+    for (;;) {
+      const int64_t g = next_group_.fetch_add(1, std::memory_order_relaxed);
+      if (g >= groups_) return;
+      const int64_t t0 = g * group_size_, t1 = std::min(num_long_, t0 + group_size_);
+      for (int64_t r0 = 0; r0 < rows_; r0 += chunk_) {
+        const int64_t n = std::min(chunk_, rows_ - r0);
+        PackStrips(short_ + r0 * short_width_, short_width_, n, b_, 0, num_short, shorts);
+        PackStrips(long_ + r0 * long_width_, long_width_, n, b_, t0, t1, longs);
+        for (int64_t t = t0; t < t1; ++t) {
+          const float* strip = longs + (t - t0) * n * b_;
+          for (int64_t k = 0; k < k_; ++k) {
+            const float* other = shorts + (t + offsets_[k]) % num_short * n * b_;
+            float* acc = Sums(k, t);
+            if (tall_) {
+              sddmm_(b_, strip, b_, other, b_, n, acc, r0 > 0);
+            } else {
+              sddmm_(b_, other, b_, strip, b_, n, acc, r0 > 0);
+            }
+          }
+        }
+      }
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t k = 0; k < k_; ++k) {
+          T* dst = dvalues_ + (k * num_long_ + t) * bb;
+          if (rows_ == 0) {
+            std::memset(static_cast<void*>(dst), 0, sizeof(T) * bb);
+          } else if constexpr (!std::is_same_v<T, float>) {
+            for (int64_t i = 0; i < bb; ++i) FromFloat(Sums(k, t)[i], dst + i);
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  // The float32 sums of block (k, t): dvalues itself for float32.
+  float* Sums(int64_t k, int64_t t) const {
+    const int64_t index = (k * num_long_ + t) * b_ * b_;
+    if constexpr (std::is_same_v<T, float>) {
+      return dvalues_ + index;
+    } else {
+      return sums_.get() + index;
+    }
+  }
+
+  int64_t rows_, b_, k_;
+  const int32_t* offsets_;
+  bool tall_;
+  T* dvalues_;
+  decltype(Kernels::block_sddmm) sddmm_;
+  const T* long_ = nullptr;
+  const T* short_ = nullptr;
+  int64_t long_width_ = 0, short_width_ = 0, num_long_ = 0;
+  int64_t chunk_ = 8, groups_ = 1, group_size_ = 1, tasks_ = 1, task_floats_ = 0;
+  Scratch<float> strips_;  // per task: [short strips][chunk][b], then its [long strips][chunk][b]
+  Scratch<float> sums_;    // bfloat16: float32 [K, L_b, b, b]
+  std::atomic<int64_t> next_group_{0};
 };
 
 template <template <typename> class J, typename... Args>
@@ -466,23 +734,40 @@ Isa BestIsa() {
 const char* IsaName(Isa isa) { return KernelsFor(isa).name; }
 
 std::unique_ptr<Job> MakeFwdJob(const FwdArgs& a, int64_t workers, Isa isa) {
+  if (a.w.block > 1) {
+    return MakeTyped<BlockProductJob>(a.type, a.rows, a.w, /*forward=*/true, a.x, a.y, workers,
+                                      KernelsFor(isa));
+  }
   // Tall W moves along the output rows; wide W along the input columns.
   return MakeTyped<ProductJob>(a.type, a.rows, a.w, a.w.out >= a.w.in, a.x, a.y, workers,
                                KernelsFor(isa));
 }
 
 std::unique_ptr<Job> MakeDxJob(const DxArgs& a, int64_t workers, Isa isa) {
+  if (a.w.block > 1) {
+    return MakeTyped<BlockProductJob>(a.type, a.rows, a.w, /*forward=*/false, a.dy, a.dx, workers,
+                                      KernelsFor(isa));
+  }
   // dx = dy @ W: in and out swap roles, so the moving side swaps (the transpose closure).
   return MakeTyped<ProductJob>(a.type, a.rows, a.w, a.w.out < a.w.in, a.dy, a.dx, workers,
                                KernelsFor(isa));
 }
 
 std::unique_ptr<Job> MakeDvaluesJob(const DvaluesArgs& a, int64_t workers, Isa isa) {
+  if (a.w.block > 1) return MakeTyped<BlockDvaluesJob>(a.type, a, workers, KernelsFor(isa));
   return MakeTyped<DvaluesJob>(a.type, a, workers, KernelsFor(isa));
 }
 
 std::unique_ptr<Job> MakeBwdJob(const BwdArgs& a, int64_t workers, Isa isa) {
-  return MakeTyped<BackwardJob>(a.type, a, workers, KernelsFor(isa));
+  const Kernels& kernels = KernelsFor(isa);
+  const bool fused = a.type == ElemType::kF32 ? kernels.f32.backward != nullptr
+                                              : kernels.bf16.backward != nullptr;
+  if (a.w.block == 1 && fused) return MakeTyped<BackwardJob>(a.type, a, workers, kernels);
+  // Block diagonals: the products do only useful FMAs and are bound by them, not by loads, so
+  // sharing the reads of dy would save little; dx and dvalues run as their own jobs.
+  return std::make_unique<PairJob>(
+      MakeDxJob(DxArgs{a.type, a.rows, a.w, a.dy, a.dx}, workers, isa),
+      MakeDvaluesJob(DvaluesArgs{a.type, a.rows, a.w, a.dy, a.x, a.dvalues}, workers, isa));
 }
 
 }  // namespace dynadiag

@@ -17,15 +17,24 @@ namespace dynadiag {
 
 enum class ElemType { kF32, kBF16 };
 
-// W[out, in] as K wrapped diagonals: P = max(in, out) candidates of length D = min(in, out).
+// W[out, in] as K wrapped diagonals.
+//
+// Element diagonals (block == 1): P = max(in, out) candidates of length D = min(in, out).
 // Tall (out >= in): diagonal d holds W[(j + d) % out, j] = values[k, j].
 // Wide (out < in):  diagonal d holds W[i, (i + d) % in] = values[k, i].
+//
+// Block diagonals (block == b >= 2, b divides in and out; nb_in = in / b, nb_out = out / b):
+// P_b = min(nb_in, nb_out) candidates, each a chain of L_b = max(nb_in, nb_out) b x b blocks.
+// Tall (out >= in): block t of diagonal d sits at block row t, block column (t + d) % nb_in.
+// Wide (out < in):  block t of diagonal d sits at block row (t + d) % nb_out, block column t.
+// values[k, t, i, j] = W[block_row * b + i, block_col * b + j].
 struct DiagMatrix {
   int64_t in;
   int64_t out;
   int64_t k;
-  const int32_t* offsets;  // [k], each in [0, max(in, out))
-  const void* values;      // [k, min(in, out)]
+  const int32_t* offsets;  // [k], each in [0, P) (element) or [0, P_b) (block)
+  const void* values;      // [k, min(in, out)] (element) or [k, L_b, b, b] (block)
+  int64_t block = 1;
 };
 
 // y[rows, out] = x[rows, in] @ W^T.
@@ -46,14 +55,15 @@ struct DxArgs {
   void* dx;        // [rows, in]
 };
 
-// dvalues[k, t] = sum_r dy[r, row(k, t)] * x[r, col(k, t)] (w.values is unused).
+// dvalues[k, t] = sum_r dy[r, row(k, t)] * x[r, col(k, t)] (w.values is unused); for blocks,
+// dvalues[k, t] = dy[:, rows of the block]^T @ x[:, columns of the block].
 struct DvaluesArgs {
   ElemType type;
   int64_t rows;
   DiagMatrix w;
   const void* dy;  // [rows, out]
   const void* x;   // [rows, in]
-  void* dvalues;   // [k, min(in, out)]
+  void* dvalues;   // like w.values
 };
 
 // dx = dy @ W and dvalues together (one sweep over dy; w.values is used for dx).
@@ -64,7 +74,7 @@ struct BwdArgs {
   const void* dy;  // [rows, out]
   const void* x;   // [rows, in]
   void* dx;        // [rows, in]
-  void* dvalues;   // [k, min(in, out)]
+  void* dvalues;   // like w.values
 };
 
 // The kernel families; `BestIsa()` is the fastest one this CPU runs.
@@ -81,7 +91,8 @@ class Job {
 };
 
 // `workers` is how many threads may run tasks at once (the tasks balance work dynamically);
-// `isa` must be supported by this CPU (at most BestIsa()). May throw std::bad_alloc.
+// `isa` must be supported by this CPU (at most BestIsa()). w.block picks element or block
+// diagonals. May throw std::bad_alloc.
 std::unique_ptr<Job> MakeFwdJob(const FwdArgs& args, int64_t workers, Isa isa);
 std::unique_ptr<Job> MakeDxJob(const DxArgs& args, int64_t workers, Isa isa);
 std::unique_ptr<Job> MakeDvaluesJob(const DvaluesArgs& args, int64_t workers, Isa isa);

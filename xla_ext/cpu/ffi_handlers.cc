@@ -1,8 +1,9 @@
-// Decode and validate the operands of the three CPU targets, then run the kernels' job on XLA's
+// Decode and validate the operands of the CPU targets, then run the kernels' job on XLA's
 // intra-op thread pool (the handlers are asynchronous: they return an ffi::Future).
 //
 // Every check returns InvalidArgument naming the operand and the expected shape; nothing here
-// aborts. Operand order and meaning follow docs/kernel_abi.md.
+// aborts. Operand order and meaning follow docs/kernel_abi.md: rank-2 values (or dvalues) are
+// element diagonals, rank-4 values[K, L_b, b, b] block diagonals.
 #include "ffi_handlers.h"
 
 #include <algorithm>
@@ -86,7 +87,17 @@ int64_t Rows(Dims dims) {
   return rows;
 }
 
-// offsets: s32[K] with every entry in [0, P). Fills w.k and w.offsets.
+std::string BlockString(const DiagMatrix& w) {
+  return "in=" + std::to_string(w.in) + ", out=" + std::to_string(w.out) +
+         (w.block > 1 ? ", b=" + std::to_string(w.block) : std::string());
+}
+
+// The number of candidate diagonals: P = max(in, out), or P_b = min(in, out) / b for blocks.
+int64_t Candidates(const DiagMatrix& w) {
+  return w.block > 1 ? std::min(w.in, w.out) / w.block : std::max(w.in, w.out);
+}
+
+// offsets: s32[K] with every entry in [0, P) (or [0, P_b)). Fills w.k and w.offsets.
 std::optional<ffi::Error> CheckOffsets(const char* target, const ffi::AnyBuffer& offsets,
                                        DiagMatrix& w) {
   if (offsets.element_type() != ffi::DataType::S32) {
@@ -98,21 +109,60 @@ std::optional<ffi::Error> CheckOffsets(const char* target, const ffi::AnyBuffer&
   }
   w.k = dims[0];
   w.offsets = static_cast<const int32_t*>(offsets.untyped_data());
-  const int64_t p = std::max(w.in, w.out);
+  const int64_t p = Candidates(w);
+  const char* range = w.block > 1 ? "P_b" : "P";
   for (int64_t k = 0; k < w.k; ++k) {
     if (w.offsets[k] < 0 || w.offsets[k] >= p) {
       return Invalid(target, "offsets[" + std::to_string(k) + "] = " +
-                                 std::to_string(w.offsets[k]) + " is outside [0, P) = [0, " +
-                                 std::to_string(p) + ") for in=" + std::to_string(w.in) +
-                                 ", out=" + std::to_string(w.out));
+                                 std::to_string(w.offsets[k]) + " is outside [0, " + range +
+                                 ") = [0, " + std::to_string(p) + ") for " + BlockString(w));
     }
   }
   return std::nullopt;
 }
 
-// A [K, D] operand (values or dvalues).
+constexpr int64_t kBlockSizes[] = {8, 16, 32, 64, 128};
+
+// Fills w.block from a values (or dvalues) operand: b = its last dimension when it has rank 4,
+// else 1. A block must be b x b with b in kBlockSizes, dividing in and out.
+std::optional<ffi::Error> CheckBlockSize(const char* target, const char* name, Dims dims,
+                                         DiagMatrix& w) {
+  w.block = 1;
+  if (dims.size() != 4) return std::nullopt;
+  const int64_t b = dims[3];
+  if (dims[2] != b) {
+    return Invalid(target, std::string(name) + " must have shape [K, L_b, b, b] (square blocks), got " +
+                               ShapeString(dims));
+  }
+  if (std::find(std::begin(kBlockSizes), std::end(kBlockSizes), b) == std::end(kBlockSizes)) {
+    return Invalid(target, std::string(name) + " has blocks of b=" + std::to_string(b) +
+                               " (shape " + ShapeString(dims) +
+                               "); block diagonals take b in {8, 16, 32, 64, 128}");
+  }
+  if (w.in % b != 0 || w.out % b != 0) {
+    return Invalid(target, "block size b=" + std::to_string(b) + " (from " + name + " " +
+                               ShapeString(dims) + ") must divide in=" + std::to_string(w.in) +
+                               " and out=" + std::to_string(w.out));
+  }
+  w.block = b;
+  return std::nullopt;
+}
+
+// A values (or dvalues) operand: [K, D] for element diagonals, [K, L_b, b, b] for blocks.
 std::optional<ffi::Error> CheckDiagShape(const char* target, const char* name, Dims dims,
                                          const DiagMatrix& w) {
+  if (w.block > 1) {
+    const int64_t len = std::max(w.in, w.out) / w.block;
+    if (dims.size() != 4 || dims[0] != w.k || dims[1] != len || dims[2] != w.block ||
+        dims[3] != w.block) {
+      return Invalid(target, std::string(name) + " must have shape [K, L_b, b, b] = [" +
+                                 std::to_string(w.k) + ", " + std::to_string(len) + ", " +
+                                 std::to_string(w.block) + ", " + std::to_string(w.block) +
+                                 "] (K from offsets, L_b = max(in, out) / b), got " +
+                                 ShapeString(dims));
+    }
+    return std::nullopt;
+  }
   const int64_t len = std::min(w.in, w.out);
   if (dims.size() != 2 || dims[0] != w.k || dims[1] != len) {
     return Invalid(target, std::string(name) + " must have shape [K, min(in, out)] = [" +
@@ -145,6 +195,7 @@ std::optional<ffi::Error> DecodeFwd(ffi::AnyBuffer x, ffi::AnyBuffer values,
   w.values = values.untyped_data();
   DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kFwd, "x", x.dimensions(), "y", y->dimensions(), w.out,
                                          "out"));
+  DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(kFwd, "values", values.dimensions(), w));
   DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kFwd, offsets, w));
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kFwd, "values", values.dimensions(), w));
   args = FwdArgs{*type, Rows(x.dimensions()), w, x.untyped_data(), y->untyped_data()};
@@ -166,6 +217,7 @@ std::optional<ffi::Error> DecodeDx(ffi::AnyBuffer dy, ffi::AnyBuffer values,
   w.values = values.untyped_data();
   DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kDx, "dy", dy.dimensions(), "dx", dx->dimensions(), w.in,
                                          "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(kDx, "values", values.dimensions(), w));
   DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kDx, offsets, w));
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kDx, "values", values.dimensions(), w));
   args = DxArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), dx->untyped_data()};
@@ -188,6 +240,7 @@ std::optional<ffi::Error> DecodeDvalues(ffi::AnyBuffer dy, ffi::AnyBuffer x,
   w.out = dy.dimensions().back();
   DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kDvalues, "dy", dy.dimensions(), "x", x.dimensions(),
                                          w.in, "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(kDvalues, "dvalues", dvalues->dimensions(), w));
   DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kDvalues, offsets, w));
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kDvalues, "dvalues", dvalues->dimensions(), w));
   args = DvaluesArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), x.untyped_data(),
@@ -215,6 +268,7 @@ std::optional<ffi::Error> DecodeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::An
                                          "in"));
   DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kBwd, "dy", dy.dimensions(), "dx", dx->dimensions(),
                                          w.in, "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(kBwd, "values", values.dimensions(), w));
   DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kBwd, offsets, w));
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kBwd, "values", values.dimensions(), w));
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kBwd, "dvalues", dvalues->dimensions(), w));
@@ -305,7 +359,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulFwdCpu, dynadiag::FwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()   // x[..., in]
-                                  .Arg<ffi::AnyBuffer>()   // values[K, D]
+                                  .Arg<ffi::AnyBuffer>()   // values[K, D] or [K, L_b, b, b]
                                   .Arg<ffi::AnyBuffer>()   // offsets[K] s32
                                   .Ret<ffi::AnyBuffer>());  // y[..., out]
 
@@ -313,7 +367,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulDxCpu, dynadiag::DxImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()   // dy[..., out]
-                                  .Arg<ffi::AnyBuffer>()   // values[K, D]
+                                  .Arg<ffi::AnyBuffer>()   // values[K, D] or [K, L_b, b, b]
                                   .Arg<ffi::AnyBuffer>()   // offsets[K] s32
                                   .Ret<ffi::AnyBuffer>());  // dx[..., in]
 
@@ -323,14 +377,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulDvaluesCpu, dynadiag::DvaluesImp
                                   .Arg<ffi::AnyBuffer>()   // dy[..., out]
                                   .Arg<ffi::AnyBuffer>()   // x[..., in]
                                   .Arg<ffi::AnyBuffer>()   // offsets[K] s32
-                                  .Ret<ffi::AnyBuffer>());  // dvalues[K, D]
+                                  .Ret<ffi::AnyBuffer>());  // dvalues[K, D] or [K, L_b, b, b]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulBwdCpu, dynadiag::BwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()   // dy[..., out]
                                   .Arg<ffi::AnyBuffer>()   // x[..., in]
-                                  .Arg<ffi::AnyBuffer>()   // values[K, D]
+                                  .Arg<ffi::AnyBuffer>()   // values[K, D] or [K, L_b, b, b]
                                   .Arg<ffi::AnyBuffer>()   // offsets[K] s32
                                   .Ret<ffi::AnyBuffer>()   // dx[..., in]
-                                  .Ret<ffi::AnyBuffer>());  // dvalues[K, D]
+                                  .Ret<ffi::AnyBuffer>());  // dvalues[K, D] or [K, L_b, b, b]

@@ -1,9 +1,12 @@
-// What the instruction-set-specific kernel files share: the plan they walk and the table of
+// What the instruction-set-specific kernel files share: the plans they walk and the table of
 // entry points each of them fills (internal to the CPU extension; plain structs only).
 //
-// A plan cuts every diagonal into straight runs ("segments") of at most 16 lanes that fall in
-// one 16-column output tile. Lane l of segment s of tile j pairs output column 16 j + l with
-// input column c0 + l and with value index vbase + l (in [K, D] row-major order).
+// Element diagonals: a plan cuts every diagonal into straight runs ("segments") of at most 16
+// lanes that fall in one 16-column output tile. Lane l of segment s of tile j pairs output column
+// 16 j + l with input column c0 + l and with value index vbase + l (in [K, D] row-major order).
+//
+// Block diagonals: a plan lists, for every b-column block of the output, the b x b blocks of W
+// that feed it ("entries"): each reads one b-column block of the input.
 #ifndef DYNADIAG_XLA_EXT_CPU_KERNEL_TABLE_H_
 #define DYNADIAG_XLA_EXT_CPU_KERNEL_TABLE_H_
 
@@ -21,6 +24,15 @@ constexpr int kSegmentGroup = 8;
 struct Bf16 {
   uint16_t bits;
 };
+
+inline float ToFloat(float v) { return v; }
+
+inline float ToFloat(Bf16 v) {  // bfloat16 is the top half of a float32
+  const uint32_t bits = uint32_t{v.bits} << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // One float32 result stored as T. bfloat16 rounds to nearest even, as XLA converts; NaN stays a
 // (quiet) NaN.
@@ -71,10 +83,41 @@ struct KernelTable {
                    float* acc);
 };
 
+// out[r, o b + i] = sum over the entries e of output block o of
+//     sum_j in[r, in_block[e] b + j] * panel_e[j][i]
+// where panel_e is values block value_block[e] (in [K, L_b] order), transposed for the forward
+// (W's block maps input j to output i as V[i][j]) and as is for dx (dy @ W: V[i][j] maps dy
+// column i to dx column j).
+struct BlockPlanView {
+  int64_t b;
+  int64_t num_out_blocks;
+  const int64_t* entry_begin;  // [num_out_blocks + 1]: block o owns [entry_begin[o], ...[o+1])
+  const int32_t* in_block;     // [entries]
+  const int64_t* value_block;  // [entries]
+  bool transpose;
+};
+
+template <typename T>
+struct BlockKernelTable {
+  // Packs the panels of every entry into `panels` (entries * b * b floats) in the order
+  // `product` reads them; the layout is the family's own.
+  void (*pack)(const BlockPlanView& plan, const T* values, float* panels);
+  // Every column of out[rows, out_width] as above, from float32 rows in[rows, in_width].
+  void (*product)(const BlockPlanView& plan, const float* panels, const float* in,
+                  int64_t in_width, T* out, int64_t out_width, int64_t rows);
+};
+
 struct Kernels {
   const char* name;
   KernelTable<float> f32;
   KernelTable<Bf16> bf16;
+  BlockKernelTable<float> f32_blocks;
+  BlockKernelTable<Bf16> bf16_blocks;
+  // One b x b block of the block SDDMM: acc[i][j] (+)= sum_{r < rows} dy[r, i] * x[r, j], rows
+  // r at dy + r * dy_stride and x + r * x_stride; acc is row-major [b][b]. `accumulate` false
+  // overwrites acc.
+  void (*block_sddmm)(int64_t b, const float* dy, int64_t dy_stride, const float* x,
+                      int64_t x_stride, int64_t rows, float* acc, bool accumulate);
 };
 
 const Kernels& Avx512Kernels();

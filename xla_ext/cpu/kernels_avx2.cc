@@ -1,5 +1,6 @@
-// AVX2 + FMA kernels: the AVX-512 kernels' structure with each 16-lane tile as two ymm halves
-// and fewer accumulators (16 ymm registers).
+// AVX2 + FMA kernels. Element diagonals: the AVX-512 kernels' structure with each 16-lane tile as
+// two ymm halves and fewer accumulators (16 ymm registers). Block diagonals: block_kernels_body.h
+// over Ymm<16>.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -8,10 +9,15 @@
 
 #include "kernel_table.h"
 
-#define DYNADIAG_AVX2 __attribute__((target("avx2,fma")))
+#define DYNADIAG_TARGET __attribute__((target("avx2,fma")))
 
 namespace dynadiag {
 namespace {
+
+#include "vec_ymm.h"
+#include "block_kernels_body.h"
+
+using Vec = Ymm<16>;
 
 constexpr int kRows = 4;   // product and backward: rows of accumulators per tile
 constexpr int kGroup = 4;  // SDDMM: segments accumulated together
@@ -23,30 +29,30 @@ struct V16 {
   __m256 lo, hi;
 };
 
-DYNADIAG_AVX2 inline V16 Zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+DYNADIAG_TARGET inline V16 Zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 
-DYNADIAG_AVX2 inline V16 Fma(V16 a, V16 b, V16 c) {
+DYNADIAG_TARGET inline V16 Fma(V16 a, V16 b, V16 c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
 
 // All-ones 32-bit lanes where bit l of `bits` is set (8 lanes).
-DYNADIAG_AVX2 inline __m256i LaneMask8(uint32_t bits) {
+DYNADIAG_TARGET inline __m256i LaneMask8(uint32_t bits) {
   const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), sel), sel);
 }
 
 // 16 elements from p as float32; lanes outside `mask` read nothing and give 0.
-DYNADIAG_AVX2 inline V16 Load(const float* p, uint32_t mask) {
+DYNADIAG_TARGET inline V16 Load(const float* p, uint32_t mask) {
   if (mask == kFull) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
   return {_mm256_maskload_ps(p, LaneMask8(mask & 0xffu)),
           _mm256_maskload_ps(p + 8, LaneMask8(mask >> 8))};
 }
 
-DYNADIAG_AVX2 inline __m256 Widen(__m128i h) {
+DYNADIAG_TARGET inline __m256 Widen(__m128i h) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-DYNADIAG_AVX2 inline V16 Load(const Bf16* p, uint32_t mask) {
+DYNADIAG_TARGET inline V16 Load(const Bf16* p, uint32_t mask) {
   alignas(32) uint16_t tmp[kLanes];
   const void* src = p;
   if (mask != kFull) {  // no 16-bit masked load in AVX2: copy the valid lanes
@@ -57,7 +63,7 @@ DYNADIAG_AVX2 inline V16 Load(const Bf16* p, uint32_t mask) {
   return {Widen(_mm256_castsi256_si128(h)), Widen(_mm256_extracti128_si256(h, 1))};
 }
 
-DYNADIAG_AVX2 inline void Store(float* p, V16 v, uint32_t mask) {
+DYNADIAG_TARGET inline void Store(float* p, V16 v, uint32_t mask) {
   if (mask == kFull) {
     _mm256_storeu_ps(p, v.lo);
     _mm256_storeu_ps(p + 8, v.hi);
@@ -67,18 +73,7 @@ DYNADIAG_AVX2 inline void Store(float* p, V16 v, uint32_t mask) {
   }
 }
 
-// float32 -> bfloat16 bits in the low half of each 32-bit lane (round to nearest even).
-DYNADIAG_AVX2 inline __m256i RoundToBf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i hi = _mm256_srli_epi32(u, 16);
-  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)),
-                                        _mm256_set1_epi32(0x7fff));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
-}
-
-DYNADIAG_AVX2 inline void Store(Bf16* p, V16 v, uint32_t mask) {
+DYNADIAG_TARGET inline void Store(Bf16* p, V16 v, uint32_t mask) {
   // packus interleaves 128-bit halves; the permute restores lane order.
   const __m256i h = _mm256_permute4x64_epi64(
       _mm256_packus_epi32(RoundToBf16(v.lo), RoundToBf16(v.hi)), 0xd8);
@@ -93,13 +88,13 @@ DYNADIAG_AVX2 inline void Store(Bf16* p, V16 v, uint32_t mask) {
   }
 }
 
-DYNADIAG_AVX2 inline uint32_t TileMask(int64_t width, int64_t first) {
+DYNADIAG_TARGET inline uint32_t TileMask(int64_t width, int64_t first) {
   const int64_t n = std::min<int64_t>(kLanes, width - first);
   return (1u << n) - 1u;
 }
 
 template <typename T>
-DYNADIAG_AVX2 void Pack(const PlanView& plan, const T* values, float* vp) {
+DYNADIAG_TARGET void Pack(const PlanView& plan, const T* values, float* vp) {
   for (int64_t s = 0; s < plan.num_segs; ++s) {
     const Segment& seg = plan.segs[s];
     const V16 v = Load(values + seg.vbase, seg.mask);
@@ -109,7 +104,7 @@ DYNADIAG_AVX2 void Pack(const PlanView& plan, const T* values, float* vp) {
 }
 
 template <int R, typename T>
-DYNADIAG_AVX2 void ProductRows(const PlanView& plan, const float* vp, const T* in,
+DYNADIAG_TARGET void ProductRows(const PlanView& plan, const float* vp, const T* in,
                                int64_t in_width, T* out, int64_t out_width) {
   for (int64_t tile = 0; tile < plan.num_tiles; ++tile) {
     V16 acc[R];
@@ -128,7 +123,7 @@ DYNADIAG_AVX2 void ProductRows(const PlanView& plan, const float* vp, const T* i
 }
 
 template <typename T>
-DYNADIAG_AVX2 void Product(const PlanView& plan, const float* vp, const T* in, int64_t in_width,
+DYNADIAG_TARGET void Product(const PlanView& plan, const float* vp, const T* in, int64_t in_width,
                            T* out, int64_t out_width, int64_t rows) {
   int64_t r = 0;
   for (; r + kRows <= rows; r += kRows) {
@@ -140,7 +135,7 @@ DYNADIAG_AVX2 void Product(const PlanView& plan, const float* vp, const T* in, i
 }
 
 template <typename T>
-DYNADIAG_AVX2 void Sddmm(const PlanView& plan, const T* tiled, int64_t tiled_width,
+DYNADIAG_TARGET void Sddmm(const PlanView& plan, const T* tiled, int64_t tiled_width,
                          const T* gathered, int64_t gathered_width, int64_t rows, float* acc) {
   constexpr int G = kGroup;
   for (int64_t tile = 0; tile < plan.num_tiles; ++tile) {
@@ -171,7 +166,7 @@ DYNADIAG_AVX2 void Sddmm(const PlanView& plan, const T* tiled, int64_t tiled_wid
 // The fused backward with R rows: per tile, R dx accumulators in registers and R tiles of x in
 // L1 (16 ymm registers cannot hold both); each dy window feeds both FMAs.
 template <int R, typename T>
-DYNADIAG_AVX2 void BackwardRows(const PlanView& plan, int64_t tile_begin, int64_t tile_end,
+DYNADIAG_TARGET void BackwardRows(const PlanView& plan, int64_t tile_begin, int64_t tile_end,
                                 const float* vp, const T* dy, int64_t dy_width, const T* x, T* dx,
                                 int64_t width, float* acc) {
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
@@ -203,7 +198,7 @@ DYNADIAG_AVX2 void BackwardRows(const PlanView& plan, int64_t tile_begin, int64_
 }
 
 template <typename T>
-DYNADIAG_AVX2 void Backward(const PlanView& plan, int64_t tile_begin, int64_t tile_end,
+DYNADIAG_TARGET void Backward(const PlanView& plan, int64_t tile_begin, int64_t tile_end,
                             const float* vp, const T* dy, int64_t dy_width, const T* x, T* dx,
                             int64_t width, int64_t rows, float* acc) {
   int64_t r = 0;
@@ -224,6 +219,9 @@ const Kernels& Avx2Kernels() {
       "avx2",
       {Pack<float>, Product<float>, Sddmm<float>, Backward<float>},
       {Pack<Bf16>, Product<Bf16>, Sddmm<Bf16>, Backward<Bf16>},
+      kBlockTableF32<Vec>,
+      kBlockTableBf16<Vec>,
+      BlockSddmm<Vec>,
   };
   return kernels;
 }

@@ -1,4 +1,5 @@
 // AVX-512 kernels (explicit intrinsics in target("avx512...") functions; chosen at run time).
+// Block diagonals: block_kernels_body.h over Zmm (16 lanes), with Ymm<32> for 8-column blocks.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -6,34 +7,34 @@
 
 #include "kernel_table.h"
 
-#define DYNADIAG_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+#define DYNADIAG_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 namespace dynadiag {
 namespace {
 
 constexpr int kRows = 8;  // product and fused backward: rows of accumulators per tile
 
-DYNADIAG_AVX512 inline __mmask16 TileMask(int64_t width, int64_t first) {
+DYNADIAG_TARGET inline __mmask16 TileMask(int64_t width, int64_t first) {
   const int64_t n = std::min<int64_t>(kLanes, width - first);
   return static_cast<__mmask16>((1u << n) - 1u);
 }
 
 // 16 elements from p (lanes outside m read nothing and give 0) as float32.
-DYNADIAG_AVX512 inline __m512 Load(const float* p, __mmask16 m) {
+DYNADIAG_TARGET inline __m512 Load(const float* p, __mmask16 m) {
   return _mm512_maskz_loadu_ps(m, p);
 }
 
-DYNADIAG_AVX512 inline __m512 Load(const Bf16* p, __mmask16 m) {
+DYNADIAG_TARGET inline __m512 Load(const Bf16* p, __mmask16 m) {
   // bfloat16 is the top half of a float32.
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-DYNADIAG_AVX512 inline void Store(float* p, __m512 v, __mmask16 m) {
+DYNADIAG_TARGET inline void Store(float* p, __m512 v, __mmask16 m) {
   _mm512_mask_storeu_ps(p, m, v);
 }
 
-DYNADIAG_AVX512 inline void Store(Bf16* p, __m512 v, __mmask16 m) {
+DYNADIAG_TARGET inline void Store(Bf16* p, __m512 v, __mmask16 m) {
   // Round to nearest even, as XLA converts; NaN stays a (quiet) NaN.
   const __m512i u = _mm512_castps_si512(v);
   const __m512i hi = _mm512_srli_epi32(u, 16);
@@ -45,8 +46,26 @@ DYNADIAG_AVX512 inline void Store(Bf16* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
 }
 
+#include "vec_ymm.h"
+#include "block_kernels_body.h"
+
+// Sixteen float32 lanes in a zmm register (block_kernels_body.h).
+struct Zmm {
+  using Reg = __m512;
+  using Half = Ymm<32>;
+  static constexpr int kWidth = 16;
+  static constexpr int kRegisters = 32;
+
+  DYNADIAG_TARGET static Reg Zero() { return _mm512_setzero_ps(); }
+  DYNADIAG_TARGET static Reg Load(const float* p) { return _mm512_loadu_ps(p); }
+  DYNADIAG_TARGET static Reg Broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  DYNADIAG_TARGET static Reg Fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+  DYNADIAG_TARGET static void Store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
+  DYNADIAG_TARGET static void Store(Bf16* p, Reg v) { dynadiag::Store(p, v, 0xffff); }
+};
+
 template <typename T>
-DYNADIAG_AVX512 void Pack(const PlanView& plan, const T* values, float* vp) {
+DYNADIAG_TARGET void Pack(const PlanView& plan, const T* values, float* vp) {
   for (int64_t s = 0; s < plan.num_segs; ++s) {
     const Segment& seg = plan.segs[s];
     _mm512_store_ps(vp + s * kLanes, Load(values + seg.vbase, static_cast<__mmask16>(seg.mask)));
@@ -56,7 +75,7 @@ DYNADIAG_AVX512 void Pack(const PlanView& plan, const T* values, float* vp) {
 // R rows: every tile keeps R accumulators in registers; a segment's packed values are loaded
 // once and reused for the R rows, so each FMA costs one (unaligned) load of `in`.
 template <int R, typename T>
-DYNADIAG_AVX512 void ProductRows(const PlanView& plan, const float* vp, const T* in,
+DYNADIAG_TARGET void ProductRows(const PlanView& plan, const float* vp, const T* in,
                                  int64_t in_width, T* out, int64_t out_width) {
   const Segment* segs = plan.segs;
   for (int64_t tile = 0; tile < plan.num_tiles; ++tile) {
@@ -76,7 +95,7 @@ DYNADIAG_AVX512 void ProductRows(const PlanView& plan, const float* vp, const T*
 }
 
 template <typename T>
-DYNADIAG_AVX512 void Product(const PlanView& plan, const float* vp, const T* in,
+DYNADIAG_TARGET void Product(const PlanView& plan, const float* vp, const T* in,
                              int64_t in_width, T* out, int64_t out_width, int64_t rows) {
   int64_t r = 0;
   for (; r + kRows <= rows; r += kRows) {
@@ -93,7 +112,7 @@ DYNADIAG_AVX512 void Product(const PlanView& plan, const float* vp, const T* in,
 // Groups of kSegmentGroup segments of one tile share each load of `tiled`; their partial sums
 // stay in registers for all `rows` rows.
 template <typename T>
-DYNADIAG_AVX512 void Sddmm(const PlanView& plan, const T* tiled, int64_t tiled_width,
+DYNADIAG_TARGET void Sddmm(const PlanView& plan, const T* tiled, int64_t tiled_width,
                            const T* gathered, int64_t gathered_width, int64_t rows, float* acc) {
   constexpr int G = kSegmentGroup;
   const Segment* segs = plan.segs;
@@ -124,7 +143,7 @@ DYNADIAG_AVX512 void Sddmm(const PlanView& plan, const T* tiled, int64_t tiled_w
 // R rows of the fused backward: per tile, R dx accumulators and R tiles of x stay in registers;
 // each segment loads its dy window once per row and feeds both FMAs.
 template <int R, typename T>
-DYNADIAG_AVX512 void BackwardRows(const PlanView& plan, int64_t tile_begin, int64_t tile_end,
+DYNADIAG_TARGET void BackwardRows(const PlanView& plan, int64_t tile_begin, int64_t tile_end,
                                   const float* vp, const T* dy, int64_t dy_width, const T* x,
                                   T* dx, int64_t width, float* acc) {
   const Segment* segs = plan.segs;
@@ -159,7 +178,7 @@ DYNADIAG_AVX512 void BackwardRows(const PlanView& plan, int64_t tile_begin, int6
 }
 
 template <typename T>
-DYNADIAG_AVX512 void Backward(const PlanView& plan, int64_t tile_begin, int64_t tile_end,
+DYNADIAG_TARGET void Backward(const PlanView& plan, int64_t tile_begin, int64_t tile_end,
                               const float* vp, const T* dy, int64_t dy_width, const T* x, T* dx,
                               int64_t width, int64_t rows, float* acc) {
   int64_t r = 0;
@@ -184,6 +203,9 @@ const Kernels& Avx512Kernels() {
       "avx512",
       {Pack<float>, Product<float>, Sddmm<float>, Backward<float>},
       {Pack<Bf16>, Product<Bf16>, Sddmm<Bf16>, Backward<Bf16>},
+      kBlockTableF32<Zmm>,
+      kBlockTableBf16<Zmm>,
+      BlockSddmm<Zmm>,
   };
   return kernels;
 }

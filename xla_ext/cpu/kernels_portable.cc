@@ -1,8 +1,9 @@
 // Portable kernels (plain C++, whatever the baseline target vectorises): the fallback for CPUs
-// without AVX2, and the structure the SIMD files follow.
+// without AVX2, and the structure the SIMD files follow. Block diagonals: block_kernels_body.h
+// over plain arrays with the AVX-512 family's tiling (16 lanes, 32 registers), so that tiling is
+// tested on CPUs without AVX-512.
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #include "kernel_table.h"
 
@@ -11,15 +12,6 @@ namespace {
 
 constexpr int kRows = 4;
 constexpr uint32_t kFull = (1u << kLanes) - 1u;
-
-inline float ToFloat(float v) { return v; }
-
-inline float ToFloat(Bf16 v) {
-  const uint32_t bits = uint32_t{v.bits} << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // 16 lanes of p as float32; lanes outside `mask` are 0 and not read.
 template <typename T>
@@ -30,6 +22,44 @@ inline void Load(const T* p, uint32_t mask, float* v) {
     for (int l = 0; l < kLanes; ++l) v[l] = (mask >> l) & 1u ? ToFloat(p[l]) : 0.0f;
   }
 }
+
+#define DYNADIAG_TARGET
+#include "block_kernels_body.h"
+
+// W float32 lanes in a plain array; kRegisters only sizes the tiles (as the AVX-512 family's).
+template <int W>
+struct Lanes {
+  struct Reg {
+    float v[W];
+  };
+  using Half = Lanes<W / 2>;
+  static constexpr int kWidth = W;
+  static constexpr int kRegisters = 32;
+
+  static Reg Zero() { return Reg{}; }
+  static Reg Load(const float* p) {
+    Reg r;
+    for (int l = 0; l < W; ++l) r.v[l] = p[l];
+    return r;
+  }
+  static Reg Broadcast(const float* p) {
+    Reg r;
+    for (int l = 0; l < W; ++l) r.v[l] = *p;
+    return r;
+  }
+  static Reg Fma(const Reg& a, const Reg& b, Reg c) {
+    for (int l = 0; l < W; ++l) c.v[l] += a.v[l] * b.v[l];
+    return c;
+  }
+  static void Store(float* p, const Reg& v) {
+    for (int l = 0; l < W; ++l) p[l] = v.v[l];
+  }
+  static void Store(Bf16* p, const Reg& v) {
+    for (int l = 0; l < W; ++l) FromFloat(v.v[l], p + l);
+  }
+};
+
+using Vec = Lanes<16>;
 
 template <typename T>
 void Pack(const PlanView& plan, const T* values, float* vp) {
@@ -98,6 +128,9 @@ const Kernels& PortableKernels() {
       "portable",
       {Pack<float>, Product<float>, Sddmm<float>, nullptr},
       {Pack<Bf16>, Product<Bf16>, Sddmm<Bf16>, nullptr},
+      kBlockTableF32<Vec>,
+      kBlockTableBf16<Vec>,
+      BlockSddmm<Vec>,
   };
   return kernels;
 }

@@ -25,7 +25,7 @@ nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
-using Matrix = nb::ndarray<nb::numpy, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Array = nb::ndarray<nb::numpy, nb::c_contig, nb::device::cpu>;
 using Offsets = nb::ndarray<const int32_t, nb::numpy, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 constexpr dynadiag::Isa kIsas[] = {dynadiag::Isa::kPortable, dynadiag::Isa::kAvx2,
@@ -40,43 +40,66 @@ dynadiag::Isa IsaFromName(const std::string& name) {
 
 // Element type of a float32 array, or of a uint16 array holding bfloat16 bits (numpy arrays
 // of ml_dtypes.bfloat16 do not cross DLPack).
-dynadiag::ElemType TypeOf(const Matrix& a, const char* name) {
+dynadiag::ElemType TypeOf(const Array& a, const char* name) {
   if (a.dtype() == nb::dtype<float>()) return dynadiag::ElemType::kF32;
   if (a.dtype() == nb::dtype<uint16_t>()) return dynadiag::ElemType::kBF16;
   throw std::invalid_argument(std::string(name) + " must be float32 or uint16 (bfloat16 bits)");
 }
 
-void CheckShape(const Matrix& a, const char* name, int64_t rows, int64_t cols) {
-  if (static_cast<int64_t>(a.shape(0)) != rows || static_cast<int64_t>(a.shape(1)) != cols) {
-    throw std::invalid_argument(std::string(name) + " must have shape [" + std::to_string(rows) +
-                                ", " + std::to_string(cols) + "]");
+void CheckShape(const Array& a, const char* name, const std::vector<int64_t>& dims) {
+  bool ok = a.ndim() == dims.size();
+  std::string text;
+  for (size_t i = 0; i < dims.size(); ++i) {
+    ok = ok && static_cast<int64_t>(a.shape(i)) == dims[i];
+    text += (i ? ", " : "") + std::to_string(dims[i]);
   }
+  if (!ok) throw std::invalid_argument(std::string(name) + " must have shape [" + text + "]");
+}
+
+// The diagonal matrix of a test call; `values` (or dvalues) of rank 4 are block diagonals.
+dynadiag::DiagMatrix MatrixOf(const Array& values, const Offsets& offsets, int64_t in,
+                              int64_t out) {
+  const int64_t block = values.ndim() == 4 ? static_cast<int64_t>(values.shape(3)) : 1;
+  if (block < 1 || in % block != 0 || out % block != 0) {
+    throw std::invalid_argument("the block size must divide in and out");
+  }
+  const int64_t p =
+      block > 1 ? std::min(in, out) / block : std::max(in, out);
+  for (size_t k = 0; k < offsets.shape(0); ++k) {
+    if (offsets.data()[k] < 0 || offsets.data()[k] >= p) {
+      throw std::invalid_argument("offsets must lie in [0, P)");
+    }
+  }
+  return {in, out, static_cast<int64_t>(offsets.shape(0)), offsets.data(), nullptr, block};
+}
+
+// values / dvalues shape: [K, min(in, out)] or [K, L_b, b, b].
+std::vector<int64_t> ValuesShape(const dynadiag::DiagMatrix& w) {
+  if (w.block == 1) return {w.k, std::min(w.in, w.out)};
+  return {w.k, std::max(w.in, w.out) / w.block, w.block, w.block};
 }
 
 // Runs one kernel of one family with `workers` tasks (called one after another, last first).
 // Test-only; `out` is written in place.
-void RunKernel(const std::string& op, const std::string& isa_name, Matrix a, Matrix b,
-               Offsets offsets, Matrix out, int64_t in_features, int64_t out_features,
+void RunKernel(const std::string& op, const std::string& isa_name, Array a, Array b,
+               Offsets offsets, Array out, int64_t in_features, int64_t out_features,
                int64_t workers) {
   const dynadiag::Isa isa = IsaFromName(isa_name);
   const dynadiag::ElemType type = TypeOf(a, "a");
   if (TypeOf(b, "b") != type || TypeOf(out, "out") != type) {
     throw std::invalid_argument("a, b and out must share one dtype");
   }
-  dynadiag::DiagMatrix w{in_features, out_features, static_cast<int64_t>(offsets.shape(0)),
-                         offsets.data(), nullptr};
-  const int64_t rows = static_cast<int64_t>(a.shape(0));
-  const int64_t p = std::max(in_features, out_features), len = std::min(in_features, out_features);
-  for (int64_t k = 0; k < w.k; ++k) {
-    if (offsets.data()[k] < 0 || offsets.data()[k] >= p) {
-      throw std::invalid_argument("offsets must lie in [0, max(in, out))");
-    }
-  }
   const bool dvalues = op == "dvalues";
-  CheckShape(a, "a", rows, op == "fwd" ? in_features : out_features);
-  CheckShape(b, "b", dvalues ? rows : w.k, dvalues ? in_features : len);
-  CheckShape(out, "out", dvalues ? w.k : rows,
-             dvalues ? len : (op == "fwd" ? out_features : in_features));
+  dynadiag::DiagMatrix w = MatrixOf(dvalues ? out : b, offsets, in_features, out_features);
+  const int64_t rows = a.ndim() == 2 ? static_cast<int64_t>(a.shape(0)) : -1;
+  CheckShape(a, "a", {rows, op == "fwd" ? in_features : out_features});
+  if (dvalues) {
+    CheckShape(b, "b", {rows, in_features});
+    CheckShape(out, "out", ValuesShape(w));
+  } else {
+    CheckShape(b, "b", ValuesShape(w));
+    CheckShape(out, "out", {rows, op == "fwd" ? out_features : in_features});
+  }
   std::unique_ptr<dynadiag::Job> job;
   if (op == "fwd") {  // a = x, b = values, out = y
     w.values = b.data();
@@ -84,7 +107,7 @@ void RunKernel(const std::string& op, const std::string& isa_name, Matrix a, Mat
   } else if (op == "dx") {  // a = dy, b = values, out = dx
     w.values = b.data();
     job = dynadiag::MakeDxJob({type, rows, w, a.data(), out.data()}, workers, isa);
-  } else if (op == "dvalues") {  // a = dy, b = x, out = dvalues
+  } else if (dvalues) {  // a = dy, b = x, out = dvalues
     job = dynadiag::MakeDvaluesJob({type, rows, w, a.data(), b.data(), out.data()}, workers, isa);
   } else {
     throw std::invalid_argument("op must be fwd, dx or dvalues");
@@ -92,28 +115,25 @@ void RunKernel(const std::string& op, const std::string& isa_name, Matrix a, Mat
   for (int64_t i = job->num_tasks() - 1; i >= 0; --i) job->RunTask(i);
 }
 
-// The fused backward of family `isa`: dx and dvalues from dy, x and values (test-only).
-void RunBackward(const std::string& isa_name, Matrix dy, Matrix x, Matrix values,
-                 Offsets offsets, Matrix dx, Matrix dvalues, int64_t workers) {
+// The backward target's job (fused where the family has one) of family `isa`: dx and dvalues
+// from dy, x and values (test-only).
+void RunBackward(const std::string& isa_name, Array dy, Array x, Array values, Offsets offsets,
+                 Array dx, Array dvalues, int64_t workers) {
   const dynadiag::Isa isa = IsaFromName(isa_name);
   const dynadiag::ElemType type = TypeOf(dy, "dy");
   for (const auto& [a, name] : {std::pair{&x, "x"}, {&values, "values"}, {&dx, "dx"},
                                 {&dvalues, "dvalues"}}) {
     if (TypeOf(*a, name) != type) throw std::invalid_argument("operands must share one dtype");
   }
+  if (dy.ndim() != 2 || x.ndim() != 2) throw std::invalid_argument("dy and x must be 2-D");
   const int64_t rows = static_cast<int64_t>(dy.shape(0));
   const int64_t in = static_cast<int64_t>(x.shape(1)), out = static_cast<int64_t>(dy.shape(1));
-  dynadiag::DiagMatrix w{in, out, static_cast<int64_t>(offsets.shape(0)), offsets.data(),
-                         values.data()};
-  for (int64_t k = 0; k < w.k; ++k) {
-    if (offsets.data()[k] < 0 || offsets.data()[k] >= std::max(in, out)) {
-      throw std::invalid_argument("offsets must lie in [0, max(in, out))");
-    }
-  }
-  CheckShape(x, "x", rows, in);
-  CheckShape(dx, "dx", rows, in);
-  CheckShape(values, "values", w.k, std::min(in, out));
-  CheckShape(dvalues, "dvalues", w.k, std::min(in, out));
+  dynadiag::DiagMatrix w = MatrixOf(values, offsets, in, out);
+  w.values = values.data();
+  CheckShape(x, "x", {rows, in});
+  CheckShape(dx, "dx", {rows, in});
+  CheckShape(values, "values", ValuesShape(w));
+  CheckShape(dvalues, "dvalues", ValuesShape(w));
   auto job = dynadiag::MakeBwdJob({type, rows, w, dy.data(), x.data(), dx.data(), dvalues.data()},
                                   workers, isa);
   for (int64_t i = job->num_tasks() - 1; i >= 0; --i) job->RunTask(i);
@@ -142,9 +162,11 @@ NB_MODULE(_cpu_ext, m) {
   m.def("_run_kernel", &RunKernel, nb::arg("op"), nb::arg("isa"), nb::arg("a"), nb::arg("b"),
         nb::arg("offsets"), nb::arg("out"), nb::arg("in_features"), nb::arg("out_features"),
         nb::arg("workers"),
-        "Test hook: runs kernel `op` of family `isa` on 2-D numpy arrays, writing `out`.");
+        "Test hook: runs kernel `op` of family `isa` on numpy arrays (2-D rows; values [K, D] or "
+        "[K, L_b, b, b]), writing `out`.");
   m.def("_run_backward", &RunBackward, nb::arg("isa"), nb::arg("dy"), nb::arg("x"),
         nb::arg("values"), nb::arg("offsets"), nb::arg("dx"), nb::arg("dvalues"),
         nb::arg("workers"),
-        "Test hook: the fused backward (dx and dvalues) of family `isa`, writing dx and dvalues.");
+        "Test hook: the backward target's job (dx and dvalues) of family `isa`, writing dx and "
+        "dvalues.");
 }
