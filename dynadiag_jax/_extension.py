@@ -81,7 +81,9 @@ def has_cuda_kernels() -> bool:
 _native: dict[str, PlatformKernels] = {}
 if _cpu_ext is not None:
     _register(_cpu_ext, "cpu")
-    _native["cpu"] = PlatformKernels(dtypes=(jnp.float32, jnp.bfloat16), fused_backward=True)
+    _native["cpu"] = PlatformKernels(
+        dtypes=(jnp.float32, jnp.bfloat16), fused_backward=True, block_diagonals=True
+    )
 if _cuda_ext is not None:
     _register(_cuda_ext, "CUDA")
     _native["cuda"] = cuda.KERNELS

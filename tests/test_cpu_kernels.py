@@ -1,9 +1,12 @@
 """The C++ CPU kernels, every instruction-set family this CPU runs, against a float64 reference.
 
 `_cpu_ext._run_kernel` runs one family directly (the FFI handlers always use the best one), so the
-AVX2 and portable fallbacks are tested on AVX-512 machines too. The sizes cross the kernels' block
-boundaries: rows not a multiple of 8 or of the 32-row chunks, widths not a multiple of the
-16-column tiles, wrapped diagonals split inside a tile, several workers adding partial sums.
+AVX2 and portable fallbacks are tested on AVX-512 machines too, and the portable family, which runs
+the block kernels' AVX-512 tiling, stands in for it on machines without. The sizes cross the
+kernels' block boundaries: rows not a multiple of 8 or of the 32-row chunks, widths not a multiple
+of the 16-column tiles, wrapped diagonals split inside a tile, several workers adding partial sums;
+for block diagonals, rows not a multiple of the register tiles or beyond one chunk, every block
+size, K = 1, K = P_b, repeated offsets, K = 0 and no rows.
 """
 
 import jax
@@ -11,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from test_diag_matmul_blocks import design_dense, design_dvalues
 
 import dynadiag_jax as dd
 from dynadiag_jax.layout import diag_indices
@@ -240,3 +244,201 @@ def test_run_kernel_rejects_inconsistent_operands():
         _cpu_ext._run_kernel(
             "fwd", ISAS[0], x, values, np.array([0, 1], np.int32), y[:, :9], 8, 16, 1
         )
+
+
+# --- block diagonals: values[K, L_b, b, b] -------------------------------------------------------
+
+BLOCK_CASES = [  # (in, out, b, rows, offsets: "one" | "all" (K = P_b) | "duplicates" | "none")
+    (48, 80, 16, 13, "duplicates"),  # tall, block counts 3 -> 5, ragged register tiles
+    (80, 48, 16, 7, "all"),  # wide, K = P_b
+    (48, 80, 8, 25, "one"),  # K = 1
+    (64, 64, 8, 30, "all"),  # square
+    (32, 96, 8, 250, "duplicates"),  # rows beyond one product chunk
+    (96, 32, 8, 300, "all"),  # rows beyond one dvalues chunk
+    (64, 256, 32, 19, "all"),
+    (256, 128, 64, 11, "duplicates"),
+    (128, 256, 128, 5, "one"),
+    (128, 256, 32, 600, "all"),  # enough work for several tasks
+    (64, 128, 16, 3, "none"),  # K = 0
+    (64, 128, 16, 0, "all"),  # no rows
+]
+
+
+def _block_case(rng, in_f, out_f, b, rows, kind):
+    p, length = min(in_f, out_f) // b, max(in_f, out_f) // b
+    offsets = {
+        "one": rng.integers(0, p, 1),
+        "all": rng.permutation(p),
+        "duplicates": np.concatenate([rng.permutation(p)[: max(1, p // 2)], rng.integers(0, p, 2)]),
+        "none": np.zeros(0, np.int64),
+    }[kind]
+    x = rng.standard_normal((rows, in_f)).astype(np.float32)
+    dy = rng.standard_normal((rows, out_f)).astype(np.float32)
+    values = rng.standard_normal((len(offsets), length, b, b)).astype(np.float32)
+    return x, dy, values, np.asarray(offsets, np.int32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: "{}x{}-b{}-r{}-{}".format(*c))
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_block_kernel_family_matches_dense(isa, case, bf16, workers, rng):
+    in_f, out_f, b, rows, kind = case
+    x, dy, values, offsets = _block_case(rng, in_f, out_f, b, rows, kind)
+    if bf16:
+        x, dy, values = (v.astype(ml_dtypes.bfloat16).astype(np.float32) for v in (x, dy, values))
+    w = design_dense(values, offsets, in_f, out_f)
+    dvalues_ref = design_dvalues(dy, x, offsets, in_f, out_f, b)
+
+    y = _run("fwd", isa, x, values, offsets, (rows, out_f), in_f, out_f, workers, bf16)
+    _assert_close(y, x.astype(np.float64) @ w.T, bf16, f"{isa} y")
+    dx = _run("dx", isa, dy, values, offsets, (rows, in_f), in_f, out_f, workers, bf16)
+    _assert_close(dx, dy.astype(np.float64) @ w, bf16, f"{isa} dx")
+    dvalues = _run("dvalues", isa, dy, x, offsets, values.shape, in_f, out_f, workers, bf16)
+    _assert_close(dvalues, dvalues_ref, bf16, f"{isa} dvalues")
+    # The backward target: dx and dvalues from one job.
+    dx, dvalues = _result((rows, in_f), bf16), _result(values.shape, bf16)
+    _cpu_ext._run_backward(
+        isa, *(_operand(a, bf16) for a in (dy, x, values)), offsets, dx, dvalues, workers
+    )
+    _assert_close(_as_f64(dx, bf16), dy.astype(np.float64) @ w, bf16, f"{isa} bwd dx")
+    _assert_close(_as_f64(dvalues, bf16), dvalues_ref, bf16, f"{isa} bwd dvalues")
+
+
+@pytest.mark.parametrize(
+    "in_f,out_f,b,kind,batch",
+    [
+        (48, 80, 16, "all", (257,)),
+        (80, 48, 8, "duplicates", (3, 50)),
+        (64, 64, 16, "one", (2, 3, 5)),
+        (48, 80, 8, "none", (6,)),
+        (80, 48, 16, "all", (0,)),
+    ],
+)
+def test_block_ffi_op_matches_the_reference_and_dense(in_f, out_f, b, kind, batch, rng):
+    """dd.diag_matmul(impl="ffi") on block diagonals (the handlers, the thread pool and the
+    custom VJP with the backward target) against the pure-JAX path and float64 dense."""
+    x, dy, values, offsets = _block_case(rng, in_f, out_f, b, 1, kind)
+    x = jnp.asarray(rng.standard_normal(batch + (in_f,)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal(batch + (out_f,)), jnp.float32)
+    values, offsets = jnp.asarray(values), jnp.asarray(offsets)
+
+    def run(impl):
+        def layer(x, values):
+            return dd.diag_matmul(x, values, offsets, out_features=out_f, impl=impl)
+
+        y, vjp = jax.vjp(jax.jit(layer), x, values)
+        return (y, *vjp(dy))
+
+    got, ref = run("ffi"), run("jax")
+    w = design_dense(values, offsets, in_f, out_f)
+    x64 = np.asarray(x, np.float64).reshape(-1, in_f)
+    dy64 = np.asarray(dy, np.float64).reshape(-1, out_f)
+    exact = (x64 @ w.T, dy64 @ w, design_dvalues(dy64, x64, offsets, in_f, out_f, b))
+    for name, g, r, e in zip(("y", "dx", "dvalues"), got, ref, exact):
+        g64 = np.asarray(g, np.float64).reshape(e.shape)
+        _assert_close(g64, e, False, f"{name} vs dense")
+        _assert_close(g64, np.asarray(r, np.float64).reshape(e.shape), False, f"{name} vs jax")
+
+
+@pytest.mark.parametrize("in_f,out_f", [(96, 320), (320, 96)])
+def test_block_gradients_are_bitwise_reproducible(in_f, out_f, rng):
+    b = 16
+    x, _, values, offsets = _block_case(rng, in_f, out_f, b, 2048, "duplicates")
+
+    def loss(values, x):
+        y = dd.diag_matmul(x, values, jnp.asarray(offsets), out_features=out_f, impl="ffi")
+        return jnp.sum(jnp.sin(y))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    first = [np.asarray(g) for g in grad(values, x)]
+    for _ in range(5):
+        for name, g, g0 in zip(("dvalues", "dx"), grad(values, x), first):
+            np.testing.assert_array_equal(np.asarray(g), g0, err_msg=name)
+
+
+def _ffi(target, results, *args):
+    out = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in results)
+    call = jax.ffi.ffi_call(f"dynadiag_diag_matmul_{target}", out, vmap_method="sequential")
+    return jax.block_until_ready(call(*args))
+
+
+def _zeros(*shape):
+    return np.zeros(shape, np.float32)
+
+
+OK_OFFSETS = np.array([0, 1], np.int32)
+BLOCK_ERRORS = [  # (target, result shapes, operands, message): in = 16, out = 64 unless noted
+    (
+        "fwd",
+        [(4, 64)],
+        (_zeros(4, 16), _zeros(2, 16, 4, 4), OK_OFFSETS),
+        r"values has blocks of b=4 \(shape \[2, 16, 4, 4\]\); block diagonals take b in "
+        r"\{8, 16, 32, 64, 128\}",
+    ),
+    ("fwd", [(4, 64)], (_zeros(4, 16), _zeros(2, 64, 1, 1), OK_OFFSETS), r"has blocks of b=1"),
+    (
+        "dx",
+        [(4, 16)],
+        (_zeros(4, 64), _zeros(2, 8, 8, 16), OK_OFFSETS),
+        r"values must have shape \[K, L_b, b, b\] \(square blocks\), got \[2, 8, 8, 16\]",
+    ),
+    (
+        "fwd",
+        [(4, 64)],
+        (_zeros(4, 40), _zeros(2, 4, 16, 16), OK_OFFSETS),
+        r"block size b=16 \(from values \[2, 4, 16, 16\]\) must divide in=40 and out=64",
+    ),
+    (
+        "fwd",
+        [(4, 64)],
+        (_zeros(4, 16), _zeros(2, 7, 8, 8), OK_OFFSETS),
+        r"values must have shape \[K, L_b, b, b\] = \[2, 8, 8, 8\] \(K from offsets, "
+        r"L_b = max\(in, out\) / b\), got \[2, 7, 8, 8\]",
+    ),
+    (
+        "dx",
+        [(4, 16)],
+        (_zeros(4, 64), _zeros(3, 8, 8, 8), OK_OFFSETS),
+        r"values must have shape \[K, L_b, b, b\] = \[2, 8, 8, 8\]",
+    ),
+    (
+        "fwd",
+        [(4, 64)],
+        (_zeros(4, 16), _zeros(2, 8, 8, 8), np.array([0, 2], np.int32)),
+        r"offsets\[1\] = 2 is outside \[0, P_b\) = \[0, 2\) for in=16, out=64, b=8",
+    ),
+    (
+        "dvalues",
+        [(2, 4, 8, 8)],
+        (_zeros(4, 64), _zeros(4, 16), OK_OFFSETS),
+        r"dvalues must have shape \[K, L_b, b, b\] = \[2, 8, 8, 8\]",
+    ),
+    (
+        "dvalues",
+        [(2, 8, 8, 8)],
+        (_zeros(4, 64), _zeros(4, 16), np.array([-1, 0], np.int32)),
+        r"offsets\[0\] = -1 is outside \[0, P_b\)",
+    ),
+    (
+        "bwd",
+        [(4, 16), (2, 16)],
+        (_zeros(4, 64), _zeros(4, 16), _zeros(2, 8, 8, 8), OK_OFFSETS),
+        r"dvalues must have shape \[K, L_b, b, b\] = \[2, 8, 8, 8\]",
+    ),
+    (
+        "bwd",
+        [(4, 16), (2, 8, 8, 8)],
+        (_zeros(4, 64), _zeros(4, 16), _zeros(2, 8, 8, 4), OK_OFFSETS),
+        r"values must have shape \[K, L_b, b, b\] "
+        r"\(square blocks\)",
+    ),
+]
+
+
+@pytest.mark.parametrize("target,results,operands,message", BLOCK_ERRORS)
+def test_block_handlers_reject_bad_operands(target, results, operands, message):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"dynadiag_diag_matmul_{target}: "):
+        _ffi(target, results, *operands)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+        _ffi(target, results, *operands)

@@ -131,7 +131,8 @@ std::optional<ffi::Error> CheckBlockSize(const char* target, const char* name, D
   if (dims.size() != 4) return std::nullopt;
   const int64_t b = dims[3];
   if (dims[2] != b) {
-    return Invalid(target, std::string(name) + " must have shape [K, L_b, b, b] (square blocks), got " +
+    return Invalid(target, std::string(name) +
+                               " must have shape [K, L_b, b, b] (square blocks), got " +
                                ShapeString(dims));
   }
   if (std::find(std::begin(kBlockSizes), std::end(kBlockSizes), b) == std::end(kBlockSizes)) {
