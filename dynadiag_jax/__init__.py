@@ -1,4 +1,11 @@
-"""dynadiag_jax: DynaDiag diagonally sparse layers for JAX/Flax (Tyagi et al., ICML 2025)."""
+"""dynadiag_jax: DynaDiag diagonally sparse layers for JAX/Flax (Tyagi et al., ICML 2025).
+
+The training-side subpackages (``baselines``, ``data``, ``models``, ``training``) load on first
+use: ``dd.models.ViT`` works after ``import dynadiag_jax as dd`` without making that import pay
+for them.
+"""
+
+import importlib as _importlib
 
 from dynadiag_jax import nn, optim, schedules
 from dynadiag_jax._extension import has_cpu_kernels, has_cuda_kernels
@@ -27,3 +34,17 @@ __all__ = [
     "softmax_topk",
     "sparse_soft_topk",
 ]
+
+# Subpackages imported by `__getattr__` on first access (listed by `dir`, not in `__all__`, so a
+# star import does not load them either).
+_LAZY_SUBPACKAGES = ("baselines", "data", "models", "training")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBPACKAGES:
+        return _importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_SUBPACKAGES})

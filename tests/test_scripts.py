@@ -9,7 +9,7 @@ from training_helpers import CompileCounter, fast_compile  # noqa: F401 - fixtur
 
 from dynadiag_jax import training as T
 from dynadiag_jax.data import text
-from train import common, fashion_mnist, imagenet, lm, results_runs
+from train import cli, common, fashion_mnist, imagenet, lm, results_runs
 from train.configs import fashion_mnist as fashion_config
 from train.configs import gpt2_lm, vit_imagenet
 
@@ -42,6 +42,12 @@ def _fake_prepared_imagenet(root: pathlib.Path) -> pathlib.Path:
         (lambda c: c.data.update(source="cifar"), "unknown data source"),
         (lambda c: c.dynadiag.update(sparsity=1.5), "dynadiag.sparsity must be 0"),
         (lambda c: c.dynadiag.update(layers=(r"head",)), "match no replaceable layer"),
+        (lambda c: c.dynadiag.update(sparsity=float("nan")), "dynadiag.sparsity must be 0"),
+        (lambda c: c.dynadiag.update(explore="wide"), "dynadiag: unknown explore 'wide'"),
+        (lambda c: c.dynadiag.update(slack=-1.0), "dynadiag: slack must be >= 0"),
+        (lambda c: c.dynadiag.update(impl="cuda"), "dynadiag.impl must be one of"),
+        (lambda c: c.train.update(checkpoint_every=-1), "train.checkpoint_every must be >= 0"),
+        (lambda c: c.train.update(keep_checkpoints=0), "train.keep_checkpoints must be >= 1"),
     ],
 )
 def test_fashion_mnist_bad_input_is_reported_before_compiling(mutate, match):
@@ -67,6 +73,57 @@ def test_config_arguments_are_typed_and_checked():
         vit_imagenet.get_config("sparse=0.9")
     with pytest.raises(ValueError, match="is not a float"):
         gpt2_lm.get_config("sparsity=lots")
+    with pytest.raises(ValueError, match="'sparsityy' \\(did you mean 'sparsity'\\?\\); known: "):
+        fashion_config.get_config("sparsityy=0.9")
+    with pytest.raises(ValueError, match="runlocal='maybe' is not true or false"):
+        gpt2_lm.get_config("runlocal=maybe")
+    assert gpt2_lm.get_config("runlocal=no").train.num_steps == 1000
+
+
+CONFIGS = ROOT / "train" / "configs"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--config.trian.epochs=1"],
+            "unknown config key 'trian.epochs' (did you mean 'train.epochs'?)",
+        ),
+        (
+            ["--config.batch_size=64"],
+            "(did you mean 'train.batch_size' or 'train.eval_batch_size'?)",
+        ),
+        (["--config.train.bogus=1"], "'train.bogus'; train holds batch_size, checkpoint_every, "),
+        (["--config.seed", "one"], "config key 'seed' takes an int (default 0), got 'one'"),
+        (["--config.train.epochs=2.5"], "'train.epochs' takes an int (default 8), got '2.5'"),
+        (["--config.compare_dense=maybe"], "takes true or false (default True), got 'maybe'"),
+        (["--config.model.hidden=(256, 'x')"], "takes a tuple of ints (default (256, 256))"),
+        ([f"--config={CONFIGS / 'fashion_mnist.py'}:epochs=two"], "epochs='two' is not an int"),
+        (["--config=nowhere.py"], "--config=nowhere.py: no config file 'nowhere.py'"),
+    ],
+)
+def test_command_line_checks_name_the_key(args, message):
+    default = str(CONFIGS / "fashion_mnist.py")
+    with pytest.raises(common.ConfigError) as err:
+        cli.check_command_line(["fashion_mnist.py", *args], default)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_command_line_checks_accept_what_ml_collections_accepts():
+    default = str(CONFIGS / "fashion_mnist.py")
+    for args in (
+        ["--config.seed", "3"],
+        ["--config.compare_dense"],
+        ["--noconfig.compare_dense"],
+        ["--config.optimizer.learning_rate=1"],
+        ["--config.dynadiag.layers=('a', 'b')"],
+        [f"--config={default}:sparsity=0.95,epochs=2", "--config.train.epochs=3"],
+        ["--", "--config.bogus=1"],  # after "--": not a flag
+    ):
+        assert cli.check_command_line(["fashion_mnist.py", *args], default).seed == 0
+    with pytest.raises(common.ConfigError, match="but no --config was given"):
+        cli.check_command_line(["imagenet.py", "--config.seed=1"], None)
 
 
 def test_imagenet_bad_data_dirs_and_variants(tmp_path):
@@ -217,13 +274,35 @@ def test_eval_batch_not_divisible_by_devices_is_reported(run_python, tmp_path, s
     assert not (tmp_path / "run").exists()
 
 
-def test_unknown_flag_override_is_refused(run_python, tmp_path):
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        ("fashion_mnist.py", ["--config.train.epoch=1"], "(did you mean 'train.epochs'?)"),
+        ("fashion_mnist.py", ["--config.dynadiag.explore=wide"], "unknown explore 'wide'"),
+        (
+            "imagenet.py",
+            [f"--config={CONFIGS / 'vit_imagenet.py'}:runlocal", "--config.train.batch_size=8.5"],
+            "config key 'train.batch_size' takes an int (default 8), got '8.5'",
+        ),
+        ("lm.py", ["--config.train.bogus=1"], "unknown config key 'train.bogus'; train holds"),
+        (
+            "results.py",
+            [f"--config={CONFIGS / 'results.py'}:quik"],
+            "unknown config argument 'quik' (did you mean 'quick'?)",
+        ),
+        ("lm.py", ["--wrkdir=runs"], "Unknown command line flag 'wrkdir'"),
+    ],
+)
+def test_bad_command_lines_exit_2_with_one_line(run_python, tmp_path, script, args, message):
+    """As a user types them: one ``error:`` line, status 2, nothing written or compiled."""
+    run = tmp_path / "run"
     proc = run_python(
-        [str(ROOT / "train" / "lm.py"), "--config.train.bogus=1", f"--workdir={tmp_path}"],
-        check=False,
-        timeout=300,
+        [str(ROOT / "train" / script), *args, f"--workdir={run}"], check=False, timeout=300
     )
-    assert proc.returncode != 0 and "bogus" in proc.stderr
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not run.exists()
 
 
 @pytest.mark.slow

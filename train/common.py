@@ -63,11 +63,22 @@ def check_config(config, reference, *, free=("model",)) -> None:
         raise ConfigError("; ".join(problems) + f" (known keys: {', '.join(sorted(want))})")
 
 
+def sparsity_of(dynadiag_cfg) -> float:
+    """``dynadiag.sparsity``: 0 (dense) or in (0, 1)."""
+    sparsity = float(dynadiag_cfg.sparsity)
+    if sparsity != 0.0 and not 0.0 < sparsity < 1.0:
+        raise ConfigError(f"dynadiag.sparsity must be 0 (dense) or in (0, 1), got {sparsity}")
+    return sparsity
+
+
 def sparse_layer(cfg) -> functools.partial:
-    """``DiagonalDense`` bound to the config's sparsity, gate, slack and exploration mode."""
+    """``DiagonalDense`` bound to the config's sparsity, gate, slack, exploration mode and impl,
+    which are checked here (the layer itself checks them only when a model is built)."""
     if cfg.gate not in GATE_HYPER:
         raise ConfigError(f"dynadiag.gate must be one of {sorted(GATE_HYPER)}, got {cfg.gate!r}")
-    return functools.partial(
+    if cfg.impl not in dd.available_impls():
+        raise ConfigError(f"dynadiag.impl must be one of {dd.available_impls()}, got {cfg.impl!r}")
+    layer = functools.partial(
         dd.nn.DiagonalDense,
         sparsity=float(cfg.sparsity),
         gate=cfg.gate,
@@ -75,6 +86,11 @@ def sparse_layer(cfg) -> functools.partial:
         explore=cfg.explore,
         impl=cfg.impl,
     )
+    try:
+        layer(1)
+    except ValueError as e:
+        raise ConfigError(f"dynadiag: {e}") from None
+    return layer
 
 
 def build_model(model_cfg, dynadiag_cfg, **overrides) -> nn.Module:
@@ -93,10 +109,7 @@ def build_model(model_cfg, dynadiag_cfg, **overrides) -> nn.Module:
             f"{', '.join(sorted(fields))}"
         )
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
-    sparsity = float(dynadiag_cfg.sparsity)
-    if sparsity != 0.0:
-        if not 0.0 < sparsity < 1.0:
-            raise ConfigError(f"dynadiag.sparsity must be 0 (dense) or in (0, 1), got {sparsity}")
+    if sparsity_of(dynadiag_cfg) != 0.0:
         kwargs["dense"] = models.ByPath(
             tuple(dynadiag_cfg.layers), sparse=sparse_layer(dynadiag_cfg)
         )
@@ -293,6 +306,15 @@ def train_from_config(
         )
     except T.CheckpointMismatch as e:
         raise ConfigError(f"{e} (--workdir)") from None
+
+
+def check_train_section(train_cfg) -> None:
+    """The ``train`` section's intervals: each >= 0 (0 disables it); ``keep_checkpoints`` >= 1."""
+    for name in ("eval_every", "checkpoint_every", "log_every", "selection_every"):
+        if int(train_cfg[name]) < 0:
+            raise ConfigError(f"train.{name} must be >= 0 (0 disables it), got {train_cfg[name]}")
+    if int(train_cfg.keep_checkpoints) < 1:
+        raise ConfigError(f"train.keep_checkpoints must be >= 1, got {train_cfg.keep_checkpoints}")
 
 
 def run_script(body: Callable[[], Any]) -> Any:

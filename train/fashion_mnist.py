@@ -30,11 +30,10 @@ if __package__ in (None, ""):  # run as a file: make `train` importable from the
 import jax
 import jax.numpy as jnp
 from absl import app, flags
-from ml_collections import config_flags
 
 from dynadiag_jax import data as D
 from dynadiag_jax import training as T
-from train import baselines, common, plots
+from train import baselines, cli, common, plots
 from train.configs import fashion_mnist as default_config
 
 FLAGS = flags.FLAGS
@@ -48,6 +47,7 @@ def prepare(config):
     Returns ``(data, num_steps, example_input, {run name: (baselines.Method, dynadiag section)})``.
     """
     common.check_config(config, default_config.get_config())
+    common.check_train_section(config.train)
     data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
     batch, mesh = int(config.train.batch_size), T.data_mesh()
     T.check_batch_size(batch, mesh)
@@ -55,7 +55,7 @@ def prepare(config):
     steps = int(config.train.epochs) * (len(data.train["label"]) // batch)
     if steps < 1:
         raise common.ConfigError(f"train.epochs={config.train.epochs} gives no training step")
-    sparsity = float(config.dynadiag.sparsity)
+    sparsity = common.sparsity_of(config.dynadiag)
     method = config.method if sparsity else "dense"
     runs = [("dense", "dense", 0.0)] if config.compare_dense or method == "dense" else []
     if method != "dense":
@@ -137,14 +137,9 @@ def main(argv):
 
 
 if __name__ == "__main__":  # flags exist only when run as a script (tests import this module)
-    config_flags.DEFINE_config_file(
-        "config",
-        str(pathlib.Path(default_config.__file__)),
-        "experiment config file",
-        lock_config=True,
-    )
+    cli.define_config_flag(str(pathlib.Path(default_config.__file__)))
     flags.DEFINE_string(
         "workdir", "runs/fashion_mnist", "checkpoints, metrics and the figure go here"
     )
     flags.DEFINE_bool("progress", True, "show progress bars")
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -23,11 +23,10 @@ if __package__ in (None, ""):  # run as a file: make `train` importable from the
 import jax
 import jax.numpy as jnp
 from absl import app, flags
-from ml_collections import config_flags
 
 from dynadiag_jax import data as D
 from dynadiag_jax import training as T
-from train import baselines, common
+from train import baselines, cli, common
 from train.configs import vit_imagenet
 
 FLAGS = flags.FLAGS
@@ -45,6 +44,7 @@ def prepare(config):
       common.ConfigError: for any of these problems (nothing has been compiled yet).
     """
     common.check_config(config, vit_imagenet.get_config())
+    common.check_train_section(config.train)
     mesh = T.data_mesh()
     T.check_batch_size(int(config.train.batch_size), mesh, name="train.batch_size")
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
@@ -137,7 +137,7 @@ def main(argv):
 
 
 if __name__ == "__main__":  # flags exist only when run as a script (tests import this module)
-    config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
+    cli.define_config_flag(None)
     flags.DEFINE_string("workdir", None, "checkpoints and metrics go here", required=True)
     flags.DEFINE_bool("progress", True, "show a progress bar")
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -24,11 +24,10 @@ if __package__ in (None, ""):  # run as a file: make `train` importable from the
 import jax
 import jax.numpy as jnp
 from absl import app, flags
-from ml_collections import config_flags
 
 from dynadiag_jax import data as D
 from dynadiag_jax import training as T
-from train import baselines, common
+from train import baselines, cli, common
 from train.configs import gpt2_lm
 
 FLAGS = flags.FLAGS
@@ -45,6 +44,7 @@ def prepare(config):
       common.ConfigError: for any of these problems (nothing has been compiled yet).
     """
     common.check_config(config, gpt2_lm.get_config())
+    common.check_train_section(config.train)
     mesh = T.data_mesh()
     T.check_batch_size(int(config.train.batch_size), mesh, name="train.batch_size")
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
@@ -104,9 +104,7 @@ def main(argv):
 
 
 if __name__ == "__main__":  # flags exist only when run as a script (tests import this module)
-    config_flags.DEFINE_config_file(
-        "config", str(pathlib.Path(gpt2_lm.__file__)), "experiment config file", lock_config=True
-    )
+    cli.define_config_flag(str(pathlib.Path(gpt2_lm.__file__)))
     flags.DEFINE_string("workdir", "runs/lm", "checkpoints and metrics go here")
     flags.DEFINE_bool("progress", True, "show a progress bar")
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

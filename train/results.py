@@ -28,9 +28,8 @@ if __package__ in (None, ""):  # run as a file: make `train` importable from the
 
 import tqdm
 from absl import app, flags, logging
-from ml_collections import config_flags
 
-from train import common, results_report, speed
+from train import cli, common, results_report, speed
 from train.configs import results as default_config
 from train.results_runs import (
     ACCURACY_FILE,
@@ -44,9 +43,7 @@ from train.results_runs import (
     train_run,
 )
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", str(pathlib.Path(default_config.__file__)), "results config file", lock_config=True
-)
+_CONFIG = cli.define_config_flag(str(pathlib.Path(default_config.__file__)), "results config file")
 _WORKDIR = flags.DEFINE_string(
     "workdir", "runs/results", "run directories, accuracy.jsonl and speed.json"
 )
@@ -119,4 +116,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

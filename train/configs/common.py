@@ -2,30 +2,50 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 import ml_collections
+
+_TRUE, _FALSE = ("", "1", "true", "yes"), ("0", "false", "no")
+
+
+def did_you_mean(candidates: Iterable[str]) -> str:
+    """``" (did you mean 'a' or 'b'?)"`` for the first three candidates; ``""`` for none."""
+    found = list(dict.fromkeys(candidates))[:3]
+    return f" (did you mean {' or '.join(map(repr, found))}?)" if found else ""
 
 
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     """Parse ``key=value`` pairs (a bare ``key`` means True) against ``defaults``.
 
-    Values take the type of their default; unknown keys raise ``ValueError`` naming the known ones.
+    Values take the type of their default; unknown keys raise ``ValueError`` naming the closest
+    and the known ones.
     """
     out = ml_collections.ConfigDict(defaults)
     for item in filter(None, (arg or "").split(",")):
         key, _, value = item.partition("=")
         if key not in defaults:
-            raise ValueError(f"unknown config argument {key!r}; known: {', '.join(defaults)}")
+            raise ValueError(
+                f"unknown config argument {key!r}"
+                f"{did_you_mean(difflib.get_close_matches(key, defaults))}; "
+                f"known: {', '.join(defaults)}"
+            )
         default = defaults[key]
         if isinstance(default, bool):
-            out[key] = value.lower() in ("", "1", "true", "yes")
+            if value.lower() not in _TRUE + _FALSE:
+                raise ValueError(f"config argument {key}={value!r} is not true or false")
+            out[key] = value.lower() in _TRUE
         elif value == "":
             raise ValueError(f"config argument {key!r} needs a value ({key}=...)")
         else:
             try:
                 out[key] = type(default)(value)
             except ValueError:
+                kind = type(default).__name__
+                article = "an" if kind == "int" else "a"
                 raise ValueError(
-                    f"config argument {key}={value!r} is not a {type(default).__name__}"
+                    f"config argument {key}={value!r} is not {article} {kind}"
                 ) from None
     return out
 
