@@ -1,6 +1,7 @@
 // Device kernels behind diag_matmul on CUDA. The same source compiles with nvcc for the GPU and
 // with a host C++ compiler against emu/simt.h, which is how the test suite runs it (no GPU here).
-// Kernels see plain structs of pointers and sizes only.
+// Kernels see plain structs of pointers and sizes only. Shared memory is declared with SIMT_SHARED
+// and outputs are written with simt::store, so that the emulation checks them (emu/simt_api.h).
 //
 // Coordinates. W[out, in] holds K wrapped diagonals (DESIGN.md section 1). Entry t of diagonal d
 // sits at *moving* index m = (t + d) % P and *fixed* index t < D, with P = max(in, out) and
@@ -29,13 +30,7 @@
 
 #include <cstdint>
 
-#ifdef __CUDACC__
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <mma.h>
-#else
-#include "emu/simt.h"
-#endif
+#include "emu/simt_api.h"
 
 namespace dynadiag {
 namespace cuda {
@@ -175,7 +170,7 @@ template <class T, bool kOutMoving>
 __global__ void __launch_bounds__(kProductThreads) diagonal_product_kernel(ProductArgs<T> a) {
   const int ob = blockIdx.y;
   if (a.path != nullptr && a.path[ob] != kPathDiagonal) return;  // uniform over the block
-  __shared__ int32_t offs[kOffsetChunk];
+  SIMT_SHARED(int32_t[kOffsetChunk], offs);
   const int tid = threadIdx.x;
   const int o = ob * kTile + tid % kTile;
   const int64_t b0 = int64_t(blockIdx.x) * kBatchTile + tid / kTile;
@@ -219,7 +214,7 @@ __global__ void __launch_bounds__(kProductThreads) diagonal_product_kernel(Produ
   }
   if (o >= a.o_dim) return;
   for (int i = 0; i < nrows; ++i)
-    a.out[(b0 + int64_t(i) * kGroups) * a.o_dim + o] = from_float<T>(bad ? quiet_nan() : acc[i]);
+    simt::store(&a.out[(b0 + int64_t(i) * kGroups) * a.o_dim + o], from_float<T>(bad ? quiet_nan() : acc[i]));
 }
 
 // Tensor-core path (T = __half or __nv_bfloat16). Warp w accumulates batch rows b0+16w.. of the
@@ -232,13 +227,13 @@ __global__ void __launch_bounds__(kProductThreads, kTensorCoreMinBlocks)
   namespace wmma = nvcuda::wmma;
   const int ob = blockIdx.y;
   if (a.path[ob] != kPathTensorCore) return;  // uniform over the block
-  __shared__ __align__(32) T xs[kBatchTile * kTile];   // in tile, row-major [batch][q]
-  __shared__ __align__(32) T ws[kTile * kTile];        // M tile, [o][q] = wmma B in col-major
-  __shared__ __align__(32) float cs[kBatchTile * kTile];
-  __shared__ int32_t list_k[kOffsetChunk];             // diagonals in the window, this chunk
-  __shared__ int32_t list_d[kOffsetChunk];
-  __shared__ int32_t list_len;
-  __shared__ int32_t bad;
+  SIMT_SHARED_ALIGNED(T[kBatchTile * kTile], xs, 32);  // in tile, row-major [batch][q]
+  SIMT_SHARED_ALIGNED(T[kTile * kTile], ws, 32);       // M tile, [o][q] = wmma B in col-major
+  SIMT_SHARED_ALIGNED(float[kBatchTile * kTile], cs, 32);
+  SIMT_SHARED(int32_t[kOffsetChunk], list_k);          // diagonals in the window, this chunk
+  SIMT_SHARED(int32_t[kOffsetChunk], list_d);
+  SIMT_SHARED(int32_t, list_len);
+  SIMT_SHARED(int32_t, bad);
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int o0 = ob * kTile;
@@ -319,7 +314,7 @@ __global__ void __launch_bounds__(kProductThreads, kTensorCoreMinBlocks)
     const int64_t b = b0 + e / kTile;
     const int o = o0 + e % kTile;
     if (b < a.rows && o < a.o_dim)
-      a.out[b * a.o_dim + o] = from_float<T>(poisoned ? quiet_nan() : cs[e]);
+      simt::store(&a.out[b * a.o_dim + o], from_float<T>(poisoned ? quiet_nan() : cs[e]));
   }
 }
 
@@ -340,7 +335,7 @@ struct SddmmArgs {
 // partial sums are then added in a fixed order (deterministic, no float atomics).
 template <class T>
 __global__ void __launch_bounds__(kSddmmThreads) sddmm_kernel(SddmmArgs<T> a) {
-  __shared__ float red[kSddmmWarps][kSddmmDiags][kSddmmLanes];
+  SIMT_SHARED(float[kSddmmWarps][kSddmmDiags][kSddmmLanes], red);
   const int lane = threadIdx.x % kSddmmLanes;
   const int warp = threadIdx.x / kSddmmLanes;
   const int t = blockIdx.x * kSddmmLanes + lane;
@@ -380,9 +375,9 @@ __global__ void __launch_bounds__(kSddmmThreads) sddmm_kernel(SddmmArgs<T> a) {
   if (k >= a.K || t >= a.D) return;
   if (!valid_offset(a.offsets[k], a.P)) s = quiet_nan();
   if (a.splits == 1)
-    a.out[int64_t(k) * a.D + t] = from_float<T>(s);
+    simt::store(&a.out[int64_t(k) * a.D + t], from_float<T>(s));
   else
-    a.partial[(int64_t(blockIdx.z) * a.K + k) * a.D + t] = s;
+    simt::store(&a.partial[(int64_t(blockIdx.z) * a.K + k) * a.D + t], s);
 }
 
 // Sums the split partials in split order.
@@ -393,7 +388,7 @@ __global__ void __launch_bounds__(kReduceThreads) sddmm_reduce_kernel(SddmmArgs<
   if (idx >= n) return;
   float s = 0.0f;
   for (int z = 0; z < a.splits; ++z) s += a.partial[z * n + idx];
-  a.out[idx] = from_float<T>(s);
+  simt::store(&a.out[idx], from_float<T>(s));
 }
 
 }  // namespace cuda

@@ -2,6 +2,9 @@
 // Written once for both builds: `Launcher` is a small policy with
 //   launch(grid, block, kernel, args...)   kernel<<<grid, block, 0, stream>>>(args...) or emu::launch
 //   launch.memset(ptr, bytes)              cudaMemsetAsync(ptr, 0, bytes, stream) or std::memset
+//   launch.output(ptr, count, row, name)   declares an output the sequence writes exactly once per
+//                                          element (simt::store in the kernels, or a memset); the
+//                                          emulation checks it, the CUDA launcher ignores it
 // The plan is mirrored by dynadiag_jax/ops/cuda.py (workspace_bytes); a test compares the two.
 #pragma once
 
@@ -109,6 +112,7 @@ inline const char* sddmm_limits(int64_t K, int64_t D) {
 
 template <class T, class Launcher>
 void launch_product(Launcher& launch, const ProductPlan& plan, ProductArgs<T> a, uint8_t* workspace) {
+  launch.output(a.out, size_t(a.rows) * size_t(a.o_dim), size_t(a.o_dim), "ProductArgs::out");
   if (a.rows == 0) return;
   if (a.K == 0) {
     launch.memset(a.out, sizeof(T) * size_t(a.rows) * size_t(a.o_dim));
@@ -140,6 +144,7 @@ void launch_product(Launcher& launch, const ProductPlan& plan, ProductArgs<T> a,
 
 template <class T, class Launcher>
 void launch_sddmm(Launcher& launch, const SddmmPlan& plan, SddmmArgs<T> a, uint8_t* workspace) {
+  launch.output(a.out, size_t(a.K) * size_t(a.D), size_t(a.D), "SddmmArgs::out");
   if (a.K == 0) return;
   if (a.rows == 0) {
     launch.memset(a.out, sizeof(T) * size_t(a.K) * size_t(a.D));
@@ -148,6 +153,8 @@ void launch_sddmm(Launcher& launch, const SddmmPlan& plan, SddmmArgs<T> a, uint8
   a.splits = plan.splits;
   a.rows_per_split = plan.rows_per_split;
   a.partial = plan.splits > 1 ? reinterpret_cast<float*>(workspace) : nullptr;
+  if (a.partial != nullptr)
+    launch.output(a.partial, size_t(plan.splits) * size_t(a.K) * size_t(a.D), size_t(a.D), "SddmmArgs::partial");
   const dim3 grid(static_cast<unsigned>(ceil_div(a.D, kSddmmLanes)),
                   static_cast<unsigned>(ceil_div(a.K, kSddmmDiags)), static_cast<unsigned>(plan.splits));
   launch(grid, dim3(kSddmmThreads), sddmm_kernel<T>, a);

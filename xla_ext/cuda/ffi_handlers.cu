@@ -26,6 +26,8 @@ class CudaLauncher {
   void memset(void* p, size_t bytes) {
     if (error_ == cudaSuccess && bytes) error_ = cudaMemsetAsync(p, 0, bytes, stream_);
   }
+  template <class T>
+  void output(T*, size_t, size_t, const char*) {}  // checked by the emulation only
   ffi::Error status() const {
     if (error_ == cudaSuccess) return ffi::Error::Success();
     return ffi::Error::Internal(std::string("dynadiag CUDA kernel launch failed: ") +

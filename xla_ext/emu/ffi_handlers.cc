@@ -14,12 +14,13 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// EmuLauncher plus the status() the shared handler code expects.
+// EmuLauncher plus the status() the shared handler code expects (called once, after the last
+// launch): an emulation check that failed becomes the handler's error, i.e. a Python exception.
 class FfiLauncher : public EmuLauncher {
  public:
-  ffi::Error status() const {
-    if (error() == emu::Error::kSuccess) return ffi::Error::Success();
-    return ffi::Error::Internal(std::string("emulated CUDA launch failed: ") + emu::error_string(error()));
+  ffi::Error status() {
+    if (finish() == emu::Error::kSuccess) return ffi::Error::Success();
+    return ffi::Error::Internal("emulated CUDA launch failed: " + message());
   }
 };
 

@@ -83,6 +83,14 @@ void compare(const char* what, const Case& c, const std::vector<T>& got, const s
   }
 }
 
+// The emulation's checks of a launch sequence (shared memory, output writes, launch errors).
+void check_launch(EmuLauncher& launch, const char* what, const Case& c) {
+  if (launch.finish() == emu::Error::kSuccess) return;
+  ++failures;
+  std::printf("FAIL %-8s %-22s rows=%lld in=%d out=%d K=%zu  %s\n", what, c.name, static_cast<long long>(c.rows),
+              c.in, c.out, c.offsets.size(), launch.message().c_str());
+}
+
 template <class T>
 void run_case(const Case& c, std::mt19937& rng) {
   const int P = std::max(c.in, c.out), D = std::min(c.in, c.out);
@@ -118,10 +126,7 @@ void run_case(const Case& c, std::mt19937& rng) {
                      plan.P, plan.D, K, nullptr, nullptr, nullptr};
     EmuLauncher launch;
     dynadiag::cuda::launch_product(launch, plan, a, ws.data());
-    if (launch.error() != emu::Error::kSuccess) {
-      ++failures;
-      std::printf("FAIL launch error %s\n", emu::error_string(launch.error()));
-    }
+    check_launch(launch, transpose ? "dx" : "forward", c);
     compare(transpose ? "dx" : "forward", c, out, ref, mag);
     if (tc && K > 0 && c.rows > 0) {
       const int32_t* path = reinterpret_cast<const int32_t*>(ws.data() + plan.path_at);
@@ -150,6 +155,7 @@ void run_case(const Case& c, std::mt19937& rng) {
                  nullptr, c.rows, 0, P, D, K, 1};
   EmuLauncher launch;
   dynadiag::cuda::launch_sddmm(launch, plan, a, ws.data());
+  check_launch(launch, "dvalues", c);
   compare("dvalues", c, out, ref, mag);
 }
 
