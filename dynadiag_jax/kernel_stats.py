@@ -51,7 +51,7 @@ def tile_counts(offsets, in_features: int, out_features: int) -> np.ndarray:
     """Entries per 16x16 tile, ``[ceil(P/16), ceil(D/16)]`` in (moving, fixed) block coordinates.
 
     Moving/fixed are the row/column axes of a tall or square ``W`` and the column/row axes of a
-    wide one (DESIGN.md section 1); this is what the kernel's ``count_tiles_kernel`` computes.
+    wide one (docs/design.md section 1); this is what the kernel's ``count_tiles_kernel`` computes.
     """
     geo = geometry(in_features, out_features)
     p, d = geo.num_candidates, geo.length

@@ -1,4 +1,4 @@
-"""Differentiable top-k gates over diagonal scores (DESIGN.md section 1, "Selecting diagonals").
+"""Differentiable top-k gates over diagonal scores (docs/design.md section 3).
 
 * :func:`sparse_soft_topk`: the Euclidean projection of ``scores / strength`` onto
   ``{y : 0 <= y <= 1, sum(y) = k}`` (Sander et al. 2023, p = 2). Exactly zero outside its top

@@ -12,7 +12,7 @@ import dynadiag_jax as dd
 
 
 def test_random_offsets_at_90_percent_take_the_diagonal_path(rng):
-    # DESIGN.md "Tile physics": 768x768, K=77 random -> ~94% of 16x16 tiles touched, ~10% full
+    # docs/design.md section 6: 768x768, K=77 random -> ~94% of 16x16 tiles touched, ~10% full
     offsets = rng.choice(768, dd.num_diagonals(768, 768, 0.9), replace=False)
     s = dd.kernel_stats(offsets, 768, 768)
     assert s.nonzeros == 77 * 768 and s.tiles_total == 48 * 48

@@ -1,4 +1,4 @@
-"""The index maths against DESIGN.md section 1, written out as plain loops (no shared helpers).
+"""The index maths against docs/design.md section 1, written out as plain loops (no shared helpers).
 
 Every other test builds its dense oracle from ``diag_indices``/``diag_to_dense``; these tests pin
 those to the contract itself, so a convention error cannot hide in both the kernels and the oracle.
@@ -13,7 +13,7 @@ from dynadiag_jax.layout import block_indices, geometry, transpose_diagonals
 
 
 def design_dense(values, offsets, in_features, out_features):
-    """``W[out, in]`` from DESIGN.md section 1, entry by entry; repeated offsets add up."""
+    """``W[out, in]`` from docs/design.md section 1, entry by entry; repeated offsets add up."""
     w = np.zeros((out_features, in_features))
     for k, d in enumerate(offsets):
         if out_features >= in_features:  # tall or square: one entry per column
@@ -84,7 +84,7 @@ def test_transpose_closure(in_f, out_f, rng):
         np.testing.assert_array_equal(np.asarray(ot), offsets)
 
 
-# The authors' budget rule, worked examples (DESIGN.md section 1 and the method notes).
+# The authors' budget rule, worked examples (docs/design.md section 1.3).
 BUDGETS = [
     (768, 3072, 0.9, 308),
     (768, 768, 0.9, 77),

@@ -1,4 +1,4 @@
-"""Selection learns: a student recovers a teacher's planted diagonals (DESIGN.md s.1, issue 3)."""
+"""Selection learns: a student recovers planted diagonals (docs/design.md section 4, issue 3)."""
 
 import jax
 import jax.numpy as jnp

@@ -85,7 +85,7 @@ def _positive_scalar(value, name: str):
 
 
 class DiagonalDense(nn.Module):
-    """``y = x @ W.T + bias`` with ``W[features, in]`` a sum of wrapped diagonals (DESIGN.md s.1).
+    """``y = x @ W.T + bias``, ``W`` a sum of K wrapped diagonals (docs/design.md section 1).
 
     Search phase: ``W_eff = sum_p gate[p] * values[p]`` placed on diagonal ``p``, with
     ``gate = sparse_soft_topk(alpha, K, strength=s)`` (default) or

@@ -1,4 +1,4 @@
-"""ViT on ImageNet-1k with the DeiT recipe (DESIGN.md section 5): dense or DynaDiag at any sparsity.
+"""ViT on ImageNet-1k, DeiT recipe (docs/design.md section 9): dense or DynaDiag at any sparsity.
 
 300 epochs, AdamW lr 1e-3 at batch 1024 (5 warm-up epochs, cosine decay), weight decay 0.05 (none
 on alpha, biases, norms, position embedding, class token), label smoothing 0.1, RandAugment

@@ -1,4 +1,4 @@
-// Kernels of the diagonal-sparse product (DESIGN.md sections 1 and 4).
+// Kernels of the diagonal-sparse product (docs/design.md sections 1 and 5).
 //
 // Plain structs only: pointers and sizes, no XLA or nanobind headers. The FFI handlers
 // (ffi_handlers.cc) validate every operand before filling these structs, so the kernels trust

@@ -3,7 +3,7 @@
 // Kernels see plain structs of pointers and sizes only. Shared memory is declared with SIMT_SHARED
 // and outputs are written with simt::store, so that the emulation checks them (emu/simt_api.h).
 //
-// Coordinates. W[out, in] holds K wrapped diagonals (DESIGN.md section 1). Entry t of diagonal d
+// Coordinates. W[out, in] holds K wrapped diagonals (docs/design.md section 1). Entry t of diagonal d
 // sits at *moving* index m = (t + d) % P and *fixed* index t < D, with P = max(in, out) and
 // D = min(in, out). Tall or square W: moving = row, fixed = column; wide W: moving = column,
 // fixed = row. The forward product (y = x W^T) and dx (dx = dy W) are both
