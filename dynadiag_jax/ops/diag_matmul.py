@@ -1,61 +1,26 @@
 """``diag_matmul``: ``y = x @ W.T`` for a diagonal-sparse ``W``, sparse in forward and backward.
 
-The product is a ``jax.custom_vjp`` over three primitive products, each provided by a *backend*:
-
-* ``fwd``:     ``y[B, out]     = x[B, in] @ W.T``
-* ``dx``:      ``dx[B, in]     = dy[B, out] @ W``           (the transpose closure)
-* ``dvalues``: ``dvalues[K, D] = sum_b dy[b, row] * x[b, col]``  (a diagonal SDDMM)
-
 ``W`` is a sum of element diagonals (``values[K, D]``) or of block diagonals
-(``values[K, L_b, b, b]``, where ``dvalues`` is a block SDDMM); docs/design.md section 1.
+(``values[K, L_b, b, b]``); docs/design.md section 1. This module checks the arguments, picks the
+implementation and flattens leading dimensions; the products themselves are the primitives of
+:mod:`dynadiag_jax.ops.products` (forward, ``dx`` by the transpose closure, ``dvalues`` by a
+diagonal SDDMM, with JVP and transpose rules for every autodiff mode and order).
 
-Backends: ``"jax"`` (pure JAX, any platform), ``"ffi"`` (our XLA FFI kernels: C++ on CPU, CUDA on
-GPU), and ``"dense"`` (materialise ``W`` and use XLA's dot; a baseline, differentiated by JAX).
+Implementations: ``"jax"`` (pure JAX, any platform), ``"ffi"`` (our XLA FFI kernels: C++ on CPU,
+CUDA on GPU), ``"cuda_emulated"`` (the CUDA kernels compiled for the host; tests) and ``"dense"``
+(materialise ``W`` and use XLA's dot; a baseline, differentiated by JAX).
 """
 
 from __future__ import annotations
-
-import functools
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, geometry
-from dynadiag_jax.ops import reference
+from dynadiag_jax.ops import products, reference
 
 __all__ = ["diag_matmul", "available_impls"]
-
-
-class Backend(NamedTuple):
-    """The three products behind one implementation (all on 2-D operands)."""
-
-    fwd: Callable  # (x2, values, offsets, *, out_features) -> y2
-    dx: Callable  # (dy2, values, offsets, *, in_features) -> dx2
-    dvalues: Callable  # (dy2, x2, offsets, *, block_size) -> dvalues [K, D] or [K, L_b, b, b]
-    dtypes: Callable  # () -> dtypes supported on the current default platform
-    bwd: Callable | None = None  # (dy2, x2, values, offsets) -> (dx2, dvalues), one pass
-    # (block_size) -> whether the current default platform runs it (1 = element diagonals)
-    block_size_ok: Callable = lambda block_size: block_size == 1
-
-
-_JAX = Backend(
-    fwd=reference.diag_matmul_fwd_reference,
-    dx=reference.diag_matmul_dx_reference,
-    dvalues=reference.diag_matmul_dvalues_reference,
-    dtypes=lambda: (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64),
-    block_size_ok=lambda block_size: True,
-)
-
-# Registered by dynadiag_jax.ops.ffi when the compiled extension is importable.
-_BACKENDS: dict[str, Backend] = {"jax": _JAX}
-
-
-def register_backend(name: str, backend: Backend) -> None:
-    """Make ``impl=name`` available (used by the extension loaders at import time)."""
-    _BACKENDS[name] = backend
 
 
 def available_impls(*, block_size: int = 1) -> tuple[str, ...]:
@@ -65,7 +30,8 @@ def available_impls(*, block_size: int = 1) -> tuple[str, ...]:
     platform (``"jax"`` and ``"dense"`` take any ``b``; the kernels ``b`` in
     ``layout.KERNEL_BLOCK_SIZES`` where their platform has block kernels).
     """
-    return ("auto", "dense", *(n for n, be in _BACKENDS.items() if be.block_size_ok(block_size)))
+    backends = products.available_backends()
+    return ("auto", "dense", *(n for n, be in backends.items() if be.block_size_ok(block_size)))
 
 
 def _as_array(a, name):
@@ -88,11 +54,6 @@ def _host_offsets(offsets):
         if all(d.platform == "cpu" for d in offsets.devices()):
             return np.asarray(offsets)
     return None
-
-
-def _block_size_of(values) -> int:
-    """``b`` of block-diagonal ``values[K, L_b, b, b]``, 1 for element ``values[K, D]``."""
-    return values.shape[-1] if values.ndim == 4 else 1
 
 
 def _check_values(values, in_features, out_features):
@@ -164,24 +125,25 @@ def _check_args(x, values, offsets, out_features, host_offsets):
 
 
 def _supports(impl: str, dtype) -> bool:
-    return any(dtype == d for d in _BACKENDS[impl].dtypes())
+    return any(dtype == d for d in products.backend(impl).dtypes())
 
 
 def _resolve_impl(impl: str, dtype, block_size: int) -> str:
     if impl == "auto":
-        usable = "ffi" in _BACKENDS and _supports("ffi", dtype)
-        return "ffi" if usable and _BACKENDS["ffi"].block_size_ok(block_size) else "jax"
-    if impl != "dense" and impl not in _BACKENDS:
+        backends = products.available_backends()
+        usable = "ffi" in backends and _supports("ffi", dtype)
+        return "ffi" if usable and backends["ffi"].block_size_ok(block_size) else "jax"
+    if impl != "dense" and impl not in products.available_backends():
         raise ValueError(f"impl must be one of {available_impls()}, got {impl!r}")
     if impl == "dense":
         return impl
     if not _supports(impl, dtype):
-        supported = ", ".join(str(jnp.dtype(d)) for d in _BACKENDS[impl].dtypes()) or "none"
+        supported = ", ".join(str(jnp.dtype(d)) for d in products.backend(impl).dtypes()) or "none"
         raise TypeError(
             f"impl={impl!r} supports dtypes ({supported}) on platform {jax.default_backend()!r}; "
             f"got {jnp.dtype(dtype)} (impl='jax' runs every floating dtype on every platform)"
         )
-    if not _BACKENDS[impl].block_size_ok(block_size):
+    if not products.backend(impl).block_size_ok(block_size):
         if block_size in KERNEL_BLOCK_SIZES:
             platform = jax.default_backend()
             why = f"has no block-diagonal kernels on platform {platform!r} in this build"
@@ -189,30 +151,6 @@ def _resolve_impl(impl: str, dtype, block_size: int) -> str:
             why = f"takes block sizes b in {KERNEL_BLOCK_SIZES}, got b = {block_size}"
         raise ValueError(f"impl={impl!r} {why}; impl='jax' and impl='dense' run any block size")
     return impl
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _product(x2, values, offsets, out_features, impl):
-    return _BACKENDS[impl].fwd(x2, values, offsets, out_features=out_features)
-
-
-def _product_fwd(x2, values, offsets, out_features, impl):
-    y2 = _BACKENDS[impl].fwd(x2, values, offsets, out_features=out_features)
-    return y2, (x2, values, offsets)
-
-
-def _product_bwd(out_features, impl, res, dy2):
-    x2, values, offsets = res
-    backend = _BACKENDS[impl]
-    if backend.bwd is not None:
-        dx2, dvalues = backend.bwd(dy2, x2, values, offsets)
-    else:
-        dx2 = backend.dx(dy2, values, offsets, in_features=x2.shape[1])
-        dvalues = backend.dvalues(dy2, x2, offsets, block_size=_block_size_of(values))
-    return dx2, dvalues, None
-
-
-_product.defvjp(_product_fwd, _product_bwd)
 
 
 def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
@@ -256,7 +194,9 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
     else:
         if impl == "jax":
             values = _poison_invalid(values, offsets, geo.num_candidates)
-        y2 = _product(x2, values, offsets.astype(jnp.int32), geo.out_features, impl)
+        y2 = products.fwd(
+            x2, values, offsets.astype(jnp.int32), out_features=geo.out_features, impl=impl
+        )
     return y2.reshape(lead + (geo.out_features,))
 
 

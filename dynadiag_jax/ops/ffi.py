@@ -1,19 +1,20 @@
-"""XLA FFI binding of the diagonal kernels (docs/kernel_abi.md).
+"""XLA FFI binding of the diagonal kernels (docs/kernel_abi.md): a :class:`Backend` for
+:mod:`dynadiag_jax.ops.products`.
 
-Each of the three targets (``fwd``, ``dx``, ``dvalues``) is a JAX primitive with
+Each target (``fwd``, ``dx``, ``dvalues`` and, where a platform has it, the fused ``bwd``) is a
+raw call primitive with
 
 * a lowering per platform to ``stablehlo.custom_call`` (plus, where the platform's kernels need
   one, a ``u8[W]`` workspace result that XLA allocates and the lowering drops again);
 * a partitioner: ``jit`` over a row-sharded ``x`` with replicated ``values`` runs the kernel on
-  each shard with no gather; ``dvalues`` all-reduces the per-shard partial sums;
-* a ``vmap`` rule: mapping over ``x``/``dy`` alone folds the mapped axis into the rows (one kernel
-  call); mapping over ``values``/``offsets`` runs one call per element (``lax.map``).
+  each shard with no gather; ``dvalues`` all-reduces the per-shard partial sums.
+
+The backend's functions are traced inside the lowering of the product primitives, after every
+transformation (autodiff, ``vmap``) has been applied to those.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -23,11 +24,11 @@ import numpy as np
 from jax.core import ShapedArray
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
-from dynadiag_jax.ops.diag_matmul import Backend
+from dynadiag_jax.ops.products import Backend, abstract_eval
 
 __all__ = ["PlatformKernels", "make_ffi_backend", "platform_of_default_backend"]
 
@@ -146,46 +147,7 @@ def _partitioned(kind: str, raw: Primitive, rank: int, blocked: bool, params: di
     return wrapped
 
 
-def _require_devices_during_lowering(prim: Primitive) -> None:
-    """Ask jit to lower ``prim`` with a concrete device assignment, as custom_partitioning needs.
-
-    JAX has no public switch for this; its own wrappers around custom_partitioning (the cuDNN
-    attention primitives) use the same set. Without it the op still runs, but replicated.
-    tests/test_sharding.py fails if partitioning is lost.
-    """
-    try:
-        from jax._src import dispatch  # noqa: PLC0415 - private, see the docstring
-
-        dispatch.prim_requires_devices_during_lowering.add(prim)
-    except (ImportError, AttributeError):  # a JAX release that moved it: degrade, don't break
-        warnings.warn(
-            f"this JAX ({jax.__version__}) has no jax._src.dispatch."
-            "prim_requires_devices_during_lowering: diag_matmul on a batch-sharded x will run "
-            "replicated (gathering x) instead of per shard",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-
-
 # --- primitives -----------------------------------------------------------------------------
-
-
-def _abstract(kind):
-    def abstract(*avals, width=None, block_size=1):
-        if kind == "dvalues":  # dy [..., out], x [..., in], offsets [K]
-            dy, x, offsets = avals
-            k, (n_out, n_in) = offsets.shape[0], (dy.shape[-1], x.shape[-1])
-            if block_size == 1:
-                return ShapedArray((k, min(n_out, n_in)), x.dtype)
-            length = max(n_out, n_in) // block_size
-            return ShapedArray((k, length, block_size, block_size), x.dtype)
-        if kind == "bwd":  # dy, x, values, offsets -> (dx, dvalues)
-            _, x, values, _ = avals
-            return ShapedArray(x.shape, x.dtype), ShapedArray(values.shape, values.dtype)
-        a = avals[0]
-        return ShapedArray(a.shape[:-1] + (width,), a.dtype)
-
-    return abstract
 
 
 def _features(kind, avals_in, avals_out):
@@ -226,41 +188,7 @@ def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels):
 def _new_primitive(name: str, kind: str) -> Primitive:
     prim = Primitive(name)
     prim.multiple_results = kind == "bwd"
-    prim.def_abstract_eval(_abstract(kind))
-    return prim
-
-
-def _make_primitive(kind: str, raw: Primitive) -> Primitive:
-    """The public primitive for ``kind``: abstract eval, partitioned lowering, vmap rule."""
-    prim = _new_primitive(raw.name.removesuffix("_call"), kind)
-    prim.def_impl(lambda *args, **params: jax.jit(functools.partial(prim.bind, **params))(*args))
-
-    def lowering(ctx, *operands, **params):
-        blocked = len(_values_aval(kind, ctx.avals_in, ctx.avals_out).shape) == 4
-        wrapped = _partitioned(kind, raw, len(ctx.avals_in[0].shape), blocked, params)
-        return mlir.lower_fun(wrapped, multiple_results=prim.multiple_results)(ctx, *operands)
-
-    mlir.register_lowering(prim, lowering)
-    _require_devices_during_lowering(prim)
-
-    def batch_rule(args, dims, **params):
-        # Mapping over x/dy alone adds rows to fwd/dx; anything else (and every sum over rows)
-        # needs one call per mapped element.
-        if kind in ("fwd", "dx") and all(d is None for d in dims[1:]):
-            return prim.bind(jnp.moveaxis(args[0], dims[0], 0), *args[1:], **params), 0
-        mapped = [i for i, d in enumerate(dims) if d is not None]
-
-        def one(elems):
-            full = list(args)
-            for i, e in zip(mapped, elems):
-                full[i] = e
-            return prim.bind(*full, **params)
-
-        elems = tuple(jnp.moveaxis(args[i], dims[i], 0) for i in mapped)
-        out = jax.lax.map(one, elems)
-        return out, ((0,) * len(out) if prim.multiple_results else 0)
-
-    batching.primitive_batchers[prim] = batch_rule
+    prim.def_abstract_eval(abstract_eval(kind))
     return prim
 
 
@@ -295,7 +223,11 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
             rule = mlir.lower_fun(separate_backward, multiple_results=True)
         mlir.register_lowering(raws["bwd"], rule, platform=platform)
 
-    prims = {kind: _make_primitive(kind, raw) for kind, raw in raws.items()}
+    def call(kind, *args, **params):
+        """``raws[kind]`` partitioned over the rows of its first operand."""
+        values_rank = args[2 if kind == "bwd" else 1].ndim if kind != "dvalues" else 0
+        blocked = values_rank == 4 or params.get("block_size", 1) > 1
+        return _partitioned(kind, raws[kind], args[0].ndim, blocked, params)(*args)
 
     def dtypes():
         kernels = platforms.get(platform_of_default_backend())
@@ -307,21 +239,17 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
         kernels = platforms.get(platform_of_default_backend())
         return bool(kernels and kernels.block_diagonals and block_size in KERNEL_BLOCK_SIZES)
 
-    def bwd(dy2, x2, values, offsets):
-        dx, dvalues = prims["bwd"].bind(dy2, x2, values, offsets)
-        return dx, dvalues
-
     return Backend(
-        fwd=lambda x2, values, offsets, *, out_features: prims["fwd"].bind(
-            x2, values, offsets, width=out_features
+        fwd=lambda x, values, offsets, *, out_features: call(
+            "fwd", x, values, offsets, width=out_features
         ),
-        dx=lambda dy2, values, offsets, *, in_features: prims["dx"].bind(
-            dy2, values, offsets, width=in_features
+        dx=lambda dy, values, offsets, *, in_features: call(
+            "dx", dy, values, offsets, width=in_features
         ),
-        dvalues=lambda dy2, x2, offsets, *, block_size=1: prims["dvalues"].bind(
-            dy2, x2, offsets, block_size=block_size
+        dvalues=lambda dy, x, offsets, *, block_size: call(
+            "dvalues", dy, x, offsets, block_size=block_size
         ),
         dtypes=dtypes,
-        bwd=bwd,
+        bwd=lambda dy, x, values, offsets: tuple(call("bwd", dy, x, values, offsets)),
         block_size_ok=block_size_ok,
     )

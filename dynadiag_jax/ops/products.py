@@ -1,0 +1,425 @@
+"""The three diagonal products as JAX primitives, with JVP, transpose and batching rules.
+
+With ``W`` the diagonal matrix of ``(values, offsets)`` (element or block diagonals):
+
+* ``fwd(x, values)     = x @ W.T``                       ``[..., in]  -> [..., out]``
+* ``dx(dy, values)     = dy @ W``                        ``[..., out] -> [..., in]``
+* ``dvalues(dy, x)     = sum_r dy[r, row] * x[r, col]``  ``-> values' shape`` (diagonal SDDMM)
+
+Each is bilinear in its two array operands, and the three close under transposition, as
+``lax.dot_general`` does: ``fwd`` transposes to ``dx`` (in ``x``) and ``dvalues`` (in ``values``);
+``dx`` to ``fwd`` (in ``dy``) and ``dvalues(dy, ct)`` (in ``values``); ``dvalues`` to
+``fwd(x, ct)`` (in ``dy``) and ``dx(dy, ct)`` (in ``x``). So every autodiff mode and order (grad,
+jvp, jacfwd, hessian, grad of grad) runs through the sparse products and never builds a dense W.
+
+Two more primitives keep ordinary reverse mode at one backward kernel call: the tangent of ``fwd``
+when both ``x`` and ``values`` vary is ``fwd_tangent(x_dot, values_dot, x, values) =
+fwd(x_dot, values) + fwd(x, values_dot)``, one primitive linear in ``(x_dot, values_dot)``, whose
+transpose is ``bwd(dy, x, values) = (dx(dy, values), dvalues(dy, x))``: the fused CPU kernel where
+the platform has it.
+
+Every primitive carries the implementation name (``impl``) as a parameter and lowers through that
+:class:`Backend`'s functions, so the partitioning of the FFI kernels stays in their lowering.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.core import ShapedArray
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from dynadiag_jax.ops import reference
+
+__all__ = [
+    "Backend",
+    "abstract_eval",
+    "available_backends",
+    "backend",
+    "register_backend",
+    "fwd",
+    "dx",
+    "dvalues",
+    "bwd_p",
+]
+
+
+class Backend(NamedTuple):
+    """The products behind one implementation (traced inside the primitives' lowering)."""
+
+    fwd: Callable  # (x, values, offsets, *, out_features) -> y
+    dx: Callable  # (dy, values, offsets, *, in_features) -> dx
+    dvalues: Callable  # (dy, x, offsets, *, block_size) -> dvalues [K, D] or [K, L_b, b, b]
+    dtypes: Callable  # () -> dtypes supported on the current default platform
+    bwd: Callable | None = None  # (dy, x, values, offsets) -> (dx, dvalues), one pass
+    # (block_size) -> whether the current default platform runs it (1 = element diagonals)
+    block_size_ok: Callable = lambda block_size: block_size == 1
+
+
+def _rows(a):
+    return a.reshape((-1, a.shape[-1]))
+
+
+def _jax_fwd(x, values, offsets, *, out_features):
+    y = reference.diag_matmul_fwd_reference(_rows(x), values, offsets, out_features=out_features)
+    return y.reshape(x.shape[:-1] + (out_features,))
+
+
+def _jax_dx(dy, values, offsets, *, in_features):
+    dx_ = reference.diag_matmul_dx_reference(_rows(dy), values, offsets, in_features=in_features)
+    return dx_.reshape(dy.shape[:-1] + (in_features,))
+
+
+def _jax_dvalues(dy, x, offsets, *, block_size):
+    return reference.diag_matmul_dvalues_reference(
+        _rows(dy), _rows(x), offsets, block_size=block_size
+    )
+
+
+# The reference on any platform (any floating dtype and block size); leading dims become rows.
+_JAX = Backend(
+    fwd=_jax_fwd,
+    dx=_jax_dx,
+    dvalues=_jax_dvalues,
+    dtypes=lambda: (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64),
+    block_size_ok=lambda block_size: True,
+)
+
+# "jax" always; the extension loaders add "ffi" and "cuda_emulated" at import time.
+_BACKENDS: dict[str, Backend] = {"jax": _JAX}
+
+
+def register_backend(name: str, impl: Backend) -> None:
+    """Make ``impl=name`` available (used by the extension loaders at import time)."""
+    _BACKENDS[name] = impl
+
+
+def available_backends() -> dict[str, Backend]:
+    """Name -> :class:`Backend` of every implementation in this installation."""
+    return dict(_BACKENDS)
+
+
+def backend(name: str) -> Backend:
+    return _BACKENDS[name]
+
+
+def require_devices_during_lowering(prim: Primitive) -> None:
+    """Ask jit to lower ``prim`` with a concrete device assignment, as custom_partitioning needs.
+
+    The FFI backends partition their kernels with ``custom_partitioning`` inside the lowering.
+    JAX has no public switch for this; its own wrappers around custom_partitioning (the cuDNN
+    attention primitives) use the same set. Without it the op still runs, but replicated.
+    tests/test_sharding.py fails if partitioning is lost.
+    """
+    try:
+        from jax._src import dispatch  # noqa: PLC0415 - private, see the docstring
+
+        dispatch.prim_requires_devices_during_lowering.add(prim)
+    except (ImportError, AttributeError):  # a JAX release that moved it: degrade, don't break
+        warnings.warn(
+            f"this JAX ({jax.__version__}) has no jax._src.dispatch."
+            "prim_requires_devices_during_lowering: diag_matmul on a batch-sharded x will run "
+            "replicated (gathering x) instead of per shard",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+# --- shapes ---------------------------------------------------------------------------------
+
+
+def abstract_eval(kind: str):
+    """Abstract evaluation of product ``kind`` (shared with the FFI backends' raw calls)."""
+
+    def abstract(*avals, width=None, block_size=1, impl=None):
+        del impl
+        if kind == "dvalues":  # dy [..., out], x [..., in], offsets [K]
+            dy, x, offsets = avals
+            k, (n_out, n_in) = offsets.shape[0], (dy.shape[-1], x.shape[-1])
+            if block_size == 1:
+                return ShapedArray((k, min(n_out, n_in)), x.dtype)
+            length = max(n_out, n_in) // block_size
+            return ShapedArray((k, length, block_size, block_size), x.dtype)
+        if kind == "bwd":  # dy, x, values, offsets -> (dx, dvalues)
+            _, x, values, _ = avals
+            return ShapedArray(x.shape, x.dtype), ShapedArray(values.shape, values.dtype)
+        a = avals[0]  # fwd (x, ...), dx (dy, ...), fwd_tangent (x_dot, ...)
+        return ShapedArray(a.shape[:-1] + (width,), a.dtype)
+
+    return abstract
+
+
+def _block_size(values_shape) -> int:
+    return values_shape[-1] if len(values_shape) == 4 else 1
+
+
+def _shape(a):
+    return a.aval.shape if ad.is_undefined_primal(a) else a.shape
+
+
+# --- primitives -----------------------------------------------------------------------------
+
+
+def _lower_fwd(impl, x, values, offsets, *, width):
+    return backend(impl).fwd(x, values, offsets, out_features=width)
+
+
+def _lower_dx(impl, dy, values, offsets, *, width):
+    return backend(impl).dx(dy, values, offsets, in_features=width)
+
+
+def _lower_dvalues(impl, dy, x, offsets, *, block_size):
+    return backend(impl).dvalues(dy, x, offsets, block_size=block_size)
+
+
+def _lower_bwd(impl, dy, x, values, offsets):
+    be = backend(impl)
+    if be.bwd is not None:
+        return tuple(be.bwd(dy, x, values, offsets))
+    dx_ = be.dx(dy, values, offsets, in_features=x.shape[-1])
+    return dx_, be.dvalues(dy, x, offsets, block_size=_block_size(values.shape))
+
+
+def _lower_fwd_tangent(impl, x_dot, values_dot, x, values, offsets, *, width):
+    be = backend(impl)
+    return be.fwd(x_dot, values, offsets, out_features=width) + be.fwd(
+        x, values_dot, offsets, out_features=width
+    )
+
+
+@functools.cache
+def _compiled(prim: Primitive, params: tuple):
+    """Eager calls run the primitive under ``jit`` (one cache entry per parameter set)."""
+    return jax.jit(functools.partial(prim.bind, **dict(params)))
+
+
+def _primitive(name: str, kind: str, lower: Callable) -> Primitive:
+    prim = Primitive(f"diag_matmul_{name}")
+    prim.multiple_results = kind == "bwd"
+    prim.def_abstract_eval(abstract_eval(kind))
+    prim.def_impl(lambda *args, **params: _compiled(prim, tuple(sorted(params.items())))(*args))
+
+    def lowering(ctx, *operands, impl, **params):
+        fn = functools.partial(lower, impl, **params)
+        return mlir.lower_fun(fn, multiple_results=prim.multiple_results)(ctx, *operands)
+
+    mlir.register_lowering(prim, lowering)
+    require_devices_during_lowering(prim)
+    return prim
+
+
+fwd_p = _primitive("fwd", "fwd", _lower_fwd)
+dx_p = _primitive("dx", "dx", _lower_dx)
+dvalues_p = _primitive("dvalues", "dvalues", _lower_dvalues)
+bwd_p = _primitive("bwd", "bwd", _lower_bwd)
+fwd_tangent_p = _primitive("fwd_tangent", "fwd", _lower_fwd_tangent)
+
+
+def fwd(x, values, offsets, *, out_features: int, impl: str):
+    """``y[..., out] = x[..., in] @ W.T``."""
+    return fwd_p.bind(x, values, offsets, width=out_features, impl=impl)
+
+
+def dx(dy, values, offsets, *, in_features: int, impl: str):
+    """``dx[..., in] = dy[..., out] @ W`` (the transpose closure)."""
+    return dx_p.bind(dy, values, offsets, width=in_features, impl=impl)
+
+
+def dvalues(dy, x, offsets, *, block_size: int, impl: str):
+    """The (block) SDDMM: ``[K, D]`` (``block_size`` 1) or ``[K, L_b, b, b]``."""
+    return dvalues_p.bind(dy, x, offsets, block_size=block_size, impl=impl)
+
+
+# --- JVP rules: every product is bilinear ---------------------------------------------------
+
+
+def _zero(t) -> bool:
+    return type(t) is ad.Zero
+
+
+def _sum(terms, like):
+    """Sum of ``terms``, or a symbolic zero tangent shaped like ``like``."""
+    if not terms:
+        return ad.Zero.from_primal_value(like)
+    return functools.reduce(jnp.add, terms)
+
+
+def _bilinear_tangent(product, a, b, a_dot, b_dot, like):
+    """``product(a_dot, b) + product(a, b_dot)``, skipping symbolic-zero tangents."""
+    terms = [product(a_dot, b)] if not _zero(a_dot) else []
+    terms += [product(a, b_dot)] if not _zero(b_dot) else []
+    return _sum(terms, like)
+
+
+def _fwd_jvp(primals, tangents, *, width, impl):
+    x, values, offsets = primals
+    x_dot, values_dot, _ = tangents
+    y = fwd(x, values, offsets, out_features=width, impl=impl)
+    if _zero(x_dot) or _zero(values_dot):
+
+        def product(a, v):
+            return fwd(a, v, offsets, out_features=width, impl=impl)
+
+        return y, _bilinear_tangent(product, x, values, x_dot, values_dot, y)
+    # One primitive linear in both tangents: its transpose is the fused backward pass.
+    y_dot = fwd_tangent_p.bind(x_dot, values_dot, x, values, offsets, width=width, impl=impl)
+    return y, y_dot
+
+
+def _fwd_tangent_jvp(primals, tangents, *, width, impl):
+    x_dot, values_dot, x, values, offsets = primals
+    t_x_dot, t_values_dot, t_x, t_values, _ = tangents
+    y = fwd_tangent_p.bind(x_dot, values_dot, x, values, offsets, width=width, impl=impl)
+
+    def product(a, v):
+        return fwd(a, v, offsets, out_features=width, impl=impl)
+
+    # d(fwd(x_dot, values) + fwd(x, values_dot)), each term bilinear
+    first = _bilinear_tangent(product, x_dot, values, t_x_dot, t_values, y)
+    second = _bilinear_tangent(product, x, values_dot, t_x, t_values_dot, y)
+    return y, _sum([t for t in (first, second) if not _zero(t)], y)
+
+
+def _dx_tangent(dy, values, offsets, dy_dot, values_dot, like, *, width, impl):
+    def product(a, v):
+        return dx(a, v, offsets, in_features=width, impl=impl)
+
+    return _bilinear_tangent(product, dy, values, dy_dot, values_dot, like)
+
+
+def _dvalues_tangent(dy, x, offsets, dy_dot, x_dot, like, *, block_size, impl):
+    def product(a, b):
+        return dvalues(a, b, offsets, block_size=block_size, impl=impl)
+
+    return _bilinear_tangent(product, dy, x, dy_dot, x_dot, like)
+
+
+def _dx_jvp(primals, tangents, *, width, impl):
+    dy, values, offsets = primals
+    out = dx(dy, values, offsets, in_features=width, impl=impl)
+    return out, _dx_tangent(*primals, *tangents[:2], out, width=width, impl=impl)
+
+
+def _dvalues_jvp(primals, tangents, *, block_size, impl):
+    dy, x, offsets = primals
+    out = dvalues(dy, x, offsets, block_size=block_size, impl=impl)
+    return out, _dvalues_tangent(*primals, *tangents[:2], out, block_size=block_size, impl=impl)
+
+
+def _bwd_jvp(primals, tangents, *, impl):
+    dy, x, values, offsets = primals
+    dy_dot, x_dot, values_dot, _ = tangents
+    out_dx, out_dv = bwd_p.bind(dy, x, values, offsets, impl=impl)
+    width, block_size = x.shape[-1], _block_size(values.shape)
+    t_dx = _dx_tangent(dy, values, offsets, dy_dot, values_dot, out_dx, width=width, impl=impl)
+    t_dv = _dvalues_tangent(dy, x, offsets, dy_dot, x_dot, out_dv, block_size=block_size, impl=impl)
+    return (out_dx, out_dv), (t_dx, t_dv)
+
+
+ad.primitive_jvps[fwd_p] = _fwd_jvp
+ad.primitive_jvps[fwd_tangent_p] = _fwd_tangent_jvp
+ad.primitive_jvps[dx_p] = _dx_jvp
+ad.primitive_jvps[dvalues_p] = _dvalues_jvp
+ad.primitive_jvps[bwd_p] = _bwd_jvp
+
+
+# --- transpose rules: the products close under transposition --------------------------------
+
+
+def _linear_in(name, *operands):
+    """Which of two operands is the linear (undefined) one; bilinear means exactly one."""
+    a, b = (ad.is_undefined_primal(o) for o in operands)
+    if a == b:
+        raise ValueError(f"diag_matmul {name} is bilinear: transpose it in exactly one operand")
+    return 0 if a else 1
+
+
+def _fwd_transpose(ct, x, values, offsets, *, width, impl):
+    ct = ad.instantiate_zeros(ct)
+    if _linear_in("fwd", x, values) == 0:
+        return dx(ct, values, offsets, in_features=_shape(x)[-1], impl=impl), None, None
+    block_size = _block_size(_shape(values))
+    return None, dvalues(ct, x, offsets, block_size=block_size, impl=impl), None
+
+
+def _fwd_tangent_transpose(ct, x_dot, values_dot, x, values, offsets, *, width, impl):
+    del width
+    ct = ad.instantiate_zeros(ct)
+    want_x, want_v = ad.is_undefined_primal(x_dot), ad.is_undefined_primal(values_dot)
+    if want_x and want_v:
+        ct_x, ct_v = bwd_p.bind(ct, x, values, offsets, impl=impl)
+        return ct_x, ct_v, None, None, None
+    ct_x = dx(ct, values, offsets, in_features=x.shape[-1], impl=impl) if want_x else None
+    block_size = _block_size(values.shape)
+    ct_v = dvalues(ct, x, offsets, block_size=block_size, impl=impl) if want_v else None
+    return ct_x, ct_v, None, None, None
+
+
+def _dx_transpose(ct, dy, values, offsets, *, width, impl):
+    del width
+    ct = ad.instantiate_zeros(ct)
+    if _linear_in("dx", dy, values) == 0:
+        return fwd(ct, values, offsets, out_features=_shape(dy)[-1], impl=impl), None, None
+    block_size = _block_size(_shape(values))
+    return None, dvalues(dy, ct, offsets, block_size=block_size, impl=impl), None
+
+
+def _dvalues_transpose(ct, dy, x, offsets, *, block_size, impl):
+    del block_size
+    ct = ad.instantiate_zeros(ct)
+    if _linear_in("dvalues", dy, x) == 0:
+        return fwd(x, ct, offsets, out_features=_shape(dy)[-1], impl=impl), None, None
+    return None, dx(dy, ct, offsets, in_features=_shape(x)[-1], impl=impl), None
+
+
+ad.primitive_transposes[fwd_p] = _fwd_transpose
+ad.primitive_transposes[fwd_tangent_p] = _fwd_tangent_transpose
+ad.primitive_transposes[dx_p] = _dx_transpose
+ad.primitive_transposes[dvalues_p] = _dvalues_transpose
+
+
+# --- batching -------------------------------------------------------------------------------
+
+
+def _batcher(prim: Primitive, row_operands: frozenset):
+    """vmap rule: a mapped axis only on ``row_operands`` (``x``/``dy``-like) becomes more rows of
+    one call; anything else (mapped values or offsets, and every sum over rows) is one call per
+    mapped element (``lax.map``)."""
+
+    def rule(args, dims, **params):
+        mapped = [i for i, d in enumerate(dims) if d is not None]
+        size = args[mapped[0]].shape[dims[mapped[0]]]
+        if set(mapped) <= row_operands:
+            full = list(args)
+            for i in row_operands:
+                a = args[i]
+                full[i] = (
+                    jnp.broadcast_to(a, (size,) + a.shape)
+                    if dims[i] is None
+                    else jnp.moveaxis(a, dims[i], 0)
+                )
+            return prim.bind(*full, **params), 0
+
+        def one(elems):
+            full = list(args)
+            for i, e in zip(mapped, elems):
+                full[i] = e
+            return prim.bind(*full, **params)
+
+        out = jax.lax.map(one, tuple(jnp.moveaxis(args[i], dims[i], 0) for i in mapped))
+        return out, ((0,) * len(out) if prim.multiple_results else 0)
+
+    return rule
+
+
+batching.primitive_batchers[fwd_p] = _batcher(fwd_p, frozenset({0}))
+batching.primitive_batchers[dx_p] = _batcher(dx_p, frozenset({0}))
+batching.primitive_batchers[fwd_tangent_p] = _batcher(fwd_tangent_p, frozenset({0, 2}))
+batching.primitive_batchers[dvalues_p] = _batcher(dvalues_p, frozenset())
+batching.primitive_batchers[bwd_p] = _batcher(bwd_p, frozenset())
