@@ -1,6 +1,8 @@
 """Benchmark ``dd.diag_matmul`` against XLA's dense dot and ``jax.experimental.sparse`` BCOO.
 
-For every shape ``in->out`` and sparsity, times three phases of a diagonal-sparse layer
+For every shape ``in->out``, sparsity and block size ``b`` (``--blocks``; ``1`` = element diagonals
+``values[K, D]``, ``b >= 2`` = block diagonals ``values[K, L_b, b, b]`` with ``K`` from
+``dd.num_diagonals(..., block_size=b)``), times three phases of a diagonal-sparse layer
 ``y = x @ W.T`` with ``x[batch, in]``:
 
 * ``fwd``: ``y``;
@@ -11,18 +13,22 @@ Implementations: ``ffi`` (our XLA FFI kernels), ``jax`` (the pure-JAX path), ``d
 ``x @ W.T`` on a dense ``W[out, in]``, differentiated by JAX: the dense layer being replaced) and
 ``bcoo`` (``jax.experimental.sparse`` with the same ``K * D`` non-zeros). All calls of one case
 run interleaved in one process, each time is the median of ``--repeats`` calls, and every time is
-reported as a speed-up over ``dense`` measured in the same loop (``dense_ms / ms``). BCOO is the
-exception: it runs in its own loop with dense, and is skipped (with the reason printed under the
-table and written to the CSV) where one call would exhaust memory or take over a minute.
+reported as a speed-up over ``dense`` measured in the same loop (``dense_ms / ms``); the block
+sizes of one shape and sparsity share that loop and its dense timing. BCOO is the exception: it
+runs in its own loop with dense, and is skipped (with the reason printed under the table and written
+to the CSV) where one call would exhaust memory or take over a minute. The header names the CPU
+kernel family that ran (AVX-512, AVX2 or portable).
 
-Writes ``bench/results/diag_matmul_<time>.csv`` (one row per case, implementation and phase, flushed
-as it goes) and a PNG of the speed-ups beside it.
+Writes ``bench/results/diag_matmul_<time>.csv`` (one row per case, block size, implementation and
+phase, flushed as it goes) and, where matplotlib is installed, a PNG of the speed-ups beside it.
 
 Examples::
 
-    python bench/diag_matmul.py --quick          # about a minute: 768->3072, ffi vs dense
+    python bench/diag_matmul.py --quick          # a few minutes: 768->3072, ffi vs dense, b = 1, 16
     python bench/diag_matmul.py                  # ViT-B shapes x sparsities 0.5/0.8/0.9/0.95
     python bench/diag_matmul.py --shapes 768:3072 --sparsities 0.9 --repeats 15 --impls ffi,dense
+    python bench/diag_matmul.py --blocks 1,16,32,64 --shapes 768:3072,768:768,3072:768 \
+        --sparsities 0.5,0.9 --impls ffi,dense      # the block-diagonal goal table
 """
 
 from __future__ import annotations
@@ -44,13 +50,21 @@ from jax.experimental import sparse
 from tqdm import tqdm
 
 import dynadiag_jax as dd
-from dynadiag_jax.layout import diag_indices
+from dynadiag_jax.layout import block_indices, diag_indices, geometry
+
+try:
+    from dynadiag_jax import _cpu_ext
+except ImportError:
+    _cpu_ext = None
 
 VIT_B_SHAPES = ((768, 768), (768, 2304), (768, 3072), (3072, 768))
 SPARSITIES = (0.5, 0.8, 0.9, 0.95)
 IMPLS = ("ffi", "jax", "dense", "bcoo")
 PHASES = ("fwd", "bwd", "fwd+bwd")
-QUICK = dict(shapes=((768, 3072),), sparsities=SPARSITIES, impls=("ffi", "dense"), repeats=7)
+BLOCKS = (1,)
+QUICK = dict(
+    shapes=((768, 3072),), sparsities=SPARSITIES, blocks=(1, 16), impls=("ffi", "dense"), repeats=7
+)
 # BCOO calls take seconds to minutes on CPU and churn gigabytes of memory, which slows whatever
 # runs next: they are timed in their own loop, interleaved with dense only, and skipped when one
 # call exceeds BCOO_SKIP_SECONDS.
@@ -58,6 +72,7 @@ BCOO_SKIP_SECONDS = 60.0
 # BCOO's products gather a [nnz, batch] array (several, for gradients): skip cases where one
 # would exceed this many elements (2 GiB of float32) rather than exhaust a shared machine.
 BCOO_MAX_GATHER = 1 << 29
+DENSE = 0  # the block size under which the dense layer is timed (once per shape and sparsity)
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
@@ -65,23 +80,26 @@ class Case(NamedTuple):
     in_features: int
     out_features: int
     sparsity: float
+    block: int  # 1: element diagonals, b >= 2: block diagonals
     k: int
     x: jax.Array  # [batch, in]
     dy: jax.Array  # [batch, out]
-    values: jax.Array  # [K, D]
+    values: jax.Array  # [K, D] or [K, L_b, b, b]
     offsets: jax.Array  # [K] int32, distinct
 
 
-def make_case(in_features, out_features, sparsity, batch, dtype, seed) -> Case:
-    """Random inputs and ``K = num_diagonals(...)`` distinct random offsets."""
+def make_case(in_features, out_features, sparsity, block, batch, dtype, seed) -> Case:
+    """Random inputs and ``K = num_diagonals(..., block_size=block)`` distinct random offsets;
+    ``x`` and ``dy`` depend on the shape and seed only, so all block sizes see the same ones."""
     rng = np.random.default_rng(seed)
-    k = dd.num_diagonals(in_features, out_features, sparsity)
-    p, d = max(in_features, out_features), min(in_features, out_features)
-    offsets = jnp.asarray(rng.choice(p, size=k, replace=False), jnp.int32)
-    values = jnp.asarray(rng.standard_normal((k, d)) / np.sqrt(k), dtype)
     x = jnp.asarray(rng.standard_normal((batch, in_features)), dtype)
     dy = jnp.asarray(rng.standard_normal((batch, out_features)), dtype)
-    return Case(in_features, out_features, sparsity, k, x, dy, values, offsets)
+    geo = geometry(in_features, out_features, block)
+    k = dd.num_diagonals(in_features, out_features, sparsity, block_size=block)
+    offsets = jnp.asarray(rng.choice(geo.num_candidates, size=k, replace=False), jnp.int32)
+    fan_in = k * block * block if block > 1 else k
+    values = jnp.asarray(rng.standard_normal((k, *geo.values_shape)) / np.sqrt(fan_in), dtype)
+    return Case(in_features, out_features, sparsity, block, k, x, dy, values, offsets)
 
 
 def _phases(layer: Callable, x, param, dy) -> dict[str, tuple[Callable, tuple]]:
@@ -117,8 +135,7 @@ def build(impl: str, case: Case) -> dict[str, tuple[Callable, tuple]]:
     if impl == "dense":
         return _phases(lambda x, w: x @ w.T, case.x, w, case.dy)
     if impl == "bcoo":
-        rows, cols = diag_indices(case.offsets, in_f, out_f)
-        indices = jnp.stack([rows.reshape(-1), cols.reshape(-1)], axis=1)
+        indices = jnp.stack([a.reshape(-1) for a in _entry_coordinates(case)], axis=1)
 
         def layer(x, data):
             w_sp = sparse.BCOO(
@@ -128,6 +145,18 @@ def build(impl: str, case: Case) -> dict[str, tuple[Callable, tuple]]:
 
         return _phases(layer, case.x, case.values.reshape(-1), case.dy)
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
+
+
+def _entry_coordinates(case: Case):
+    """``(rows, cols)`` of every entry of ``values`` in ``W``, in the order of ``values``."""
+    in_f, out_f, b = case.in_features, case.out_features, case.block
+    if b == 1:
+        return diag_indices(case.offsets, in_f, out_f)
+    block_rows, block_cols = block_indices(case.offsets, in_f, out_f, b)
+    i = jnp.arange(b, dtype=jnp.int32)
+    rows = block_rows[:, :, None, None] * b + i[:, None]
+    cols = block_cols[:, :, None, None] * b + i[None, :]
+    return jnp.broadcast_to(rows, case.values.shape), jnp.broadcast_to(cols, case.values.shape)
 
 
 def _call(f, args) -> float:
@@ -149,10 +178,12 @@ def time_interleaved(fns: dict, repeats: int, progress) -> dict[tuple[str, str],
 
 
 def time_case(fns: dict, repeats: int, progress) -> tuple[dict, str | None]:
-    """``({(impl, phase): (median s, dense median s of the same loop)}, why BCOO was skipped)``."""
+    """``({(impl, b, phase): (median s, dense median s of the same loop)}, why BCOO was skipped)``.
+
+    ``fns`` has dense once per phase, under block size ``DENSE``."""
     main = {key: fp for key, fp in fns.items() if key[0] != "bcoo"}
     med = time_interleaved(main, repeats, progress)
-    out = {key: (t, med[("dense", key[1])]) for key, t in med.items()}
+    out = {key: (t, med[("dense", DENSE, key[2])]) for key, t in med.items()}
     bcoo = {key: fp for key, fp in fns.items() if key[0] == "bcoo"}
     if not bcoo:
         return out, None
@@ -163,15 +194,16 @@ def time_case(fns: dict, repeats: int, progress) -> tuple[dict, str | None]:
             skipped = f"one call took {first:.0f} s (> {BCOO_SKIP_SECONDS:.0f} s)"
     except jax.errors.JaxRuntimeError as err:  # out of memory
         skipped = str(err).splitlines()[0][:120]
-    pair = {**bcoo, **{("dense", phase): main[("dense", phase)] for _, phase in bcoo}}
+    dense = {("dense", DENSE, phase): main[("dense", DENSE, phase)] for phase in PHASES}
+    pair = {**bcoo, **dense}
     if skipped:
         progress.total -= len(bcoo) * repeats
         progress.refresh()
         return out, skipped
-    progress.total += len(pair) * repeats - len(bcoo) * repeats  # dense runs again beside bcoo
+    progress.total += len(dense) * repeats  # dense runs again beside bcoo
     progress.refresh()
     med = time_interleaved(pair, repeats, progress)
-    out.update({key: (med[key], med[("dense", key[1])]) for key in bcoo})
+    out.update({key: (med[key], med[("dense", DENSE, key[2])]) for key in bcoo})
     return out, None
 
 
@@ -186,6 +218,16 @@ def _pairs(text: str) -> tuple[tuple[int, int], ...]:
 
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(s) for s in text.split(","))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"block sizes must look like 1,16,32; got {text!r}")
+    return sizes
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -203,7 +245,7 @@ def parse_args(argv):
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="768:3072, ffi and dense only, 7 repeats (about a minute)",
+        help="768:3072, ffi and dense only, b = 1 and 16, 7 repeats (a few minutes)",
     )
     parser.add_argument(
         "--shapes",
@@ -212,6 +254,13 @@ def parse_args(argv):
         help="IN:OUT pairs, comma separated (default: ViT-B MLP/attention shapes)",
     )
     parser.add_argument("--sparsities", type=_floats, default=SPARSITIES)
+    parser.add_argument(
+        "--blocks",
+        type=_ints,
+        default=BLOCKS,
+        help="block sizes, comma separated: 1 = element diagonals, b >= 2 = block diagonals "
+        "(skipped where b does not divide the shape)",
+    )
     parser.add_argument(
         "--impls",
         type=_names,
@@ -242,29 +291,31 @@ def parse_args(argv):
     return args
 
 
-def plot(rows: list[dict], path: pathlib.Path) -> None:
-    """Speed-up over dense against sparsity, one panel per shape."""
-    import matplotlib
-
+def plot(rows: list[dict], path: pathlib.Path) -> bool:
+    """Speed-up over dense against sparsity, one panel per shape; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shapes = sorted({(r["in"], r["out"]) for r in rows}, key=lambda s: (s[0], s[1]))
     fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 4), squeeze=False)
     styles = {"fwd": "-", "bwd": ":", "fwd+bwd": "--"}
-    colors = {"ffi": "C0", "jax": "C1", "bcoo": "C2"}
+    series = sorted({(r["impl"], r["block"]) for r in rows if r["impl"] != "dense"})
     for ax, (in_f, out_f) in zip(axes[0], shapes):
-        for impl, color in colors.items():
+        for n, (impl, block) in enumerate(series):
+            name = impl if block == 1 else f"{impl} b={block}"
             for phase, style in styles.items():
                 pts = sorted(
                     (r["sparsity"], r["speedup_vs_dense"])
                     for r in rows
-                    if (r["in"], r["out"]) == (in_f, out_f)
-                    and r["impl"] == impl
-                    and r["phase"] == phase
+                    if (r["in"], r["out"], r["impl"], r["block"], r["phase"])
+                    == (in_f, out_f, impl, block, phase)
                 )
                 if pts:
-                    ax.plot(*zip(*pts), style, color=color, marker="o", label=f"{impl} {phase}")
+                    ax.plot(*zip(*pts), style, color=f"C{n}", marker="o", label=f"{name} {phase}")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_yscale("log")
         ax.set_title(f"{in_f} -> {out_f}")
@@ -276,6 +327,12 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
+
+
+def kernel_family() -> str:
+    """Which CPU kernel family the FFI handlers run on this machine."""
+    return _cpu_ext.kernel_isa() if _cpu_ext is not None else "not built"
 
 
 def main(argv=None) -> None:
@@ -288,7 +345,9 @@ def main(argv=None) -> None:
         "in",
         "out",
         "sparsity",
+        "block",
         "k",
+        "density",
         "batch",
         "dtype",
         "impl",
@@ -299,81 +358,105 @@ def main(argv=None) -> None:
         "note",
     ]
     cases = [(s, sp) for s in args.shapes for sp in args.sparsities]
-    total = len(cases) * len(args.impls) * len(PHASES) * args.repeats
+    blocks_of = {
+        s: [b for b in args.blocks if s[0] % b == 0 and s[1] % b == 0] for s in args.shapes
+    }
+    others = [i for i in args.impls if i != "dense"]
+    total = sum(1 + len(others) * len(blocks_of[s]) for s, _ in cases) * len(PHASES) * args.repeats
     rows, skips = [], []
     print(
         f"jax {jax.__version__}, backend {jax.default_backend()}, "
-        f"{jax.device_count()} device(s), batch {args.batch}, {args.dtype}, "
-        f"median of {args.repeats}"
+        f"{jax.device_count()} device(s), CPU kernels {kernel_family()}, batch {args.batch}, "
+        f"{args.dtype}, median of {args.repeats}"
     )
+    for shape in args.shapes:
+        if left := sorted(set(args.blocks) - set(blocks_of[shape])):
+            skips.append(
+                f"block sizes {left} skipped at {shape[0]}->{shape[1]}: they do not divide it"
+            )
     with open(csv_path, "w", newline="") as f, tqdm(total=total, unit="call") as progress:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for (in_f, out_f), sparsity in cases:
             progress.set_description(f"{in_f}->{out_f} s={sparsity}")
-            case = make_case(in_f, out_f, sparsity, args.batch, dtype, args.seed)
-            gather = case.k * min(in_f, out_f) * args.batch
-            impls = [i for i in args.impls if i != "bcoo" or gather <= BCOO_MAX_GATHER]
-            fns = {(impl, phase): fp for impl in impls for phase, fp in build(impl, case).items()}
-            skipped = None
-            if len(impls) < len(args.impls):
-                skipped = f"its [nnz, batch] gather holds {gather:.2g} elements (> 2^29)"
-                progress.total -= len(PHASES) * args.repeats
-                progress.refresh()
+            by_block = {
+                b: make_case(in_f, out_f, sparsity, b, args.batch, dtype, args.seed)
+                for b in blocks_of[(in_f, out_f)]
+            }
+            if not by_block:
+                continue
+            first = next(iter(by_block.values()))
+            fns = {("dense", DENSE, phase): fp for phase, fp in build("dense", first).items()}
+            skipped = []
+            for b, case in by_block.items():
+                gather = case.values.size * args.batch
+                for impl in others:
+                    if impl == "bcoo" and gather > BCOO_MAX_GATHER:
+                        skipped.append(
+                            (b, f"its [nnz, batch] gather holds {gather:.2g} elements (> 2^29)")
+                        )
+                        progress.total -= len(PHASES) * args.repeats
+                        continue
+                    fns.update({(impl, b, ph): fp for ph, fp in build(impl, case).items()})
+            progress.refresh()
             med, slow = time_case(fns, args.repeats, progress)
-            skipped = skipped or slow
-            if skipped:
-                skips.append(f"bcoo skipped at {in_f}->{out_f} s={sparsity}: {skipped}")
+            if slow:
+                done = {b for b, _ in skipped}
+                skipped += [(b, slow) for b in by_block if b not in done and "bcoo" in others]
+            for b, why in skipped:
+                skips.append(f"bcoo skipped at {in_f}->{out_f} s={sparsity} b={b}: {why}")
                 row = dict.fromkeys(fields, "")
-                row.update({"in": in_f, "out": out_f, "sparsity": sparsity, "k": case.k})
-                row.update(batch=args.batch, dtype=args.dtype, impl="bcoo", note=skipped)
+                row.update({"in": in_f, "out": out_f, "sparsity": sparsity, "block": b})
+                row.update(k=by_block[b].k, batch=args.batch, dtype=args.dtype, impl="bcoo")
+                row.update(density=round(by_block[b].values.size / (in_f * out_f), 4))
+                row.update(note=why)
                 writer.writerow(row)
-            for (impl, phase), (seconds, dense) in med.items():
-                row = dict(
-                    zip(
-                        fields,
-                        (
-                            in_f,
-                            out_f,
-                            sparsity,
-                            case.k,
-                            args.batch,
-                            args.dtype,
-                            impl,
-                            phase,
-                            round(seconds * 1e3, 3),
-                            round(dense / seconds, 3),
-                            args.repeats,
-                            "",
-                        ),
-                    )
-                )
-                rows.append(row)
-                writer.writerow(row)
+            for b, case in by_block.items():
+                for impl in ("dense", *others):
+                    for phase in PHASES:
+                        key = ("dense", DENSE, phase) if impl == "dense" else (impl, b, phase)
+                        if key not in med:
+                            continue
+                        seconds, dense = med[key]
+                        row = dict(zip(fields, (in_f, out_f, sparsity, b, case.k)))
+                        row.update(density=round(case.values.size / (in_f * out_f), 4))
+                        row.update(batch=args.batch)
+                        row.update(dtype=args.dtype, impl=impl, phase=phase)
+                        row.update(ms=round(seconds * 1e3, 3))
+                        row.update(speedup_vs_dense=round(dense / seconds, 3))
+                        row.update(repeats=args.repeats, note="")
+                        rows.append(row)
+                        writer.writerow(row)
             f.flush()
     print_table(rows, args.impls)
     for line in skips:
         print(line)
     png_path = csv_path.with_suffix(".png")
-    plot(rows, png_path)
-    print(f"wrote {csv_path} and {png_path}")
+    if plot(rows, png_path):
+        print(f"wrote {csv_path} and {png_path}")
+    else:
+        print(f"wrote {csv_path} (no plot: matplotlib is not installed)")
 
 
 def print_table(rows: list[dict], impls) -> None:
-    """One line per case: ms and speed-up over dense for every implementation and phase."""
+    """One line per case and block size: ms and speed-up over dense of every implementation.
+
+    ``density`` is the share of ``W`` the K diagonals hold (block diagonals round K up to whole
+    diagonals, so it can exceed ``1 - sparsity``)."""
     others = [i for i in impls if i != "dense"]
-    head = f"{'shape':>10} {'sparsity':>8} {'K':>5} {'phase':>7} {'dense ms':>9}"
+    head = f"{'shape':>10} {'sparsity':>8} {'b':>3} {'K':>5} {'density':>7} {'phase':>7}"
+    head += f" {'dense ms':>9}"
     head += "".join(f" {i + ' ms':>10} {'x dense':>8}" for i in others)
     print(head)
     print("-" * len(head))
-    index = {(r["in"], r["out"], r["sparsity"], r["impl"], r["phase"]): r for r in rows}
+    index = {(r["in"], r["out"], r["sparsity"], r["block"], r["impl"], r["phase"]): r for r in rows}
     for r in rows:
         if r["impl"] != "dense":
             continue
-        key = (r["in"], r["out"], r["sparsity"])
+        key = (r["in"], r["out"], r["sparsity"], r["block"])
         line = (
-            f"{r['in']}->{r['out']:<5} {r['sparsity']:>8} {r['k']:>5} {r['phase']:>7} "
-            f"{r['ms']:>9.1f}"
+            f"{r['in']}->{r['out']:<5} {r['sparsity']:>8} {r['block']:>3} {r['k']:>5} "
+            f"{r['density']:>7.1%} {r['phase']:>7} {r['ms']:>9.1f}"
         )
         for impl in others:
             o = index.get((*key, impl, r["phase"]))

@@ -34,20 +34,43 @@ def test_diag_matmul_benchmark_writes_its_table_and_csv(run_python, tmp_path):
             *TINY,
             "--impls",
             "ffi,jax,bcoo",
+            "--blocks",
+            "1,8,16,32",
             "--out",
             str(out),
         ]
     )
     assert "dense ms" in proc.stdout and "16->32" in proc.stdout, proc.stdout
+    assert "CPU kernels " in proc.stdout.splitlines()[0], proc.stdout
+    assert "block sizes [32] skipped at 16->32" in proc.stdout, proc.stdout
     fields, rows = read_rows(out)
-    assert {"in", "out", "sparsity", "k", "impl", "phase", "ms", "speedup_vs_dense"} <= set(fields)
-    got = {(r["in"], r["out"], r["sparsity"], r["impl"], r["phase"]) for r in rows}
+    assert {"in", "out", "sparsity", "block", "k", "density", "impl", "phase", "ms"} <= set(fields)
+    got = {(r["in"], r["out"], r["sparsity"], r["block"], r["impl"], r["phase"]) for r in rows}
     phases = ("fwd", "bwd", "fwd+bwd")
     impls = ("dense", "ffi", "jax", "bcoo")
-    assert got == {("16", "32", "0.5", i, p) for i in impls for p in phases}
+    blocks = ("1", "8", "16")
+    assert got == {("16", "32", "0.5", b, i, p) for b in blocks for i in impls for p in phases}
     assert len(rows) == len(got)
+    assert {r["k"] for r in rows if r["block"] == "16"} == {"1"}  # K = P_b = 1
     assert_timings(rows)
+    # dense is timed once per shape and sparsity: every block size reports the same dense time
+    for phase in phases:
+        assert len({r["ms"] for r in rows if r["impl"] == "dense" and r["phase"] == phase}) == 1
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_diag_matmul_benchmark_writes_the_csv_without_matplotlib(run_python, tmp_path):
+    out = tmp_path / "bench.csv"
+    argv = [str(ROOT / "bench" / "diag_matmul.py"), *TINY, "--impls", "ffi", "--out", str(out)]
+    code = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; "
+        f"sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    proc = run_python(["-c", code])
+    assert f"wrote {out} (no plot: matplotlib is not installed)" in proc.stdout, proc.stdout
+    _, rows = read_rows(out)
+    assert {r["impl"] for r in rows} == {"dense", "ffi"}
+    assert not out.with_suffix(".png").exists()
 
 
 def test_gpu_benchmark_runs_on_the_cpu_when_allowed(run_python, tmp_path):

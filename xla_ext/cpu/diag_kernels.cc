@@ -231,56 +231,57 @@ const KernelTable<Bf16>& TableFor<Bf16>(const Kernels& kernels) {
   return kernels.bf16;
 }
 
-// dvalues from `workers` packed partial sums [workers][num_segs][16] (summed into the first):
-// every entry of dvalues is lane l of exactly one segment, at index vbase + l.
+// dvalues from the packed sums [num_segs][16]: every entry of dvalues is lane l of exactly one
+// segment, at index vbase + l.
 template <typename T>
-void WriteDvalues(const PlanView& plan, float* partials, int64_t workers, T* dvalues) {
-  const int64_t n = plan.num_segs * kLanes;
-  for (int64_t w = 1; w < workers; ++w) {
-    const float* part = partials + w * n;
-    for (int64_t i = 0; i < n; ++i) partials[i] += part[i];
-  }
+void WriteDvalues(const PlanView& plan, const float* sums, T* dvalues) {
   for (int64_t s = 0; s < plan.num_segs; ++s) {
     const uint32_t mask = plan.segs[s].mask;
     T* dst = dvalues + plan.segs[s].vbase;
     for (int l = 0; l < kLanes; ++l) {
-      if ((mask >> l) & 1u) FromFloat(partials[s * kLanes + l], dst + l);
+      if ((mask >> l) & 1u) FromFloat(sums[s * kLanes + l], dst + l);
     }
   }
 }
 
-// The packed partial sums of dvalues, one block per task, for the jobs that sum over rows. Task
-// t takes row chunks t, t + tasks, ... (dealt out statically, not claimed: every call then sums
-// the same rows in the same order, so gradients repeat bit for bit whichever thread runs first);
-// the last task to finish adds the blocks up in task order and writes dvalues.
+// The partial sums of dvalues, `blocks` blocks of `size` floats, for the jobs that sum over rows.
+// Each block sums a fixed set of row chunks (the element jobs: task t takes chunks t, t + tasks,
+// ...; the block job: slots of chunks): dealt out statically, not claimed, so every call sums the
+// same rows in the same order and gradients repeat bit for bit whichever thread runs first. The
+// last of the `tasks` tasks to finish adds the blocks up in block order and writes dvalues.
 class PartialSums {
  public:
-  void Init(int64_t tasks, int64_t num_segs) {
-    tasks_ = tasks;
-    size_ = num_segs * kLanes;
-    partial_ = Scratch<float>(tasks * size_);
+  void Init(int64_t blocks, int64_t size, int64_t tasks) {
+    blocks_ = blocks;
+    size_ = size;
+    partial_ = Scratch<float>(blocks * size_);
     pending_.store(tasks);
   }
 
-  int64_t tasks() const { return tasks_; }
+  int64_t blocks() const { return blocks_; }
 
-  // Task `task`'s block, zeroed.
-  float* Begin(int64_t task) {
-    float* acc = partial_.get() + task * size_;
+  // Block `block`, zeroed.
+  float* Begin(int64_t block) {
+    float* acc = partial_.get() + block * size_;
     std::memset(acc, 0, sizeof(float) * size_);
     return acc;
   }
 
-  template <typename T>
-  void Finish(const PlanView& plan, T* dvalues) {
+  // write(sums) with the total, once, by the last task to call Finish.
+  template <typename Write>
+  void Finish(Write&& write) {
     // acq_rel: the last task sees every other task's partial sums.
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      WriteDvalues(plan, partial_.get(), tasks_, dvalues);
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    float* sums = partial_.get();
+    for (int64_t t = 1; t < blocks_; ++t) {
+      const float* part = sums + t * size_;
+      for (int64_t i = 0; i < size_; ++i) sums[i] += part[i];
     }
+    write(static_cast<const float*>(sums));
   }
 
  private:
-  int64_t tasks_ = 1, size_ = 0;
+  int64_t blocks_ = 1, size_ = 0;
   Scratch<float> partial_;
   std::atomic<int64_t> pending_{0};
 };
@@ -342,21 +343,22 @@ class DvaluesJob : public Job {
     gathered_width_ = std::min(a.w.in, a.w.out);
     tiled_width_ = std::max(a.w.in, a.w.out);
     plan_ = BuildPlan(a.w, /*moving_on_output=*/true);
-    sums_.Init(TaskCount(rows_, kSddmmRowChunk, plan_.num_segs, workers), plan_.num_segs);
+    const int64_t tasks = TaskCount(rows_, kSddmmRowChunk, plan_.num_segs, workers);
+    sums_.Init(tasks, plan_.num_segs * kLanes, tasks);
   }
 
-  int64_t num_tasks() const override { return sums_.tasks(); }
+  int64_t num_tasks() const override { return sums_.blocks(); }
 
   void RunTask(int64_t task) override {
     const PlanView plan = plan_.view();
     float* acc = sums_.Begin(task);
-    const int64_t stride = sums_.tasks() * kSddmmRowChunk;
+    const int64_t stride = sums_.blocks() * kSddmmRowChunk;
     for (int64_t r0 = task * kSddmmRowChunk; r0 < rows_; r0 += stride) {
       table_.sddmm(plan, tiled_ + r0 * tiled_width_, tiled_width_,
                    gathered_ + r0 * gathered_width_, gathered_width_,
                    std::min(kSddmmRowChunk, rows_ - r0), acc);
     }
-    sums_.Finish(plan, out_);
+    sums_.Finish([&](const float* sums) { WriteDvalues(plan, sums, out_); });
   }
 
  private:
@@ -397,15 +399,16 @@ class BackwardJob : public Job {
       }
     }
     group_begin_.push_back(plan.num_tiles);
-    sums_.Init(TaskCount(rows_, kBackwardRowChunk, plan.num_segs, workers), plan.num_segs);
+    const int64_t tasks = TaskCount(rows_, kBackwardRowChunk, plan.num_segs, workers);
+    sums_.Init(tasks, plan.num_segs * kLanes, tasks);
   }
 
-  int64_t num_tasks() const override { return sums_.tasks(); }
+  int64_t num_tasks() const override { return sums_.blocks(); }
 
   void RunTask(int64_t task) override {
     const PlanView plan = plan_.view();
     float* acc = sums_.Begin(task);
-    const int64_t stride = sums_.tasks() * kBackwardRowChunk;
+    const int64_t stride = sums_.blocks() * kBackwardRowChunk;
     for (int64_t r0 = task * kBackwardRowChunk; r0 < rows_; r0 += stride) {
       const int64_t n = std::min(kBackwardRowChunk, rows_ - r0);
       for (size_t g = 0; g + 1 < group_begin_.size(); ++g) {
@@ -414,7 +417,7 @@ class BackwardJob : public Job {
                         width_, n, acc);
       }
     }
-    sums_.Finish(plan, dvalues_);
+    sums_.Finish([&](const float* sums) { WriteDvalues(plan, sums, dvalues_); });
   }
 
  private:
@@ -462,6 +465,10 @@ constexpr int64_t kBlockChunkRows = 12;
 // Bytes of the short side of W (x if tall, dy if wide) a dvalues chunk copies into strips: with
 // the long strips of a group they stay in L2 while the group's blocks run.
 constexpr int64_t kBlockShortBytes = int64_t{192} << 10;
+// Row slots of the block SDDMM (each with its own partial sums) per task, as long as their partial
+// sums together stay under kBlockSlotBytes (but at least one slot per task).
+constexpr int64_t kBlockSlotsPerTask = 3;
+constexpr int64_t kBlockSlotBytes = int64_t{32} << 20;
 
 template <typename T>
 const BlockKernelTable<T>& BlockTableFor(const Kernels& kernels);
@@ -597,13 +604,13 @@ class BlockProductJob : public Job {
 };
 
 // Copies strips [s0, s1) of b columns of rows x (width) of src (row stride `width`), as float32,
-// into contiguous [s1 - s0][rows][b] strips at dst.
+// into contiguous [rows][b] strips at dst, strip s - s0 at (s - s0) * pitch.
 template <typename T>
 void PackStrips(const T* src, int64_t width, int64_t rows, int64_t b, int64_t s0, int64_t s1,
-                float* dst) {
+                float* dst, int64_t pitch) {
   for (int64_t r = 0; r < rows; ++r, src += width) {
     for (int64_t s = s0; s < s1; ++s) {
-      float* out = dst + ((s - s0) * rows + r) * b;
+      float* out = dst + (s - s0) * pitch + r * b;
       for (int64_t c = 0; c < b; ++c) out[c] = ToFloat(src[s * b + c]);
     }
   }
@@ -612,11 +619,14 @@ void PackStrips(const T* src, int64_t width, int64_t rows, int64_t b, int64_t s0
 // dvalues[k, t] = dy[:, rows of block (k, t)]^T @ x[:, its columns], the block SDDMM. Block t of
 // every diagonal lies in strip t of b columns of W's long side (dy if tall, x if wide) and in
 // strip (t + d) % P_b of its short side. Read in place, a strip's rows are far apart: every row is
-// another page, and with row strides of a multiple of 4 KiB all of them fall in one L1 set. So for
-// every chunk of rows a task copies (bfloat16: widens) the whole short side and its own long strips
-// into contiguous [chunk][b] strips, then runs the K blocks of each of its long strips. Tasks claim
-// groups of long strips; every block of dvalues is summed by one task, chunk after chunk in order,
-// so gradients repeat bit for bit.
+// another page, and with row strides of a multiple of 4 KiB all of them fall in one L1 set. So a
+// task copies (bfloat16: widens) each of its chunks of rows into contiguous [chunk][b] strips,
+// reading row after row (the prefetchers follow rows, not strips): the whole short side, then the
+// long side a group of strips at a time, running the K blocks of every long strip of the group.
+// The strips' pitch is an odd number of cache lines, so one row of consecutive strips spreads
+// over the L1 sets. Every row is copied once. The chunks are dealt out to slots (slot s: chunks s,
+// s + slots, ...), each with its own PartialSums block; tasks claim whole slots, so a task the OS
+// holds back delays one slot, not half the rows.
 template <typename T>
 class BlockDvaluesJob : public Job {
  public:
@@ -634,65 +644,59 @@ class BlockDvaluesJob : public Job {
     short_width_ = std::min(a.w.in, a.w.out);
     num_long_ = long_width_ / b_;
     chunk_ = std::clamp<int64_t>(kBlockShortBytes / (4 * short_width_) / 8 * 8, 8, 256);
-    const int64_t macs = rows_ * k_ * long_width_ * b_;
-    // Two groups per worker balance the load; each group copies the short side once more.
-    groups_ = std::min(num_long_, 2 * std::max<int64_t>(workers, 1));
-    group_size_ = (num_long_ + groups_ - 1) / groups_;
-    groups_ = (num_long_ + group_size_ - 1) / group_size_;
-    tasks_ = TaskCount(groups_, macs, workers);
-    task_floats_ = chunk_ * (short_width_ + group_size_ * b_);
+    pitch_ = (chunk_ * b_ / 16 | 1) * 16;
+    group_ = std::clamp<int64_t>(kBlockShortBytes / (4 * pitch_), 1, num_long_);
+    task_floats_ = (short_width_ / b_ + group_) * pitch_;
+    const int64_t chunks = (rows_ + chunk_ - 1) / chunk_, size = k_ * long_width_ * b_;
+    tasks_ = TaskCount(chunks, rows_ * size, workers);
+    const int64_t slots = std::max<int64_t>(1, std::min(chunks, kBlockSlotsPerTask * tasks_));
+    sums_.Init(std::clamp<int64_t>(kBlockSlotBytes / (4 * size + 1), std::min(tasks_, slots), slots),
+               size, tasks_);
     strips_ = Scratch<float>(tasks_ * task_floats_);
-    if constexpr (!std::is_same_v<T, float>) sums_ = Scratch<float>(k_ * long_width_ * b_);
   }
 
   int64_t num_tasks() const override { return tasks_; }
 
   void RunTask(int64_t task) override {
-    const int64_t bb = b_ * b_, num_short = short_width_ / b_;
     float* shorts = strips_.get() + task * task_floats_;
-    float* longs = shorts + chunk_ * short_width_;
-    for (;;) {
-      const int64_t g = next_group_.fetch_add(1, std::memory_order_relaxed);
-      if (g >= groups_) return;
-      const int64_t t0 = g * group_size_, t1 = std::min(num_long_, t0 + group_size_);
-      for (int64_t r0 = 0; r0 < rows_; r0 += chunk_) {
-        const int64_t n = std::min(chunk_, rows_ - r0);
-        PackStrips(short_ + r0 * short_width_, short_width_, n, b_, 0, num_short, shorts);
-        PackStrips(long_ + r0 * long_width_, long_width_, n, b_, t0, t1, longs);
-        for (int64_t t = t0; t < t1; ++t) {
-          const float* strip = longs + (t - t0) * n * b_;
-          for (int64_t k = 0; k < k_; ++k) {
-            const float* other = shorts + (t + offsets_[k]) % num_short * n * b_;
-            float* acc = Sums(k, t);
-            if (tall_) {
-              sddmm_(b_, strip, b_, other, b_, n, acc, r0 > 0);
-            } else {
-              sddmm_(b_, other, b_, strip, b_, n, acc, r0 > 0);
-            }
-          }
-        }
-      }
-      for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t k = 0; k < k_; ++k) {
-          T* dst = dvalues_ + (k * num_long_ + t) * bb;
-          if (rows_ == 0) {
-            std::memset(static_cast<void*>(dst), 0, sizeof(T) * bb);
-          } else if constexpr (!std::is_same_v<T, float>) {
-            for (int64_t i = 0; i < bb; ++i) FromFloat(Sums(k, t)[i], dst + i);
-          }
-        }
+    float* longs = shorts + short_width_ / b_ * pitch_;
+    const int64_t slots = sums_.blocks();
+    for (int64_t slot = next_slot_++; slot < slots; slot = next_slot_++) {
+      float* acc = sums_.Begin(slot);
+      for (int64_t r0 = slot * chunk_; r0 < rows_; r0 += slots * chunk_) {
+        Chunk(r0, std::min(chunk_, rows_ - r0), shorts, longs, acc);
       }
     }
+    sums_.Finish([this](const float* sums) {
+      const int64_t size = k_ * long_width_ * b_;
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(dvalues_, sums, sizeof(float) * size);
+      } else {
+        for (int64_t i = 0; i < size; ++i) FromFloat(sums[i], dvalues_ + i);
+      }
+    });
   }
 
  private:
-  // The float32 sums of block (k, t): dvalues itself for float32.
-  float* Sums(int64_t k, int64_t t) const {
-    const int64_t index = (k * num_long_ + t) * b_ * b_;
-    if constexpr (std::is_same_v<T, float>) {
-      return dvalues_ + index;
-    } else {
-      return sums_.get() + index;
+  // acc += the products of the n rows from r0, copied through the strips.
+  void Chunk(int64_t r0, int64_t n, float* shorts, float* longs, float* acc) {
+    const int64_t bb = b_ * b_, num_short = short_width_ / b_;
+    PackStrips(short_ + r0 * short_width_, short_width_, n, b_, 0, num_short, shorts, pitch_);
+    for (int64_t t0 = 0; t0 < num_long_; t0 += group_) {
+      const int64_t t1 = std::min(num_long_, t0 + group_);
+      PackStrips(long_ + r0 * long_width_, long_width_, n, b_, t0, t1, longs, pitch_);
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* strip = longs + (t - t0) * pitch_;
+        for (int64_t k = 0; k < k_; ++k) {
+          const float* other = shorts + (t + offsets_[k]) % num_short * pitch_;
+          float* sums = acc + (k * num_long_ + t) * bb;
+          if (tall_) {
+            sddmm_(b_, strip, b_, other, b_, n, sums, true);
+          } else {
+            sddmm_(b_, other, b_, strip, b_, n, sums, true);
+          }
+        }
+      }
     }
   }
 
@@ -704,10 +708,10 @@ class BlockDvaluesJob : public Job {
   const T* long_ = nullptr;
   const T* short_ = nullptr;
   int64_t long_width_ = 0, short_width_ = 0, num_long_ = 0;
-  int64_t chunk_ = 8, groups_ = 1, group_size_ = 1, tasks_ = 1, task_floats_ = 0;
-  Scratch<float> strips_;  // per task: [short strips][chunk][b], then its [long strips][chunk][b]
-  Scratch<float> sums_;    // bfloat16: float32 [K, L_b, b, b]
-  std::atomic<int64_t> next_group_{0};
+  int64_t chunk_ = 8, pitch_ = 0, group_ = 1, task_floats_ = 0, tasks_ = 1;
+  Scratch<float> strips_;  // per task: the P_b short strips, then a group of long ones
+  PartialSums sums_;       // float32 [K, L_b, b, b] per slot
+  std::atomic<int64_t> next_slot_{0};
 };
 
 template <template <typename> class J, typename... Args>
