@@ -1,14 +1,17 @@
-"""The CUDA build without a GPU: ptxas resource use for sm_80/sm_90, and lowering to the targets.
+"""The CUDA build without a GPU: ptxas resource use for sm_80/sm_90, lowering to the targets, and
+the configure-time guard against an nvcc of another CUDA major version than JAX's plugin.
 
 The ptxas test compiles the device code of xla_ext/cuda with nvcc (device code only, both
 architectures) and fails on register spills, local-memory stack frames or shared memory beyond
 the per-block limit; it also checks the tensor-core kernels really contain wmma.mma instructions.
 """
 
+import importlib.util
 import pathlib
 import re
 import shutil
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,8 @@ from dynadiag_jax.ops import cuda
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "xla_ext" / "cuda" / "ffi_handlers.cu"
+GUARD = ROOT / "xla_ext" / "cuda" / "cuda_plugin_guard.cmake"
+PLUGIN_LISTER = ROOT / "xla_ext" / "cuda" / "jax_cuda_plugin.py"
 ARCHS = ("80", "90")
 SMEM_LIMIT = 48 * 1024  # static shared memory per block
 MAX_REGISTERS = 255
@@ -154,3 +159,62 @@ def test_diag_matmul_lowers_to_the_cuda_targets_with_a_workspace():
                 assert (nbytes > 1) == (dtype == jnp.bfloat16), (kind, dtype.__name__, nbytes)
             where = f"{kind} ({dtype.__name__}) workspace: {calls[0]}"
             assert all(f"tensor<{nbytes}xui8>" in c for c in calls), where
+
+
+def fake_distribution(site, name, version):
+    """An installed distribution as importlib.metadata sees it: a .dist-info with METADATA."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_plugin_lister_finds_the_cuda_major_of_each_jax_plugin(tmp_path):
+    spec = importlib.util.spec_from_file_location("jax_cuda_plugin", PLUGIN_LISTER)
+    lister = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lister)
+    assert lister.installed_plugins([str(tmp_path)]) == []
+    fake_distribution(tmp_path, "jax-cuda13-plugin", "0.8.1")
+    fake_distribution(tmp_path, "jax_cuda12_pjrt", "0.7.2")
+    fake_distribution(tmp_path, "jax-cuda-tools", "1.0")  # not a plugin: no major version
+    fake_distribution(tmp_path, "jaxlib", "0.8.1")
+    assert lister.installed_plugins([str(tmp_path)]) == [
+        ("jax-cuda13-plugin", "0.8.1", 13),
+        ("jax_cuda12_pjrt", "0.7.2", 12),
+    ]
+
+
+@pytest.mark.parametrize(
+    "nvcc,plugin,ok",
+    [
+        ("13.0.88", None, True),  # a CPU-only JAX: nothing to check
+        ("13.0.88", "jax-cuda13-plugin", True),
+        ("12.8.93", "jax-cuda12-plugin", True),
+        ("13.0.88", "jax-cuda12-plugin", False),
+        ("12.8.93", "jax-cuda13-plugin", False),
+    ],
+)
+def test_configure_refuses_an_nvcc_of_another_major_than_the_jax_plugin(tmp_path, nvcc, plugin, ok):
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("needs cmake on PATH")
+    if plugin is not None:
+        fake_distribution(tmp_path, plugin, "0.8.1")
+    proc = subprocess.run(
+        [cmake, f"-DCUDA_VERSION={nvcc}", f"-DPYTHON={sys.executable}"]
+        + [f"-DPLUGIN_PATH={tmp_path}", "-P", str(GUARD)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+        assert (plugin is None) == ("matches" not in proc.stdout), proc.stdout
+        return
+    want = re.search(r"cuda(\d+)", plugin).group(1)
+    message = " ".join(proc.stderr.split())  # CMake wraps long messages
+    assert proc.returncode != 0
+    assert (
+        f"nvcc is CUDA {nvcc}, but JAX's CUDA plugin {plugin} 0.8.1 is built for CUDA {want}"
+        in (message)
+    ), proc.stderr
+    assert f"Use a CUDA {want} nvcc" in message and "DYNADIAG_CUDA=OFF" in message, proc.stderr

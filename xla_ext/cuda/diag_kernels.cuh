@@ -32,6 +32,14 @@
 
 #include "emu/simt_api.h"
 
+// Test-only variants, each with one deliberate bug that the emulation must catch (built by
+// tests/test_cuda_checks.py through emu/kernel_check.cc; docs/emulation.md): 1 reads a shared
+// counter no thread has set, 2 writes output blocks twice, 3 reads `values` out of bounds.
+// 0 (no bug) in every real build.
+#ifndef DYNADIAG_PLANTED_BUG
+#define DYNADIAG_PLANTED_BUG 0
+#endif
+
 namespace dynadiag {
 namespace cuda {
 
@@ -169,7 +177,9 @@ struct ProductArgs {
 template <class T, bool kOutMoving>
 __global__ void __launch_bounds__(kProductThreads) diagonal_product_kernel(ProductArgs<T> a) {
   const int ob = blockIdx.y;
+#if DYNADIAG_PLANTED_BUG != 2  // planted: the tensor-core blocks are computed (and written) again
   if (a.path != nullptr && a.path[ob] != kPathDiagonal) return;  // uniform over the block
+#endif
   SIMT_SHARED(int32_t[kOffsetChunk], offs);
   const int tid = threadIdx.x;
   const int o = ob * kTile + tid % kTile;
@@ -198,7 +208,9 @@ __global__ void __launch_bounds__(kProductThreads) diagonal_product_kernel(Produ
       if (kOutMoving) {  // o = (t + d) % P; the diagonal misses row o if t falls past D
         t = o - d;
         if (t < 0) t += a.P;
+#if DYNADIAG_PLANTED_BUG != 3  // planted: entries past the diagonal's end are read
         if (t >= a.D) continue;
+#endif
         q = t;
       } else {           // o = t; the entry reads input (t + d) % P
         t = o;
@@ -270,7 +282,9 @@ __global__ void __launch_bounds__(kProductThreads, kTensorCoreMinBlocks)
       w[s] = 0.0f;
     }
     for (int kc = 0; kc < a.K; kc += kOffsetChunk) {
+#if DYNADIAG_PLANTED_BUG != 1  // planted: the counter starts with whatever shared memory holds
       if (tid == 0) list_len = 0;
+#endif
       __syncthreads();
       const int k = kc + tid;
       if (k < a.K) {
