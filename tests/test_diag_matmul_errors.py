@@ -136,17 +136,55 @@ def test_unsupported_dtype_for_the_kernel_names_the_alternative():
         assert dd.diag_matmul(x64, v64, OFF, out_features=12).dtype == jnp.float64
 
 
-def test_traced_offset_out_of_range_is_never_silent_in_the_kernel():
-    f = jax.jit(lambda off: dd.diag_matmul(X, V, off, out_features=12, impl="ffi"))
-    np.testing.assert_allclose(np.asarray(f(OFF)).sum(), 3 * 16.0)
-    for bad in ([0, 12], [-3, 1]):
-        if jax.default_backend() == "cpu":
-            with pytest.raises(Exception, match="offset"):
-                jax.block_until_ready(f(jnp.asarray(bad, jnp.int32)))
-        else:  # a CUDA kernel cannot raise without a host sync: it writes NaN instead
-            assert np.isnan(np.asarray(f(jnp.asarray(bad, jnp.int32)))).all()
+# (in, out, values shape, P): element tall and wide (P = 12), block with b = 8 (P_b = 2). The
+# products poison y or dx by an extra pass, or through NaN values rows where every diagonal
+# reaches every output (element y of wide W, dx of tall W; block always): both ways are covered.
+FORMS = {
+    "element tall": (8, 12, (3, 8), 12),
+    "element wide": (12, 8, (3, 8), 12),
+    "block": (16, 24, (3, 3, 8, 8), 2),
+}
+OOR_CASES = [
+    (impl, form)
+    for form, (_, _, shape, _) in FORMS.items()
+    for impl in dd.available_impls(block_size=shape[-1] if len(shape) == 4 else 1)
+    if impl != "auto"
+]
 
 
-def test_traced_offset_out_of_range_poisons_the_jax_path():
-    f = jax.jit(lambda off: dd.diag_matmul(X, V, off, out_features=12, impl="jax"))
-    assert np.isnan(np.asarray(f(jnp.asarray([0, 12], jnp.int32)))).any()
+@pytest.mark.parametrize("impl,form", OOR_CASES)
+@pytest.mark.parametrize("bad", ["P", "-1"])
+def test_traced_offset_out_of_range_gives_nan_with_every_impl(impl, form, bad, rng):
+    """One rule: y, dx and tangents all NaN, dvalues NaN in the bad rows only; never wrapped."""
+    in_f, out_f, vshape, p = FORMS[form]
+    x = jnp.asarray(rng.standard_normal((4, in_f)), jnp.float32)
+    values = jnp.asarray(rng.standard_normal(vshape), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((4, out_f)), jnp.float32)
+    good = jnp.asarray([0, p - 1, 0], jnp.int32)
+    offsets = good.at[1].set(p if bad == "P" else -1)
+
+    def loss(x, v, off):
+        y = dd.diag_matmul(x, v, off, out_features=out_f, impl=impl)
+        return jnp.sum(y * dy), y
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    tangent = jax.jit(lambda x, v, off: jax.jvp(lambda x, v: loss(x, v, off)[1], (x, v), (x, v))[1])
+    (_, y), (dx, dv) = step(x, values, good)
+    assert all(np.isfinite(np.asarray(a)).all() for a in (y, dx, dv, tangent(x, values, good)))
+    (_, y), (dx, dv) = step(x, values, offsets)
+    assert np.isnan(np.asarray(y)).all(), "y"
+    assert np.isnan(np.asarray(dx)).all(), "dx"
+    assert np.isnan(np.asarray(tangent(x, values, offsets))).all(), "jvp"
+    dv = np.asarray(dv)
+    assert np.isnan(dv[1]).all(), "the bad offset's dvalues"
+    # the other rows are the exact gradient of the good diagonals
+    _, (_, dv_good) = step(x, values, good)
+    np.testing.assert_allclose(np.delete(dv, 1, axis=0), np.delete(np.asarray(dv_good), 1, axis=0))
+
+
+@pytest.mark.parametrize("impl", [i for i in dd.available_impls() if i != "auto"])
+def test_bad_offsets_of_one_vmapped_element_poison_only_that_element(impl):
+    offsets = jnp.asarray([[0, 5], [0, 12]], jnp.int32)
+    f = jax.jit(jax.vmap(lambda off: dd.diag_matmul(X, V, off, out_features=12, impl=impl)))
+    y = np.asarray(f(offsets))
+    assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()

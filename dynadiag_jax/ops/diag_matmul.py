@@ -171,15 +171,19 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
 
     Returns:
       ``[..., out_features]`` in ``x.dtype``; low-precision inputs accumulate in float32.
-      Differentiable in ``x`` and ``values`` without building a dense ``W`` (except ``"dense"``).
+      Differentiable in ``x`` and ``values`` in every autodiff mode and order, without building a
+      dense ``W`` (except ``"dense"``).
+
+    Offsets out of range: those in host data (numpy, or a jax array on CPU devices) raise
+    ``ValueError`` here. Traced offsets, or offsets on an accelerator, are not read back; one
+    outside ``[0, P)`` (``[0, P_b)``) there gives, with every impl and in both forms, a ``y`` that
+    is NaN everywhere, and derivatives poisoned the same way: ``dx`` (and any tangent of ``y``)
+    NaN everywhere, ``dvalues`` NaN in the rows of the bad offsets (the other rows are exact).
+    No kernel reads through a bad offset, and nothing wraps it modulo ``P``.
 
     Raises:
-      TypeError, ValueError: at trace time, for bad ranks, shapes, dtypes, or an offset outside
-        ``[0, P)`` in host data (numpy, or a jax array on CPU devices). Offsets that are traced or
-        live on an accelerator are not read back; one out of range there makes the CPU kernel
-        raise at run time, while the CUDA kernels (which cannot report without a host sync)
-        write NaN (all of ``y``/``dx``, that diagonal's row of ``dvalues``), and the ``"jax"``
-        path poisons the affected outputs with NaN.
+      TypeError, ValueError: at trace time, for bad ranks, shapes, dtypes, block sizes, or host
+        offsets out of range.
     """
     host_offsets = _host_offsets(offsets)  # before _as_array moves numpy data to the device
     x, values, offsets = (
@@ -190,18 +194,29 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
     lead = x.shape[:-1]
     x2 = x.reshape((-1, geo.in_features))
     if impl == "dense":
-        y2 = reference.diag_matmul_dense(x2, values, offsets, out_features=geo.out_features)
+        y2 = _dense(x2, values, offsets, geo)
     else:
-        if impl == "jax":
-            values = _poison_invalid(values, offsets, geo.num_candidates)
         y2 = products.fwd(
             x2, values, offsets.astype(jnp.int32), out_features=geo.out_features, impl=impl
         )
     return y2.reshape(lead + (geo.out_features,))
 
 
-def _poison_invalid(values, offsets, num_candidates):
-    # dynamic_slice clamps out-of-range starts; NaN makes a bad traced offset visible instead.
-    valid = (offsets >= 0) & (offsets < num_candidates)
-    valid = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
-    return jnp.where(valid, values, jnp.asarray(jnp.nan, values.dtype))
+def _dense(x2, values, offsets, geo):
+    """The dense baseline, with the products' rule for offsets out of range (NaN, not wrapped).
+
+    A bad offset's row of ``values`` is scaled by NaN (its gradient rows become NaN) and the whole
+    of ``W`` gets a NaN added (all of ``y`` and ``dx``), as in :mod:`dynadiag_jax.ops.products`.
+    """
+    valid = (offsets >= 0) & (offsets < geo.num_candidates)
+    nan = jnp.asarray(jnp.nan, values.dtype)
+    one = jnp.asarray(1, values.dtype)
+    scale = jnp.where(valid, one, nan).reshape(valid.shape + (1,) * (values.ndim - 1))
+    w = reference.diag_to_dense(
+        values * scale,
+        jnp.where(valid, offsets, 0),
+        in_features=geo.in_features,
+        out_features=geo.out_features,
+    )
+    w = w + jnp.where(jnp.all(valid), jnp.zeros((), values.dtype), nan)
+    return reference.dense_product(x2, w)

@@ -35,6 +35,7 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from dynadiag_jax.layout import geometry
 from dynadiag_jax.ops import reference
 
 __all__ = [
@@ -163,6 +164,61 @@ def _shape(a):
     return a.aval.shape if ad.is_undefined_primal(a) else a.shape
 
 
+# --- offsets out of range --------------------------------------------------------------------
+#
+# Offsets that are traced (or live on an accelerator) cannot be checked at trace time. Every
+# product clamps them before any kernel sees them and poisons its result instead: NaN everywhere
+# in y and dx (every output may depend on a misplaced diagonal), NaN in the rows of dvalues that
+# belong to a bad offset. As every derivative is again one of these products, derivatives of any
+# order obey the same rule; the kernels never read through a bad offset.
+#
+# Where every diagonal reaches every output of a product (block diagonals always; element
+# diagonals for y of a wide or square W and dx of a tall or square one), a NaN row of values
+# poisons the whole output inside the kernel, so the extra pass over the output is skipped.
+
+
+def _reaches_every_output(output: str, geo) -> bool:
+    if geo.blocked:
+        return True
+    if output == "y":
+        return geo.out_features <= geo.in_features
+    return geo.out_features >= geo.in_features  # dx
+
+
+def _guarded(lower: Callable, widths: Callable, values_at: tuple, outputs: tuple) -> Callable:
+    """``lower`` on clamped offsets, its results poisoned where an offset is out of range.
+
+    Args:
+      widths: ``(*arrays, **params) -> (in_features, out_features, block_size)``.
+      values_at: positions of the ``values``-like operands.
+      outputs: per result, ``"y"``, ``"dx"`` or ``"dvalues"``.
+    """
+
+    def guarded(impl, *operands, **params):
+        *arrays, offsets = operands
+        geo = geometry(*widths(*arrays, **params))
+        valid = (offsets >= 0) & (offsets < geo.num_candidates)
+
+        def poison(a, ok):
+            return jnp.where(ok, a, jnp.asarray(jnp.nan, a.dtype))
+
+        def rows(a):
+            return valid.reshape(valid.shape + (1,) * (a.ndim - 1))
+
+        inside = {o: o != "dvalues" and _reaches_every_output(o, geo) for o in outputs}
+        if any(inside.values()):
+            arrays = [poison(a, rows(a)) if i in values_at else a for i, a in enumerate(arrays)]
+        out = lower(impl, *arrays, jnp.where(valid, offsets, 0), **params)
+        outs = out if len(outputs) > 1 else (out,)
+        outs = tuple(
+            o if inside[kind] else poison(o, rows(o) if kind == "dvalues" else jnp.all(valid))
+            for o, kind in zip(outs, outputs)
+        )
+        return outs if len(outputs) > 1 else outs[0]
+
+    return guarded
+
+
 # --- primitives -----------------------------------------------------------------------------
 
 
@@ -214,11 +270,51 @@ def _primitive(name: str, kind: str, lower: Callable) -> Primitive:
     return prim
 
 
-fwd_p = _primitive("fwd", "fwd", _lower_fwd)
-dx_p = _primitive("dx", "dx", _lower_dx)
-dvalues_p = _primitive("dvalues", "dvalues", _lower_dvalues)
-bwd_p = _primitive("bwd", "bwd", _lower_bwd)
-fwd_tangent_p = _primitive("fwd_tangent", "fwd", _lower_fwd_tangent)
+def _fwd_widths(x, values, *, width):
+    return x.shape[-1], width, _block_size(values.shape)
+
+
+fwd_p = _primitive("fwd", "fwd", _guarded(_lower_fwd, _fwd_widths, (1,), ("y",)))
+dx_p = _primitive(
+    "dx",
+    "dx",
+    _guarded(
+        _lower_dx,
+        lambda dy, v, *, width: (width, dy.shape[-1], _block_size(v.shape)),
+        (1,),
+        ("dx",),
+    ),
+)
+dvalues_p = _primitive(
+    "dvalues",
+    "dvalues",
+    _guarded(
+        _lower_dvalues,
+        lambda dy, x, *, block_size: (x.shape[-1], dy.shape[-1], block_size),
+        (),
+        ("dvalues",),
+    ),
+)
+bwd_p = _primitive(
+    "bwd",
+    "bwd",
+    _guarded(
+        _lower_bwd,
+        lambda dy, x, v: (x.shape[-1], dy.shape[-1], _block_size(v.shape)),
+        (2,),
+        ("dx", "dvalues"),
+    ),
+)
+fwd_tangent_p = _primitive(
+    "fwd_tangent",
+    "fwd",
+    _guarded(
+        _lower_fwd_tangent,
+        lambda x_dot, values_dot, x, values, *, width: _fwd_widths(x, values, width=width),
+        (1, 3),
+        ("y",),
+    ),
+)
 
 
 def fwd(x, values, offsets, *, out_features: int, impl: str):

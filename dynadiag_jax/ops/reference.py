@@ -24,7 +24,7 @@ from dynadiag_jax.layout import block_indices, diag_indices, geometry, transpose
 
 __all__ = [
     "diag_to_dense",
-    "diag_matmul_dense",
+    "dense_product",
     "diag_matmul_fwd_reference",
     "diag_matmul_dx_reference",
     "diag_matmul_dvalues_reference",
@@ -50,9 +50,8 @@ def diag_to_dense(values, offsets, *, in_features: int, out_features: int):
     return w.at[rows, cols].add(values)
 
 
-def diag_matmul_dense(x2, values, offsets, *, out_features: int):
-    """``x2 @ diag_to_dense(...).T`` with XLA's dense dot: the dense baseline, ``x2[B, in]``."""
-    w = diag_to_dense(values, offsets, in_features=x2.shape[-1], out_features=out_features)
+def dense_product(x2, w):
+    """``x2[B, in] @ w[out, in].T`` with XLA's dense dot, summed in float32 (or wider)."""
     return jnp.dot(x2, w.T, preferred_element_type=_acc_dtype(x2.dtype)).astype(x2.dtype)
 
 
