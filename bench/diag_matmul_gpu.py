@@ -83,7 +83,7 @@ def phase_fns(layer, x, param, dy):
 
 def uses_dynadiag_kernels(fn, args) -> bool:
     """True if the compiled program calls the dynadiag custom calls (CUDA targets on a GPU)."""
-    return "dynadiag_diag_matmul" in fn.lower(*args).compile().as_text()
+    return "dynadiag_diag_matmul_v2" in fn.lower(*args).compile().as_text()
 
 
 def timed(fn, args) -> float:

@@ -9,6 +9,7 @@ import importlib as _importlib
 
 from dynadiag_jax import nn, optim, schedules
 from dynadiag_jax._extension import has_cpu_kernels, has_cuda_kernels
+from dynadiag_jax.export import export
 from dynadiag_jax.freeze import freeze, freeze_opt_state, freeze_tree, select_diagonals
 from dynadiag_jax.kernel_stats import kernel_stats
 from dynadiag_jax.layout import num_diagonals
@@ -20,6 +21,7 @@ __all__ = [
     "capped_simplex_projection",
     "diag_matmul",
     "diag_to_dense",
+    "export",
     "freeze",
     "freeze_opt_state",
     "freeze_tree",

@@ -17,9 +17,11 @@ from dynadiag_jax.ops import cuda
 from dynadiag_jax.ops.ffi import PlatformKernels, make_ffi_backend
 from dynadiag_jax.ops.products import register_backend
 
-__all__ = ["has_cpu_kernels", "has_cuda_kernels"]
+__all__ = ["custom_call_targets", "has_cpu_kernels", "has_cuda_kernels"]
 
-TARGET_PREFIX = "dynadiag_diag_matmul"
+# The ABI version is part of every target name (docs/kernel_abi.md, "Versions"): a change to any
+# target's operands, results, dtypes or meaning registers the new handlers under v3, never v2.
+TARGET_PREFIX = "dynadiag_diag_matmul_v2"
 
 try:
     from dynadiag_jax import _cpu_ext
@@ -66,6 +68,15 @@ if _cpu_ext is None and (installed := _shadowed_build()) is not None:
 def _register(module, platform: str) -> None:
     for name, capsule in module.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform=platform)
+
+
+def custom_call_targets() -> tuple[str, ...]:
+    """Every custom-call target name this package registers (or would, with all kernels built)."""
+    return tuple(
+        f"{prefix}_{kind}"
+        for prefix in (TARGET_PREFIX, cuda.EMULATED_PREFIX)
+        for kind in ("fwd", "dx", "dvalues", "bwd")
+    )
 
 
 def has_cpu_kernels() -> bool:

@@ -159,8 +159,8 @@ def test_gradients_are_bitwise_reproducible(in_f, out_f, rng):
 @pytest.mark.parametrize("in_f,out_f", [(96, 320), (320, 96), (160, 160)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fused_backward_target(in_f, out_f, dtype, rng):
-    """The `dynadiag_diag_matmul_bwd` target (dy, x, values, offsets) -> (dx, dvalues) agrees with
-    the `dx` and `dvalues` targets."""
+    """The `dynadiag_diag_matmul_v2_bwd` target (dy, x, values, offsets) -> (dx, dvalues) agrees
+    with the `dx` and `dvalues` targets."""
     k = dd.num_diagonals(in_f, out_f, 0.8)
     x, dy, values, offsets = _case(rng, in_f, out_f, 133, k, False)
     dy, x, values = (jnp.asarray(v, dtype) for v in (dy, x, values))
@@ -171,9 +171,9 @@ def test_fused_backward_target(in_f, out_f, dtype, rng):
         out = tuple(jax.ShapeDtypeStruct(s, dtype) for s in shapes)
         return jax.ffi.ffi_call(name, out, vmap_method="sequential")(*args)
 
-    dx, dvalues = call("dynadiag_diag_matmul_bwd", [(133, in_f), (k, d)], dy, x, values, offsets)
-    (dx_ref,) = call("dynadiag_diag_matmul_dx", [(133, in_f)], dy, values, offsets)
-    (dv_ref,) = call("dynadiag_diag_matmul_dvalues", [(k, d)], dy, x, offsets)
+    dx, dvalues = call("dynadiag_diag_matmul_v2_bwd", [(133, in_f), (k, d)], dy, x, values, offsets)
+    (dx_ref,) = call("dynadiag_diag_matmul_v2_dx", [(133, in_f)], dy, values, offsets)
+    (dv_ref,) = call("dynadiag_diag_matmul_v2_dvalues", [(k, d)], dy, x, offsets)
     # Same float32 sums in a different order: equal up to float32 (and one bf16) rounding.
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(
@@ -188,7 +188,7 @@ def test_fused_backward_target_rejects_bad_offsets():
     dy, x = jnp.zeros((4, 16), jnp.float32), jnp.zeros((4, 8), jnp.float32)
     values, offsets = jnp.zeros((2, 8), jnp.float32), jnp.array([0, 16], jnp.int32)
     out = (jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((2, 8), jnp.float32))
-    call = jax.ffi.ffi_call("dynadiag_diag_matmul_bwd", out, vmap_method="sequential")
+    call = jax.ffi.ffi_call("dynadiag_diag_matmul_v2_bwd", out, vmap_method="sequential")
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"offsets\[1\] = 16 is outside \[0, P\)"):
         jax.block_until_ready(call(dy, x, values, offsets))
 
@@ -359,7 +359,7 @@ def test_block_gradients_are_bitwise_reproducible(in_f, out_f, rng):
 
 def _ffi(target, results, *args):
     out = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in results)
-    call = jax.ffi.ffi_call(f"dynadiag_diag_matmul_{target}", out, vmap_method="sequential")
+    call = jax.ffi.ffi_call(f"dynadiag_diag_matmul_v2_{target}", out, vmap_method="sequential")
     return jax.block_until_ready(call(*args))
 
 
@@ -438,7 +438,7 @@ BLOCK_ERRORS = [  # (target, result shapes, operands, message): in = 16, out = 6
 
 @pytest.mark.parametrize("target,results,operands,message", BLOCK_ERRORS)
 def test_block_handlers_reject_bad_operands(target, results, operands, message):
-    with pytest.raises(jax.errors.JaxRuntimeError, match=f"dynadiag_diag_matmul_{target}: "):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"dynadiag_diag_matmul_v2_{target}: "):
         _ffi(target, results, *operands)
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
         _ffi(target, results, *operands)

@@ -151,7 +151,7 @@ def test_diag_matmul_lowers_to_the_cuda_targets_with_a_workspace():
             calls = [
                 line
                 for line in text.splitlines()
-                if f"stablehlo.custom_call @dynadiag_diag_matmul_{kind}(" in line
+                if f"stablehlo.custom_call @dynadiag_diag_matmul_v2_{kind}(" in line
             ]
             assert calls, f"no {kind} custom call in the CUDA lowering ({dtype.__name__})"
             nbytes = max(1, cuda.workspace_bytes(kind, rows, in_f, out_f, k, dtype))

@@ -244,5 +244,5 @@ def test_cpu_backward_is_one_fused_kernel_call():
         return jnp.sum(dd.diag_matmul(x, v, off.astype(jnp.int32), out_features=9, impl="ffi"))
 
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, v).as_text()
-    assert 'dynadiag_diag_matmul_bwd"' in hlo or "@dynadiag_diag_matmul_bwd(" in hlo
-    assert "dynadiag_diag_matmul_dvalues(" not in hlo
+    assert 'dynadiag_diag_matmul_v2_bwd"' in hlo or "@dynadiag_diag_matmul_v2_bwd(" in hlo
+    assert "dynadiag_diag_matmul_v2_dvalues(" not in hlo

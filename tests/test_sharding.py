@@ -19,11 +19,11 @@ SCRIPT = textwrap.dedent("""
     _BACKENDS["ffi"] = _BACKENDS["ffi"]._replace(block_size_ok=lambda b: b in (1, 8))
     # rows of the per-device custom call of the forward kernel
     FWD_CALL = (r"f32\\[(\\d+),\\d+\\]\\{1,0\\} custom-call\\([^)]*\\), "
-                r"custom_call_target=\\"dynadiag_diag_matmul_fwd")
+                r"custom_call_target=\\"dynadiag_diag_matmul_v2_fwd")
     # rows of dx in the per-device fused backward call: (dx, dvalues) = bwd(dy, x, values, offsets)
     BWD_CALL = (r"\\(f32\\[(\\d+),\\d+\\]\\{1,0\\}, f32\\[[\\d,]+\\]\\{[\\d,]+\\}\\) "
                 r"custom-call\\([^)]*\\), "
-                r"custom_call_target=\\"dynadiag_diag_matmul_bwd")
+                r"custom_call_target=\\"dynadiag_diag_matmul_v2_bwd")
     MOVES = r"\\b(all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\\("
     # the array shapes that cross devices in an all-reduce (result of "... all-reduce(")
     REDUCED = r"= \\(?([^=]*?)\\)? all-reduce(?:-start)?\\("

@@ -13,7 +13,7 @@ two); the handlers reject a workspace smaller than their plan.
   thread blocks (small ``K * D``, many rows), else nothing.
 
 The same kernels compiled for the host against a SIMT emulation (``xla_ext/emu``) are registered for
-the CPU as ``dynadiag_emu_diag_matmul_{fwd,dx,dvalues}`` and reached with
+the CPU as ``dynadiag_emu_diag_matmul_v2_{fwd,dx,dvalues}`` and reached with
 ``diag_matmul(..., impl="cuda_emulated")``: slow, for tests only.
 """
 
@@ -45,7 +45,7 @@ SDDMM_ROWS_PER_SPLIT = 256
 SDDMM_MAX_SPLITS = 64
 SDDMM_TARGET_BLOCKS = 512
 
-EMULATED_PREFIX = "dynadiag_emu_diag_matmul"
+EMULATED_PREFIX = "dynadiag_emu_diag_matmul_v2"
 # Input dtypes with a tensor-core path (kHasTensorCorePath in diag_launch.cuh).
 TENSOR_CORE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

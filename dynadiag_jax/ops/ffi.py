@@ -15,6 +15,7 @@ transformation (autodiff, ``vmap``) has been applied to those.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -28,7 +29,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
-from dynadiag_jax.ops.products import Backend, abstract_eval
+from dynadiag_jax.ops.products import Backend, abstract_eval, backend, lowering_for_export
 
 __all__ = ["PlatformKernels", "make_ffi_backend", "platform_of_default_backend"]
 
@@ -44,7 +45,8 @@ class PlatformKernels(NamedTuple):
     workspace_bytes: WorkspaceFn | None = None
     fused_backward: bool = False  # provides {prefix}_bwd: (dy, x, values, offsets) -> (dx, dvalues)
     # Its handlers take rank-4 block-diagonal values[K, L_b, b, b] for b in KERNEL_BLOCK_SIZES
-    # (docs/kernel_abi.md); without them, impl="auto" runs block diagonals on the "jax" path.
+    # (docs/kernel_abi.md); without them, impl="auto" runs block diagonals on the "jax" path, and
+    # so does a lowering for this platform from another one (jax.export, lowering_platforms).
     block_diagonals: bool = False
 
 
@@ -165,8 +167,29 @@ def _values_aval(kind, avals_in, avals_out):
     return avals_out[0] if kind == "dvalues" else avals_in[2 if kind == "bwd" else 1]
 
 
+def _reference_call(kind: str, *args, width=None, block_size=1):
+    """Product ``kind`` on the pure-JAX path (for a platform without block-diagonal kernels)."""
+    ref = backend("jax")
+    if kind == "fwd":
+        return ref.fwd(*args, out_features=width)
+    if kind == "dx":
+        return ref.dx(*args, in_features=width)
+    if kind == "dvalues":
+        return ref.dvalues(*args, block_size=block_size)
+    dy, x, values, offsets = args
+    dx = ref.dx(dy, values, offsets, in_features=x.shape[-1])
+    return dx, ref.dvalues(dy, x, offsets, block_size=values.shape[-1])
+
+
 def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels):
     def rule(ctx, *operands, **params):
+        if len(_values_aval(kind, ctx.avals_in, ctx.avals_out).shape) == 4 and not (
+            kernels.block_diagonals
+        ):
+            # Lowering for a platform whose kernels lack block diagonals (e.g. exporting for
+            # CUDA from a CPU host): that platform runs the pure-JAX path, as impl="auto" would.
+            fallback = functools.partial(_reference_call, kind, **params)
+            return mlir.lower_fun(fallback, multiple_results=kind == "bwd")(ctx, *operands)
         del params  # the handlers read every size from the operand and result shapes
         avals_out = list(ctx.avals_out)
         if kernels.workspace_bytes is not None:
@@ -199,7 +222,7 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
     whose kernels provide it (``PlatformKernels.fused_backward``), else to the two separate calls.
 
     Args:
-      prefix: target name prefix, e.g. ``"dynadiag_diag_matmul"``.
+      prefix: target name prefix, e.g. ``"dynadiag_diag_matmul_v2"``.
       platforms: lowering platform (``"cpu"``, ``"cuda"``) -> what its handlers accept. The targets
         must already be registered with ``jax.ffi.register_ffi_target`` for those platforms.
     """
@@ -224,7 +247,14 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
         mlir.register_lowering(raws["bwd"], rule, platform=platform)
 
     def call(kind, *args, **params):
-        """``raws[kind]`` partitioned over the rows of its first operand."""
+        """``raws[kind]`` partitioned over the rows of its first operand.
+
+        Not for jax.export: a serialized program cannot hold custom_partitioning's callback, so
+        there XLA's partitioner runs the kernel replicated on sharded inputs (correct, gathers).
+        """
+        if lowering_for_export.get():
+            out = raws[kind].bind(*args, **params)
+            return tuple(out) if kind == "bwd" else out
         values_rank = args[2 if kind == "bwd" else 1].ndim if kind != "dvalues" else 0
         blocked = values_rank == 4 or params.get("block_size", 1) > 1
         return _partitioned(kind, raws[kind], args[0].ndim, blocked, params)(*args)

@@ -24,6 +24,7 @@ Every primitive carries the implementation name (``impl``) as a parameter and lo
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import warnings
 from collections.abc import Callable
@@ -108,6 +109,11 @@ def available_backends() -> dict[str, Backend]:
 
 def backend(name: str) -> Backend:
     return _BACKENDS[name]
+
+
+# True while a product primitive is lowered for jax.export (read by the FFI backends, whose
+# custom_partitioning is a Python callback that an exported program cannot hold).
+lowering_for_export = contextvars.ContextVar("dynadiag_lowering_for_export", default=False)
 
 
 def require_devices_during_lowering(prim: Primitive) -> None:
@@ -263,7 +269,11 @@ def _primitive(name: str, kind: str, lower: Callable) -> Primitive:
 
     def lowering(ctx, *operands, impl, **params):
         fn = functools.partial(lower, impl, **params)
-        return mlir.lower_fun(fn, multiple_results=prim.multiple_results)(ctx, *operands)
+        token = lowering_for_export.set(ctx.module_context.lowering_parameters.for_export)
+        try:
+            return mlir.lower_fun(fn, multiple_results=prim.multiple_results)(ctx, *operands)
+        finally:
+            lowering_for_export.reset(token)
 
     mlir.register_lowering(prim, lowering)
     require_devices_during_lowering(prim)

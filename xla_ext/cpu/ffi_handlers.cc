@@ -173,10 +173,10 @@ std::optional<ffi::Error> CheckDiagShape(const char* target, const char* name, D
   return std::nullopt;
 }
 
-constexpr char kFwd[] = "dynadiag_diag_matmul_fwd";
-constexpr char kDx[] = "dynadiag_diag_matmul_dx";
-constexpr char kDvalues[] = "dynadiag_diag_matmul_dvalues";
-constexpr char kBwd[] = "dynadiag_diag_matmul_bwd";
+constexpr char kFwd[] = "dynadiag_diag_matmul_v2_fwd";
+constexpr char kDx[] = "dynadiag_diag_matmul_v2_dx";
+constexpr char kDvalues[] = "dynadiag_diag_matmul_v2_dvalues";
+constexpr char kBwd[] = "dynadiag_diag_matmul_v2_bwd";
 
 #define DYNADIAG_RETURN_IF_ERROR(expr)      \
   if (auto error = (expr)) return *error;

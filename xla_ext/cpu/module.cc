@@ -144,10 +144,10 @@ void RunBackward(const std::string& isa_name, Array dy, Array x, Array values, O
 NB_MODULE(_cpu_ext, m) {
   m.def("registrations", [] {
     nb::dict d;
-    d["dynadiag_diag_matmul_fwd"] = Capsule(DynadiagDiagMatmulFwdCpu);
-    d["dynadiag_diag_matmul_dx"] = Capsule(DynadiagDiagMatmulDxCpu);
-    d["dynadiag_diag_matmul_dvalues"] = Capsule(DynadiagDiagMatmulDvaluesCpu);
-    d["dynadiag_diag_matmul_bwd"] = Capsule(DynadiagDiagMatmulBwdCpu);
+    d["dynadiag_diag_matmul_v2_fwd"] = Capsule(DynadiagDiagMatmulFwdCpu);
+    d["dynadiag_diag_matmul_v2_dx"] = Capsule(DynadiagDiagMatmulDxCpu);
+    d["dynadiag_diag_matmul_v2_dvalues"] = Capsule(DynadiagDiagMatmulDvaluesCpu);
+    d["dynadiag_diag_matmul_v2_bwd"] = Capsule(DynadiagDiagMatmulBwdCpu);
     return d;
   });
   m.def("kernel_isa", [] { return std::string(dynadiag::IsaName(dynadiag::BestIsa())); },

@@ -15,9 +15,9 @@ namespace nb = nanobind;
 NB_MODULE(_cuda_ext, m) {
   m.def("registrations", [] {
     nb::dict d;
-    d["dynadiag_diag_matmul_fwd"] = nb::capsule(reinterpret_cast<void*>(DynadiagCudaFwd));
-    d["dynadiag_diag_matmul_dx"] = nb::capsule(reinterpret_cast<void*>(DynadiagCudaDx));
-    d["dynadiag_diag_matmul_dvalues"] = nb::capsule(reinterpret_cast<void*>(DynadiagCudaDvalues));
+    d["dynadiag_diag_matmul_v2_fwd"] = nb::capsule(reinterpret_cast<void*>(DynadiagCudaFwd));
+    d["dynadiag_diag_matmul_v2_dx"] = nb::capsule(reinterpret_cast<void*>(DynadiagCudaDx));
+    d["dynadiag_diag_matmul_v2_dvalues"] = nb::capsule(reinterpret_cast<void*>(DynadiagCudaDvalues));
     return d;
   });
 }

@@ -1,5 +1,5 @@
 // The CUDA targets compiled for the host against the SIMT emulation and registered for the CPU
-// platform as dynadiag_emu_diag_matmul_{fwd,dx,dvalues}: the same kernel source and handler code
+// platform as dynadiag_emu_diag_matmul_v2_{fwd,dx,dvalues}: the same kernel source and handler code
 // as the CUDA build, so the test suite runs the CUDA logic through XLA (impl="cuda_emulated").
 #include "emu/ffi_handlers.h"
 

@@ -10,9 +10,9 @@ namespace nb = nanobind;
 NB_MODULE(_emu_ext, m) {
   m.def("registrations", [] {
     nb::dict d;
-    d["dynadiag_emu_diag_matmul_fwd"] = nb::capsule(reinterpret_cast<void*>(DynadiagEmuFwd));
-    d["dynadiag_emu_diag_matmul_dx"] = nb::capsule(reinterpret_cast<void*>(DynadiagEmuDx));
-    d["dynadiag_emu_diag_matmul_dvalues"] = nb::capsule(reinterpret_cast<void*>(DynadiagEmuDvalues));
+    d["dynadiag_emu_diag_matmul_v2_fwd"] = nb::capsule(reinterpret_cast<void*>(DynadiagEmuFwd));
+    d["dynadiag_emu_diag_matmul_v2_dx"] = nb::capsule(reinterpret_cast<void*>(DynadiagEmuDx));
+    d["dynadiag_emu_diag_matmul_v2_dvalues"] = nb::capsule(reinterpret_cast<void*>(DynadiagEmuDvalues));
     return d;
   });
   m.def("workspace_bytes", &dynadiag::emu_host::workspace_bytes, nb::arg("op"), nb::arg("rows"),

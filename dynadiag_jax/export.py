@@ -1,0 +1,46 @@
+"""``dd.export``: ``jax.export.export`` for functions that call dynadiag's kernels.
+
+``jax.export`` refuses to serialize custom calls whose targets it does not know to be stable.
+Ours are: every target name carries its ABI version (``dynadiag_diag_matmul_v2_fwd``; a changed ABI
+registers a new name, docs/kernel_abi.md), so a serialized module either finds the ABI it was
+built against or fails to find its target - never runs a mismatched kernel. ``export`` allows
+exactly those targets. Deserialize and call in a process that has imported ``dynadiag_jax``
+(importing it registers the targets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+from jax.export import DisabledSafetyCheck, Exported
+
+from dynadiag_jax._extension import custom_call_targets
+
+__all__ = ["export"]
+
+
+def export(
+    fun_jit,
+    *,
+    platforms: Sequence[str] | None = None,
+    disabled_checks: Sequence[DisabledSafetyCheck] = (),
+) -> Callable[..., Exported]:
+    """Like :func:`jax.export.export`, with dynadiag's custom-call targets allowed.
+
+    Args:
+      fun_jit: a ``jax.jit``-wrapped function (a plain callable is wrapped in ``jax.jit``).
+      platforms: lowering platforms, e.g. ``("cpu", "cuda")``; default: the default backend's.
+      disabled_checks: further safety checks to skip, as for ``jax.export.export``.
+
+    Returns:
+      A function of the arguments (or their ``jax.ShapeDtypeStruct``) returning a
+      :class:`jax.export.Exported`; ``.serialize()`` gives bytes that
+      ``jax.export.deserialize`` reads back.
+    """
+    if not hasattr(fun_jit, "trace"):
+        fun_jit = jax.jit(fun_jit)
+    ours = tuple(DisabledSafetyCheck.custom_call(name) for name in custom_call_targets())
+    return jax.export.export(
+        fun_jit, platforms=platforms, disabled_checks=(*disabled_checks, *ours)
+    )
