@@ -888,7 +888,8 @@ class OutputCheck {
       const size_t i = off / r.elem_size;
       uint16_t first = 0;
       __atomic_fetch_or(&r.site_mask, site < 64 ? uint64_t(1) << site : 0, __ATOMIC_RELAXED);
-      if (!__atomic_compare_exchange_n(&r.writer[i], &first, site, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+      // acquire/release: a failed exchange sees the first writer's site registered (describe())
+      if (!__atomic_compare_exchange_n(&r.writer[i], &first, site, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         detail::report(detail::format("output %s written twice: by %s after %s", element(r, i).c_str(),
                                       detail::sites().describe(site).c_str(),
                                       detail::sites().describe(first).c_str()));
