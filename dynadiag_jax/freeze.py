@@ -1,9 +1,10 @@
 """Freezing: the search phase ends and every layer keeps the K diagonals with the largest alpha.
 
-A frozen layer holds params ``values[K, D]`` (+ ``bias``) and ``offsets[K]`` int32 in the
-``"diagonals"`` collection; it computes exactly the hard top-K product (gate 1 on the selected
-diagonals), with memory and compute K/P of a dense layer. All functions here are pure and
-jit-able (K comes from static shapes), so a training loop can freeze inside ``jax.jit``.
+A frozen layer holds params ``values[K, D]`` (+ ``bias``) and, in the ``"diagonals"``
+collection, ``offsets[K]`` int32 and ``in_features`` (int32 scalar, its input width); it computes
+exactly the hard top-K product (gate 1 on the selected diagonals), with memory and compute K/P of
+a dense layer. All functions here are pure and jit-able (K comes from static shapes), so a
+training loop can freeze inside ``jax.jit``.
 
 * :func:`freeze`: one layer, ``(layer, variables) -> (frozen_layer, frozen_variables)``.
 * :func:`freeze_tree`: every search-phase ``DiagonalDense`` in a model's variables.
@@ -12,6 +13,7 @@ jit-able (K comes from static shapes), so a training loop can freeze inside ``ja
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,9 +31,11 @@ _SEARCH_STATE = ("strength", "temperature", "topk", "score")
 def select_diagonals(alpha, k: int):
     """The ``k`` offsets with the largest ``alpha[..., P]``, sorted ascending, int32 ``[..., k]``.
 
-    Ties go to the lower offset (``jax.lax.top_k``).
+    Ties go to the lower offset (``jax.lax.top_k``); NaN scores rank below every other score.
     """
-    _, idx = jax.lax.top_k(jax.lax.stop_gradient(alpha), k)
+    alpha = jax.lax.stop_gradient(alpha)
+    alpha = jnp.where(jnp.isnan(alpha), jnp.asarray(-jnp.inf, alpha.dtype), alpha)
+    _, idx = jax.lax.top_k(alpha, k)
     return jnp.sort(idx, axis=-1).astype(jnp.int32)
 
 
@@ -50,6 +54,51 @@ def _is_search_layer(node) -> bool:
         and values.ndim == alpha.ndim + 1
         and values.shape[-2] == alpha.shape[-1]
     )
+
+
+def _not_finite_message(path: tuple, count: int, size: int) -> str:
+    return (
+        f"freeze_tree: alpha of the DiagonalDense at params path {'/'.join(path) or '(root)'} "
+        f"holds {count} non-finite values (NaN or inf) of {size}: the search diverged (a NaN "
+        f"loss or gradient), so its top-K is meaningless; freeze an earlier checkpoint"
+    )
+
+
+def _raise_if_not_finite(count, *, path: tuple, size: int):
+    if int(count):
+        raise ValueError(_not_finite_message(path, int(count), size))
+
+
+def _check_finite(alpha, path: tuple):
+    """Raises naming ``path`` if ``alpha`` holds NaN or inf.
+
+    A concrete ``alpha`` is checked now. Inside ``jit`` the check runs on the host when the frozen
+    variables are computed (``jax.debug.callback``), and the error surfaces from the jitted call.
+    """
+    bad = jnp.sum(~jnp.isfinite(alpha))
+    if isinstance(alpha, jax.core.Tracer):
+        jax.debug.callback(functools.partial(_raise_if_not_finite, path=path, size=alpha.size), bad)
+    elif int(bad):
+        raise ValueError(_not_finite_message(path, int(bad), alpha.size))
+
+
+def _input_width(node, structure) -> Any:
+    """The layer's ``in_features`` for its ``"diagonals"`` entry, or None if unknown.
+
+    Stored by ``init`` since the width was added; for older variables it follows from the shapes
+    when they fix it (a bias gives ``out``; a square layer has ``P == D``).
+    """
+    if isinstance(structure, Mapping) and "in_features" in structure:
+        return structure["in_features"]
+    p, d_len = node["values"].shape[-2:]
+    lead = node["values"].shape[:-2]
+    if "bias" in node:
+        width = d_len if p == node["bias"].shape[-1] else p
+    elif p == d_len:
+        width = p
+    else:
+        return None
+    return jnp.full(lead, width, jnp.int32)
 
 
 def _freeze_params(node, k: int):
@@ -72,6 +121,12 @@ def _walk(params, dyn, path: tuple, visit):
 def _copy_dicts(tree):
     if isinstance(tree, Mapping):
         return {key: _copy_dicts(value) for key, value in tree.items()}
+    return tree
+
+
+def _get_path(tree, path: tuple):
+    for key in path:
+        tree = tree.get(key) if isinstance(tree, Mapping) else None
     return tree
 
 
@@ -114,11 +169,16 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
 
     Returns:
       Variables with each such layer's params ``{"values": [..., K, D], "bias"?}``, its
-      ``"diagonals"`` entry ``{"offsets": [..., K] int32}``, and its search entries removed from
-      ``"dynadiag"`` (the collection disappears when empty).
+      ``"diagonals"`` entry ``{"offsets": [..., K] int32, "in_features": [...] int32}``, and its
+      search entries removed from ``"dynadiag"`` (the collection disappears when empty).
+      ``in_features`` is left out only for variables made before it was stored whose shapes do
+      not fix it (a rectangular layer without bias).
 
     Raises:
-      ValueError: a search layer whose K cannot be determined.
+      ValueError: a search layer whose K cannot be determined, or whose ``alpha`` holds NaN or
+        inf (naming its path). Inside ``jit`` alpha cannot be read while tracing: a host callback
+        checks it when the jitted call runs, which then raises an error carrying this message
+        (``jax.errors.JaxRuntimeError``); NaN scores rank last in the selection meanwhile.
     """
     if not isinstance(variables, Mapping) or "params" not in variables:
         raise ValueError("freeze_tree needs variables with a 'params' collection")
@@ -137,8 +197,14 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
                 f"'dynadiag' entry 'topk' (created by init) is missing; keep the 'dynadiag' "
                 f"collection in the variables or pass budgets={{{path!r}: K}}"
             )
+        _check_finite(layer["alpha"], path)
+        structure = _get_path(diagonals, path)
+        width = _input_width(layer, structure)
         params, offsets = _freeze_params(layer, k)
-        _set_path(diagonals, path, {"offsets": offsets})
+        entries = {"offsets": offsets}
+        if width is not None:
+            entries["in_features"] = width
+        _set_path(diagonals, path, entries)
         frozen_paths.add(path)
         return params
 
@@ -169,7 +235,10 @@ def freeze(layer: DiagonalDense, variables):
 
     Returns:
       ``(frozen_layer, frozen_variables)`` with params ``{"values": [K, D], "bias"}`` and
-      ``{"diagonals": {"offsets": [K] int32}}``.
+      ``{"diagonals": {"offsets": [K] int32, "in_features": int32 scalar}}``.
+
+    Raises:
+      ValueError: ``alpha`` holds NaN or inf (see :func:`freeze_tree`).
     """
     if not isinstance(layer, DiagonalDense):
         raise TypeError(
@@ -189,6 +258,9 @@ def freeze(layer: DiagonalDense, variables):
         )
     p, d_len = params["values"].shape[-2:]
     in_features = d_len if layer.features == p else p
+    diagonals = dict(variables.get("diagonals", {}))
+    diagonals.setdefault("in_features", jnp.asarray(in_features, jnp.int32))
+    variables = {**variables, "diagonals": diagonals}
     return frozen_layer, freeze_tree(variables, budgets={(): layer.budget(in_features)})
 
 

@@ -6,6 +6,12 @@
 * :func:`softmax_topk`: ``clip(k * softmax(scores / T), 0, 1)``, the gate of the authors' released
   code; never exactly sparse.
 
+Both take their hyper-parameter (``strength`` / ``temperature``) as a scalar that may be traced,
+e.g. a schedule inside ``jit``. Every value gives a defined gate, never NaN: a value of 0 is the
+limit of the gate as the value goes to 0 (see each function), a traced negative or NaN value acts
+as 0, and gradients there are zero. Concrete values are checked at trace time: negative or NaN
+raises.
+
 References:
   Sander, Puigcerver, Djolonga, Peyre, Blondel, "Fast, Differentiable and Sparse Top-k: a Convex
   Analysis Perspective", ICML 2023, https://arxiv.org/abs/2302.01425
@@ -25,7 +31,17 @@ import numpy as np
 
 from dynadiag_jax._dtypes import work_dtype
 
-__all__ = ["sparse_soft_topk", "softmax_topk", "capped_simplex_projection"]
+__all__ = [
+    "sparse_soft_topk",
+    "softmax_topk",
+    "capped_simplex_projection",
+    "check_gate_value",
+]
+
+# The softmax gate clips its shifted logits (all <= 0) from below here: exp of anything below is
+# exactly 0 in float32 and float64, so the clip changes no value, and a tiny temperature cannot
+# turn a logit into -inf (whose gradient would be inf * 0 = NaN).
+_MIN_LOGIT = -1000.0
 
 
 def _check_k(k, n: int, fn: str):
@@ -35,17 +51,24 @@ def _check_k(k, n: int, fn: str):
         raise ValueError(f"{fn}: k must be in (0, n] = (0, {n}] for scores of size {n}, got {k}")
 
 
-def _check_positive(value, name: str, fn: str):
-    """Rejects a missing or non-positive hyper-parameter when its value is known at trace time."""
+def check_gate_value(value, name: str, fn: str | None = None):
+    """Rejects a missing, non-scalar, negative or NaN gate hyper-parameter known at trace time.
+
+    Traced values are not checked (they cannot be read inside ``jit``); the gates define what
+    every traced value does (a negative or NaN one acts as 0).
+    """
+    where = f"{fn}: " if fn else ""
     if value is None:
-        raise ValueError(f"{fn}: {name} is required (a positive scalar)")
+        raise ValueError(f"{where}{name} is required (a scalar >= 0)")
     if isinstance(value, jax.core.Tracer):
         return
+    if isinstance(value, bool) or isinstance(value, str):
+        raise ValueError(f"{where}{name} must be a number >= 0, got {value!r}")
     arr = np.asarray(value)
     if arr.ndim != 0:
-        raise ValueError(f"{fn}: {name} must be a scalar, got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.number) or not arr > 0:
-        raise ValueError(f"{fn}: {name} must be > 0, got {value!r}")
+        raise ValueError(f"{where}{name} must be a scalar, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.number) or not arr >= 0:
+        raise ValueError(f"{where}{name} must be >= 0 (0 is the hard limit), got {value!r}")
 
 
 def _check_scores(scores, fn: str):
@@ -110,7 +133,12 @@ def _kth_largest(z, k: float):
 
 def _project_value(z, k):
     z = z - _kth_largest(z, k)
-    tau, _ = _solve_tau(z, k)
+    # After the shift the ceil(k)-th largest entry is 0, so tau <= 0 and every entry >= 1 projects
+    # to 1; an entry <= -1 with y > 0 would need tau < -1, putting 1 on the top ceil(k) entries
+    # and exceeding the budget, so it projects to 0. Clipping to [-2, 2] therefore changes no
+    # output, and keeps infinite inputs (a tiny strength) out of the breakpoint search, where
+    # inf - inf would give NaN.
+    tau, _ = _solve_tau(jnp.clip(z, -2, 2), k)
     return jnp.clip(z - tau, 0, 1)
 
 
@@ -160,6 +188,63 @@ def capped_simplex_projection(z, k):
     return _project(zw, float(k)).astype(z.dtype)
 
 
+def _hard_topk(s, k):
+    """The limit of the projection as ``strength -> 0+`` (no gradient).
+
+    1 above the ``ceil(k)``-th largest score, 0 below it, and the rest of the budget
+    ``k - #above`` shared equally by the scores tied with it (the projection keeps ties equal).
+    """
+    s = jax.lax.stop_gradient(s)
+    kth = _kth_largest(s, k)
+    above, tied = s > kth, s == kth
+    n_above = jnp.sum(above, axis=-1, keepdims=True).astype(s.dtype)
+    n_tied = jnp.maximum(jnp.sum(tied, axis=-1, keepdims=True), 1).astype(s.dtype)
+    return jnp.where(above, 1.0, jnp.where(tied, (k - n_above) / n_tied, 0.0)).astype(s.dtype)
+
+
+def _hard_argmax(s, k):
+    """The limit of ``clip(k * softmax(s / T), 0, 1)`` as ``T -> 0+`` (no gradient).
+
+    All the mass goes to the maximal scores: ``min(1, k / m)`` on each of the ``m`` entries equal
+    to the maximum, 0 elsewhere.
+    """
+    s = jax.lax.stop_gradient(s)
+    top = s == jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.maximum(jnp.sum(top, axis=-1, keepdims=True), 1).astype(s.dtype)
+    return jnp.where(top, jnp.minimum(1.0, k / m), 0.0).astype(s.dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _scaled(d, h, lo, hi):
+    """``clip(d / h, lo, hi)`` for ``h > 0``, with derivatives that stay finite for a tiny ``h``.
+
+    Autodiff of ``d / h`` would form ``d / h**2``, which overflows for ``h`` below ~1e-19 in
+    float32 and turns the zero cotangent of a clipped entry into ``0 * inf = NaN``; the tangent
+    here is written with the clipped quotient instead.
+    """
+    return jnp.clip(d / h, lo, hi)
+
+
+@_scaled.defjvp
+def _scaled_jvp(lo, hi, primals, tangents):
+    d, h = primals
+    d_dot, h_dot = tangents
+    q = d / h
+    z = jnp.clip(q, lo, hi)
+    return z, jnp.where((q > lo) & (q < hi), (d_dot - z * h_dot) / h, 0)
+
+
+def _split_hyper(value, work):
+    """``(positive, safe)``: whether the traced value is > 0, and the value with 1 elsewhere.
+
+    The soft branch is computed with ``safe`` so that neither it nor its gradient can hold NaN
+    where the hard branch is chosen (``jnp.where`` would still propagate a NaN gradient).
+    """
+    value = jnp.asarray(value, work)
+    positive = value > 0  # False for negative and NaN values
+    return positive, jnp.where(positive, value, jnp.ones_like(value))
+
+
 def sparse_soft_topk(scores, k, *, strength):
     """Sparse soft top-k mask (Sander et al. 2023, p = 2) along the last axis.
 
@@ -170,26 +255,34 @@ def sparse_soft_topk(scores, k, *, strength):
     ``(1 / strength) * (I - 11^T / |F|)`` on the free set ``F = {0 < y < 1}``, zero elsewhere.
     jit-, grad- and vmap-able.
 
+    ``strength = 0`` is that limit: 1 on the scores above the ``ceil(k)``-th largest, 0 below it,
+    and the remaining budget shared equally by the scores tied with it; the gradient is zero
+    there. A traced negative or NaN strength (e.g. a schedule overshooting 0 inside ``jit``) acts
+    as 0. The gradient with respect to the scores grows as ``1 / strength`` on the free set, which
+    only holds scores within ``strength`` of each other.
+
     Args:
       scores: ``[..., n]`` floating.
       k: static Python number in ``(0, n]`` (the budget).
-      strength: positive scalar (may be traced; a concrete value <= 0 raises).
+      strength: scalar ``>= 0`` (may be traced; a concrete negative or NaN value raises).
 
     Returns:
       ``[..., n]`` gate in ``scores.dtype``.
 
     Raises:
-      ValueError: ``k`` outside ``(0, n]``, a missing or non-positive ``strength``.
+      ValueError: ``k`` outside ``(0, n]``, a missing, negative or NaN concrete ``strength``.
     """
     fn = "sparse_soft_topk"
     _check_scores(scores, fn)
     _check_k(k, scores.shape[-1], fn)
-    _check_positive(strength, "strength", fn)
+    check_gate_value(strength, "strength", fn)
     work = work_dtype(scores.dtype)
     s = scores.astype(work)
+    positive, safe = _split_hyper(strength, work)
     # Shift before scaling (exact by shift invariance) so 1/strength does not magnify rounding.
-    z = (s - _kth_largest(s, k)) / jnp.asarray(strength, work)
-    return capped_simplex_projection(z, k).astype(scores.dtype)
+    # The clip to [-2, 2] changes no output (see _project_value).
+    soft = capped_simplex_projection(_scaled(s - _kth_largest(s, k), safe, -2.0, 2.0), k)
+    return jnp.where(positive, soft, _hard_topk(s, k)).astype(scores.dtype)
 
 
 def softmax_topk(scores, k, *, temperature):
@@ -199,10 +292,14 @@ def softmax_topk(scores, k, *, temperature):
     ``T -> 0`` its mass concentrates on the arg-max, not on the top-k, so the released recipe
     relies on a hard freeze.
 
+    ``temperature = 0`` is that limit: ``min(1, k / m)`` on each of the ``m`` scores equal to the
+    maximum (a single 1 for distinct scores), 0 elsewhere, with zero gradient. A traced negative or
+    NaN temperature acts as 0.
+
     Args:
       scores: ``[..., n]`` floating.
       k: static Python number in ``(0, n]``.
-      temperature: positive scalar (may be traced; a concrete value <= 0 raises).
+      temperature: scalar ``>= 0`` (may be traced; a concrete negative or NaN value raises).
 
     Returns:
       ``[..., n]`` gate in ``scores.dtype``.
@@ -210,7 +307,11 @@ def softmax_topk(scores, k, *, temperature):
     fn = "softmax_topk"
     _check_scores(scores, fn)
     _check_k(k, scores.shape[-1], fn)
-    _check_positive(temperature, "temperature", fn)
+    check_gate_value(temperature, "temperature", fn)
     work = work_dtype(scores.dtype)
-    p = jax.nn.softmax(scores.astype(work) / jnp.asarray(temperature, work), axis=-1)
-    return jnp.clip(jnp.asarray(k, work) * p, 0, 1).astype(scores.dtype)
+    s = scores.astype(work)
+    positive, safe = _split_hyper(temperature, work)
+    shifted = s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))  # <= 0
+    p = jax.nn.softmax(_scaled(shifted, safe, _MIN_LOGIT, 1.0), axis=-1)
+    soft = jnp.clip(jnp.asarray(k, work) * p, 0, 1)
+    return jnp.where(positive, soft, _hard_argmax(s, k)).astype(scores.dtype)

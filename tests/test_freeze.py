@@ -57,6 +57,7 @@ def test_freeze_single_layer_is_the_hard_topk_product():
     np.testing.assert_array_equal(fv["diagonals"]["offsets"], want)
     assert fv["diagonals"]["offsets"].dtype == jnp.int32
     assert set(fv) == {"params", "diagonals"} and set(fv["params"]) == {"values", "bias"}
+    assert int(fv["diagonals"]["in_features"]) == 12
     np.testing.assert_array_equal(fv["params"]["values"], v["params"]["values"][want])
     n_params = sum(leaf.size for leaf in jax.tree.leaves(fv["params"]))
     assert n_params == k * 12 + 20
@@ -88,9 +89,10 @@ def test_freeze_tree_whole_model_under_jit():
     fv = jax.jit(dd.freeze_tree)(v)
     assert "dynadiag" not in fv
     assert jax.tree.map(jnp.shape, fv["diagonals"]) == {
-        "first": {"offsets": (dd.num_diagonals(16, 24, 0.75),)},
-        "Block_0": {"inner": {"offsets": (4,)}},
+        "first": {"offsets": (dd.num_diagonals(16, 24, 0.75),), "in_features": ()},
+        "Block_0": {"inner": {"offsets": (4,), "in_features": ()}},
     }
+    assert int(fv["diagonals"]["Block_0"]["inner"]["in_features"]) == 24
     assert set(fv["params"]["Block_0"]["inner"]) == {"values", "bias"}
     np.testing.assert_array_equal(
         fv["params"]["Dense_0"]["kernel"], v["params"]["Dense_0"]["kernel"]
@@ -108,10 +110,11 @@ def test_freeze_tree_whole_model_under_jit():
         np.testing.assert_array_equal(f["values"], p["values"][offsets])
         np.testing.assert_array_equal(offsets, dd.select_diagonals(p["alpha"], len(offsets)))
     assert model.apply(fv, x).shape == (5, 3)
-    # Idempotent, and set_gate on a frozen model is a no-op.
+    # Idempotent; a frozen model has no gate left to set.
     again = dd.freeze_tree(fv)
     assert jax.tree.map(jnp.shape, again) == jax.tree.map(jnp.shape, fv)
-    assert set_gate(fv, strength=0.1) is fv
+    with pytest.raises(ValueError, match="no 'dynadiag' collection"):
+        set_gate(fv, strength=0.1)
 
 
 def test_freeze_tree_stacked_layers():
@@ -136,6 +139,7 @@ def test_freeze_tree_stacked_layers():
     fv = dd.freeze_tree(v)
     offsets = fv["diagonals"]["DiagonalDense_0"]["offsets"]
     assert offsets.shape == (3, 2)
+    np.testing.assert_array_equal(fv["diagonals"]["DiagonalDense_0"]["in_features"], [8, 8, 8])
     for i in range(3):
         np.testing.assert_array_equal(offsets[i], dd.select_diagonals(alpha[i], 2))
     assert model.apply(fv, x).shape == (4, 8)
@@ -149,6 +153,8 @@ def test_freeze_tree_needs_k():
         dd.freeze_tree(bare)
     fv = dd.freeze_tree(bare, budgets={("first",): 5, ("Block_0", "inner"): 4})
     assert fv["diagonals"]["first"]["offsets"].shape == (5,)
+    # Without the "diagonals" collection the width follows from the bias.
+    assert int(fv["diagonals"]["Block_0"]["inner"]["in_features"]) == 24
 
 
 def test_freeze_opt_state():
@@ -211,6 +217,9 @@ def test_orbax_round_trip_both_phases(tmp_path):
         np.asarray(model.apply(restored, x)), np.asarray(model.apply(fv, x))
     )
     assert restored["diagonals"]["first"]["offsets"].dtype == jnp.int32
+    assert int(restored["diagonals"]["first"]["in_features"]) == 16
+    with pytest.raises(ValueError, match="x has width 15, the layer expects 16"):
+        model.apply(restored, x[:, :15])
 
 
 @pytest.mark.parametrize(
@@ -230,3 +239,89 @@ def test_freeze_opt_state_plain_optax(make_tx):
         fstate = dd.freeze_opt_state(state, v["params"], fv["params"])
         assert jax.tree.structure(fstate) == jax.tree.structure(tx.init(fv["params"]))
         tx.update(fv["params"], fstate, fv["params"])
+
+
+def test_freeze_refuses_non_finite_alpha():
+    model = Model()
+    x = jax.random.normal(jax.random.key(1), (5, 16))
+    v = random_alpha(model.init(jax.random.key(0), x))
+    inner = v["params"]["Block_0"]["inner"]
+    bad = dict(
+        v,
+        params=dict(
+            v["params"], Block_0={"inner": dict(inner, alpha=inner["alpha"].at[3].set(jnp.nan))}
+        ),
+    )
+    with pytest.raises(
+        ValueError,
+        match="alpha of the DiagonalDense at params path Block_0/inner holds 1 non-finite",
+    ):
+        dd.freeze_tree(bad)
+    # Inside jit the check runs on the host when the jitted call runs.
+    with pytest.raises(Exception, match="Block_0/inner holds 1 non-finite"):
+        jax.block_until_ready(jax.jit(dd.freeze_tree)(bad))
+    layer = DiagonalDense(8, k=2, impl="jax")
+    lv = layer.init(jax.random.key(0), jnp.ones((1, 8)))
+    lv = dict(lv, params=dict(lv["params"], alpha=jnp.full((8,), jnp.inf)))
+    with pytest.raises(ValueError, match=r"path \(root\) holds 8 non-finite"):
+        dd.freeze(layer, lv)
+    # The selection itself is defined: NaN scores rank last.
+    np.testing.assert_array_equal(
+        dd.select_diagonals(jnp.array([jnp.nan, 1.0, 0.0, 2.0]), 2), [1, 3]
+    )
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        lambda n: dd.schedules.cosine(1.0, 0.0, n),
+        lambda n: dd.schedules.linear(1.0, 0.0, n),
+        lambda n: optax.cosine_decay_schedule(1.0, n),
+        lambda n: lambda i: 1.0 - 2.0 * i / n,  # overshoots to -1
+    ],
+    ids=["cosine", "linear", "optax_cosine", "negative"],
+)
+def test_gate_schedule_reaching_zero_inside_jit(schedule):
+    """Issue 13 item 1: a strength schedule that reaches 0 used to turn the whole model NaN."""
+    model = Model()
+    steps = 8
+    x = jax.random.normal(jax.random.key(1), (6, 16))
+    y = jax.random.normal(jax.random.key(2), (6, 3))
+    v = model.init(jax.random.key(0), x)
+    strength, temperature = schedule(steps), schedule(steps)
+    tx = dd.optim.diag_optimizer(1e-2, alpha_learning_rate=1e-1)
+
+    def step(carry, i):
+        params, opt_state, _ = carry
+        gated = set_gate(dict(v, params=params), strength=strength(i), temperature=temperature(i))
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((model.apply(dict(gated, params=p), x) - y) ** 2)
+        )(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, gated), loss
+
+    with jax.numpy_dtype_promotion("standard"):
+        carry = (v["params"], tx.init(v["params"]), v)
+        (params, _, gated), losses = jax.jit(
+            lambda c: jax.lax.scan(step, c, jnp.arange(steps + 3))
+        )(carry)
+    assert float(gated["dynadiag"]["first"]["strength"]) <= 0.0  # the schedule's end was reached
+    assert np.all(np.isfinite(np.asarray(losses)))
+    assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(params))
+    searched = dict(gated, params=params)
+    fv = jax.jit(dd.freeze_tree)(searched)
+    for path, k in ((("first",), dd.num_diagonals(16, 24, 0.75)), (("Block_0", "inner"), 4)):
+        alpha, offsets = params, fv["diagonals"]
+        for key in path:
+            alpha, offsets = alpha[key], offsets[key]
+        want = np.sort(np.argsort(-np.asarray(alpha["alpha"]))[:k])
+        np.testing.assert_array_equal(offsets["offsets"], want)
+    # At strength 0 the search gate of the sparse layer is the hard top-K: the frozen layer agrees.
+    first = DiagonalDense(24, sparsity=0.75, explore="none", impl="jax")
+    sub = {"params": params["first"], "dynadiag": gated["dynadiag"]["first"]}
+    frozen_sub = {"params": fv["params"]["first"], "diagonals": fv["diagonals"]["first"]}
+    np.testing.assert_allclose(
+        np.asarray(first.apply(sub, x, strength=0.0)),
+        np.asarray(first.apply(frozen_sub, x)),
+        atol=F32_TOL,
+    )

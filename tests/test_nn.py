@@ -51,7 +51,9 @@ def test_init_shapes_and_ranges(n_in, n_out):
     assert jax.tree.map(jnp.shape, v) == {
         "params": {"alpha": (p,), "values": (p, d_len), "bias": (n_out,)},
         "dynadiag": {"strength": (), "topk": (k,), "score": ()},
+        "diagonals": {"in_features": ()},
     }
+    assert int(v["diagonals"]["in_features"]) == n_in
     values, alpha = np.asarray(v["params"]["values"]), np.asarray(v["params"]["alpha"])
     assert np.abs(values).max() <= 1 / np.sqrt(d_len) and values.std() > 0.3 / np.sqrt(d_len)
     np.testing.assert_allclose(alpha, 1 / p, rtol=2e-3)
@@ -183,7 +185,8 @@ def test_set_gate_is_jittable_and_reaches_nested_layers():
     assert float(out["dynadiag"]["b"]["temperature"]) == 0.5
     assert bool(out["dynadiag"]["a"]["score"]) and bool(out["dynadiag"]["b"]["score"])
     assert set_gate(v, strength=0.25)["params"] is v["params"]  # other collections are shared
-    assert set_gate({"params": {}}, strength=1.0) == {"params": {}}
+    with pytest.raises(ValueError, match="no 'dynadiag' collection"):
+        set_gate({"params": {}}, strength=1.0)
 
 
 def test_metrics_are_sown(rng):
@@ -237,7 +240,7 @@ def test_frozen_init_phase(n_in, n_out):
     k, d_len = layer.budget(n_in), min(n_in, n_out)
     assert jax.tree.map(jnp.shape, v) == {
         "params": {"values": (k, d_len), "bias": (n_out,)},
-        "diagonals": {"offsets": (k,)},
+        "diagonals": {"offsets": (k,), "in_features": ()},
     }
     offsets = np.asarray(v["diagonals"]["offsets"])
     assert offsets.dtype == np.int32 and len(set(offsets)) == k
@@ -308,6 +311,11 @@ def test_bad_input():
     for sparsity in (0.0, 1.0, 1.5, -0.1):
         with pytest.raises(ValueError, match="sparsity must be in"):
             DiagonalDense(8, sparsity=sparsity)
+    with pytest.raises(ValueError, match=r"flax.linen.Dense.*k=P"):
+        DiagonalDense(8, sparsity=0)
+    for sparsity in ("0.9", True, [0.5]):
+        with pytest.raises(TypeError, match="sparsity must be a number"):
+            DiagonalDense(8, sparsity=sparsity)
     with pytest.raises(ValueError, match="features must be >= 1"):
         DiagonalDense(0, sparsity=0.5)
     with pytest.raises(ValueError, match="exactly one of"):
@@ -324,20 +332,22 @@ def test_bad_input():
         DiagonalDense(4, k=9).init(jax.random.key(0), x)  # P = max(8, 4) = 8
     layer = DiagonalDense(8, sparsity=0.5, explore="none")
     v = layer.init(jax.random.key(0), x)
-    for bad in (0.0, -1.0):
-        with pytest.raises(ValueError, match="strength must be a positive"):
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="strength must be >= 0"):
             layer.apply(v, x, strength=bad)
-        with pytest.raises(ValueError, match="strength must be a positive"):
+        with pytest.raises(ValueError, match="strength must be >= 0"):
             set_gate(v, strength=bad)
-        with pytest.raises(ValueError, match="temperature must be a positive"):
+        with pytest.raises(ValueError, match="temperature must be >= 0"):
             DiagonalDense(8, sparsity=0.5, gate="softmax").init(
                 jax.random.key(0), x, temperature=bad
             )
+        with pytest.raises(ValueError, match="gate_init must be >= 0"):
+            DiagonalDense(8, sparsity=0.5, gate_init=bad)
     with pytest.raises(ValueError, match="takes strength=, not temperature="):
         layer.apply(v, x, temperature=1.0)
     frozen_layer, frozen = dd.freeze(layer, v)  # the frozen layer checks the same arguments
     frozen_layer.apply(frozen, x, strength=0.5)
-    with pytest.raises(ValueError, match="strength must be a positive"):
+    with pytest.raises(ValueError, match="strength must be >= 0"):
         frozen_layer.apply(frozen, x, strength=-1.0)
     with pytest.raises(ValueError, match="takes strength=, not temperature="):
         frozen_layer.apply(frozen, x, temperature=1.0)
@@ -407,3 +417,104 @@ def test_compiled_kernel_matches_jax_path(rng, explore):
             rtol=1e-4,
             err_msg=name,
         )
+
+
+def test_gate_value_zero_is_the_hard_topk(rng):
+    """strength=0 / temperature=0 are the gates' limits, in the call and from set_gate."""
+    layer = DiagonalDense(24, sparsity=0.8, impl="jax")
+    v, x = init(layer, 16)
+    v = dict(v, params=perturb(v["params"], rng))
+    k = layer.budget(16)
+    top = np.sort(np.argsort(-np.asarray(v["params"]["alpha"]))[:k])
+    hard = dense_reference(v["params"], x, 24, jnp.ones(k), top)
+    for y in (layer.apply(v, x, strength=0.0), jax.jit(layer.apply)(set_gate(v, strength=0.0), x)):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(hard), atol=F32_TOL)
+    soft = DiagonalDense(24, sparsity=0.8, gate="softmax", impl="jax")
+    sv = soft.init(jax.random.key(0), x)
+    sv = dict(sv, params=perturb(sv["params"], rng))
+    best = jnp.argmax(sv["params"]["alpha"])[None]
+    want = dense_reference(sv["params"], x, 24, jnp.ones(1), best)  # all mass on the arg-max
+    got = jax.jit(soft.apply)(set_gate(sv, temperature=0.0), x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=F32_TOL)
+
+
+def test_frozen_wide_layer_checks_its_input_width():
+    """Issue 13 item 4: DiagonalDense(32, sparsity=0.8) on 64 inputs, frozen, run on 63."""
+    layer = DiagonalDense(32, sparsity=0.8, impl="jax")
+    x = jax.random.normal(jax.random.key(0), (4, 64))
+    for seed in range(5):
+        v = layer.init(jax.random.key(seed), x)
+        frozen_layer, fv = dd.freeze(layer, v)
+        assert int(fv["diagonals"]["in_features"]) == 64
+        for module, variables in ((layer, v), (frozen_layer, fv)):
+            assert module.apply(variables, x).shape == (4, 32)
+            for width, expects in ((63, "64"), (65, "64"), (31, "64")):
+                with pytest.raises(
+                    ValueError, match=f"x has width {width}, the layer expects {expects}"
+                ):
+                    module.apply(variables, x[:, :1].repeat(width, axis=1))
+    # Under jit the search phase's width comes from the shapes; a frozen wide layer's stored width
+    # is a traced value there, so a wrong width gives NaN outputs instead of an error.
+    apply = jax.jit(layer.apply)
+    with pytest.raises(ValueError, match="x has width 63, the layer expects 64"):
+        apply(v, x[:, :63])
+    assert np.all(np.isnan(np.asarray(apply(fv, x[:, :63]))))
+    assert np.all(np.isfinite(np.asarray(apply(fv, x))))
+    with pytest.raises(ValueError, match="x has width 31, the layer expects at least 32"):
+        apply(fv, x[:, :31])
+
+
+@pytest.mark.parametrize("n_in,n_out", SHAPES)
+def test_every_shape_checks_width_in_both_phases(n_in, n_out):
+    layer = DiagonalDense(n_out, sparsity=0.7, impl="jax")
+    x = jnp.ones((2, n_in))
+    v = layer.init(jax.random.key(0), x)
+    _, fv = dd.freeze(layer, v)
+    for variables in (v, fv):
+        with pytest.raises(ValueError, match=f"x has width {n_in + 1}, the layer expects {n_in}"):
+            layer.apply(variables, jnp.ones((2, n_in + 1)))
+
+
+def test_old_frozen_variables_without_width_still_run():
+    """Frozen variables saved before in_features was stored: trusted where shapes allow."""
+    for n_in, n_out in ((16, 24), (24, 16)):
+        layer = DiagonalDense(n_out, sparsity=0.7, impl="jax")
+        x = jax.random.normal(jax.random.key(1), (2, n_in))
+        _, fv = dd.freeze(layer, layer.init(jax.random.key(0), x))
+        old = dict(fv, diagonals={"offsets": fv["diagonals"]["offsets"]})
+        np.testing.assert_array_equal(
+            np.asarray(layer.apply(old, x)), np.asarray(layer.apply(fv, x))
+        )
+        if n_out > n_in:  # tall: D = in fixes the width
+            with pytest.raises(ValueError, match=f"the layer expects {n_in}"):
+                layer.apply(old, x[:, :-1])
+
+
+def test_frozen_params_without_offsets_say_where_they_live():
+    """Issue 13 item 5: only "params" saved after the freeze."""
+    layer = DiagonalDense(32, sparsity=0.8, impl="jax")
+    x = jnp.ones((2, 64))
+    _, fv = dd.freeze(layer, layer.init(jax.random.key(0), x))
+    for kwargs in ({}, {"strength": 0.5}):
+        with pytest.raises(ValueError, match=r"offsets are missing.*'diagonals' collection"):
+            layer.apply({"params": fv["params"]}, x, **kwargs)
+
+
+def test_set_gate_refuses_arguments_no_layer_takes():
+    """Issue 13 item 9: set_gate used to return the variables unchanged."""
+    x = jnp.ones((2, 8))
+    sparse = DiagonalDense(8, sparsity=0.5).init(jax.random.key(0), x)
+    soft = DiagonalDense(8, sparsity=0.5, gate="softmax").init(jax.random.key(0), x)
+    with pytest.raises(
+        ValueError, match=r"strength=.*matches no layer.*temperature= \(gate='softmax'\) in 1 layer"
+    ):
+        set_gate(soft, strength=0.5)
+    with pytest.raises(
+        ValueError, match=r"temperature=.*matches no layer.*strength= \(gate='sparse_topk'\)"
+    ):
+        set_gate(sparse, temperature=0.5)
+    _, frozen = dd.freeze(DiagonalDense(8, sparsity=0.5), sparse)
+    for variables in (frozen, {"params": sparse["params"]}):
+        with pytest.raises(ValueError, match="no 'dynadiag' collection"):
+            set_gate(variables, strength=0.5)
+    assert float(set_gate(sparse, strength=0.0)["dynadiag"]["strength"]) == 0.0

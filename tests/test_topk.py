@@ -199,8 +199,8 @@ def test_softmax_topk_formula(rng):
 )
 def test_bad_input(fn, kw):
     x = jnp.ones(5)
-    for bad in (0.0, -1.0):
-        with pytest.raises(ValueError, match=f"{kw} must be > 0"):
+    for bad in (-1.0, float("nan"), "0.5", True):
+        with pytest.raises(ValueError, match=f"{kw} must be"):
             fn(x, 2, **{kw: bad})
     with pytest.raises(ValueError, match=f"{kw} is required"):
         fn(x, 2, **{kw: None})
@@ -211,3 +211,64 @@ def test_bad_input(fn, kw):
         fn(jnp.arange(5), 2, **{kw: 1.0})
     with pytest.raises(ValueError, match="scalar"):
         fn(jnp.float32(1.0), 1, **{kw: 1.0})
+
+
+def test_zero_strength_is_the_hard_limit(rng):
+    scores = jnp.asarray(rng.permutation(40).astype(np.float32) / 40)  # distinct, gaps 0.025
+    hard = np.zeros(40)
+    hard[np.argsort(-np.asarray(scores))[:6]] = 1
+    np.testing.assert_array_equal(np.asarray(dd.sparse_soft_topk(scores, 6, strength=0.0)), hard)
+    np.testing.assert_array_equal(np.asarray(topk(scores, 6, 1e-4)), hard)  # the limit
+    # Ties at the boundary share the rest of the budget, as they do for any small strength.
+    ties = jnp.array([2.0, 1.0, 1.0, 1.0, 0.0])
+    np.testing.assert_allclose(
+        np.asarray(dd.sparse_soft_topk(ties, 2, strength=0.0)), [1, 1 / 3, 1 / 3, 1 / 3, 0]
+    )
+    np.testing.assert_allclose(  # a fractional budget: ceil(k) - 1 ones and the remainder
+        np.asarray(dd.sparse_soft_topk(jnp.array([3.0, 2.0, 1.0, 0.0]), 2.5, strength=0.0)),
+        [1, 1, 0.5, 0],
+    )
+
+
+def test_zero_temperature_is_the_argmax_limit(rng):
+    scores = jnp.asarray(rng.normal(size=12).astype(np.float32))
+    want = np.zeros(12)
+    want[np.argmax(np.asarray(scores))] = 1
+    np.testing.assert_array_equal(np.asarray(dd.softmax_topk(scores, 4, temperature=0.0)), want)
+    np.testing.assert_allclose(
+        np.asarray(dd.softmax_topk(scores, 4, temperature=1e-4)), want, atol=1e-6
+    )
+    ties = jnp.array([1.0, 3.0, 3.0, 3.0, 0.0])  # k / m = 2 / 3 on each of the maxima
+    np.testing.assert_allclose(
+        np.asarray(dd.softmax_topk(ties, 2, temperature=0.0)), [0, 2 / 3, 2 / 3, 2 / 3, 0]
+    )
+    np.testing.assert_allclose(
+        np.asarray(dd.softmax_topk(ties, 5, temperature=0.0)), [0, 1, 1, 1, 0]
+    )
+
+
+@pytest.mark.parametrize(
+    "fn,kw", [(dd.sparse_soft_topk, "strength"), (dd.softmax_topk, "temperature")]
+)
+def test_every_traced_value_is_finite(rng, fn, kw):
+    """Schedules reaching 0 (or overshooting it) inside jit: defined gates, finite gradients."""
+    scores = jnp.asarray(rng.normal(size=(2, 30)).astype(np.float32))
+    w = jnp.asarray(rng.normal(size=(1, 30)).astype(np.float32))
+
+    def loss(s, h):
+        return jnp.sum(w * fn(s, 5, **{kw: h}))
+
+    gate = jax.jit(lambda s, h: fn(s, 5, **{kw: h}))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    at_zero = np.asarray(gate(scores, jnp.float32(0.0)))
+    for h in (0.0, -0.5, float("nan"), float("-inf"), 1e-30, 1e-12, 0.5, float("inf")):
+        y = np.asarray(gate(scores, jnp.float32(h)))
+        assert np.all(np.isfinite(y)) and y.min() >= 0 and y.max() <= 1, h
+        assert np.all(y.sum(-1) <= 5 + 1e-4), h
+        if not h > 0:  # negative, NaN: the value at 0
+            np.testing.assert_array_equal(y, at_zero)
+        d_scores, d_h = grads(scores, jnp.float32(h))
+        assert np.all(np.isfinite(np.asarray(d_scores))) and np.isfinite(float(d_h)), h
+        if not h > 0:
+            np.testing.assert_array_equal(np.asarray(d_scores), 0)
+            assert float(d_h) == 0

@@ -7,6 +7,10 @@ One module class serves both phases; which one runs is decided by the variables 
   (int32 ``[K]``, see below) and ``score`` (bool scalar, used by ``explore="dense_score"``).
 * frozen: params ``values[K, D]``, ``bias``; collection ``"diagonals"`` holds ``offsets[K]`` int32.
 
+In both phases the ``"diagonals"`` collection also holds ``in_features`` (int32 scalar), the input
+width: a frozen wide layer's shapes do not determine it (``values[K, D]`` with ``D = out``), and
+every call checks ``x`` against it.
+
 References:
   Tyagi et al., "Dynamic Sparse Training of Diagonally Sparse Networks", ICML 2025,
   https://arxiv.org/abs/2506.11449
@@ -28,7 +32,7 @@ import numpy as np
 from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.layout import geometry, num_diagonals
 from dynadiag_jax.ops import diag_matmul
-from dynadiag_jax.topk import softmax_topk, sparse_soft_topk
+from dynadiag_jax.topk import check_gate_value, softmax_topk, sparse_soft_topk
 
 __all__ = ["DiagonalDense", "GATES", "EXPLORE_MODES", "layer_budget", "bucket_sizes"]
 
@@ -76,12 +80,29 @@ def bucket_sizes(k_cap: int, num_candidates: int, num_buckets: int) -> tuple[int
     return tuple(sorted(sizes | {num_candidates}))
 
 
-def _positive_scalar(value, name: str):
-    if value is None or isinstance(value, jax.core.Tracer):
-        return
-    arr = np.asarray(value)
-    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.number) or not arr > 0:
-        raise ValueError(f"{name} must be a positive scalar, got {value!r}")
+def check_sparsity(sparsity) -> None:
+    """Rejects a ``sparsity`` that is not a number in ``(0, 1)``, saying what to use instead."""
+    if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
+        raise TypeError(
+            f"sparsity must be a number in (0, 1), got {sparsity!r} ({type(sparsity).__name__})"
+        )
+    if not 0.0 < float(sparsity) < 1.0:
+        hint = (
+            "; for a dense layer use flax.linen.Dense, or keep every diagonal with k=P "
+            "(P = max(in, out))"
+            if sparsity <= 0
+            else ""
+        )
+        raise ValueError(f"sparsity must be in (0, 1), got {sparsity!r}{hint}")
+
+
+def _host_int(value):
+    """``value`` as a Python int when it can be read without a trace or a device sync, else None."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    if isinstance(value, jax.Array) and not all(d.platform == "cpu" for d in value.devices()):
+        return None
+    return int(np.asarray(value))
 
 
 class DiagonalDense(nn.Module):
@@ -168,8 +189,8 @@ class DiagonalDense(nn.Module):
             raise ValueError(f"features must be >= 1, got {self.features}")
         if (self.sparsity is None) == (self.k is None):
             raise ValueError("DiagonalDense needs exactly one of sparsity= (in (0, 1)) or k=")
-        if self.sparsity is not None and not 0.0 < float(self.sparsity) < 1.0:
-            raise ValueError(f"sparsity must be in (0, 1), got {self.sparsity!r}")
+        if self.sparsity is not None:
+            check_sparsity(self.sparsity)
         if self.gate not in GATES:
             raise ValueError(f"unknown gate {self.gate!r}; expected one of {GATES}")
         if self.init_phase not in PHASES:
@@ -181,7 +202,8 @@ class DiagonalDense(nn.Module):
         buckets = self.num_buckets
         if isinstance(buckets, bool) or not isinstance(buckets, numbers.Integral) or buckets < 1:
             raise ValueError(f"num_buckets must be an int >= 1, got {self.num_buckets!r}")
-        _positive_scalar(self.gate_init, "gate_init")
+        if self.gate_init is not None:
+            check_gate_value(self.gate_init, "gate_init")
         super().__post_init__()
 
     @property
@@ -205,6 +227,8 @@ class DiagonalDense(nn.Module):
             raise TypeError(f"x must be an array, got {type(x).__name__}")
         if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
+        self._check_offsets_present()
+        self._check_width(x.shape[-1])
         geo = geometry(x.shape[-1], self.features)
         k = self.budget(geo.in_features)
         dtype = (
@@ -218,6 +242,10 @@ class DiagonalDense(nn.Module):
             self.is_initializing() and self.init_phase == "frozen"
         )
         given = self._given_hyper(strength, temperature)  # checked in both phases
+        if self.is_initializing():
+            self.variable(
+                "diagonals", "in_features", lambda: jnp.asarray(geo.in_features, jnp.int32)
+            )
         if frozen:
             y = self._frozen(x, geo, k, dtype)
         else:
@@ -228,6 +256,66 @@ class DiagonalDense(nn.Module):
             )
             y = y + bias.astype(dtype).reshape((1,) * (y.ndim - 1) + (self.features,))
         return y
+
+    def _check_offsets_present(self):
+        """Frozen params (``values`` without ``alpha``) need their offsets: say where they live."""
+        if (
+            self.has_variable("params", "values")
+            and not self.has_variable("params", "alpha")
+            and not self.has_variable("diagonals", "offsets")
+        ):
+            raise ValueError(
+                f"{self.name or 'DiagonalDense'}: these are the params of a frozen layer (values "
+                f"[K, D], no alpha), but its offsets are missing: a frozen layer keeps offsets[K] "
+                f"in the 'diagonals' collection (variables['diagonals'][<layer path>]['offsets'], "
+                f"written by dd.freeze / dd.freeze_tree); save and restore every collection, not "
+                f"only 'params'"
+            )
+
+    def _check_width(self, width: int):
+        """Raises unless ``x``'s width is the layer's (known from its variables after init)."""
+        if self.is_initializing() or not self.has_variable("params", "values"):
+            return
+        expected = self._stored_width()
+        name = self.name or "DiagonalDense"
+        if expected is not None and width != expected:
+            raise ValueError(f"{name}: x has width {width}, the layer expects {expected}")
+        # A frozen wide or square layer (D == features) has in >= features, whatever is stored.
+        minimum = self.get_variable("params", "values").shape[-1]
+        if expected is None and width < minimum:
+            raise ValueError(f"{name}: x has width {width}, the layer expects at least {minimum}")
+
+    def _stored_width(self):
+        """The input width the variables were made for, when it is known at trace time.
+
+        Search phase: from the shapes (``P`` and ``D`` with ``features``). Frozen: from
+        ``values[K, D]`` when ``D < features`` (a tall layer), else from the ``"diagonals"`` entry
+        ``in_features`` if it is a host value; otherwise None (see :meth:`_guard_width`).
+        """
+        if not self.has_variable("params", "values"):
+            return None
+        values = self.get_variable("params", "values")
+        if self.has_variable("params", "alpha"):
+            p, d_len = values.shape[-2:]
+            return d_len if p == self.features else p
+        if values.shape[-1] < self.features:
+            return values.shape[-1]
+        if self.has_variable("diagonals", "in_features"):
+            return _host_int(self.get_variable("diagonals", "in_features"))
+        return None
+
+    def _guard_width(self, y, width: int):
+        """NaN outputs when a traced stored width differs from ``x``'s (jit cannot raise).
+
+        Only a frozen wide or square layer whose ``in_features`` is traced gets here; variables
+        frozen before the width was stored (no ``in_features``) are trusted as they are.
+        """
+        if not self.has_variable("diagonals", "in_features"):
+            return y
+        stored = self.get_variable("diagonals", "in_features")
+        if _host_int(stored) is not None:
+            return y  # checked at trace time
+        return jnp.where(stored == width, y, jnp.asarray(jnp.nan, y.dtype))
 
     def _frozen(self, x, geo, k, dtype):
         def init_offsets():
@@ -240,9 +328,10 @@ class DiagonalDense(nn.Module):
         values = self.param(
             "values", _uniform(1.0 / math.sqrt(geo.length)), (k, geo.length), self.param_dtype
         )
-        return diag_matmul(
+        y = diag_matmul(
             x, values.astype(dtype), offsets, out_features=self.features, impl=self.impl
         )
+        return self._guard_width(y, geo.in_features)
 
     def _given_hyper(self, strength, temperature):
         """The call's value for this gate's hyper-parameter (or None), validated."""
@@ -251,7 +340,8 @@ class DiagonalDense(nn.Module):
         if wrong is not None:
             other = "temperature" if name == "strength" else "strength"
             raise ValueError(f"gate={self.gate!r} takes {name}=, not {other}=")
-        _positive_scalar(given, name)
+        if given is not None:
+            check_gate_value(given, name)
         return given
 
     def _gate_hyper(self, given):

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-from dynadiag_jax.nn.diagonal_dense import _positive_scalar
+from dynadiag_jax.topk import check_gate_value
 
 __all__ = ["set_gate"]
 
 COLLECTION = "dynadiag"
+# The gate each "dynadiag" entry belongs to, for the error that names the gates present.
+_OWNER = {
+    "strength": "gate='sparse_topk'",
+    "temperature": "gate='softmax'",
+    "score": "every search-phase layer",
+}
 
 
 def _replace(tree, updates: dict):
@@ -26,32 +33,70 @@ def _replace(tree, updates: dict):
     return tree
 
 
+def _count_entries(tree) -> Counter:
+    """How many layers hold each gate entry (a leaf named ``strength``, ``temperature``, ...)."""
+    found = Counter()
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            if isinstance(value, Mapping):
+                found.update(_count_entries(value))
+            elif key in _OWNER:
+                found[key] += 1
+    return found
+
+
+def _describe(found: Counter) -> str:
+    gates = [
+        f"{name}= ({_OWNER[name]}) in {n} layer{'s' * (n != 1)}"
+        for name, n in sorted(found.items())
+        if name != "score"
+    ]
+    return ", ".join(gates) or "no gate hyper-parameter"
+
+
 def set_gate(variables, *, strength=None, temperature=None, score=None):
     """``variables`` with every layer's ``"dynadiag"`` entries replaced (pure, jit-able).
 
     Args:
       variables: a model's variables (``{"params": ..., "dynadiag": ..., ...}``).
-      strength: new ``strength`` of every ``gate="sparse_topk"`` layer (positive scalar).
-      temperature: new ``temperature`` of every ``gate="softmax"`` layer (positive scalar).
+      strength: new ``strength`` of every ``gate="sparse_topk"`` layer (scalar ``>= 0``; 0 is the
+        hard top-K, see :func:`dynadiag_jax.sparse_soft_topk`).
+      temperature: new ``temperature`` of every ``gate="softmax"`` layer (scalar ``>= 0``).
       score: bool scalar, sets the dense-scoring flag of ``explore="dense_score"`` layers.
 
     Returns:
-      A new variables dict; other collections are shared, not copied. Variables without a
-      ``"dynadiag"`` collection (e.g. a fully frozen model) come back unchanged.
+      A new variables dict; other collections are shared, not copied.
 
     Raises:
-      ValueError: nothing to set, or a concrete strength/temperature <= 0.
+      ValueError: nothing to set; a concrete negative or NaN strength/temperature; an argument
+        that no layer takes (``strength=`` with only softmax layers, ``temperature=`` with only
+        sparse ones, or no ``"dynadiag"`` collection at all: a frozen or dense model, or
+        variables restored without it). The message names the gates present.
     """
     if strength is None and temperature is None and score is None:
         raise ValueError("set_gate needs strength=, temperature= and/or score=")
-    _positive_scalar(strength, "strength")
-    _positive_scalar(temperature, "temperature")
+    for name, value in (("strength", strength), ("temperature", temperature)):
+        if value is not None:
+            check_gate_value(value, name, "set_gate")
     if not isinstance(variables, Mapping):
         raise TypeError(
             f"variables must be a mapping of collections, got {type(variables).__name__}"
         )
     if COLLECTION not in variables:
-        return variables
+        raise ValueError(
+            f"set_gate: the variables have no {COLLECTION!r} collection, so there is no "
+            f"search-phase DiagonalDense to set (collections: {sorted(variables)}); a frozen or "
+            f"dense model has no gate, and a search-phase model needs the {COLLECTION!r} "
+            f"collection created by init"
+        )
+    requested = {"strength": strength, "temperature": temperature, "score": score}
+    found = _count_entries(variables[COLLECTION])
+    for name, value in requested.items():
+        if value is not None and not found[name]:
+            raise ValueError(
+                f"set_gate({name}=...) matches no layer: the search-phase layers here take "
+                f"{_describe(found)}"
+            )
     updates = {}
     for name, value in (("strength", strength), ("temperature", temperature)):
         if value is not None:
