@@ -1,23 +1,26 @@
 """GPU benchmark of ``dd.diag_matmul`` (the CUDA kernels) vs XLA's dense dot and BCOO.
 
-For each layer shape ``in:out``, sparsity and offset layout, times ``y = x @ W.T`` with
-``x[batch, in]`` in two phases - ``fwd`` and ``fwd+bwd`` (``y`` and the VJP in one jitted call: one
-training step of the layer) - for
+For each layer shape ``in:out``, sparsity, block size ``b`` (1: element diagonals) and offset
+layout, times ``y = x @ W.T`` with ``x[batch, in]`` in two phases - ``fwd`` and ``fwd+bwd`` (``y``
+and the VJP in one jitted call: one training step of the layer) - for
 
 * ``ffi``: our CUDA kernels (``impl="ffi"``; the script checks the compiled HLO calls them);
+* ``auto``: what ``impl="auto"`` picks (the kernels or W built on the device + XLA's dot);
 * ``dense``: XLA's dot on a dense ``W[out, in]`` (the layer DynaDiag replaces);
-* ``bcoo``: ``jax.experimental.sparse`` BCOO with the same ``K * D`` non-zeros.
+* ``bcoo``: ``jax.experimental.sparse`` BCOO with the same non-zeros.
 
-Offset layouts: ``random`` (distinct random diagonals, as a search phase leaves them: mostly the
-diagonal CUDA-core path) and ``band`` (adjacent diagonals: the tensor-core path for 16-bit
-inputs). Each row also records what ``dd.kernel_stats`` predicts (touched tiles, fill, the share
-of output blocks on tensor cores). Times are medians of ``--repeats`` interleaved calls, reported
-as speed-ups over ``dense`` from the same loop. Writes ``bench/results/diag_matmul_gpu_<time>.csv``.
+Offset layouts: ``random`` (distinct random diagonals, as a search phase leaves them) and, for
+element diagonals, ``band`` (adjacent diagonals: the tensor-core path for 16-bit inputs). Each row
+also records what ``dd.kernel_stats`` reports (touched tiles, fill, the share of output blocks on
+tensor cores) and the cost model's predicted time (``gpu_cost``, for the GPU found or H100).
+Times are medians of ``--repeats`` interleaved calls, reported as speed-ups over ``dense`` from the
+same loop. Writes ``bench/results/diag_matmul_gpu_<time>.csv`` (or ``--out``).
 
 Examples::
 
     python bench/diag_matmul_gpu.py --quick                       # 768:3072, bf16, ffi vs dense
-    python bench/diag_matmul_gpu.py --dtype float16 --layouts band --sparsities 0.8,0.9
+    python bench/diag_matmul_gpu.py --batch 403456 --shapes 768:3072 --sparsities 0.9 \\
+        --block-sizes 1,16,32 --impls ffi,auto                     # the issue's goal shape
     python bench/diag_matmul_gpu.py --allow-cpu --quick --batch 64   # smoke run without a GPU
 """
 
@@ -38,12 +41,15 @@ from jax.experimental import sparse
 from tqdm import tqdm
 
 import dynadiag_jax as dd
-from dynadiag_jax.layout import diag_indices
+from dynadiag_jax import gpu_cost
+from dynadiag_jax.layout import block_indices, diag_indices, geometry
+from dynadiag_jax.ops import auto
 
 SHAPES = ((768, 768), (768, 3072), (3072, 768))
 SPARSITIES = (0.8, 0.9, 0.95)
 LAYOUTS = ("random", "band")
-IMPLS = ("ffi", "dense", "bcoo")
+BLOCK_SIZES = (1, 16, 32)
+IMPLS = ("ffi", "auto", "dense", "bcoo")
 PHASES = ("fwd", "fwd+bwd")
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -56,14 +62,31 @@ def make_offsets(layout: str, k: int, p: int, rng) -> np.ndarray:
     return (starts[:, None] + np.arange(16)).reshape(-1)[:k] % p
 
 
+def coordinates(offsets, in_f: int, out_f: int, b: int):
+    """Dense ``(rows, cols)`` of every stored value, in the order of ``values``."""
+    if b == 1:
+        return diag_indices(offsets, in_f, out_f)
+    block_rows, block_cols = block_indices(offsets, in_f, out_f, b)
+    i = jnp.arange(b, dtype=jnp.int32)
+    rows = block_rows[:, :, None, None] * b + i[None, None, :, None]
+    cols = block_cols[:, :, None, None] * b + i[None, None, None, :]
+    shape = (*block_rows.shape, b, b)
+    return jnp.broadcast_to(rows, shape), jnp.broadcast_to(cols, shape)
+
+
 def layer_fns(impl: str, offsets, in_f: int, out_f: int, values):
     """``(layer(x, param), param)`` for one implementation."""
-    if impl == "ffi":
-        return (lambda x, v: dd.diag_matmul(x, v, offsets, out_features=out_f, impl="ffi")), values
+    if impl in ("ffi", "auto"):
+
+        def layer(x, v):
+            return dd.diag_matmul(x, v, offsets, out_features=out_f, impl=impl)
+
+        return layer, values
     w = dd.diag_to_dense(values, offsets, in_features=in_f, out_features=out_f)
     if impl == "dense":
         return (lambda x, w: x @ w.T), w
-    rows, cols = diag_indices(offsets, in_f, out_f)
+    b = values.shape[-1] if values.ndim == 4 else 1
+    rows, cols = coordinates(offsets, in_f, out_f, b)
     indices = jnp.stack([rows.reshape(-1), cols.reshape(-1)], axis=1)
 
     def bcoo(x, data):
@@ -126,6 +149,12 @@ def parse_args(argv):
         "--sparsities", type=lambda t: tuple(map(float, t.split(","))), default=SPARSITIES
     )
     parser.add_argument("--layouts", type=names(LAYOUTS), default=LAYOUTS)
+    parser.add_argument(
+        "--block-sizes",
+        type=lambda t: tuple(map(int, t.split(","))),
+        default=BLOCK_SIZES,
+        help="1 = element diagonals; block sizes run the random layout only",
+    )
     parser.add_argument("--impls", type=names(IMPLS), default=IMPLS, help="dense always runs")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--batch", type=int, default=8192, help="rows of x (tokens x batch)")
@@ -140,9 +169,16 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.quick:
         args.shapes, args.sparsities, args.impls = ((768, 3072),), (0.9,), ("ffi", "dense")
+        args.block_sizes = (1, 16)
     if "dense" not in args.impls:
         args.impls = (*args.impls, "dense")
     return args
+
+
+def _auto_path(rows, in_f, out_f, dtype, k, b, spec) -> str:
+    """The cost-model path ``impl="auto"`` takes on a CUDA GPU: "kernel" or "dense"."""
+    decision = auto.decide_for_gpu(rows, in_f, out_f, dtype, k, b, spec)
+    return "kernel" if decision.impl == "ffi" else "dense"
 
 
 def main(argv=None) -> int:
@@ -164,12 +200,22 @@ def main(argv=None) -> int:
     dtype = jnp.dtype(args.dtype)
     out = args.out or RESULTS / f"diag_matmul_gpu_{datetime.datetime.now():%Y%m%d_%H%M%S}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
-    cases = [(s, sp, lay) for s in args.shapes for sp in args.sparsities for lay in args.layouts]
+    cases = [
+        (shape, sp, b, lay)
+        for shape in args.shapes
+        for b in args.block_sizes
+        for sp in args.sparsities
+        for lay in (args.layouts if b == 1 else ("random",))
+        if shape[0] % b == 0 and shape[1] % b == 0
+    ]
+    kind = jax.devices()[0].device_kind
+    spec = gpu_cost.device_for_kind(kind) or gpu_cost.DEVICES[gpu_cost.DEFAULT_DEVICE]
     fields = [
         "device",
         "dtype",
         "in",
         "out",
+        "block_size",
         "sparsity",
         "layout",
         "k",
@@ -178,6 +224,8 @@ def main(argv=None) -> int:
         "phase",
         "ms",
         "speedup_vs_dense",
+        "predicted_ms",
+        "model_device",
         "tiles_touched",
         "tile_fill",
         "tensor_core_share",
@@ -191,41 +239,54 @@ def main(argv=None) -> int:
     ):
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
-        for (in_f, out_f), sparsity, layout in cases:
+        for (in_f, out_f), sparsity, b, layout in cases:
             rng = np.random.default_rng(args.seed)
-            k = dd.num_diagonals(in_f, out_f, sparsity)
-            p, d = max(in_f, out_f), min(in_f, out_f)
-            offsets_np = make_offsets(layout, k, p, rng)
+            geo = geometry(in_f, out_f, b)
+            k = dd.num_diagonals(in_f, out_f, sparsity, block_size=b)
+            offsets_np = make_offsets(layout, k, geo.num_candidates, rng)
             offsets = jnp.asarray(offsets_np, jnp.int32)
-            values = jnp.asarray(rng.standard_normal((k, d)) / np.sqrt(k), dtype)
+            fan_in = k * (b if b > 1 else 1)
+            values = rng.standard_normal((k, *geo.values_shape)) / np.sqrt(fan_in)
+            values = jnp.asarray(values, dtype)
             x = jnp.asarray(rng.standard_normal((args.batch, in_f)), dtype)
             dy = jnp.asarray(rng.standard_normal((args.batch, out_f)), dtype)
-            stats = dd.kernel_stats(offsets_np, in_f, out_f, dtype=dtype)
+            stats = dd.kernel_stats(
+                offsets_np, in_f, out_f, dtype=dtype, block_size=b, rows=args.batch, device=spec
+            )
+            seconds = stats.cost.seconds
+            auto_path = _auto_path(args.batch, in_f, out_f, dtype, k, b, spec)
             fns = {}
             for impl in args.impls:
                 layer, param = layer_fns(impl, offsets, in_f, out_f, values)
                 for phase, fn_args in phase_fns(layer, x, param, dy).items():
                     fns[(impl, phase)] = fn_args
-            if on_gpu and "ffi" in args.impls:
-                fn, fn_args = fns[("ffi", "fwd")]
-                if not uses_dynadiag_kernels(fn, fn_args):
+            if on_gpu and "ffi" in args.impls and not uses_dynadiag_kernels(*fns[("ffi", "fwd")]):
+                raise RuntimeError("impl='ffi' did not compile to the dynadiag CUDA custom calls")
+            if on_gpu and "auto" in args.impls:
+                calls = uses_dynadiag_kernels(*fns[("auto", "fwd")])
+                if calls != (auto_path == "kernel"):
                     raise RuntimeError(
-                        "impl='ffi' did not compile to the dynadiag CUDA custom calls"
+                        f"impl='auto' compiled otherwise than the model's {auto_path}"
                     )
             med = run_case(fns, args.repeats, progress)
             blocks = stats.forward.output_blocks + stats.dx.output_blocks
-            for (impl, phase), seconds in med.items():
+            for (impl, phase), took in med.items():
+                model = {"ffi": "kernel", "auto": auto_path, "dense": "dense_layer"}.get(impl)
+                predicted = seconds[model][0 if phase == "fwd" else 2] if model else float("nan")
                 row = dict(
-                    device=jax.devices()[0].device_kind,
+                    device=kind,
                     dtype=dtype.name,
+                    block_size=b,
                     sparsity=sparsity,
                     layout=layout,
                     k=k,
                     batch=args.batch,
                     impl=impl,
                     phase=phase,
-                    ms=round(seconds * 1e3, 4),
-                    speedup_vs_dense=round(med[("dense", phase)] / seconds, 3),
+                    ms=round(took * 1e3, 4),
+                    speedup_vs_dense=round(med[("dense", phase)] / took, 3),
+                    predicted_ms=round(predicted * 1e3, 4),
+                    model_device=spec.name,
                     tiles_touched=stats.tiles_touched,
                     tile_fill=round(stats.forward.fill, 3),
                     tensor_core_share=round(
@@ -237,14 +298,14 @@ def main(argv=None) -> int:
                 fh.flush()
                 rows.append(row)
     print(
-        f"\n{'shape':>10} {'sp':>5} {'layout':>7} {'TC share':>8} {'impl':>6} {'phase':>8} "
-        f"{'ms':>9} {'x dense':>8}"
+        f"\n{'shape':>10} {'b':>3} {'sp':>5} {'layout':>7} {'TC share':>8} {'impl':>6} "
+        f"{'phase':>8} {'ms':>9} {'x dense':>8} {'model ms':>9}"
     )
     for r in rows:
         print(
-            f"{r['in']:>4}:{r['out']:<5} {r['sparsity']:>5} {r['layout']:>7} "
+            f"{r['in']:>4}:{r['out']:<5} {r['block_size']:>3} {r['sparsity']:>5} {r['layout']:>7} "
             f"{r['tensor_core_share']:>8} {r['impl']:>6} {r['phase']:>8} {r['ms']:>9.3f} "
-            f"{r['speedup_vs_dense']:>8.2f}"
+            f"{r['speedup_vs_dense']:>8.2f} {r['predicted_ms']:>9.3f}"
         )
     print(f"\nwrote {out}")
     return 0

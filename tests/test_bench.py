@@ -81,10 +81,12 @@ def test_gpu_benchmark_runs_on_the_cpu_when_allowed(run_python, tmp_path):
     assert "x dense" in proc.stdout and f"wrote {out}" in proc.stdout, proc.stdout
     fields, rows = read_rows(out)
     assert {"device", "layout", "impl", "phase", "ms", "speedup_vs_dense"} <= set(fields)
-    assert {"tiles_touched", "tile_fill", "tensor_core_share"} <= set(fields)
-    got = {(r["layout"], r["impl"], r["phase"]) for r in rows}
-    layouts, impls, phases = ("random", "band"), ("ffi", "dense", "bcoo"), ("fwd", "fwd+bwd")
-    assert got == {(lay, i, p) for lay in layouts for i in impls for p in phases}
+    assert {"tiles_touched", "tile_fill", "tensor_core_share", "predicted_ms"} <= set(fields)
+    got = {(r["block_size"], r["layout"], r["impl"], r["phase"]) for r in rows}
+    impls, phases = ("ffi", "auto", "dense", "bcoo"), ("fwd", "fwd+bwd")
+    # element diagonals in both layouts; b = 16 (random); b = 32 does not divide 16
+    cases = [("1", "random"), ("1", "band"), ("16", "random")]
+    assert got == {(b, lay, i, p) for b, lay in cases for i in impls for p in phases}
     assert len(rows) == len(got)
     assert {r["device"] for r in rows} == {jax.devices()[0].device_kind}
     assert_timings(rows)

@@ -30,12 +30,14 @@ MAX_REGISTERS = 255
 
 # Kernel name fragment -> how many instantiations each architecture must show.
 EXPECTED_KERNELS = {
-    "count_tiles_kernel": 1,
-    "compact_tiles_kernel": 1,
-    "tensor_core_product_kernel": 4,  # half, bfloat16 x output axis moving/fixed
-    "diagonal_product_kernel": 6,  # float, half, bfloat16 x 2
+    "element_plan_kernel": 6,  # float, half, bfloat16 x output axis moving/fixed
+    "element_product_kernel": 6,
     "sddmm_kernel": 3,
     "sddmm_reduce_kernel": 3,
+    "block_product_tc_kernel": 8,  # half, bfloat16 x output axis long/short x fwd/dx
+    "block_product_simt_kernel": 12,  # float, half, bfloat16 x 4
+    "block_sddmm_tc_kernel": 2,
+    "block_sddmm_simt_kernel": 3,
 }
 
 
@@ -75,6 +77,8 @@ def ptxas(tmp_path_factory):
         "-O3",
         "-Xptxas",
         "-v",
+        "--threads",
+        "0",  # both architectures at once
         "--keep",
         "--keep-dir",
         str(out),
@@ -129,9 +133,15 @@ def test_diag_matmul_lowers_to_the_cuda_targets_with_a_workspace():
             )
         pytest.skip("CUDA targets not built (no nvcc on PATH)")
     rows, in_f, out_f, k = 4, 16, 48, 3
-    for dtype in (jnp.bfloat16, jnp.float32):  # tensor-core plan, and no tile structure at all
+    # element diagonals with the tensor-core plan and without it; block diagonals (b = 16)
+    for dtype, v_shape in (
+        (jnp.bfloat16, (k, in_f)),
+        (jnp.float32, (k, in_f)),
+        (jnp.bfloat16, (k, 3, 16, 16)),
+    ):
+        block_size = v_shape[-1] if len(v_shape) == 4 else 1
         x = jax.ShapeDtypeStruct((rows, in_f), dtype)
-        v = jax.ShapeDtypeStruct((k, in_f), dtype)
+        v = jax.ShapeDtypeStruct(v_shape, dtype)
         o = jax.ShapeDtypeStruct((k,), jnp.int32)
 
         def f(x, v, o):
@@ -154,9 +164,8 @@ def test_diag_matmul_lowers_to_the_cuda_targets_with_a_workspace():
                 if f"stablehlo.custom_call @dynadiag_diag_matmul_v2_{kind}(" in line
             ]
             assert calls, f"no {kind} custom call in the CUDA lowering ({dtype.__name__})"
-            nbytes = max(1, cuda.workspace_bytes(kind, rows, in_f, out_f, k, dtype))
-            if kind != "dvalues":
-                assert (nbytes > 1) == (dtype == jnp.bfloat16), (kind, dtype.__name__, nbytes)
+            nbytes = cuda.workspace_bytes(kind, rows, in_f, out_f, k, dtype, block_size=block_size)
+            nbytes = max(1, nbytes)
             where = f"{kind} ({dtype.__name__}) workspace: {calls[0]}"
             assert all(f"tensor<{nbytes}xui8>" in c for c in calls), where
 

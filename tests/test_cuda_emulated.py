@@ -8,7 +8,6 @@ in the same dtype (the flash-attention rule, STYLE.md).
 """
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +15,9 @@ import numpy as np
 import pytest
 
 import dynadiag_jax as dd
+from dynadiag_jax import gpu_cost
 from dynadiag_jax.layout import diag_indices
 from dynadiag_jax.ops import cuda
-
-# The module (dd.kernel_stats is the function of the same name).
-ks = importlib.import_module("dynadiag_jax.kernel_stats")
 
 pytestmark = pytest.mark.skipif(
     "cuda_emulated" not in dd.available_impls(), reason="emulated CUDA targets not built"
@@ -155,10 +152,12 @@ def test_dvalues_split_over_rows(dtype, rng):
 def test_both_paths_are_exercised(in_f, out_f, rng):
     p = max(in_f, out_f)
     band = offsets_of("band", rng, p)
-    scattered = rng.choice(p, max(2, p // 6), replace=False)
+    lone = [p // 3]  # one diagonal: 1/16 of a tile at most
     for kind in ("fwd", "dx"):
-        assert (ks.block_structure(band, in_f, out_f, kind, jnp.bfloat16)[2] == 1).any()
-        assert (ks.block_structure(scattered, in_f, out_f, kind, jnp.bfloat16)[2] == 0).any()
+        path = gpu_cost.element_structure(band, kind, in_f, out_f, jnp.bfloat16).path
+        assert (path == cuda.PATH_TENSOR_CORE).any()
+        path = gpu_cost.element_structure(lone, kind, in_f, out_f, jnp.bfloat16).path
+        assert (path == cuda.PATH_DIAGONAL).any()
 
 
 def emulated_call(kind, a, b, offsets, out_shape, out_dtype, in_f, out_f, nbytes=None):
@@ -167,8 +166,11 @@ def emulated_call(kind, a, b, offsets, out_shape, out_dtype, in_f, out_f, nbytes
     Returns (result, workspace).
     """
     rows = int(np.prod(a.shape[:-1]))
+    values_shape = out_shape if kind == "dvalues" else b.shape
+    block_size = values_shape[-1] if len(values_shape) == 4 else 1
     if nbytes is None:
-        nbytes = cuda.workspace_bytes(kind, rows, in_f, out_f, offsets.shape[0], a.dtype)
+        k = offsets.shape[0]
+        nbytes = cuda.workspace_bytes(kind, rows, in_f, out_f, k, a.dtype, block_size=block_size)
     call = jax.ffi.ffi_call(
         f"{cuda.EMULATED_PREFIX}_{kind}",
         (
@@ -181,45 +183,74 @@ def emulated_call(kind, a, b, offsets, out_shape, out_dtype, in_f, out_f, nbytes
 
 @pytest.mark.parametrize("in_f,out_f", [(33, 33), (48, 100), (100, 48), (7, 130)])
 @pytest.mark.parametrize("kind", ["fwd", "dx"])
-def test_device_tile_structure_equals_kernel_stats(kind, in_f, out_f, rng):
+def test_device_plan_equals_the_cost_models_structure(kind, in_f, out_f, rng):
+    # the plan kernel's lists, touched tiles, paths and packed tiles, read back from the workspace
     p = max(in_f, out_f)
     offsets = np.concatenate([offsets_of("band", rng, p), rng.choice(p, 5), [3, 3]])
-    layout = cuda.product_layout(kind, in_f, out_f)
+    k = len(offsets)
+    layout = cuda.product_layout(kind, in_f, out_f, k, jnp.bfloat16)
     a_f, o_f = (in_f, out_f) if kind == "fwd" else (out_f, in_f)
     a = jnp.ones((3, a_f), jnp.bfloat16)
-    values = jnp.ones((len(offsets), min(in_f, out_f)), jnp.bfloat16)
+    values = rng.integers(-4, 5, (k, min(in_f, out_f)))  # small integers: exact sums in bfloat16
     _, ws = emulated_call(
-        kind, a, values, jnp.asarray(offsets, jnp.int32), (3, o_f), jnp.bfloat16, in_f, out_f
+        kind,
+        a,
+        jnp.asarray(values, jnp.bfloat16),
+        jnp.asarray(offsets, jnp.int32),
+        (3, o_f),
+        jnp.bfloat16,
+        in_f,
+        out_f,
     )
     ws = np.asarray(ws)
 
-    def seg(at, n):
-        return ws[at : at + 4 * n].view(np.int32)
+    def seg(at, n, dtype=np.int32):
+        return ws[at : at + np.dtype(dtype).itemsize * n].view(dtype)
 
-    counts = seg(layout.count_at, layout.n_mb * layout.n_tb).reshape(layout.n_mb, layout.n_tb)
-    np.testing.assert_array_equal(counts, ks.tile_counts(offsets, in_f, out_f))
-    ntiles, _, path = ks.block_structure(offsets, in_f, out_f, kind, jnp.bfloat16)
-    np.testing.assert_array_equal(seg(layout.ntiles_at, layout.n_ob), ntiles)
-    np.testing.assert_array_equal(seg(layout.path_at, layout.n_ob), path)
-    tiles = seg(layout.tiles_at, layout.n_ob * layout.n_qb).reshape(layout.n_ob, layout.n_qb)
-    per_block = counts if layout.out_moving else counts.T
-    for ob in range(layout.n_ob):
-        np.testing.assert_array_equal(tiles[ob, : ntiles[ob]], np.nonzero(per_block[ob])[0])
+    st = gpu_cost.element_structure(offsets, kind, in_f, out_f, jnp.bfloat16)
+    rows, cols = (np.asarray(x) for x in diag_indices(jnp.asarray(offsets), in_f, out_f))
+    o_idx, q_idx = (rows, cols) if kind == "fwd" else (cols, rows)
+    n_ob, n_qb = layout.n_ob, layout.n_qb
+    if layout.lists:
+        nlist = seg(layout.nlist_at, n_ob)
+        lists = seg(layout.list_at, n_ob * k).reshape(n_ob, k)
+        np.testing.assert_array_equal(nlist, st.n_list)
+        for ob in range(n_ob):
+            touching = np.nonzero((o_idx // cuda.TILE == ob).any(axis=1))[0]
+            np.testing.assert_array_equal(lists[ob, : nlist[ob]], touching)
+    ntiles = seg(layout.ntiles_at, n_ob)
+    np.testing.assert_array_equal(ntiles, st.n_tiles)
+    np.testing.assert_array_equal(seg(layout.path_at, n_ob), st.path)
+    assert (st.path == cuda.PATH_TENSOR_CORE).any()
+    tiles = seg(layout.tiles_at, n_ob * n_qb).reshape(n_ob, n_qb)
+    packed = seg(layout.packed_at, n_ob * n_qb * 256, np.uint16).astype(np.uint32) << 16
+    packed = packed.view(np.float32).reshape(n_ob, n_qb, cuda.TILE, cuda.TILE)
+    m = np.zeros((n_ob * cuda.TILE, n_qb * cuda.TILE))
+    np.add.at(m, (o_idx, q_idx), values)
+    for ob in range(n_ob):
+        touched = np.unique(q_idx[o_idx // cuda.TILE == ob] // cuda.TILE)
+        np.testing.assert_array_equal(tiles[ob, : ntiles[ob]], touched)
+        if st.path[ob] != cuda.PATH_TENSOR_CORE:
+            continue
+        for slot, qb in enumerate(touched):
+            want = m[ob * cuda.TILE : (ob + 1) * cuda.TILE, qb * cuda.TILE : (qb + 1) * cuda.TILE]
+            np.testing.assert_array_equal(packed[ob, slot], want)
 
 
-def test_float32_products_need_no_workspace(rng):
-    in_f, out_f, rows = 24, 40, 5
+def test_float32_products_along_the_fixed_axis_need_no_workspace(rng):
+    # wide fwd: outputs on the fixed axis, every diagonal touches every output: no plan at all;
+    # wide dx: outputs on the moving axis: the plan lists the diagonals of each output block
+    in_f, out_f, rows = 40, 24, 5
     assert cuda.workspace_bytes("fwd", rows, in_f, out_f, 9, jnp.float32) == 0
-    assert cuda.workspace_bytes("fwd", rows, in_f, out_f, 9, jnp.bfloat16) > 0
-    offsets = offsets_of("band", rng, out_f)[:9]
-    x, values, off, dy = make(rng, (rows,), in_f, out_f, offsets, jnp.float32)
-    y_exact, dx_exact, _ = reference(x, values, offsets, dy, out_f)
-    for kind, a, o_shape, exact in (
-        ("fwd", x, y_exact.shape, y_exact),
-        ("dx", dy, x.shape, dx_exact),
-    ):
-        got, _ = emulated_call(kind, a, values, off, o_shape, jnp.float32, in_f, out_f, nbytes=1)
-        assert_close(got, exact, f"{kind} with a 1-byte workspace", jnp.float32)
+    assert 0 < cuda.workspace_bytes("dx", rows, in_f, out_f, 9, jnp.float32)
+    assert cuda.workspace_bytes("dx", rows, in_f, out_f, 9, jnp.float32) < cuda.workspace_bytes(
+        "dx", rows, in_f, out_f, 9, jnp.bfloat16
+    )
+    offsets = offsets_of("band", rng, in_f)[:9]
+    x, values, off, _ = make(rng, (rows,), in_f, out_f, offsets, jnp.float32)
+    y_exact = reference(x, values, offsets, jnp.zeros((rows, out_f)), out_f)[0]
+    got, _ = emulated_call("fwd", x, values, off, y_exact.shape, jnp.float32, in_f, out_f, nbytes=1)
+    assert_close(got, y_exact, "fwd with a 1-byte workspace", jnp.float32)
 
 
 def test_dvalues_with_a_smaller_workspace_splits_less(rng):
@@ -240,18 +271,23 @@ def test_dvalues_with_a_smaller_workspace_splits_less(rng):
 def test_workspace_plan_matches_the_cpp_plan():
     from dynadiag_jax import _emu_ext  # noqa: PLC0415 - present whenever this module runs
 
+    element = [(1, 1), (7, 33), (33, 7), (768, 3072), (3072, 768), (130, 130)]
+    block = [(32, 64, 16), (64, 32, 8), (768, 3072, 16), (3072, 768, 32), (128, 128, 64)]
     for rows in (0, 1, 100, 600, 5000, 100000):
-        for in_f, out_f in [(1, 1), (7, 33), (33, 7), (768, 3072), (3072, 768), (130, 130)]:
+        for in_f, out_f, b in [(i, o, 1) for i, o in element] + block:
             for k in (0, 1, 9, 300):
                 for kind in ("fwd", "dx", "dvalues"):
                     for dtype in DTYPES:
                         tc = dtype != jnp.float32
-                        want = _emu_ext.workspace_bytes(kind, rows, in_f, out_f, k, tc)
-                        got = cuda.workspace_bytes(kind, rows, in_f, out_f, k, dtype)
-                        assert got == want, (kind, rows, in_f, out_f, k, dtype)
+                        want = _emu_ext.workspace_bytes(kind, rows, in_f, out_f, k, tc, b)
+                        got = cuda.workspace_bytes(kind, rows, in_f, out_f, k, dtype, block_size=b)
+                        assert got == want, (kind, rows, in_f, out_f, k, dtype, b)
                     # without a dtype: the most any dtype needs
-                    want = _emu_ext.workspace_bytes(kind, rows, in_f, out_f, k, True)
-                    assert cuda.workspace_bytes(kind, rows, in_f, out_f, k) == want
+                    most = max(
+                        _emu_ext.workspace_bytes(kind, rows, in_f, out_f, k, tc, b)
+                        for tc in (False, True)
+                    )
+                    assert cuda.workspace_bytes(kind, rows, in_f, out_f, k, block_size=b) == most
 
 
 def test_vmap_over_x_and_over_values(rng):

@@ -1,6 +1,7 @@
-"""dd.kernel_stats: the CUDA kernel's tile structure and path rule, applied on the host.
+"""dd.kernel_stats: the CUDA kernels' tile structure and path rules, applied on the host.
 
-(tests/test_cuda_emulated.py checks the per-block structure against what the device kernels write.)
+(tests/test_cuda_emulated.py checks the per-block structure against what the device plan kernel
+writes; tests/test_gpu_cost.py the predicted times.)
 """
 
 import jax
@@ -9,16 +10,32 @@ import numpy as np
 import pytest
 
 import dynadiag_jax as dd
+from dynadiag_jax import gpu_cost
+from dynadiag_jax.ops import cuda
 
 
-def test_random_offsets_at_90_percent_take_the_diagonal_path(rng):
-    # docs/design.md section 6: 768x768, K=77 random -> ~94% of 16x16 tiles touched, ~10% full
+def test_random_offsets_at_90_percent_touch_most_tiles_at_a_tenth_fill(rng):
+    # docs/design.md section 6: 768x768, K=77 random -> ~94% of 16x16 tiles touched, ~10% full.
+    # Packed once per call, such a tile is cheaper on tensor cores than its ~26 entries walked
+    # on CUDA cores (the rule takes tensor cores from 1/16 fill).
     offsets = rng.choice(768, dd.num_diagonals(768, 768, 0.9), replace=False)
     s = dd.kernel_stats(offsets, 768, 768)
     assert s.nonzeros == 77 * 768 and s.tiles_total == 48 * 48
     assert 0.9 < s.tiles_touched / s.tiles_total < 0.97
     assert 0.08 < s.forward.fill < 0.13
+    assert s.path == "tensor_core"
+
+
+def test_sparse_scattered_offsets_take_the_diagonal_path(rng):
+    # at 98% the touched tiles are ~2% full: below the 1/16 threshold
+    offsets = rng.choice(768, dd.num_diagonals(768, 768, 0.98), replace=False)
+    s = dd.kernel_stats(offsets, 768, 768)
+    assert s.forward.fill * cuda.TILE_COST < cuda.ENTRY_COST
     assert s.path == "diagonal" and s.forward.tensor_core_blocks == 0
+
+
+def test_the_fill_threshold_is_the_cost_models_ratio():
+    assert cuda.TILE_COST / cuda.ENTRY_COST == round(gpu_cost.tile_cost_ratio())
 
 
 def test_contiguous_offsets_take_tensor_cores():
@@ -40,16 +57,48 @@ def test_rectangular_products_count_their_own_output_blocks(rng):
 
 
 def test_mixed_structure_reports_mixed():
-    # tall 32 -> 256: a band fills output rows 0..62, a lone diagonal rows 200..231 (1/16 full)
+    # tall 32 -> 256: a band fills output rows 0..62, a lone diagonal rows 200..231 (1/16 full,
+    # then 1/32 in its second tile row)
     offsets = np.concatenate([np.arange(32), [200]])
     s = dd.kernel_stats(offsets, 32, 256)
     assert s.path == "mixed"
     assert s.forward.tensor_core_blocks > 0 and s.forward.diagonal_blocks > 0
 
 
+@pytest.mark.parametrize(
+    "dtype,b,path",
+    [(jnp.bfloat16, 16, "tensor_core"), (jnp.float16, 32, "tensor_core"),
+     (jnp.bfloat16, 8, "cuda_core"), (jnp.float32, 16, "cuda_core")],
+)  # fmt: skip
+def test_block_diagonals_are_full_tiles(dtype, b, path):
+    offsets = np.array([0, 3, 3])  # a repeat counts twice in the work, once in the density
+    s = dd.kernel_stats(offsets, 128, 256, dtype=dtype, block_size=b)
+    n_in, n_out = 128 // b, 256 // b
+    assert s.block_size == b and s.path == path
+    assert s.tiles_total == n_in * n_out and s.tiles_touched == 2 * n_out
+    assert s.nonzeros == 3 * 256 * b and s.density == pytest.approx(2 * 256 * b / (128 * 256))
+    assert s.forward.output_blocks == n_out and s.dx.output_blocks == n_in
+    assert s.forward.tiles == s.dx.tiles == 3 * n_out and s.forward.fill == 1.0
+    on_tc = path == "tensor_core"
+    assert s.forward.tensor_core_blocks == (n_out if on_tc else 0)
+    assert s.dx.diagonal_blocks == (0 if on_tc else n_in)
+
+
+def test_rows_add_the_predicted_times_of_each_path(rng):
+    s = dd.kernel_stats(np.array([1, 4]), 768, 3072, block_size=16, rows=4096)
+    assert s.cost is not None and s.cost.structure == "offsets"
+    assert set(s.cost.seconds) == {"kernel", "dense", "dense_layer"}
+    assert s.cost.num_diagonals == 2 and s.cost.device == "H100"
+    assert dd.kernel_stats(np.array([1, 4]), 768, 3072, block_size=16).cost is None
+    a100 = dd.kernel_stats(np.array([1, 4]), 768, 3072, block_size=16, rows=4096, device="A100")
+    assert a100.cost.seconds["dense_layer"][0] > s.cost.seconds["dense_layer"][0]
+
+
 def test_bad_offsets_are_rejected():
     with pytest.raises(ValueError, match=r"\[0, P\) = \[0, 48\)"):
         dd.kernel_stats(np.array([0, 48]), 48, 20)
+    with pytest.raises(ValueError, match=r"\[0, P_b\) = \[0, 4\)"):
+        dd.kernel_stats(np.array([4]), 64, 256, block_size=16)
     with pytest.raises(TypeError, match="1-D integer"):
         dd.kernel_stats(np.array([0.5]), 48, 20)
     with pytest.raises(TypeError, match="concrete offsets"):

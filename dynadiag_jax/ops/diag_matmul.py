@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, geometry
-from dynadiag_jax.ops import products, reference
+from dynadiag_jax.ops import auto, products, reference
 
 __all__ = ["diag_matmul", "available_impls"]
 
@@ -128,11 +128,21 @@ def _supports(impl: str, dtype) -> bool:
     return any(dtype == d for d in products.backend(impl).dtypes())
 
 
-def _resolve_impl(impl: str, dtype, block_size: int) -> str:
+def _resolve_impl(impl: str, dtype, geo, rows: int, num_diagonals: int) -> str:
+    block_size = geo.block_size
     if impl == "auto":
         backends = products.available_backends()
         usable = "ffi" in backends and _supports("ffi", dtype)
-        return "ffi" if usable and backends["ffi"].block_size_ok(block_size) else "jax"
+        return auto.decide(
+            auto.current_platform(),
+            rows=rows,
+            in_features=geo.in_features,
+            out_features=geo.out_features,
+            dtype=dtype,
+            num_diagonals=num_diagonals,
+            block_size=block_size,
+            kernel_available=usable and backends["ffi"].block_size_ok(block_size),
+        ).impl
     if impl != "dense" and impl not in products.available_backends():
         raise ValueError(f"impl must be one of {available_impls()}, got {impl!r}")
     if impl == "dense":
@@ -166,8 +176,11 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
       offsets: ``[K]`` integer diagonal ids in ``[0, P)``, ``P = max(in, out_features)``
         (block diagonals: ``[0, P_b)``, ``P_b = min(in, out_features) / b``); repeats add up.
       out_features: the output width.
-      impl: ``"auto"`` (the compiled kernel where it is built and supports the dtype and block
-        size, else ``"jax"``), ``"ffi"``, ``"jax"`` or ``"dense"``; see :func:`available_impls`.
+      impl: ``"auto"`` (decided from the static shapes, dtype, K and b: on CPU the compiled
+        kernel where it supports the dtype and block size, else ``"jax"``; on GPU the CUDA kernel
+        only where the cost model predicts it faster than ``"dense"``; elsewhere ``"dense"``;
+        see ``ops/auto.py``), ``"ffi"``, ``"jax"`` or ``"dense"`` (``W`` built on the device and
+        XLA's dot); see :func:`available_impls`.
 
     Returns:
       ``[..., out_features]`` in ``x.dtype``; low-precision inputs accumulate in float32.
@@ -190,8 +203,8 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
         _as_array(a, n) for a, n in ((x, "x"), (values, "values"), (offsets, "offsets"))
     )
     geo = _check_args(x, values, offsets, out_features, host_offsets)
-    impl = _resolve_impl(impl, x.dtype, geo.block_size)
     lead = x.shape[:-1]
+    impl = _resolve_impl(impl, x.dtype, geo, int(np.prod(lead, dtype=np.int64)), values.shape[0])
     x2 = x.reshape((-1, geo.in_features))
     if impl == "dense":
         y2 = _dense(x2, values, offsets, geo)

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "cuda/diag_launch.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -90,8 +91,52 @@ inline ffi::Error check_offsets(ffi::Buffer<ffi::S32> offsets, int64_t K) {
   return ffi::Error::Success();
 }
 
+inline bool kernel_block_size(int64_t b) { return b == 8 || b == 16 || b == 32 || b == 64 || b == 128; }
+
+// The kernels add int32 positions such as t + d (< P + D); larger layers are rejected.
+inline ffi::Error check_index_range(int64_t in_f, int64_t out_f) {
+  if (in_f + out_f < (int64_t(1) << 31)) return ffi::Error::Success();
+  return invalid("in_features + out_features = " + std::to_string(in_f) + " + " + std::to_string(out_f) +
+                 " must be below 2^31 (the CUDA kernels add indices along both axes in 32 bits)");
+}
+
+// values[K, L_b, b, b] (or dvalues) of W[out_f, in_f]: b from the last dimension; sets *g.
+inline ffi::Error check_block_values(const char* name, ffi::AnyBuffer::Dimensions vd, int64_t in_f,
+                                     int64_t out_f, int64_t K_expected, BlockGeometry* g) {
+  const int64_t b = vd[3];
+  if (vd[2] != b || !kernel_block_size(b))
+    return invalid(std::string(name) + " must have shape [K, L_b, b, b] with b in {8, 16, 32, 64, 128}, got " +
+                   shape_str(vd));
+  if (in_f % b != 0 || out_f % b != 0)
+    return invalid("block size b = " + std::to_string(b) + " must divide in_features = " + std::to_string(in_f) +
+                   " and out_features = " + std::to_string(out_f));
+  *g = block_geometry(in_f, out_f, b);
+  if (vd[1] != g->L_b || (K_expected >= 0 && vd[0] != K_expected))
+    return invalid(std::string(name) + " must have shape [K, L_b, b, b] = [" +
+                   (K_expected >= 0 ? std::to_string(K_expected) : std::string("K")) + ", " +
+                   std::to_string(g->L_b) + ", " + std::to_string(b) + ", " + std::to_string(b) + "], got " +
+                   shape_str(vd));
+  return ffi::Error::Success();
+}
+
+// The operands and sizes shared by ProductArgs and BlockProductArgs.
+template <class Args>
+void set_product_operands(Args& a, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer>& out, ffi::AnyBuffer values,
+                          ffi::Buffer<ffi::S32> offsets, int64_t rows, int64_t q_dim, int64_t o_dim, int64_t K) {
+  using T = std::remove_const_t<std::remove_pointer_t<decltype(a.in)>>;
+  a.in = static_cast<const T*>(in.untyped_data());
+  a.out = static_cast<T*>(out->untyped_data());
+  a.values = static_cast<const T*>(values.untyped_data());
+  a.offsets = offsets.typed_data();
+  a.rows = rows;
+  a.q_dim = static_cast<int32_t>(q_dim);
+  a.o_dim = static_cast<int32_t>(o_dim);
+  a.K = static_cast<int32_t>(K);
+}
+
 // Forward (transpose = false): in = x[..., in], out = y[..., out].
 // dx (transpose = true): in = dy[..., out], out = dx[..., in].
+// Element diagonals for values[K, D], block diagonals for values[K, L_b, b, b].
 template <class Launcher>
 ffi::Error product(Launcher& launch, bool transpose, ffi::AnyBuffer in, ffi::AnyBuffer values,
                    ffi::Buffer<ffi::S32> offsets, ffi::Result<ffi::AnyBuffer> out,
@@ -108,42 +153,52 @@ ffi::Error product(Launcher& launch, bool transpose, ffi::AnyBuffer in, ffi::Any
     return e;
   const int64_t q_dim = in.dimensions().back(), o_dim = out->dimensions().back();
   const int64_t in_f = transpose ? o_dim : q_dim, out_f = transpose ? q_dim : o_dim;
+  if (auto e = check_index_range(in_f, out_f); e.failure()) return e;
   const int64_t D = in_f < out_f ? in_f : out_f;
   auto vd = values.dimensions();
-  if (vd.size() != 2 || vd[1] != D)
-    return invalid("values must have shape [K, min(in, out)] = [K, " + std::to_string(D) + "], got " +
-                   shape_str(vd));
+  const bool blocked = vd.size() == 4;
+  BlockGeometry g{};
+  if (blocked) {
+    if (auto e = check_block_values("values", vd, in_f, out_f, -1, &g); e.failure()) return e;
+  } else if (vd.size() != 2 || vd[1] != D) {
+    return invalid("values must have shape [K, min(in, out)] = [K, " + std::to_string(D) +
+                   "] or [K, L_b, b, b], got " + shape_str(vd));
+  }
   const int64_t K = vd[0];
   if (K > std::numeric_limits<int32_t>::max()) return invalid("too many diagonals");
   if (auto e = check_offsets(offsets, K); e.failure()) return e;
-
   const bool tc = dt != ffi::DataType::F32;
-  const ProductPlan plan = plan_product(in_f, out_f, transpose, tc);
+  uint8_t* ws = workspace->typed_data();
+  if (blocked) {
+    const BlockProductPlan plan = plan_block_product(in_f, out_f, transpose, g.b, tc);
+    if (const char* e = block_product_limits(plan, rows)) return invalid(e);
+    return dispatch(dt, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      BlockProductArgs<T> a{};
+      set_product_operands(a, in, out, values, offsets, rows, q_dim, o_dim, K);
+      launch_block_product<T>(launch, plan, transpose, a);
+      return launch.status();
+    });
+  }
+  const ProductPlan plan = plan_product(in_f, out_f, transpose, K, tc);
   if (workspace->element_count() < plan.workspace_bytes)
     return invalid("workspace must have at least " + std::to_string(plan.workspace_bytes) +
                    " bytes (dynadiag_jax.ops.cuda.workspace_bytes), got " +
                    std::to_string(workspace->element_count()));
   if (const char* e = product_limits(plan, rows)) return invalid(e);
-  uint8_t* ws = workspace->typed_data();
   return dispatch(dt, [&](auto tag) {
     using T = typename decltype(tag)::type;
     ProductArgs<T> a{};
-    a.in = static_cast<const T*>(in.untyped_data());
-    a.out = static_cast<T*>(out->untyped_data());
-    a.values = static_cast<const T*>(values.untyped_data());
-    a.offsets = offsets.typed_data();
-    a.rows = rows;
-    a.q_dim = static_cast<int32_t>(q_dim);
-    a.o_dim = static_cast<int32_t>(o_dim);
+    set_product_operands(a, in, out, values, offsets, rows, q_dim, o_dim, K);
     a.P = plan.P;
     a.D = plan.D;
-    a.K = static_cast<int32_t>(K);
     launch_product<T>(launch, plan, a, ws);
     return launch.status();
   });
 }
 
-// dvalues[K, D] from dy[..., out] and x[..., in].
+// dvalues[K, D] (element) or dvalues[K, L_b, b, b] (block; b read from the result) from dy[..., out]
+// and x[..., in].
 template <class Launcher>
 ffi::Error dvalues(Launcher& launch, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> offsets,
                    ffi::Result<ffi::AnyBuffer> dvalues, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
@@ -155,19 +210,42 @@ ffi::Error dvalues(Launcher& launch, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::B
   int64_t rows = 0;
   if (auto e = check_rows("dy", dy.dimensions(), "x", x.dimensions(), &rows); e.failure()) return e;
   const int64_t out_f = dy.dimensions().back(), in_f = x.dimensions().back();
+  if (auto e = check_index_range(in_f, out_f); e.failure()) return e;
   const int64_t D = in_f < out_f ? in_f : out_f, P = in_f < out_f ? out_f : in_f;
   auto od = offsets.dimensions();
   if (od.size() != 1) return invalid("offsets must have shape [K], got " + shape_str(od));
   const int64_t K = od[0];
   if (K > std::numeric_limits<int32_t>::max()) return invalid("too many diagonals");
   auto vd = dvalues->dimensions();
+  uint8_t* ws = workspace->typed_data();
+  const bool tc = dt != ffi::DataType::F32;
+  if (vd.size() == 4) {
+    BlockGeometry g{};
+    if (auto e = check_block_values("dvalues", vd, in_f, out_f, K, &g); e.failure()) return e;
+    const size_t itemsize = dt == ffi::DataType::F32 ? 4 : 2;
+    const BlockSddmmPlan plan = plan_block_sddmm(rows, in_f, out_f, K, g.b, itemsize, tc, workspace->element_count());
+    if (const char* e = block_sddmm_limits(plan)) return invalid(e);
+    return dispatch(dt, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      BlockSddmmArgs<T> a{};
+      a.dy = static_cast<const T*>(dy.untyped_data());
+      a.x = static_cast<const T*>(x.untyped_data());
+      a.offsets = offsets.typed_data();
+      a.out = static_cast<T*>(dvalues->untyped_data());
+      a.rows = rows;
+      a.in_f = static_cast<int32_t>(in_f);
+      a.out_f = static_cast<int32_t>(out_f);
+      a.K = static_cast<int32_t>(K);
+      launch_block_sddmm<T>(launch, plan, a, ws);
+      return launch.status();
+    });
+  }
   if (vd.size() != 2 || vd[0] != K || vd[1] != D)
     return invalid("dvalues must have shape [K, min(in, out)] = [" + std::to_string(K) + ", " +
-                   std::to_string(D) + "], got " + shape_str(vd));
+                   std::to_string(D) + "] or [K, L_b, b, b], got " + shape_str(vd));
   if (const char* e = sddmm_limits(K, D)) return invalid(e);
   const SddmmPlan plan = plan_sddmm(rows, in_f, out_f, K, workspace->element_count());
   const bool tall = out_f >= in_f;
-  uint8_t* ws = workspace->typed_data();
   return dispatch(dt, [&](auto tag) {
     using T = typename decltype(tag)::type;
     SddmmArgs<T> a{};

@@ -1,29 +1,36 @@
-// Host side of the CUDA kernels: the workspace plan and the launch sequence of each target.
+// Host side of the CUDA kernels: the workspace plans and the launch sequence of each target.
 // Written once for both builds: `Launcher` is a small policy with
 //   launch(grid, block, kernel, args...)   kernel<<<grid, block, 0, stream>>>(args...) or emu::launch
 //   launch.memset(ptr, bytes)              cudaMemsetAsync(ptr, 0, bytes, stream) or std::memset
 //   launch.output(ptr, count, row, name)   declares an output the sequence writes exactly once per
 //                                          element (simt::store in the kernels, or a memset); the
 //                                          emulation checks it, the CUDA launcher ignores it
-// The plan is mirrored by dynadiag_jax/ops/cuda.py (workspace_bytes); a test compares the two.
+// The plans are mirrored by dynadiag_jax/ops/cuda.py (workspace_bytes and the block plans) and the
+// launches counted by dynadiag_jax/gpu_cost.py; tests compare both.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
 
+#include "cuda/block_kernels.cuh"
 #include "cuda/diag_kernels.cuh"
 
 namespace dynadiag {
 namespace cuda {
 
 constexpr size_t kWorkspaceAlign = 256;
-// dvalues: split the batch rows over grid.z until about kSddmmTargetBlocks blocks are in flight,
+// Element dvalues: split the rows over grid.z until about kSddmmTargetBlocks blocks are in flight,
 // keeping at least kSddmmRowsPerSplit rows per split.
 constexpr int64_t kSddmmRowsPerSplit = 256;
 constexpr int64_t kSddmmMaxSplits = 64;
 constexpr int64_t kSddmmTargetBlocks = 512;
+// Block dvalues: the same idea over its 1-D grid.
+constexpr int64_t kBlockSddmmTargetCtas = 1024;
+constexpr int64_t kBlockSddmmMaxSplits = 64;
+constexpr int64_t kBlockSddmmRowsPerSplit = 512;
 constexpr int64_t kMaxGridYZ = 65535;
 constexpr int64_t kMaxGridX = std::numeric_limits<int32_t>::max();
 
@@ -34,17 +41,19 @@ template <class T>
 constexpr bool kHasTensorCorePath =
     std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value;
 
+// ---- element diagonals --------------------------------------------------------------------------
 // Forward (transpose = false: out = y, in = x) or dx (transpose = true: out = dx, in = dy) of
-// W[out_features, in_features]. Workspace: tile counts [n_mb, n_tb], then per output block its
-// touched input blocks [n_ob, n_qb], their number [n_ob] and its path [n_ob] (int32 each,
-// 256-byte aligned segments). Without a tensor-core path (float32) nothing is needed.
+// W[out_features, in_features]. Workspace segments (256-byte aligned): the diagonal lists
+// [n_ob, K] and their lengths [n_ob] (out-moving products), then for 16-bit dtypes with at most
+// kMaxPlanBlocks input blocks the structure: touched input blocks [n_ob, n_qb], their number
+// [n_ob], the path [n_ob] and the packed 16x16 tiles [n_ob * n_qb, 16, 16] (2-byte elements).
 struct ProductPlan {
   int32_t P, D, n_mb, n_tb, n_ob, n_qb;
-  bool out_moving, tensor_cores;
-  size_t count_at, tiles_at, ntiles_at, path_at, workspace_bytes;
+  bool out_moving, lists, tiles;
+  size_t list_at, nlist_at, tiles_at, ntiles_at, path_at, packed_at, workspace_bytes;
 };
 
-inline ProductPlan plan_product(int64_t in_features, int64_t out_features, bool transpose,
+inline ProductPlan plan_product(int64_t in_features, int64_t out_features, bool transpose, int64_t K,
                                 bool tensor_cores) {
   ProductPlan p{};
   const bool tall = out_features >= in_features;
@@ -55,17 +64,21 @@ inline ProductPlan plan_product(int64_t in_features, int64_t out_features, bool 
   p.out_moving = transpose ? !tall : tall;
   p.n_ob = p.out_moving ? p.n_mb : p.n_tb;
   p.n_qb = p.out_moving ? p.n_tb : p.n_mb;
-  p.tensor_cores = tensor_cores;
-  if (!tensor_cores) return p;
+  p.lists = p.out_moving;
+  p.tiles = tensor_cores && p.n_qb <= kMaxPlanBlocks;
   size_t at = 0;
-  p.count_at = at;
-  at += align_up(sizeof(int32_t) * size_t(p.n_mb) * p.n_tb);
+  p.list_at = at;
+  at += p.lists ? align_up(sizeof(int32_t) * size_t(p.n_ob) * size_t(K)) : 0;
+  p.nlist_at = at;
+  at += p.lists ? align_up(sizeof(int32_t) * size_t(p.n_ob)) : 0;
   p.tiles_at = at;
-  at += align_up(sizeof(int32_t) * size_t(p.n_ob) * p.n_qb);
+  at += p.tiles ? align_up(sizeof(int32_t) * size_t(p.n_ob) * p.n_qb) : 0;
   p.ntiles_at = at;
-  at += align_up(sizeof(int32_t) * size_t(p.n_ob));
+  at += p.tiles ? align_up(sizeof(int32_t) * size_t(p.n_ob)) : 0;
   p.path_at = at;
-  at += align_up(sizeof(int32_t) * size_t(p.n_ob));
+  at += p.tiles ? align_up(sizeof(int32_t) * size_t(p.n_ob)) : 0;
+  p.packed_at = at;
+  at += p.tiles ? align_up(2 * size_t(p.n_ob) * p.n_qb * kTileArea) : 0;
   p.workspace_bytes = at;
   return p;
 }
@@ -97,10 +110,88 @@ inline SddmmPlan plan_sddmm(int64_t rows, int64_t in_features, int64_t out_featu
   return p;
 }
 
-// Grid limits, checked by the handlers before launching; nullptr when the shapes fit.
+// ---- block diagonals ----------------------------------------------------------------------------
+struct BlockGeometry {
+  int32_t b, P_b, L_b, wraps;
+  bool tall;
+};
+
+inline BlockGeometry block_geometry(int64_t in_features, int64_t out_features, int64_t b) {
+  BlockGeometry g{};
+  const int64_t nb_in = in_features / b, nb_out = out_features / b;
+  g.b = static_cast<int32_t>(b);
+  g.tall = out_features >= in_features;
+  g.P_b = static_cast<int32_t>(nb_in < nb_out ? nb_in : nb_out);
+  g.L_b = static_cast<int32_t>(nb_in < nb_out ? nb_out : nb_in);
+  g.wraps = static_cast<int32_t>(ceil_div(g.L_b, g.P_b));
+  return g;
+}
+
+// Panels of the fwd (transpose = false) or dx product (block_kernels.cuh); no workspace.
+struct BlockProductPlan {
+  BlockGeometry g;
+  bool out_long, tensor_cores;
+  int32_t per_panel, n_panels;
+};
+
+inline BlockProductPlan plan_block_product(int64_t in_features, int64_t out_features, bool transpose,
+                                           int64_t b, bool tensor_core_dtype) {
+  BlockProductPlan p{};
+  p.g = block_geometry(in_features, out_features, b);
+  p.out_long = transpose ? !p.g.tall : p.g.tall;
+  p.tensor_cores = tensor_core_dtype && b % 16 == 0;
+  const int32_t fit = static_cast<int32_t>(kBlockMaxCols / b > 1 ? kBlockMaxCols / b : 1);
+  p.per_panel = p.out_long ? (p.g.wraps < fit ? p.g.wraps : fit) : 1;
+  p.n_panels = p.g.P_b * (p.out_long ? static_cast<int32_t>(ceil_div(p.g.wraps, p.per_panel)) : 1);
+  return p;
+}
+
+// Thread blocks of the block SDDMM: (residue, wrap chunk, diagonal group, row split); float32
+// partial sums [splits, K, L_b, b, b] when splits > 1 (fewer splits with a smaller workspace).
+struct BlockSddmmPlan {
+  BlockGeometry g;
+  bool tensor_cores;
+  int32_t per_cta, chunks, diags, groups, splits;
+  int64_t rows_per_split;
+  size_t workspace_bytes;
+};
+
+inline BlockSddmmPlan plan_block_sddmm(int64_t rows, int64_t in_features, int64_t out_features, int64_t K,
+                                       int64_t b, size_t itemsize, bool tensor_core_dtype,
+                                       size_t available = std::numeric_limits<size_t>::max()) {
+  BlockSddmmPlan p{};
+  p.g = block_geometry(in_features, out_features, b);
+  p.tensor_cores = tensor_core_dtype && b % 16 == 0;
+  const int64_t cap = kBlockSddmmMaxElems / (b * b) > 1 ? kBlockSddmmMaxElems / (b * b) : 1;
+  int64_t root = static_cast<int64_t>(std::sqrt(static_cast<double>(cap)));
+  while (root * root > cap) --root;
+  while ((root + 1) * (root + 1) <= cap) ++root;
+  p.per_cta = static_cast<int32_t>(p.g.wraps < root ? p.g.wraps : root);
+  const int64_t room = kBlockSddmmStageBytes / (kBlockSddmmStageRows * b * int64_t(itemsize)) - p.per_cta;
+  int64_t diags = K > 1 ? K : 1;
+  if (diags > cap / p.per_cta) diags = cap / p.per_cta;
+  if (diags > room) diags = room;
+  if (diags < 1) diags = 1;
+  p.diags = static_cast<int32_t>(diags);
+  p.groups = static_cast<int32_t>(ceil_div(K, diags));
+  p.chunks = static_cast<int32_t>(ceil_div(p.g.wraps, p.per_cta));
+  const int64_t base = int64_t(p.g.P_b) * p.chunks * (p.groups > 1 ? p.groups : 1);
+  int64_t splits = ceil_div(rows, kBlockSddmmRowsPerSplit);
+  if (splits > kBlockSddmmMaxSplits) splits = kBlockSddmmMaxSplits;
+  if (splits > ceil_div(kBlockSddmmTargetCtas, base)) splits = ceil_div(kBlockSddmmTargetCtas, base);
+  const size_t per_split = sizeof(float) * size_t(K) * size_t(p.g.L_b) * size_t(b) * size_t(b);
+  if (per_split > 0 && splits > 1 && size_t(splits) * per_split > available)
+    splits = static_cast<int64_t>(available / per_split);
+  if (splits < 2 || per_split == 0) splits = 1;
+  p.splits = static_cast<int32_t>(splits);
+  p.rows_per_split = rows > 0 ? ceil_div(rows, splits) : 0;
+  p.workspace_bytes = splits > 1 ? size_t(splits) * per_split : 0;
+  return p;
+}
+
+// ---- limits, checked by the handlers before launching; nullptr when the shapes fit --------------
 inline const char* product_limits(const ProductPlan& p, int64_t rows) {
-  if (p.n_ob > kMaxGridYZ) return "too many output features for one launch (at most 1048560)";
-  if (ceil_div(rows, kBatchTile) > kMaxGridX) return "too many rows for one launch";
+  if (int64_t(p.n_ob) * ceil_div(rows, kElemRows) > kMaxGridX) return "too many rows for one launch";
   return nullptr;
 }
 
@@ -110,6 +201,17 @@ inline const char* sddmm_limits(int64_t K, int64_t D) {
   return nullptr;
 }
 
+inline const char* block_product_limits(const BlockProductPlan& p, int64_t rows) {
+  if (int64_t(p.n_panels) * ceil_div(rows, kBlockRows) > kMaxGridX) return "too many rows for one launch";
+  return nullptr;
+}
+
+inline const char* block_sddmm_limits(const BlockSddmmPlan& p) {
+  if (int64_t(p.g.P_b) * p.chunks * p.groups * p.splits > kMaxGridX) return "too many blocks for one launch";
+  return nullptr;
+}
+
+// ---- launch sequences ---------------------------------------------------------------------------
 template <class T, class Launcher>
 void launch_product(Launcher& launch, const ProductPlan& plan, ProductArgs<T> a, uint8_t* workspace) {
   launch.output(a.out, size_t(a.rows) * size_t(a.o_dim), size_t(a.o_dim), "ProductArgs::out");
@@ -118,28 +220,39 @@ void launch_product(Launcher& launch, const ProductPlan& plan, ProductArgs<T> a,
     launch.memset(a.out, sizeof(T) * size_t(a.rows) * size_t(a.o_dim));
     return;
   }
-  const dim3 grid(static_cast<unsigned>(ceil_div(a.rows, kBatchTile)), static_cast<unsigned>(plan.n_ob));
-  a.tiles = a.ntiles = a.path = nullptr;
-  if constexpr (kHasTensorCorePath<T>) {
-    int32_t* count = reinterpret_cast<int32_t*>(workspace + plan.count_at);
-    int32_t* tiles = reinterpret_cast<int32_t*>(workspace + plan.tiles_at);
-    int32_t* ntiles = reinterpret_cast<int32_t*>(workspace + plan.ntiles_at);
-    int32_t* path = reinterpret_cast<int32_t*>(workspace + plan.path_at);
-    launch.memset(count, sizeof(int32_t) * size_t(plan.n_mb) * plan.n_tb);
-    const StructureArgs s{a.offsets, a.K, plan.P, plan.D, plan.n_mb, plan.n_tb, count};
-    launch(dim3(static_cast<unsigned>(ceil_div(int64_t(a.K) * plan.n_tb, kStructureThreads))),
-           dim3(kStructureThreads), count_tiles_kernel, s);
-    const CompactArgs c{count, plan.n_mb, plan.n_tb, plan.out_moving, tiles, ntiles, path};
-    launch(dim3(static_cast<unsigned>(ceil_div(plan.n_ob, kCompactThreads))), dim3(kCompactThreads),
-           compact_tiles_kernel, c);
-    a.tiles = tiles;
-    a.ntiles = ntiles;
-    a.path = path;
-    launch(grid, dim3(kProductThreads),
-           plan.out_moving ? tensor_core_product_kernel<T, true> : tensor_core_product_kernel<T, false>, a);
+  auto seg = [&](bool present, size_t at) {
+    return present ? reinterpret_cast<int32_t*>(workspace + at) : nullptr;
+  };
+  int32_t* list = seg(plan.lists, plan.list_at);
+  int32_t* nlist = seg(plan.lists, plan.nlist_at);
+  int32_t* tiles = seg(plan.tiles, plan.tiles_at);
+  int32_t* ntiles = seg(plan.tiles, plan.ntiles_at);
+  int32_t* path = seg(plan.tiles, plan.path_at);
+  T* packed = plan.tiles ? reinterpret_cast<T*>(workspace + plan.packed_at) : nullptr;
+  a.n_ob = plan.n_ob;
+  a.n_qb = plan.n_qb;
+  a.list = list;
+  a.nlist = nlist;
+  a.tiles = tiles;
+  a.ntiles = ntiles;
+  a.path = path;
+  a.packed = packed;
+  if (plan.lists || plan.tiles) {
+    const PlanArgs<T> p{a.values, a.offsets, a.K, a.P, a.D, a.o_dim, plan.n_ob, plan.n_qb,
+                        list, nlist, tiles, ntiles, path, packed};
+    launch(dim3(static_cast<unsigned>(plan.n_ob)), dim3(kPlanThreads),
+           plan.out_moving ? element_plan_kernel<T, true> : element_plan_kernel<T, false>, p);
   }
-  launch(grid, dim3(kProductThreads),
-         plan.out_moving ? diagonal_product_kernel<T, true> : diagonal_product_kernel<T, false>, a);
+  const int64_t ctas = int64_t(plan.n_ob) * ceil_div(a.rows, kElemRows);
+  launch(dim3(static_cast<unsigned>(ctas)), dim3(kElemThreads),
+         plan.out_moving ? element_product_kernel<T, true> : element_product_kernel<T, false>, a);
+}
+
+template <class T, class Launcher>
+void launch_reduce(Launcher& launch, const float* partial, T* out, int64_t n, int32_t splits) {
+  const ReduceArgs<T> r{partial, out, n, splits};
+  launch(dim3(static_cast<unsigned>(ceil_div(n, kReduceThreads))), dim3(kReduceThreads), sddmm_reduce_kernel<T>,
+         r);
 }
 
 template <class T, class Launcher>
@@ -158,9 +271,75 @@ void launch_sddmm(Launcher& launch, const SddmmPlan& plan, SddmmArgs<T> a, uint8
   const dim3 grid(static_cast<unsigned>(ceil_div(a.D, kSddmmLanes)),
                   static_cast<unsigned>(ceil_div(a.K, kSddmmDiags)), static_cast<unsigned>(plan.splits));
   launch(grid, dim3(kSddmmThreads), sddmm_kernel<T>, a);
-  if (plan.splits > 1)
-    launch(dim3(static_cast<unsigned>(ceil_div(int64_t(a.K) * a.D, kReduceThreads))), dim3(kReduceThreads),
-           sddmm_reduce_kernel<T>, a);
+  if (plan.splits > 1) launch_reduce(launch, a.partial, a.out, int64_t(a.K) * a.D, plan.splits);
+}
+
+template <class T, bool kOutLong, bool kTranspose>
+auto block_product_kernel(bool tensor_cores) {
+  if constexpr (kHasTensorCorePath<T>) {
+    if (tensor_cores) return block_product_tc_kernel<T, kOutLong, kTranspose>;
+  }
+  return block_product_simt_kernel<T, kOutLong, kTranspose>;
+}
+
+template <class T, class Launcher>
+void launch_block_product(Launcher& launch, const BlockProductPlan& plan, bool transpose, BlockProductArgs<T> a) {
+  launch.output(a.out, size_t(a.rows) * size_t(a.o_dim), size_t(a.o_dim), "BlockProductArgs::out");
+  if (a.rows == 0) return;
+  if (a.K == 0) {
+    launch.memset(a.out, sizeof(T) * size_t(a.rows) * size_t(a.o_dim));
+    return;
+  }
+  a.P_b = plan.g.P_b;
+  a.L_b = plan.g.L_b;
+  a.b = plan.g.b;
+  a.wraps = plan.g.wraps;
+  a.per_panel = plan.per_panel;
+  a.n_panels = plan.n_panels;
+  const dim3 grid(static_cast<unsigned>(int64_t(plan.n_panels) * ceil_div(a.rows, kBlockRows)));
+  const bool tc = plan.tensor_cores;
+  if (plan.out_long)
+    launch(grid, dim3(kBlockThreads),
+           transpose ? block_product_kernel<T, true, true>(tc) : block_product_kernel<T, true, false>(tc), a);
+  else
+    launch(grid, dim3(kBlockThreads),
+           transpose ? block_product_kernel<T, false, true>(tc) : block_product_kernel<T, false, false>(tc), a);
+}
+
+template <class T, class Launcher>
+void launch_block_sddmm(Launcher& launch, const BlockSddmmPlan& plan, BlockSddmmArgs<T> a, uint8_t* workspace) {
+  const BlockGeometry& g = plan.g;
+  const int64_t n = int64_t(a.K) * g.L_b * g.b * g.b;
+  launch.output(a.out, size_t(n), size_t(g.b), "BlockSddmmArgs::out");
+  if (a.K == 0) return;
+  if (a.rows == 0) {
+    launch.memset(a.out, sizeof(T) * size_t(n));
+    return;
+  }
+  a.P_b = g.P_b;
+  a.L_b = g.L_b;
+  a.b = g.b;
+  a.tall = g.tall;
+  a.per_cta = plan.per_cta;
+  a.chunks = plan.chunks;
+  a.diags = plan.diags;
+  a.groups = plan.groups;
+  a.splits = plan.splits;
+  a.rows_per_split = plan.rows_per_split;
+  a.partial = plan.splits > 1 ? reinterpret_cast<float*>(workspace) : nullptr;
+  if (a.partial != nullptr)
+    launch.output(a.partial, size_t(plan.splits) * size_t(n), size_t(g.b), "BlockSddmmArgs::partial");
+  const dim3 grid(static_cast<unsigned>(int64_t(g.P_b) * plan.chunks * plan.groups * plan.splits));
+  if constexpr (kHasTensorCorePath<T>) {
+    if (plan.tensor_cores) {
+      launch(grid, dim3(kBlockThreads), block_sddmm_tc_kernel<T>, a);
+    } else {
+      launch(grid, dim3(kBlockThreads), block_sddmm_simt_kernel<T>, a);
+    }
+  } else {
+    launch(grid, dim3(kBlockThreads), block_sddmm_simt_kernel<T>, a);
+  }
+  if (plan.splits > 1) launch_reduce(launch, a.partial, a.out, n, plan.splits);
 }
 
 }  // namespace cuda

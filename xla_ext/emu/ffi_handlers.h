@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "xla/ffi/api/c_api.h"
 
@@ -18,7 +19,15 @@ namespace emu_host {
 
 // Workspace the handlers need ("fwd", "dx" or "dvalues"); the plan the Python mirror must match.
 size_t workspace_bytes(const std::string& op, int64_t rows, int64_t in_features, int64_t out_features,
-                       int64_t num_diagonals, bool tensor_cores);
+                       int64_t num_diagonals, bool tensor_cores, int64_t block_size);
+
+// The work the emulated kernels counted since the last reset, per kernel (cuda/kernel_common.cuh).
+struct KernelCount {
+  std::string kernel;
+  int64_t ctas, mma, fma, load_bytes, store_bytes;
+};
+std::vector<KernelCount> kernel_counts();
+void reset_kernel_counts();
 
 }  // namespace emu_host
 }  // namespace dynadiag

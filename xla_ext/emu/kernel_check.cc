@@ -127,16 +127,25 @@ void run_case(const Case& c, std::mt19937& rng) {
           ref[b * o_dim + o] += w * v;
           mag[b * o_dim + o] += std::fabs(w * v);
         }
-    const auto plan = dynadiag::cuda::plan_product(c.in, c.out, transpose, tc);
+    const auto plan = dynadiag::cuda::plan_product(c.in, c.out, transpose, K, tc);
     std::vector<uint8_t> ws(plan.workspace_bytes + 1);
     std::vector<T> out(ref.size(), from_f<T>(12345.f));
-    ProductArgs<T> a{in.data(), out.data(), values.data(), c.offsets.data(), c.rows, q_dim, o_dim,
-                     plan.P, plan.D, K, nullptr, nullptr, nullptr};
+    ProductArgs<T> a{};
+    a.in = in.data();
+    a.out = out.data();
+    a.values = values.data();
+    a.offsets = c.offsets.data();
+    a.rows = c.rows;
+    a.q_dim = q_dim;
+    a.o_dim = o_dim;
+    a.P = plan.P;
+    a.D = plan.D;
+    a.K = K;
     EmuLauncher launch;
     dynadiag::cuda::launch_product(launch, plan, a, ws.data());
     check_launch(launch, transpose ? "dx" : "forward", c);
     compare(transpose ? "dx" : "forward", c, out, ref, mag);
-    if (tc && K > 0 && c.rows > 0) {
+    if (plan.tiles && K > 0 && c.rows > 0) {
       const int32_t* path = reinterpret_cast<const int32_t*>(ws.data() + plan.path_at);
       for (int ob = 0; ob < plan.n_ob; ++ob)
         (path[ob] == dynadiag::cuda::kPathTensorCore ? tc_blocks : diag_blocks) += 1;

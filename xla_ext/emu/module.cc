@@ -1,5 +1,6 @@
 // nanobind module _emu_ext: the emulated CUDA targets as {target name: capsule}, for the CPU
-// platform, plus the C++ workspace plan (tests compare it with dynadiag_jax/ops/cuda.py).
+// platform, plus the C++ workspace plan (tests compare it with dynadiag_jax/ops/cuda.py) and the
+// kernels' work counters (tests compare them with dynadiag_jax/gpu_cost.py).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -16,5 +17,21 @@ NB_MODULE(_emu_ext, m) {
     return d;
   });
   m.def("workspace_bytes", &dynadiag::emu_host::workspace_bytes, nb::arg("op"), nb::arg("rows"),
-        nb::arg("in_features"), nb::arg("out_features"), nb::arg("num_diagonals"), nb::arg("tensor_cores"));
+        nb::arg("in_features"), nb::arg("out_features"), nb::arg("num_diagonals"), nb::arg("tensor_cores"),
+        nb::arg("block_size") = 1);
+  // {kernel: {ctas, mma, fma, load_bytes, store_bytes}} counted since the last reset
+  m.def("kernel_counts", [] {
+    nb::dict d;
+    for (const auto& c : dynadiag::emu_host::kernel_counts()) {
+      nb::dict e;
+      e["ctas"] = c.ctas;
+      e["mma"] = c.mma;
+      e["fma"] = c.fma;
+      e["load_bytes"] = c.load_bytes;
+      e["store_bytes"] = c.store_bytes;
+      d[c.kernel.c_str()] = e;
+    }
+    return d;
+  });
+  m.def("reset_kernel_counts", &dynadiag::emu_host::reset_kernel_counts);
 }

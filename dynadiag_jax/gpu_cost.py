@@ -1,0 +1,657 @@
+"""Roofline cost model of the GPU paths of ``diag_matmul`` (docs/gpu_cost_model.md).
+
+Every path is a list of launches, and every launch is counted from the launch plan the code really
+uses (``xla_ext/cuda/diag_launch.cuh``; the counts equal the counters of the emulated kernels,
+tests/test_cuda_counts.py):
+
+* ``mma``: warp-level ``16x16x16`` tensor-core products (``wmma::mma_sync`` calls);
+* ``fma``: float32 CUDA-core fused multiply-adds (thread level);
+* ``load_bytes`` / ``store_bytes``: bytes the launch reads / writes in global memory (operands,
+  outputs, the lists and tiles of the workspace; per-block scalars are not counted). Every load goes
+  through L2, so this is the L2 traffic;
+* ``hbm_bytes``: HBM traffic under the **L2 reuse assumption**: every array a launch reads is
+  fetched from HBM once and every array it writes is written once. The kernels' grids run the output
+  panels of one row slab of ``x`` consecutively (output-fastest order), so the slab (at most
+  ``128 rows x in`` elements per panel column) is reused from L2 by the panels that follow; weights,
+  lists and tiles are small and stay resident. The assumption holds while the weights (``K * D`` or
+  ``K * L_b * b * b`` elements) fit in :data:`WEIGHT_L2_BYTES`; beyond that the model charges one
+  weight read from HBM per row slab.
+
+A launch takes ``max(tensor, cuda_core, hbm, l2) + launch_seconds``: its tensor-core FLOPs at the
+rate of its engine (``wmma`` for our kernels, ``dense`` for XLA's dot), its CUDA-core FMAs as warp
+instructions (``instructions_per_fma`` of its inner loop, read off the source) at the issue rate,
+its HBM bytes at the HBM bandwidth and its global loads and stores at the L2 bandwidth. A path's
+time is the sum over its launches; a training step of the layer takes ``fwd + bwd``.
+
+What it ignores: latency that the pipeline does not hide, wave quantisation, L1 hits (the L2 term is
+an upper bound), clock throttling. It is a ranking model for ``impl="auto"`` and a statement of what
+each kernel can at best reach; only a GPU run (``scripts/gpu_check.sh``) measures.
+
+Device specs: :data:`DEVICES` holds the H100 SXM and A100 SXM figures used by ``impl="auto"``; add
+another with :func:`register_device` (a :class:`DeviceSpec`; ``device_kinds`` are substrings of
+``jax.devices()[0].device_kind`` that select it).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from dynadiag_jax.layout import geometry
+from dynadiag_jax.ops import cuda
+
+__all__ = [
+    "DEVICES",
+    "DeviceSpec",
+    "Launch",
+    "PathCost",
+    "Prediction",
+    "device_for_kind",
+    "predict",
+    "register_device",
+]
+
+
+class DeviceSpec(NamedTuple):
+    """Throughputs of one GPU model (sustained figures, not marketing peaks)."""
+
+    name: str
+    device_kinds: tuple  # substrings of jax's device_kind that select this spec
+    dense_flops_16bit: float  # XLA/cuBLAS dot FLOP/s, bfloat16/float16 inputs
+    dense_flops_f32: float  # XLA/cuBLAS dot FLOP/s, float32 inputs (TF32: JAX's default precision)
+    wmma_flops: float  # our wmma (mma.sync m16n16k16) kernels, bf16/f16 inputs, f32 accumulation
+    issue_rate: float  # warp instructions per second, whole GPU (SMs x 4 schedulers x clock)
+    hbm_bandwidth: float  # bytes/s
+    l2_bandwidth: float  # bytes/s between L2 and the SMs
+    l2_bytes: int
+    launch_seconds: float  # per kernel launch inside a compiled XLA program
+
+
+# H100 SXM5 80 GB: 132 SMs at ~1.75 GHz sustained; 989 TFLOP/s bf16 peak of which cuBLAS sustains
+# ~800 on large GEMMs; wmma compiles to mma.sync, which on Hopper reaches about half the wgmma peak;
+# 3.35 TB/s HBM3 peak (~3.0 sustained); L2 bandwidth from public microbenchmarks (~5.5 TB/s on the
+# PCIe H100 with 114 SMs), scaled to 132 SMs - the least certain figure here (+-30%).
+H100 = DeviceSpec(
+    name="H100",
+    device_kinds=("H100", "H800", "GH200"),
+    dense_flops_16bit=800e12,
+    dense_flops_f32=400e12,
+    wmma_flops=495e12,
+    issue_rate=132 * 4 * 1.755e9,
+    hbm_bandwidth=3.0e12,
+    l2_bandwidth=7.0e12,
+    l2_bytes=50 * 2**20,
+    launch_seconds=3e-6,
+)
+# A100 SXM4 80 GB: 108 SMs at 1.41 GHz; 312 TFLOP/s bf16 peak (~250 sustained by cuBLAS, mma.sync
+# is Ampere's native path: ~220 for wmma kernels); 2.04 TB/s HBM2e (~1.8 sustained); L2 ~5 TB/s.
+A100 = DeviceSpec(
+    name="A100",
+    device_kinds=("A100", "A800"),
+    dense_flops_16bit=250e12,
+    dense_flops_f32=125e12,
+    wmma_flops=220e12,
+    issue_rate=108 * 4 * 1.41e9,
+    hbm_bandwidth=1.8e12,
+    l2_bandwidth=5.0e12,
+    l2_bytes=40 * 2**20,
+    launch_seconds=3e-6,
+)
+DEVICES: dict[str, DeviceSpec] = {"H100": H100, "A100": A100}
+DEFAULT_DEVICE = "H100"
+
+# Warp instructions per thread-level FMA in the CUDA-core inner loops (from the source; see the
+# kernels in xla_ext/cuda/diag_kernels.cuh): a global load and the FMA plus amortised index work
+# (element diagonal path), a shared-memory load and the FMA (block products), two shared loads and
+# the FMA (block SDDMM), one global load and the FMA (element SDDMM).
+INSTRUCTIONS_PER_FMA = {
+    "element_product": 3.0,
+    "block_product": 2.0,
+    "block_sddmm": 3.0,
+    "element_sddmm": 2.0,
+}
+MMA_FLOPS = 2 * 16 * 16 * 16  # one warp-level m16n16k16 product
+
+
+def register_device(spec: DeviceSpec) -> None:
+    """Add (or replace) a device; ``impl="auto"`` picks it when a device kind matches."""
+    if not isinstance(spec, DeviceSpec):
+        raise TypeError(f"spec must be a DeviceSpec, got {type(spec).__name__}")
+    DEVICES[spec.name] = spec
+
+
+def device_for_kind(device_kind: str) -> DeviceSpec | None:
+    """The spec whose ``device_kinds`` occur in ``device_kind`` (e.g. "NVIDIA H100 80GB HBM3")."""
+    for spec in DEVICES.values():
+        if any(k.lower() in device_kind.lower() for k in spec.device_kinds):
+            return spec
+    return None
+
+
+def _spec(device) -> DeviceSpec:
+    if isinstance(device, DeviceSpec):
+        return device
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {tuple(DEVICES)} or a DeviceSpec, got {device!r}")
+    return DEVICES[device]
+
+
+class Launch(NamedTuple):
+    """The counted work of one kernel launch (or one XLA op of the dense path)."""
+
+    name: str
+    ctas: int = 0
+    mma: int = 0
+    fma: int = 0
+    load_bytes: int = 0
+    store_bytes: int = 0
+    hbm_bytes: int = 0
+    engine: str = "wmma"  # "wmma": our kernels; "xla": XLA ops (dot FLOPs at the dense rate)
+    dense_flops: float = 0.0  # XLA dot FLOPs
+    kernel: str = ""  # INSTRUCTIONS_PER_FMA key of the CUDA-core loop
+
+    def seconds(self, spec: DeviceSpec, dtype) -> float:
+        """Roofline time: the slowest of its engines plus the launch cost."""
+        tensor = self.mma * MMA_FLOPS / spec.wmma_flops
+        if self.dense_flops:
+            wide = jnp.dtype(dtype).itemsize >= 4
+            rate = spec.dense_flops_f32 if wide else spec.dense_flops_16bit
+            tensor += self.dense_flops / rate
+        cuda_core = self.fma * INSTRUCTIONS_PER_FMA.get(self.kernel, 1.0) / 32 / spec.issue_rate
+        hbm = self.hbm_bytes / spec.hbm_bandwidth
+        l2 = (self.load_bytes + self.store_bytes) / spec.l2_bandwidth
+        return max(tensor, cuda_core, hbm, l2) + spec.launch_seconds
+
+
+class PathCost(NamedTuple):
+    """Launches of one path: the forward product and the backward (dx and dvalues)."""
+
+    fwd: tuple
+    bwd: tuple
+
+    def seconds(self, spec: DeviceSpec, dtype) -> tuple:
+        """``(fwd, bwd, fwd + bwd)`` seconds."""
+        f = sum(launch.seconds(spec, dtype) for launch in self.fwd)
+        b = sum(launch.seconds(spec, dtype) for launch in self.bwd)
+        return f, b, f + b
+
+
+class Prediction(NamedTuple):
+    """Result of :func:`predict`: seconds per path (``fwd``, ``bwd``, ``step`` = fwd + bwd)."""
+
+    device: str
+    dtype: str
+    rows: int
+    in_features: int
+    out_features: int
+    num_diagonals: int
+    block_size: int
+    structure: str  # "offsets" (the given ones) or "spread" (K evenly spread: the scattered case)
+    paths: dict  # name -> PathCost: "kernel", "dense" (build W + XLA's dot), "dense_layer"
+    seconds: dict  # name -> (fwd, bwd, step)
+
+    def speedup(self, path: str = "kernel", baseline: str = "dense_layer") -> tuple:
+        """``(fwd, step)`` speed-ups of ``path`` over ``baseline`` (> 1: faster)."""
+        p, b = self.seconds[path], self.seconds[baseline]
+        return b[0] / p[0], b[2] / p[2]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _itemsize(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
+def _tensor_core_dtype(dtype) -> bool:
+    return jnp.dtype(dtype) in cuda.TENSOR_CORE_DTYPES
+
+
+def spread_offsets(num_diagonals: int, num_candidates: int) -> np.ndarray:
+    """``K`` offsets spread evenly over ``[0, P)``: what the model assumes when offsets are unknown.
+
+    A search leaves diagonals scattered; even spreading is the scattered case with the most
+    touched tiles, so predictions without offsets are the pessimistic ones.
+    """
+    k = np.arange(num_diagonals, dtype=np.int64)
+    return (k * num_candidates) // max(num_diagonals, 1)
+
+
+# --- element diagonals ------------------------------------------------------------------------
+
+
+class ElementStructure(NamedTuple):
+    """What the plan kernel computes for one product, per output block (arrays of ``n_ob``)."""
+
+    n_list: np.ndarray  # diagonals touching the block (out-moving products), else K
+    entries: np.ndarray  # non-zeros of M in the block's rows
+    n_tiles: np.ndarray  # touched 16x16 tiles
+    path: np.ndarray  # cuda.PATH_TENSOR_CORE / cuda.PATH_DIAGONAL
+
+
+def element_structure(offsets, kind: str, in_features: int, out_features: int, dtype):
+    """The device plan of the element fwd (``kind="fwd"``) or ``dx`` product for these offsets."""
+    geo = geometry(in_features, out_features)
+    p, d = geo.num_candidates, geo.length
+    layout = cuda.product_layout(kind, in_features, out_features)
+    off = np.asarray(offsets, np.int64)
+    k = off.size
+    t = np.arange(d, dtype=np.int64)
+    moving = (t[None, :] + off[:, None]) % p if k else np.zeros((0, d), np.int64)
+    mb, tb = moving // cuda.TILE, np.broadcast_to(t // cuda.TILE, moving.shape)
+    counts = np.bincount(
+        (mb * layout.n_tb + tb).ravel(), minlength=layout.n_mb * layout.n_tb
+    ).reshape(layout.n_mb, layout.n_tb)
+    per_block = counts if layout.out_moving else counts.T  # [n_ob, n_qb]
+    entries = per_block.sum(axis=1)
+    n_tiles = (per_block > 0).sum(axis=1)
+    if layout.out_moving:
+        per_diag = np.bincount(
+            (np.arange(k)[:, None] * layout.n_mb + mb).ravel(), minlength=k * layout.n_mb
+        ).reshape(k, layout.n_mb)
+        n_list = (per_diag > 0).sum(axis=0)
+    else:
+        n_list = np.full(layout.n_ob, k)
+    tensor_cores = _tensor_core_dtype(dtype) and layout.n_qb <= cuda.MAX_PLAN_BLOCKS
+    cheaper = n_tiles * cuda.TILE_COST <= entries * cuda.ENTRY_COST
+    on_tc = tensor_cores & (n_tiles > 0) & cheaper
+    path = np.where(on_tc, cuda.PATH_TENSOR_CORE, cuda.PATH_DIAGONAL)
+    return ElementStructure(n_list, entries, n_tiles, path)
+
+
+def _slab_rows(rows: int, slab_rows: int) -> np.ndarray:
+    """Valid rows of each row slab."""
+    n = _cdiv(rows, slab_rows)
+    r = np.full(n, slab_rows, np.int64)
+    if n:
+        r[-1] = rows - (n - 1) * slab_rows
+    return r
+
+
+def element_product_launches(kind, rows, in_features, out_features, offsets, dtype) -> list:
+    """Launches of the element fwd/dx product (plan kernel, product kernel)."""
+    geo = geometry(in_features, out_features)
+    k = len(offsets)
+    layout = cuda.product_layout(kind, in_features, out_features, k, dtype)
+    s = _itemsize(dtype)
+    if rows == 0:
+        return []
+    o_dim = out_features if kind == "fwd" else in_features
+    q_dim = in_features if kind == "fwd" else out_features
+    if k == 0:
+        return [Launch("memset", store_bytes=rows * o_dim * s, hbm_bytes=rows * o_dim * s)]
+    st = element_structure(offsets, kind, in_features, out_features, dtype)
+    om, structure = layout.lists, layout.tiles
+    tc_blocks = st.path == cuda.PATH_TENSOR_CORE
+    launches = []
+    if om or structure:
+        # offsets once per block; packing re-reads the list (k and offset) and read-modify-writes
+        # every entry of the packed tiles after zeroing them
+        packed = int(st.n_tiles[tc_blocks].sum())
+        pack_entries = int(st.entries[tc_blocks].sum())
+        pack_list = int(st.n_list[tc_blocks].sum()) * (8 if om else 4)
+        load = layout.n_ob * 4 * k + pack_list + 2 * s * pack_entries
+        store = (
+            om * 4 * int(st.n_list.sum() + layout.n_ob)
+            + structure * 4 * int(st.n_tiles.sum() + 2 * layout.n_ob)
+            + s * (packed * cuda.TILE * cuda.TILE + pack_entries)
+        )
+        launches.append(
+            Launch(
+                "element_plan",
+                ctas=layout.n_ob,
+                load_bytes=load,
+                store_bytes=store,
+                hbm_bytes=4 * k + s * pack_entries + store,
+            )
+        )
+    slab = _slab_rows(rows, cuda.ELEM_ROWS)
+    n_slabs, rows_sum = len(slab), int(slab.sum())
+    q_width = np.minimum(cuda.TILE, q_dim - np.arange(layout.n_qb) * cuda.TILE)
+    # Per output block: tensor-core path work per row slab, or diagonal path work.
+    tiles = int(st.n_tiles[tc_blocks].sum())
+    mma = tiles * cuda.ELEM_WARPS * n_slabs
+    x_tc = 0
+    if tiles:  # x slices of each touched tile: valid rows x valid columns
+        per_tile_cols = _touched_tile_widths(offsets, kind, in_features, out_features, q_width)
+        x_tc = int(per_tile_cols[tc_blocks].sum()) * rows_sum * s
+    tc_load = x_tc + tiles * n_slabs * (4 + cuda.TILE * cuda.TILE * s)
+    diag = ~tc_blocks
+    entries_diag = int(st.entries[diag].sum())
+    groups = np.minimum(cuda.ELEM_GROUPS, slab)  # thread groups holding at least one row
+    fma = entries_diag * rows_sum
+    meta = (8 if om else 4) * int(st.n_list[diag].sum()) * n_slabs
+    diag_load = meta + entries_diag * s * (rows_sum + int(groups.sum()))
+    store = rows_sum * o_dim * s
+    weights = k * geo.length * s
+    packed = int(st.n_tiles[tc_blocks].sum()) * cuda.TILE * cuda.TILE * s
+    hbm = rows * q_dim * s + store + _weight_hbm(weights + packed, n_slabs)
+    launches.append(
+        Launch(
+            "element_product",
+            ctas=layout.n_ob * n_slabs,
+            mma=mma,
+            fma=fma,
+            load_bytes=tc_load + diag_load,
+            store_bytes=store,
+            hbm_bytes=hbm,
+            kernel="element_product",
+        )
+    )
+    return launches
+
+
+def _touched_tile_widths(offsets, kind, in_features, out_features, q_width) -> np.ndarray:
+    """Per output block: the summed input widths of its touched tiles."""
+    geo = geometry(in_features, out_features)
+    layout = cuda.product_layout(kind, in_features, out_features)
+    off = np.asarray(offsets, np.int64)
+    t = np.arange(geo.length, dtype=np.int64)
+    moving = (t[None, :] + off[:, None]) % geo.num_candidates
+    touched = np.zeros((layout.n_mb, layout.n_tb), bool)
+    touched[moving // cuda.TILE, np.broadcast_to(t // cuda.TILE, moving.shape)] = True
+    per_block = touched if layout.out_moving else touched.T
+    return (per_block * q_width[None, :]).sum(axis=1)
+
+
+# Weights up to this size stay in L2 across row slabs (half of the smaller L2 of the two specs).
+WEIGHT_L2_BYTES = 20 * 2**20
+
+
+def _weight_hbm(weight_bytes: int, n_slabs: int) -> int:
+    """HBM bytes of the weights: once, or once per row slab when they do not stay in L2."""
+    return weight_bytes if weight_bytes <= WEIGHT_L2_BYTES else weight_bytes * max(n_slabs, 1)
+
+
+def element_dvalues_launches(rows, in_features, out_features, offsets, dtype) -> list:
+    """Launches of the element dvalues (diagonal SDDMM on CUDA cores, + split reduction)."""
+    geo = geometry(in_features, out_features)
+    s = _itemsize(dtype)
+    k, d = len(offsets), geo.length
+    if k == 0:
+        return []
+    if rows == 0:
+        return [Launch("memset", store_bytes=k * d * s, hbm_bytes=k * d * s)]
+    splits = cuda.sddmm_splits(rows, in_features, out_features, k)
+    valid = int(np.sum((np.asarray(offsets) >= 0) & (np.asarray(offsets) < geo.num_candidates)))
+    groups = _cdiv(k, cuda.SDDMM_DIAGS)
+    fma = valid * d * rows
+    load = (groups * d + valid * d) * rows * s
+    out = k * d * (4 * splits if splits > 1 else s)  # the partial sums of every split
+    launches = [
+        Launch(
+            "element_sddmm",
+            ctas=_cdiv(d, cuda.SDDMM_LANES) * groups * splits,
+            fma=fma,
+            load_bytes=load,
+            store_bytes=out,
+            hbm_bytes=rows * (in_features + out_features) * s + out,
+            kernel="element_sddmm",
+        )
+    ]
+    if splits > 1:
+        n = k * d
+        launches.append(
+            Launch(
+                "sddmm_reduce",
+                ctas=_cdiv(n, cuda.REDUCE_THREADS),
+                load_bytes=splits * n * 4,
+                store_bytes=n * s,
+                hbm_bytes=splits * n * 4 + n * s,
+            )
+        )
+    return launches
+
+
+# --- block diagonals --------------------------------------------------------------------------
+
+
+def block_product_launches(kind, rows, in_features, out_features, offsets, dtype, b) -> list:
+    """Launch of the block fwd/dx product (one kernel, no workspace)."""
+    geo = geometry(in_features, out_features, b)
+    plan = cuda.block_product_plan(kind, in_features, out_features, b, dtype)
+    s = _itemsize(dtype)
+    off = np.asarray(offsets, np.int64)
+    k = off.size
+    o_dim = out_features if kind == "fwd" else in_features
+    q_dim = in_features if kind == "fwd" else out_features
+    if rows == 0:
+        return []
+    if k == 0:
+        return [Launch("memset", store_bytes=rows * o_dim * s, hbm_bytes=rows * o_dim * s)]
+    p_b, l_b = geo.num_candidates, geo.length
+    valid = (off >= 0) & (off < p_b)
+    slab = _slab_rows(rows, cuda.BLOCK_ROWS)
+    n_slabs, rows_sum = len(slab), int(slab.sum())
+    sw = plan.slice_width
+    slices_per_block = b // sw
+    loads = stores = mma = fma = 0
+    for panel in range(plan.n_panels):
+        s_idx, chunk = panel % p_b, panel // p_b
+        if plan.out_long:  # one x block per diagonal, shared by the panel's valid wraps
+            wraps = [
+                s_idx + (chunk * plan.wraps_per_panel + w) * p_b
+                for w in range(plan.wraps_per_panel)
+            ]
+            u = sum(t < l_b for t in wraps)
+            n_x_blocks = int(valid.sum())
+            weight_blocks = n_x_blocks * u
+            cols = u * b
+        else:  # one x block and one weight block per (diagonal, wrap) term
+            r = (s_idx - off[valid]) % p_b
+            n_x_blocks = int(sum(((r + w * p_b) < l_b).sum() for w in range(plan.wraps)))
+            weight_blocks = n_x_blocks
+            cols = b
+        x_load = n_x_blocks * slices_per_block * sw * rows_sum * s
+        w_load = weight_blocks * slices_per_block * b * sw * s * n_slabs
+        loads += x_load + w_load + 4 * k * n_slabs
+        stores += rows_sum * cols * s
+        if plan.tensor_cores:
+            mma += weight_blocks * slices_per_block * (b // 16) * cuda.BLOCK_WARPS * n_slabs
+        else:
+            fma += weight_blocks * b * b * cuda.BLOCK_ROWS * n_slabs
+    weights = k * l_b * b * b * s
+    hbm = rows * (q_dim + o_dim) * s + _weight_hbm(weights, n_slabs)
+    return [
+        Launch(
+            "block_product",
+            ctas=plan.n_panels * n_slabs,
+            mma=mma,
+            fma=fma,
+            load_bytes=loads,
+            store_bytes=stores,
+            hbm_bytes=hbm,
+            kernel="block_product",
+        )
+    ]
+
+
+def block_dvalues_launches(rows, in_features, out_features, offsets, dtype, b) -> list:
+    """Launches of the block dvalues (block SDDMM, + the fixed-order split reduction)."""
+    geo = geometry(in_features, out_features, b)
+    s = _itemsize(dtype)
+    off = np.asarray(offsets, np.int64)
+    k = off.size
+    if k == 0:
+        return []
+    p_b, l_b = geo.num_candidates, geo.length
+    n_out = k * l_b * b * b
+    if rows == 0:
+        return [Launch("memset", store_bytes=n_out * s, hbm_bytes=n_out * s)]
+    plan = cuda.block_sddmm_plan(rows, in_features, out_features, k, b, dtype)
+    valid = (off >= 0) & (off < p_b)
+    split_rows = _slab_rows(rows, plan.rows_per_split)
+    # every split runs its rows in stages of SDDMM_STAGE_ROWS; the last stage of a split is padded
+    rows_padded = sum(_cdiv(int(r), cuda.SDDMM_STAGE_ROWS) for r in split_rows)
+    rows_padded *= cuda.SDDMM_STAGE_ROWS
+    loads = mma = fma = 0
+    frag = (b // 16) ** 2 if plan.tensor_cores else 0
+    for chunk in range(plan.wrap_chunks):
+        for r in range(p_b):
+            ts = [r + (chunk * plan.wraps_per_cta + w) * p_b for w in range(plan.wraps_per_cta)]
+            u = sum(t < l_b for t in ts)
+            for g in range(plan.groups):
+                ks = range(g * plan.diags_per_cta, min(k, (g + 1) * plan.diags_per_cta))
+                v = int(sum(valid[kk] for kk in ks))
+                loads += (u + v) * b * rows * s + 4 * len(ks) * plan.splits
+                if plan.tensor_cores:
+                    mma += u * v * frag * (rows_padded // 16)
+                else:
+                    fma += u * v * b * b * rows_padded
+    out_bytes = n_out * (4 * plan.splits if plan.splits > 1 else s)
+    launches = [
+        Launch(
+            "block_sddmm",
+            ctas=plan.wrap_chunks * p_b * plan.groups * plan.splits,
+            mma=mma,
+            fma=fma,
+            load_bytes=loads,
+            store_bytes=out_bytes,
+            hbm_bytes=rows * (in_features + out_features) * s + out_bytes,
+            kernel="block_sddmm",
+        )
+    ]
+    if plan.splits > 1:
+        launches.append(
+            Launch(
+                "sddmm_reduce",
+                ctas=_cdiv(n_out, cuda.REDUCE_THREADS),
+                load_bytes=plan.splits * n_out * 4,
+                store_bytes=n_out * s,
+                hbm_bytes=plan.splits * n_out * 4 + n_out * s,
+            )
+        )
+    return launches
+
+
+# --- XLA's dense dot --------------------------------------------------------------------------
+
+
+def _dot(name, m, k, n, s, out_itemsize=None) -> Launch:
+    out_itemsize = s if out_itemsize is None else out_itemsize
+    return Launch(
+        name,
+        engine="xla",
+        dense_flops=2.0 * m * k * n,
+        hbm_bytes=(m * k + k * n) * s + m * n * out_itemsize,
+    )
+
+
+def dense_path(rows, in_features, out_features, nonzeros, dtype) -> PathCost:
+    """Build W on the device (zeros + scatter), XLA's dot; backward: two dots and a gather."""
+    s = _itemsize(dtype)
+    w = in_features * out_features
+    build = (
+        Launch("zeros_w", engine="xla", hbm_bytes=w * s),
+        Launch("scatter_w", engine="xla", hbm_bytes=nonzeros * (2 * s + 8)),
+    )
+    fwd = (*build, _dot("dot_y", rows, in_features, out_features, s))
+    bwd = (
+        _dot("dot_dx", rows, out_features, in_features, s),
+        _dot("dot_dw", out_features, rows, in_features, s, out_itemsize=4),
+        Launch("gather_dvalues", engine="xla", hbm_bytes=nonzeros * (4 + s + 8)),
+    )
+    return PathCost(fwd, bwd)
+
+
+def dense_layer(rows, in_features, out_features, dtype) -> PathCost:
+    """The dense layer DynaDiag replaces: ``x @ W.T`` with ``W`` a parameter (cuBLAS)."""
+    s = _itemsize(dtype)
+    return PathCost(
+        (_dot("dot_y", rows, in_features, out_features, s),),
+        (
+            _dot("dot_dx", rows, out_features, in_features, s),
+            _dot("dot_dw", out_features, rows, in_features, s),
+        ),
+    )
+
+
+def kernel_path(rows, in_features, out_features, offsets, dtype, block_size=1) -> PathCost:
+    """Our kernels: forward; backward = dx + dvalues."""
+    if block_size == 1:
+        fwd = element_product_launches("fwd", rows, in_features, out_features, offsets, dtype)
+        dx = element_product_launches("dx", rows, in_features, out_features, offsets, dtype)
+        dv = element_dvalues_launches(rows, in_features, out_features, offsets, dtype)
+    else:
+        b = block_size
+        fwd = block_product_launches("fwd", rows, in_features, out_features, offsets, dtype, b)
+        dx = block_product_launches("dx", rows, in_features, out_features, offsets, dtype, b)
+        dv = block_dvalues_launches(rows, in_features, out_features, offsets, dtype, b)
+    return PathCost(tuple(fwd), tuple(dx) + tuple(dv))
+
+
+def predict(
+    rows: int,
+    in_features: int,
+    out_features: int,
+    dtype,
+    num_diagonals: int | None = None,
+    *,
+    block_size: int = 1,
+    offsets=None,
+    device="H100",
+) -> Prediction:
+    """Predicted seconds of every GPU path of ``diag_matmul`` on one layer.
+
+    Args:
+      rows: product of the leading dimensions of ``x``.
+      in_features, out_features: the layer; dtype: of ``x`` and ``values``.
+      num_diagonals: ``K`` (taken from ``offsets`` when those are given).
+      block_size: 1 (element diagonals) or ``b`` (block diagonals).
+      offsets: concrete diagonal ids; None assumes ``K`` evenly spread (the scattered case).
+      device: a name in :data:`DEVICES` or a :class:`DeviceSpec`.
+
+    Returns:
+      :class:`Prediction` with the paths ``kernel``, ``dense`` (build ``W`` from the diagonals,
+      XLA's dot) and ``dense_layer`` (XLA's dot with ``W`` given: the layer being replaced).
+    """
+    spec = _spec(device)
+    geo = geometry(in_features, out_features, block_size)
+    if offsets is None:
+        if num_diagonals is None:
+            raise ValueError("give num_diagonals or offsets")
+        off, structure = spread_offsets(num_diagonals, geo.num_candidates), "spread"
+    else:
+        off, structure = np.asarray(offsets, np.int64).reshape(-1), "offsets"
+    k = off.size
+    per_diag = geo.length * (block_size * block_size if geo.blocked else 1)
+    paths = {
+        "kernel": kernel_path(rows, in_features, out_features, off, dtype, block_size),
+        "dense": dense_path(rows, in_features, out_features, k * per_diag, dtype),
+        "dense_layer": dense_layer(rows, in_features, out_features, dtype),
+    }
+    return Prediction(
+        device=spec.name,
+        dtype=jnp.dtype(dtype).name,
+        rows=rows,
+        in_features=in_features,
+        out_features=out_features,
+        num_diagonals=k,
+        block_size=block_size,
+        structure=structure,
+        paths=paths,
+        seconds={name: p.seconds(spec, dtype) for name, p in paths.items()},
+    )
+
+
+def tile_cost_ratio(spec: DeviceSpec = H100, dtype=jnp.bfloat16) -> float:
+    """Model cost of one tensor-core tile over one diagonal entry, per 128-row slab.
+
+    The element kernels take the tensor-core path for an output block when
+    ``tiles * TILE_COST <= entries * ENTRY_COST`` (``ops/cuda.py``); this is the ratio those
+    integer constants round.
+    """
+    s = _itemsize(dtype)
+    rows = cuda.ELEM_ROWS
+    tile = max(
+        rows * cuda.TILE * cuda.TILE * 2 / spec.wmma_flops,
+        (rows * cuda.TILE * s + cuda.TILE * cuda.TILE * s) / spec.l2_bandwidth,
+    )
+    entry = max(
+        rows * INSTRUCTIONS_PER_FMA["element_product"] / 32 / spec.issue_rate,
+        (rows + cuda.ELEM_GROUPS) * s / spec.l2_bandwidth,
+    )
+    return tile / entry

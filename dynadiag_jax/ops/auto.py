@@ -1,0 +1,115 @@
+"""``impl="auto"``: which implementation ``diag_matmul`` runs, decided from static information.
+
+Only what is known at trace time counts - the platform, the shapes (rows, in, out), the dtype, K and
+the block size b; the offsets are traced (they change during the search), so the cost model assumes
+them scattered (the pessimistic case for the kernels, docs/gpu_cost_model.md).
+
+* **cpu**: the C++ kernels where they are built and take the dtype and block size, else ``"jax"``.
+* **cuda**: the CUDA kernels only where the cost model (:mod:`dynadiag_jax.gpu_cost`, for the GPU
+  found, H100 figures when none is visible) predicts them faster than building ``W`` and calling
+  XLA's dot, in the forward product and in the whole step (forward + backward); otherwise
+  ``"dense"`` (:mod:`dynadiag_jax.ops.dense`).
+* **any other platform** (TPU, ROCm: no kernels): ``"dense"``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dynadiag_jax import gpu_cost
+
+__all__ = ["Decision", "decide", "decide_for_gpu", "current_platform", "gpu_spec"]
+
+
+class Decision(NamedTuple):
+    """The implementation ``impl="auto"`` picks, and why."""
+
+    impl: str  # "ffi", "dense" or "jax"
+    reason: str
+    prediction: gpu_cost.Prediction | None = None
+
+
+def current_platform() -> str:
+    """Lowering platform of the default backend (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``)."""
+    from dynadiag_jax.ops import ffi  # noqa: PLC0415 - ffi imports diag_matmul, which imports us
+
+    return ffi.platform_of_default_backend()
+
+
+@functools.cache
+def gpu_spec() -> gpu_cost.DeviceSpec:
+    """The spec of the first GPU (by device kind); H100 when it is unknown or none is visible."""
+    default = gpu_cost.DEVICES[gpu_cost.DEFAULT_DEVICE]
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return default
+    if device.platform != "gpu":
+        return default
+    return gpu_cost.device_for_kind(device.device_kind) or default
+
+
+@functools.lru_cache(maxsize=1024)
+def _prediction(rows, in_features, out_features, dtype_name, k, block_size, spec):
+    dtype = jnp.dtype(dtype_name)
+    return gpu_cost.predict(
+        rows, in_features, out_features, dtype, k, block_size=block_size, device=spec
+    )
+
+
+def decide(
+    platform: str,
+    *,
+    rows: int,
+    in_features: int,
+    out_features: int,
+    dtype,
+    num_diagonals: int,
+    block_size: int = 1,
+    kernel_available: bool,
+    spec: gpu_cost.DeviceSpec | None = None,
+) -> Decision:
+    """The implementation for these static facts.
+
+    Args:
+      platform: lowering platform (see :func:`current_platform`).
+      rows, in_features, out_features, dtype, num_diagonals, block_size: the product.
+      kernel_available: whether ``impl="ffi"`` runs this dtype and block size on ``platform``.
+      spec: GPU to predict for (default :func:`gpu_spec`).
+    """
+    if platform == "cpu":
+        if kernel_available:
+            return Decision("ffi", "C++ kernels")
+        return Decision("jax", "no C++ kernel for this dtype or block size")
+    if platform != "cuda":
+        return Decision("dense", f"no kernels on {platform}: XLA's dot on W built on the device")
+    if not kernel_available:
+        return Decision("dense", "no CUDA kernel for this dtype or block size")
+    spec = gpu_spec() if spec is None else spec
+    pred = _prediction(
+        rows, in_features, out_features, jnp.dtype(dtype).name, num_diagonals, block_size, spec
+    )
+    fwd, step = pred.speedup("kernel", "dense")
+    why = f"{spec.name} model: kernel/dense speed-up {fwd:.2f}x forward, {step:.2f}x step"
+    if fwd > 1.0 and step > 1.0:
+        return Decision("ffi", why, pred)
+    return Decision("dense", why, pred)
+
+
+def decide_for_gpu(rows, in_features, out_features, dtype, num_diagonals, block_size=1, spec=None):
+    """:func:`decide` on ``"cuda"`` with the kernels available (benchmarks and GPU tests)."""
+    return decide(
+        "cuda",
+        rows=rows,
+        in_features=in_features,
+        out_features=out_features,
+        dtype=dtype,
+        num_diagonals=num_diagonals,
+        block_size=block_size,
+        kernel_available=True,
+        spec=spec,
+    )

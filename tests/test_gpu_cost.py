@@ -1,0 +1,100 @@
+"""The GPU cost model (dynadiag_jax.gpu_cost): specs, path times and the physics it must show.
+
+Counts against the emulated kernels: tests/test_cuda_counts.py.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynadiag_jax as dd
+from dynadiag_jax import gpu_cost
+
+VIT_ROWS = 2048 * 197  # ViT-B/16 at batch 2048: the issue's shape
+BF16 = jnp.bfloat16
+
+
+def test_dense_layer_is_the_dot_at_the_dense_rate():
+    p = gpu_cost.predict(VIT_ROWS, 768, 3072, BF16, 308)
+    flops = 2 * VIT_ROWS * 768 * 3072
+    spec = gpu_cost.H100
+    fwd, bwd, step = p.seconds["dense_layer"]
+    assert fwd == pytest.approx(flops / spec.dense_flops_16bit + spec.launch_seconds)
+    assert bwd == pytest.approx(2 * fwd) and step == pytest.approx(3 * fwd)
+    # building W from the diagonals adds two small memory-bound launches
+    assert 0 < p.seconds["dense"][0] - fwd < 1e-4
+
+
+def test_float32_dots_run_at_the_tf32_rate():
+    f32 = gpu_cost.predict(VIT_ROWS, 768, 3072, jnp.float32, 308).seconds["dense_layer"][0]
+    bf16 = gpu_cost.predict(VIT_ROWS, 768, 3072, BF16, 308).seconds["dense_layer"][0]
+    assert f32 == pytest.approx(2 * bf16, rel=0.01)
+
+
+def test_scattered_element_diagonals_lose_to_dense_at_90_percent():
+    # docs/design.md section 6: scattered diagonals cannot beat cuBLAS at 90% sparsity
+    p = gpu_cost.predict(VIT_ROWS, 768, 3072, BF16, dd.num_diagonals(768, 3072, 0.9))
+    fwd, step = p.speedup("kernel", "dense")
+    assert p.structure == "spread" and fwd < 1 and step < 1
+
+
+@pytest.mark.parametrize("b", [16, 32])
+def test_block_diagonals_at_90_percent_beat_dense_and_are_memory_bound(b):
+    k = dd.num_diagonals(768, 3072, 0.9, block_size=b)
+    p = gpu_cost.predict(VIT_ROWS, 768, 3072, BF16, k, block_size=b)
+    fwd, step = p.speedup("kernel", "dense_layer")
+    assert fwd > 2 and step > 1.5
+    # the forward is bound by reading x and writing y once: ~3.1 GB at 3 TB/s
+    (launch,) = p.paths["kernel"].fwd
+    assert launch.hbm_bytes == pytest.approx(VIT_ROWS * (768 + 3072) * 2, rel=1e-3)
+    assert p.seconds["kernel"][0] == pytest.approx(
+        launch.hbm_bytes / gpu_cost.H100.hbm_bandwidth + gpu_cost.H100.launch_seconds
+    )
+
+
+def test_block_products_do_exactly_the_useful_tensor_core_work():
+    k, b, rows = 3, 16, 1000
+    for kind in ("fwd", "dx"):
+        (launch,) = gpu_cost.block_product_launches(kind, rows, 64, 256, np.arange(k), BF16, b)
+        # one MAC per non-zero of W (K * L_b * b * b) and row of the 128-row slabs (1024 rows)
+        padded = -(-rows // 128) * 128
+        assert launch.mma * 16**3 == padded * k * (256 // b) * b * b
+
+
+def test_known_offsets_change_the_element_prediction():
+    band = np.arange(308)
+    p_band = gpu_cost.predict(VIT_ROWS, 768, 3072, BF16, offsets=band)
+    p_spread = gpu_cost.predict(VIT_ROWS, 768, 3072, BF16, 308)
+    assert p_band.structure == "offsets"
+    assert p_band.seconds["kernel"][2] < p_spread.seconds["kernel"][2]
+
+
+def test_spread_offsets_are_distinct_and_scattered():
+    off = gpu_cost.spread_offsets(308, 3072)
+    assert len(np.unique(off)) == 308 and off.min() == 0 and off.max() < 3072
+    assert np.diff(off).min() >= 9
+
+
+def test_devices_can_be_added_and_are_found_by_kind(monkeypatch):
+    monkeypatch.setitem(gpu_cost.DEVICES, "H100", gpu_cost.H100)  # restored afterwards
+    assert gpu_cost.device_for_kind("NVIDIA H100 80GB HBM3") is gpu_cost.H100
+    assert gpu_cost.device_for_kind("NVIDIA A100-SXM4-80GB") is gpu_cost.A100
+    assert gpu_cost.device_for_kind("Tesla T4") is None
+    slow = gpu_cost.H100._replace(name="slowH", device_kinds=("L4",), hbm_bandwidth=0.3e12)
+    monkeypatch.delitem(gpu_cost.DEVICES, "slowH", raising=False)
+    gpu_cost.register_device(slow)
+    monkeypatch.setitem(gpu_cost.DEVICES, "slowH", slow)
+    assert gpu_cost.device_for_kind("NVIDIA L4") is slow
+    fast = gpu_cost.predict(VIT_ROWS, 768, 3072, BF16, 5, block_size=16)
+    slower = gpu_cost.predict(VIT_ROWS, 768, 3072, BF16, 5, block_size=16, device="slowH")
+    assert slower.seconds["kernel"][0] > 5 * fast.seconds["kernel"][0]
+    with pytest.raises(ValueError, match="device must be one of"):
+        gpu_cost.predict(10, 16, 16, BF16, 1, device="B200")
+    with pytest.raises(TypeError, match="DeviceSpec"):
+        gpu_cost.register_device({"name": "x"})
+    monkeypatch.delitem(gpu_cost.DEVICES, "slowH")
+
+
+def test_predict_needs_k_or_offsets():
+    with pytest.raises(ValueError, match="num_diagonals or offsets"):
+        gpu_cost.predict(10, 16, 16, BF16)
