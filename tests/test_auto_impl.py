@@ -89,4 +89,4 @@ def test_cuda_lowering_of_block_diagonals_at_90_percent_calls_the_kernels(monkey
     text = lowered_for_cuda(monkeypatch, (k, 192, 16, 16))
     assert "stablehlo.dot_general" not in text
     for kind in ("fwd", "dx", "dvalues"):
-        assert f"custom_call @dynadiag_diag_matmul_{kind}(" in text, kind
+        assert f"custom_call @dynadiag_diag_matmul_v2_{kind}(" in text, kind

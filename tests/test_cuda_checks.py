@@ -111,33 +111,33 @@ def test_emulation_reports_every_planted_fault_of_its_own_kernels(drivers, seed)
 
 @pytest.mark.slow
 def test_planted_unset_shared_read_is_reported_with_kernel_and_array(drivers):
-    # Bug 1: the tensor-core kernel never resets its shared counter list_len. On a GPU it starts
-    # with what the previous block left (or garbage); the emulation poisons shared memory at every
-    # block start and reports the first read of a byte the block has not written.
+    # Bug 1: the plan kernel never resets its shared counter of entries. On a GPU it starts with
+    # what the previous block left (or garbage); the emulation poisons shared memory at every block
+    # start and reports the first read of a byte the block has not written.
     proc = run(drivers["unset_shared"], "--dtype", "float16")
     assert proc.returncode == 1
     reports = [f for f in failures(proc) if "read of shared" in f]
     assert reports, proc.stdout[-4000:]
     assert all(
-        "read of shared list_len before any thread of its block wrote it "
-        "(dynadiag::cuda::tensor_core_product_kernel [with T = __half;"
+        "read of shared entries before any thread of its block wrote it "
+        "(dynadiag::cuda::element_plan_kernel [with T = __half;"
         in r
-        and "declared int32_t list_len at cuda/diag_kernels.cuh:" in r
+        and "declared int32_t entries at cuda/diag_kernels.cuh:" in r
         for r in reports
     ), reports
 
 
 @pytest.mark.slow
 def test_planted_double_write_is_reported_with_both_kernels(drivers):
-    # Bug 2: the diagonal-path kernel forgets to skip the output blocks the tensor-core kernel
-    # wrote, and writes them again. On a GPU the numbers stay right (both paths compute the same
-    # sums), so no comparison with a reference can see it; the output check does.
+    # Bug 2: the product kernel runs the diagonal path after the tensor-core path of a block, and
+    # writes its outputs again. On a GPU the numbers stay right (both paths compute the same sums),
+    # so no comparison with a reference can see it; the output check does.
     proc = run(drivers["double_write"], "--dtype", "bfloat16")
     assert proc.returncode == 1
     pattern = re.compile(
         r"output ProductArgs::out\[\d+, \d+\] written twice: "
-        r"by diagonal_product_kernel<__nv_bfloat16, (true|false)> \(cuda/diag_kernels\.cuh:\d+\) "
-        r"after tensor_core_product_kernel<__nv_bfloat16, \1> \(cuda/diag_kernels\.cuh:\d+\)"
+        r"by element_diagonal_tile<__nv_bfloat16, (true|false)> \(cuda/diag_kernels\.cuh:\d+\) "
+        r"after element_tensor_core_tile<__nv_bfloat16> \(cuda/diag_kernels\.cuh:\d+\)"
     )
     reports = [f for f in failures(proc) if "written twice" in f]
     assert reports and all(pattern.search(r) for r in reports), proc.stdout[-4000:]
@@ -148,12 +148,12 @@ def test_planted_double_write_is_reported_with_both_kernels(drivers):
 
 @pytest.mark.slow
 def test_planted_out_of_bounds_read_is_caught_by_asan(drivers):
-    # Bug 3: the diagonal path reads values[k, t] for t past the diagonal's length D (the check
+    # Bug 3: the diagonal walk reads values[k, t] for t past the diagonal's length D (the check
     # `t >= D` is gone); for the last diagonal that reads past the end of `values`.
     proc = run(drivers["out_of_bounds"], "--dtype", "float32")
     assert proc.returncode == 67, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "ERROR: AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-4000:]
     frame0 = re.search(r"#0 0x[0-9a-f]+ in (.*)", proc.stderr)
-    assert frame0 and "dynadiag::cuda::diagonal_product_kernel<float, true>" in frame0.group(1), (
+    assert frame0 and "dynadiag::cuda::element_diagonal_tile<float, true>" in frame0.group(1), (
         proc.stderr[-4000:]
     )
