@@ -18,6 +18,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -157,3 +158,86 @@ def test_planted_out_of_bounds_read_is_caught_by_asan(drivers):
     assert frame0 and "dynadiag::cuda::element_diagonal_tile<float, true>" in frame0.group(1), (
         proc.stderr[-4000:]
     )
+
+
+@pytest.fixture(scope="module")
+def planted_package(tmp_path_factory):
+    """A copy of the imported dynadiag_jax whose _emu_ext has bug 2 (the double write) planted."""
+    import dynadiag_jax
+
+    # pip's cmake and ninja (the test extra) live beside the interpreter, maybe not on PATH.
+    search = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    tools = {name: shutil.which(name, path=search) for name in ("cmake", "ninja")}
+    try:
+        import nanobind
+    except ImportError:
+        nanobind = None
+    if None in tools.values() or nanobind is None:
+        pytest.skip("needs cmake, ninja and nanobind (the test extra installs them)")
+    work = tmp_path_factory.mktemp("planted_emu")
+    configure = [
+        tools["cmake"],
+        "-S",
+        str(ROOT),
+        "-B",
+        str(work / "build"),
+        "-G",
+        "Ninja",
+        f"-DCMAKE_MAKE_PROGRAM={tools['ninja']}",
+        "-DCMAKE_BUILD_TYPE=Release",
+        f"-DPython_EXECUTABLE={sys.executable}",
+        f"-Dnanobind_DIR={nanobind.cmake_dir()}",
+        "-DDYNADIAG_CUDA=OFF",
+        "-DCMAKE_CXX_FLAGS=-DDYNADIAG_PLANTED_BUG=2",
+    ]
+    for cmd in (
+        configure,
+        [tools["cmake"], "--build", str(work / "build"), "--target", "_emu_ext"],
+    ):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    package = work / "site" / "dynadiag_jax"
+    shutil.copytree(
+        pathlib.Path(dynadiag_jax.__file__).resolve().parent,
+        package,
+        ignore=shutil.ignore_patterns("_emu_ext*", "__pycache__"),
+    )
+    (built,) = (work / "build").rglob("_emu_ext*.so")
+    shutil.copy(built, package / built.name)
+    return work / "site"
+
+
+@pytest.mark.slow
+def test_a_failed_emulator_check_reaches_python_as_an_exception(planted_package, tmp_path):
+    # Bug 2 leaves every number right; the output check reports the double write, and the FFI
+    # handler returns the report as an error, so jax raises instead of returning the result.
+    code = (
+        f"PLANTED = {str(planted_package)!r}\n"
+        + """
+import jax, jax.numpy as jnp, numpy as np, dynadiag_jax as dd
+assert dd.__file__.startswith(PLANTED), dd.__file__
+x = jnp.ones((32, 64), jnp.bfloat16)
+values = jnp.ones((64, 64), jnp.bfloat16)
+offsets = jnp.arange(64, dtype=jnp.int32)
+try:
+    y = dd.diag_matmul(x, values, offsets, out_features=64, impl="cuda_emulated")
+    y.block_until_ready()
+except Exception as e:
+    print("RAISED", type(e).__name__, str(e)[:2000])
+else:
+    print("RETURNED", np.asarray(y, np.float32)[0, :4])
+"""
+    )
+    env = dict(os.environ, PYTHONPATH=str(planted_package))
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.startswith("RAISED"), proc.stdout[-2000:]
+    assert "emulated CUDA launch failed" in proc.stdout, proc.stdout[-2000:]
+    assert re.search(r"output ProductArgs::out\[\d+, \d+\] written twice", proc.stdout), proc.stdout
