@@ -90,3 +90,23 @@ def test_cuda_lowering_of_block_diagonals_at_90_percent_calls_the_kernels(monkey
     assert "stablehlo.dot_general" not in text
     for kind in ("fwd", "dx", "dvalues"):
         assert f"custom_call @dynadiag_diag_matmul_v2_{kind}(" in text, kind
+
+
+@pytest.mark.parametrize("shape", [(5, 192), (2, 12, 16, 16)], ids=["element", "block"])
+def test_dense_path_backward_runs_dots_in_the_input_dtype(shape):
+    # The dense path's backward is dy @ W and dy^T x in bfloat16 (XLA sums in float32 inside),
+    # never float32 GEMMs on bfloat16 data; and it stays differentiable in every mode.
+    x = jnp.ones((8, 192), BF16)
+    values = jnp.ones(shape, BF16)
+    offsets = jnp.arange(shape[0], dtype=jnp.int32)
+
+    def loss(x, v):
+        return dd.diag_matmul(x, v, offsets, out_features=192, impl="dense").sum()
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, values)
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3, jaxpr
+    for e in dots:
+        assert [v.aval.dtype for v in e.invars] == [BF16, BF16], e
+        assert e.outvars[0].aval.dtype == BF16, e
+    jax.jvp(lambda x: loss(x, values), (x,), (x,))

@@ -50,30 +50,16 @@ def diag_to_dense(values, offsets, *, in_features: int, out_features: int):
     return w.at[rows, cols].add(values)
 
 
-@jax.custom_vjp
 def dense_product(x2, w):
-    """``x2[B, in] @ w[out, in].T`` with XLA's dense dot, summed in float32 (or wider).
+    """``x2[B, in] @ w[out, in].T`` with XLA's dense dot in the input dtype.
 
-    Its VJP is two dots in the input dtype (``dx = dy @ w``, ``dw = dy^T x2``, float32 sums):
-    differentiating the float32 accumulation would hand float32 cotangents to both, i.e. float32
-    GEMMs on bfloat16 data.
+    XLA sums half-precision dots in float32 (the CPU upcasts, cuBLAS runs a float32 compute type)
+    and rounds once, so no ``preferred_element_type`` is needed; without it, autodiff's
+    ``dx = dy @ w`` and ``dw = dy^T x2`` are dots in the input dtype too, where a float32
+    accumulation type would hand float32 cotangents to both (float32 GEMMs on bfloat16 data).
+    Plain ``jnp`` ops, so every autodiff mode and order applies.
     """
-    return jnp.dot(x2, w.T, preferred_element_type=_acc_dtype(x2.dtype)).astype(x2.dtype)
-
-
-def _dense_product_fwd(x2, w):
-    return dense_product(x2, w), (x2, w)
-
-
-def _dense_product_bwd(res, dy2):
-    x2, w = res
-    acc = _acc_dtype(x2.dtype)
-    dx2 = jnp.dot(dy2, w, preferred_element_type=acc).astype(x2.dtype)
-    dw = jnp.dot(dy2.T, x2, preferred_element_type=acc).astype(w.dtype)
-    return dx2, dw
-
-
-dense_product.defvjp(_dense_product_fwd, _dense_product_bwd)
+    return jnp.dot(x2, w.T)
 
 
 def _acc_dtype(dtype):
