@@ -1,6 +1,7 @@
 """Freezing: the search phase ends and every layer keeps the K diagonals with the largest alpha.
 
-A frozen layer holds params ``values[K, D]`` (+ ``bias``) and, in the ``"diagonals"``
+A frozen layer holds params ``values[K, *V]`` (+ ``bias``; ``V = (D,)`` for element diagonals,
+``(L_b, b, b)`` for block diagonals) and, in the ``"diagonals"``
 collection, ``offsets[K]`` int32 and ``in_features`` (int32 scalar, its input width); it computes
 exactly the hard top-K product (gate 1 on the selected diagonals), with memory and compute K/P of
 a dense layer. All functions here are pure and jit-able (K comes from static shapes), so a
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
+from dynadiag_jax.nn.functional import search_width, select_diagonals
 
 __all__ = ["freeze", "freeze_tree", "freeze_opt_state", "select_diagonals"]
 
@@ -28,31 +30,23 @@ __all__ = ["freeze", "freeze_tree", "freeze_opt_state", "select_diagonals"]
 _SEARCH_STATE = ("strength", "temperature", "topk", "score")
 
 
-def select_diagonals(alpha, k: int):
-    """The ``k`` offsets with the largest ``alpha[..., P]``, sorted ascending, int32 ``[..., k]``.
-
-    Ties go to the lower offset (``jax.lax.top_k``); NaN scores rank below every other score.
-    """
-    alpha = jax.lax.stop_gradient(alpha)
-    alpha = jnp.where(jnp.isnan(alpha), jnp.asarray(-jnp.inf, alpha.dtype), alpha)
-    _, idx = jax.lax.top_k(alpha, k)
-    return jnp.sort(idx, axis=-1).astype(jnp.int32)
-
-
 def _gather_rows(values, offsets):
-    """``values[..., P, D]`` rows ``offsets[..., K]`` -> ``[..., K, D]``."""
-    return jnp.take_along_axis(values, offsets[..., None], axis=-2)
+    """``values[..., P, *V]`` rows ``offsets[..., K]`` -> ``[..., K, *V]``."""
+    row_axis = offsets.ndim - 1
+    extra = values.ndim - offsets.ndim
+    return jnp.take_along_axis(values, offsets.reshape(offsets.shape + (1,) * extra), row_axis)
 
 
 def _is_search_layer(node) -> bool:
+    """``alpha[..., P]`` beside ``values[..., P, D]`` (element) or ``[..., P, L_b, b, b]``."""
     if not isinstance(node, Mapping) or "alpha" not in node or "values" not in node:
         return False
     alpha, values = node["alpha"], node["values"]
     return (
         hasattr(alpha, "shape")
         and hasattr(values, "shape")
-        and values.ndim == alpha.ndim + 1
-        and values.shape[-2] == alpha.shape[-1]
+        and values.ndim - alpha.ndim in (1, 3)
+        and values.shape[: alpha.ndim] == alpha.shape
     )
 
 
@@ -85,17 +79,18 @@ def _check_finite(alpha, path: tuple):
 def _input_width(node, structure) -> Any:
     """The layer's ``in_features`` for its ``"diagonals"`` entry, or None if unknown.
 
-    Stored by ``init`` since the width was added; for older variables it follows from the shapes
-    when they fix it (a bias gives ``out``; a square layer has ``P == D``).
+    Stored by ``init`` since the width was added; without it (older variables, or variables
+    passed without their ``"diagonals"`` collection) it follows from the shapes when they fix it:
+    a bias gives ``out``, and a square layer has as many candidates as its diagonals are long.
     """
     if isinstance(structure, Mapping) and "in_features" in structure:
         return structure["in_features"]
-    p, d_len = node["values"].shape[-2:]
-    lead = node["values"].shape[:-2]
+    lead = node["alpha"].shape[:-1]
+    rows = node["values"].shape[len(lead) :]
     if "bias" in node:
-        width = d_len if p == node["bias"].shape[-1] else p
-    elif p == d_len:
-        width = p
+        width = search_width(rows, node["bias"].shape[-1])
+    elif rows[0] == rows[1]:  # square: P == D, or P_b == L_b
+        width = rows[0] * (rows[-1] if len(rows) == 4 else 1)
     else:
         return None
     return jnp.full(lead, width, jnp.int32)
@@ -157,7 +152,7 @@ def _drop_search_state(dyn, layer_paths):
 def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
     """Freezes every search-phase ``DiagonalDense`` in a model's ``variables`` (pure, jit-able).
 
-    A search-phase layer is found by its params (``alpha[..., P]`` next to ``values[..., P, D]``);
+    A search-phase layer is found by its params (``alpha[..., P]`` next to ``values[..., P, *V]``);
     its budget K is the length of its ``"dynadiag"`` entry ``topk`` (created by ``init``), so K is
     static under ``jit``. Stacked layers (``nn.scan``/``nn.vmap``: leading axes on every leaf) are
     frozen per slice. Layers already frozen and all other collections pass through.
@@ -168,7 +163,7 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
         (path = keys under ``"params"``, e.g. ``("Block_0", "DiagonalDense_0")``).
 
     Returns:
-      Variables with each such layer's params ``{"values": [..., K, D], "bias"?}``, its
+      Variables with each such layer's params ``{"values": [..., K, *V], "bias"?}``, its
       ``"diagonals"`` entry ``{"offsets": [..., K] int32, "in_features": [...] int32}``, and its
       search entries removed from ``"dynadiag"`` (the collection disappears when empty).
       ``in_features`` is left out only for variables made before it was stored whose shapes do
@@ -234,7 +229,7 @@ def freeze(layer: DiagonalDense, variables):
       variables: that layer's variables (search phase; frozen ones come back unchanged).
 
     Returns:
-      ``(frozen_layer, frozen_variables)`` with params ``{"values": [K, D], "bias"}`` and
+      ``(frozen_layer, frozen_variables)`` with params ``{"values": [K, *V], "bias"}`` and
       ``{"diagonals": {"offsets": [K] int32, "in_features": int32 scalar}}``.
 
     Raises:
@@ -254,10 +249,9 @@ def freeze(layer: DiagonalDense, variables):
             return frozen_layer, variables
         raise ValueError(
             "freeze: variables are not those of a DiagonalDense (need params "
-            "'alpha' [P] and 'values' [P, D])"
+            "'alpha' [P] and 'values' [P, D] or [P, L_b, b, b])"
         )
-    p, d_len = params["values"].shape[-2:]
-    in_features = d_len if layer.features == p else p
+    in_features = search_width(params["values"].shape, layer.features)
     diagonals = dict(variables.get("diagonals", {}))
     diagonals.setdefault("in_features", jnp.asarray(in_features, jnp.int32))
     variables = {**variables, "diagonals": diagonals}
@@ -271,7 +265,7 @@ def _is_params_like(node, params) -> bool:
 def _convert_params_like(node, before, after):
     """One params-shaped subtree of an optimizer state, following ``before -> after``."""
     if _is_search_layer(before):
-        k = after["values"].shape[-2]
+        k = after["values"].shape[before["alpha"].ndim - 1]
         offsets = select_diagonals(before["alpha"], k)
         out = {}
         for key, value in node.items():

@@ -117,7 +117,8 @@ def test_freeze_tree_whole_model_under_jit():
         set_gate(fv, strength=0.1)
 
 
-def test_freeze_tree_stacked_layers():
+@pytest.mark.parametrize("width,k,block_size", [(8, 2, 1), (32, 2, 8)])
+def test_freeze_tree_stacked_layers(width, k, block_size):
     class Stack(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -127,22 +128,29 @@ def test_freeze_tree_stacked_layers():
                 split_rngs={"params": True},
                 length=3,
             )
-            layer = DiagonalDense(8, k=2, explore="none", impl="jax", use_bias=False)
+            layer = DiagonalDense(
+                width, k=k, block_size=block_size, explore="none", impl="jax", use_bias=False
+            )
             x, _ = scanned(layer, x, None)
             return x
 
     model = Stack()
-    x = jax.random.normal(jax.random.key(1), (4, 8))
+    x = jax.random.normal(jax.random.key(1), (4, width))
     v = set_gate(random_alpha(model.init(jax.random.key(0), x)), strength=0.5)
     alpha = v["params"]["DiagonalDense_0"]["alpha"]
-    assert alpha.shape == (3, 8) and v["dynadiag"]["DiagonalDense_0"]["strength"].shape == (3,)
+    p = width // block_size
+    assert alpha.shape == (3, p) and v["dynadiag"]["DiagonalDense_0"]["strength"].shape == (3,)
     fv = dd.freeze_tree(v)
     offsets = fv["diagonals"]["DiagonalDense_0"]["offsets"]
-    assert offsets.shape == (3, 2)
-    np.testing.assert_array_equal(fv["diagonals"]["DiagonalDense_0"]["in_features"], [8, 8, 8])
+    assert offsets.shape == (3, k)
+    np.testing.assert_array_equal(fv["diagonals"]["DiagonalDense_0"]["in_features"], [width] * 3)
+    values = v["params"]["DiagonalDense_0"]["values"]
     for i in range(3):
-        np.testing.assert_array_equal(offsets[i], dd.select_diagonals(alpha[i], 2))
-    assert model.apply(fv, x).shape == (4, 8)
+        np.testing.assert_array_equal(offsets[i], dd.select_diagonals(alpha[i], k))
+        np.testing.assert_array_equal(
+            fv["params"]["DiagonalDense_0"]["values"][i], values[i][offsets[i]]
+        )
+    assert model.apply(fv, x).shape == (4, width)
 
 
 def test_freeze_tree_needs_k():
@@ -324,4 +332,71 @@ def test_gate_schedule_reaching_zero_inside_jit(schedule):
         np.asarray(first.apply(sub, x, strength=0.0)),
         np.asarray(first.apply(frozen_sub, x)),
         atol=F32_TOL,
+    )
+
+
+class BlockModel(nn.Module):
+    """A tall sparse-gate block layer and a wide softmax-gate block layer without bias."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = DiagonalDense(48, sparsity=0.6, block_size=8, impl="jax", name="up")(x)
+        return DiagonalDense(
+            16, k=1, block_size=8, gate="softmax", use_bias=False, impl="jax", name="down"
+        )(nn.relu(x))
+
+
+def test_block_layers_freeze_tree_opt_state_and_orbax(tmp_path):
+    import orbax.checkpoint as ocp
+
+    model = BlockModel()
+    x = jax.random.normal(jax.random.key(1), (5, 24))
+    v = model.init(jax.random.key(0), x)
+    tx = dd.optim.diag_optimizer(1e-2, alpha_learning_rate=1e-1, weight_decay=0.1)
+
+    @jax.jit
+    def step(v, state):
+        grads = jax.grad(lambda p: jnp.mean(model.apply(dict(v, params=p), x) ** 2))(v["params"])
+        updates, state = tx.update(grads, state, v["params"])
+        return dict(v, params=optax.apply_updates(v["params"], updates)), state
+
+    with jax.numpy_dtype_promotion("standard"):
+        state = tx.init(v["params"])
+        v = set_gate(random_alpha(v), strength=0.3, temperature=0.7)
+        for _ in range(2):
+            v, state = step(v, state)
+        fv = jax.jit(dd.freeze_tree)(v)
+        k_up = dd.num_diagonals(24, 48, 0.6, block_size=8)
+        assert jax.tree.map(jnp.shape, fv["params"]) == {
+            "up": {"values": (k_up, 6, 8, 8), "bias": (48,)},
+            "down": {"values": (1, 6, 8, 8)},
+        }
+        for name, n_in in (("up", 24), ("down", 48)):
+            offsets = fv["diagonals"][name]["offsets"]
+            np.testing.assert_array_equal(
+                offsets, dd.select_diagonals(v["params"][name]["alpha"], len(offsets))
+            )
+            np.testing.assert_array_equal(
+                fv["params"][name]["values"], v["params"][name]["values"][offsets]
+            )
+            assert int(fv["diagonals"][name]["in_features"]) == n_in
+        fstate = dd.freeze_opt_state(state, v["params"], fv["params"])
+        assert jax.tree.structure(fstate) == jax.tree.structure(tx.init(fv["params"]))
+        adam = fstate.inner_states["weights"].inner_state[0]
+        old = state.inner_states["weights"].inner_state[0]
+        offsets = fv["diagonals"]["up"]["offsets"]
+        np.testing.assert_array_equal(adam.mu["up"]["values"], old.mu["up"]["values"][offsets])
+        step(fv, fstate)  # the frozen model trains with the converted state
+
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "search", v)
+    ckpt.save(tmp_path / "frozen", fv)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "search", model.init(jax.random.key(7), x))
+    np.testing.assert_array_equal(
+        np.asarray(model.apply(restored, x)), np.asarray(model.apply(v, x))
+    )
+    restored = ckpt.restore(tmp_path / "frozen", dd.freeze_tree(model.init(jax.random.key(8), x)))
+    np.testing.assert_array_equal(
+        np.asarray(model.apply(restored, x)), np.asarray(model.apply(fv, x))
     )

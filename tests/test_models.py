@@ -182,3 +182,24 @@ def test_bad_input_shapes_name_the_expectation():
         models.GPT2(256, "mu", block_size=8).init(KEY, jnp.ones((1, 9), jnp.int32))
     with pytest.raises(TypeError, match="integers"):
         models.GPT2(256, "mu", block_size=8).init(KEY, jnp.ones((1, 8), jnp.float32))
+
+
+def test_by_path_builds_block_diagonal_layers():
+    import dynadiag_jax as dd
+
+    x = jnp.ones((2, 8, 8, 3))
+
+    def vit(block_size):
+        sparse = functools.partial(dd.nn.DiagonalDense, sparsity=0.8, block_size=block_size)
+        return models.ViT(10, "mu/4", dense=models.ByPath(models.vit.SPARSE_LAYERS, sparse=sparse))
+
+    model = vit(8)
+    variables = jax.jit(model.init)(KEY, x)
+    qkv = variables["params"]["encoder"]["block_0"]["attn"]["qkv"]
+    assert qkv["values"].shape == (4, 12, 8, 8) and qkv["alpha"].shape == (4,)  # 32 -> 96
+    frozen = dd.freeze_tree(variables)
+    k = dd.num_diagonals(32, 96, 0.8, block_size=8)
+    assert frozen["params"]["encoder"]["block_0"]["attn"]["qkv"]["values"].shape == (k, 12, 8, 8)
+    assert jax.jit(model.apply)(frozen, x).shape == (2, 10)
+    with pytest.raises(ValueError, match=r"encoder/block_0/attn/qkv: block_size=64 must divide"):
+        vit(64).init(KEY, x)

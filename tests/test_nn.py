@@ -8,7 +8,7 @@ import pytest
 
 import dynadiag_jax as dd
 from dynadiag_jax.nn import DiagonalDense, set_gate
-from dynadiag_jax.nn.diagonal_dense import bucket_sizes
+from dynadiag_jax.nn.search import bucket_sizes
 
 F32_TOL = 1e-5
 BF16_TOL = 3e-2
@@ -442,17 +442,16 @@ def test_frozen_wide_layer_checks_its_input_width():
     """Issue 13 item 4: DiagonalDense(32, sparsity=0.8) on 64 inputs, frozen, run on 63."""
     layer = DiagonalDense(32, sparsity=0.8, impl="jax")
     x = jax.random.normal(jax.random.key(0), (4, 64))
-    for seed in range(5):
-        v = layer.init(jax.random.key(seed), x)
+    init = jax.jit(layer.init)
+    for seed in range(5):  # the user saw 3 of 5 seeds run silently
+        v = init(jax.random.key(seed), x)
         frozen_layer, fv = dd.freeze(layer, v)
         assert int(fv["diagonals"]["in_features"]) == 64
         for module, variables in ((layer, v), (frozen_layer, fv)):
-            assert module.apply(variables, x).shape == (4, 32)
-            for width, expects in ((63, "64"), (65, "64"), (31, "64")):
-                with pytest.raises(
-                    ValueError, match=f"x has width {width}, the layer expects {expects}"
-                ):
+            for width in (63, 65, 31):
+                with pytest.raises(ValueError, match=f"x has width {width}, the layer expects 64"):
                     module.apply(variables, x[:, :1].repeat(width, axis=1))
+    assert frozen_layer.apply(fv, x).shape == (4, 32)
     # Under jit the search phase's width comes from the shapes; a frozen wide layer's stored width
     # is a traced value there, so a wrong width gives NaN outputs instead of an error.
     apply = jax.jit(layer.apply)

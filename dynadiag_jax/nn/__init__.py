@@ -1,6 +1,8 @@
-"""Flax layers: ``DiagonalDense`` and the helper that sets every layer's gate hyper-parameter."""
+"""Flax layers: ``DiagonalDense``, the helper that sets every layer's gate hyper-parameter, and the
+functional core that layers of any framework wrap (:mod:`dynadiag_jax.nn.functional`)."""
 
+from dynadiag_jax.nn import functional
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
 from dynadiag_jax.nn.gate_state import set_gate
 
-__all__ = ["DiagonalDense", "set_gate"]
+__all__ = ["DiagonalDense", "functional", "set_gate"]

@@ -1,0 +1,238 @@
+"""The functional core of a diagonal layer: pure functions over params, gate state and ``x``.
+
+Layer classes hold variables and call these functions; ``dd.nn.DiagonalDense`` (Flax linen) is
+one such wrapper, and any other framework can wrap the same core with the same variable names:
+
+* search phase: params ``alpha[P]``, ``values[P, *V]``, ``bias[out]``; gate state ``strength``
+  (``gate="sparse_topk"``) or ``temperature`` (``gate="softmax"``) float32 scalar, ``topk[K]``
+  int32 (the top-K offsets by alpha at the last refresh), ``score`` bool scalar;
+* frozen: params ``values[K, *V]``, ``bias[out]``; ``offsets[K]`` int32;
+* both phases: ``in_features`` (int32 scalar), the input width.
+
+``V`` is ``(D,)`` for element diagonals and ``(L_b, b, b)`` for block diagonals
+(``block_size = b >= 2``; docs/design.md section 1 gives both index conventions).
+
+* :class:`LayerSpec`: the static facts of one layer at one input width (hashable, so it can be a
+  static argument of ``jit``).
+* :func:`init_alpha`, :func:`init_values`, :func:`random_offsets`: initial values.
+* :func:`search_forward`: the search-phase product (gates, exploration, metrics: ``search.py``).
+* :func:`frozen_forward`: the product of exactly ``K`` diagonals with a hard gate of 1.
+* :func:`select_diagonals`, :func:`refresh_topk`: the top-K offsets by alpha (the freeze keeps
+  them; the search tracks how they change).
+* :func:`search_width`, :func:`frozen_width`: the input width that variables' shapes fix.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dynadiag_jax.layout import DiagGeometry, geometry, num_diagonals
+from dynadiag_jax.ops import diag_matmul
+
+__all__ = [
+    "GATES",
+    "EXPLORE_MODES",
+    "HYPER_NAME",
+    "DEFAULT_HYPER",
+    "LayerSpec",
+    "layer_budget",
+    "check_sparsity",
+    "init_alpha",
+    "init_values",
+    "random_offsets",
+    "frozen_forward",
+    "select_diagonals",
+    "refresh_topk",
+    "search_width",
+    "frozen_width",
+]
+
+GATES = ("sparse_topk", "softmax")
+EXPLORE_MODES = ("buckets", "dense_score", "none")
+HYPER_NAME = {"sparse_topk": "strength", "softmax": "temperature"}
+# The gate value a layer starts with when neither the call nor the layer gives one.
+DEFAULT_HYPER = {"strength": 1.0, "temperature": 5.0}
+# alpha = (1 + ALPHA_NOISE * u) / P with u ~ U(0, 1): breaks ties for lax.top_k, and stays far
+# below any sensible strength, so the first sparse gate is uniform (K / P) on every diagonal.
+ALPHA_NOISE = 1e-3
+
+
+def check_sparsity(sparsity) -> None:
+    """Rejects a ``sparsity`` that is not a number in ``(0, 1)``, saying what to use instead."""
+    if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
+        raise TypeError(
+            f"sparsity must be a number in (0, 1), got {sparsity!r} ({type(sparsity).__name__})"
+        )
+    if not 0.0 < float(sparsity) < 1.0:
+        hint = (
+            "; for a dense layer use flax.linen.Dense, or keep every diagonal with k=P "
+            "(P = the number of candidate diagonals)"
+            if sparsity <= 0
+            else ""
+        )
+        raise ValueError(f"sparsity must be in (0, 1), got {sparsity!r}{hint}")
+
+
+def layer_budget(
+    in_features: int, out_features: int, *, sparsity=None, k=None, block_size: int = 1
+) -> int:
+    """The number of diagonals ``K`` a layer keeps: ``k`` if given, else from ``sparsity``.
+
+    Raises:
+      ValueError: neither or both given, sparsity outside (0, 1), ``k`` outside ``[1, P]``.
+    """
+    geo = geometry(in_features, out_features, block_size)
+    if (sparsity is None) == (k is None):
+        raise ValueError("give exactly one of sparsity= (in (0, 1)) or k= (number of diagonals)")
+    if k is None:
+        check_sparsity(sparsity)
+        return num_diagonals(geo.in_features, geo.out_features, sparsity, block_size=geo.block_size)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise ValueError(f"k must be an int, got {k!r}")
+    if not 1 <= k <= geo.num_candidates:
+        raise ValueError(
+            f"budget k={k} must be in [1, P] with P = {geo.num_candidates} candidate diagonals "
+            f"for a {geo.in_features} -> {geo.out_features} layer"
+            + (f" with block_size={geo.block_size}" if geo.blocked else "")
+        )
+    return int(k)
+
+
+class LayerSpec(NamedTuple):
+    """Static facts of one diagonal layer at one input width.
+
+    Attributes:
+      in_features, out_features: the widths of ``W[out, in]``.
+      k: the budget ``K`` (number of diagonals kept).
+      block_size: 1 for element diagonals, ``b >= 2`` for block diagonals.
+      gate: ``"sparse_topk"`` or ``"softmax"``.
+      slack: ``K_cap = min(P, ceil((1 + slack) * K))``.
+      explore: ``"buckets"``, ``"dense_score"`` or ``"none"`` (see ``search.py``).
+      num_buckets: static sizes for ``explore="buckets"``.
+      impl: passed to :func:`dynadiag_jax.diag_matmul`.
+    """
+
+    in_features: int
+    out_features: int
+    k: int
+    block_size: int = 1
+    gate: str = "sparse_topk"
+    slack: float = 0.25
+    explore: str = "buckets"
+    num_buckets: int = 4
+    impl: str = "auto"
+
+    @property
+    def geometry(self) -> DiagGeometry:
+        return geometry(self.in_features, self.out_features, self.block_size)
+
+    @property
+    def num_candidates(self) -> int:
+        """``P``: ``max(in, out)`` element diagonals or ``min(in, out) / b`` block diagonals."""
+        return self.geometry.num_candidates
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """Shape of one diagonal's values: ``(D,)`` or ``(L_b, b, b)``."""
+        return self.geometry.values_shape
+
+    @property
+    def k_cap(self) -> int:
+        """``min(P, ceil((1 + slack) * K))``: diagonals a fixed-size search step computes."""
+        return min(self.num_candidates, math.ceil((1.0 + self.slack) * self.k))
+
+    @property
+    def hyper_name(self) -> str:
+        """``"strength"`` for the sparse gate, ``"temperature"`` for the softmax gate."""
+        return HYPER_NAME[self.gate]
+
+
+def init_alpha(key, shape, dtype=jnp.float32):
+    """``alpha[P] = (1 + 1e-3 u) / P``, ``u ~ U(0, 1)``: equal scores up to a tie-breaking noise."""
+    (p,) = shape
+    u = jax.random.uniform(key, shape, jnp.float32)
+    return ((1.0 + ALPHA_NOISE * u) / p).astype(dtype)
+
+
+def init_values(spec: LayerSpec):
+    """Initializer ``(key, shape, dtype)`` of ``values``: ``U(-1/sqrt(m), 1/sqrt(m))``.
+
+    ``m = min(in, out)`` for element and block diagonals alike (the authors' Kaiming-uniform bound
+    for ``values[P, D]``); at equal density a block layer's outputs see as many inputs as an
+    element layer's, so the same bound gives the same output scale.
+    """
+    bound = 1.0 / math.sqrt(min(spec.in_features, spec.out_features))
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+def random_offsets(key, spec: LayerSpec):
+    """``K`` distinct random offsets in ``[0, P)``, ascending int32 (the static baseline)."""
+    perm = jax.random.permutation(key, spec.num_candidates)
+    return jnp.sort(perm[: spec.k]).astype(jnp.int32)
+
+
+def select_diagonals(alpha, k: int):
+    """The ``k`` offsets with the largest ``alpha[..., P]``, sorted ascending, int32 ``[..., k]``.
+
+    Ties go to the lower offset (``jax.lax.top_k``); NaN scores rank below every other score.
+    """
+    alpha = jax.lax.stop_gradient(alpha)
+    alpha = jnp.where(jnp.isnan(alpha), jnp.asarray(-jnp.inf, alpha.dtype), alpha)
+    _, idx = jax.lax.top_k(alpha, k)
+    return jnp.sort(idx, axis=-1).astype(jnp.int32)
+
+
+def frozen_forward(spec: LayerSpec, values, offsets, x):
+    """``x[..., in] @ W.T`` for the ``K`` diagonals ``offsets[K]`` with ``values[K, *V]``.
+
+    ``values`` is cast to ``x.dtype`` (the computation dtype); no bias.
+    """
+    return diag_matmul(
+        x, values.astype(x.dtype), offsets, out_features=spec.out_features, impl=spec.impl
+    )
+
+
+def search_width(values_shape, out_features: int) -> int:
+    """The input width of search-phase ``values[P, *V]`` of a layer with ``out_features``.
+
+    Element ``[P, D]``: ``D`` if ``P == out`` (tall or square), else ``P`` (wide). Block
+    ``[P_b, L_b, b, b]``: ``P_b * b`` if ``L_b * b == out`` (tall or square), else ``L_b * b``.
+    """
+    if len(values_shape) == 2:
+        p, d_len = values_shape
+        return d_len if p == out_features else p
+    p, length, b, _ = values_shape
+    return p * b if length * b == out_features else length * b
+
+
+def frozen_width(values_shape, out_features: int) -> tuple[int | None, int, int | None]:
+    """``(exact, low, high)``: what frozen ``values[K, *V]`` say about the input width.
+
+    Element ``[K, D]``: ``D < out`` fixes ``in = D`` (tall); ``D == out`` only says ``in >= out``.
+    Block ``[K, L_b, b, b]``: ``L_b * b > out`` fixes ``in = L_b * b`` (wide); ``L_b * b == out``
+    only says ``in <= out``. ``high`` is None when unbounded.
+    """
+    if len(values_shape) == 2:
+        d_len = values_shape[-1]
+        return (d_len, d_len, d_len) if d_len < out_features else (None, out_features, None)
+    length, b = values_shape[1], values_shape[-1]
+    if length * b > out_features:
+        return length * b, length * b, length * b
+    return None, b, out_features
+
+
+def refresh_topk(alpha, old_topk, k: int):
+    """``(topk, changed)``: the current top-K offsets by alpha, and how many are new since
+    ``old_topk`` (float32 scalar)."""
+    new = select_diagonals(alpha, k)
+    changed = k - jnp.sum(jnp.isin(new, old_topk))
+    return new, changed.astype(jnp.float32)
