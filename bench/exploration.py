@@ -1,21 +1,24 @@
 """Which exploration mechanism finds planted diagonals best for its cost (docs/selection.md).
 
 A teacher layer with K planted diagonals (random distinct offsets, values of magnitude 0.5..1 with
-random signs) generates y = teacher(x) for fresh Gaussian x each step. A student DiagonalDense with
-the same K trains on the MSE for the search phase (Adam; alpha has its own learning rate), with
-the sparse gate's strength annealed; then it is frozen. Reported per mechanism (mean over seeds):
+random signs, over sqrt(K b)) generates y = teacher(x) for fresh Gaussian x each step; element
+problems (b = 1) and block problems (block diagonals of b x b blocks, b = 8). A student
+DiagonalDense with the same K and b trains on the MSE for the search phase (Adam; alpha has its
+own learning rate), with the sparse gate's strength annealed; then it is frozen. Reported per
+mechanism (mean over seeds):
 
 * recovered: fraction of planted offsets among the student's top-K alpha at the freeze;
 * worst: the lowest recovered fraction over the seeds;
 * rel_err: ||frozen student(x) - teacher(x)|| / ||teacher(x)|| on held-out x (no fine-tuning);
 * computed: mean number of diagonals in the forward product per step (K_cap = ceil(1.25 K));
 * cost: diagonal-products of forward + dx + dvalues per step as a fraction of computing all P
-  diagonals in the three products (a dense-equivalent step is 1.0);
+  (block layers: P_b) diagonals in the three products (a dense-equivalent step is 1.0);
 * time: wall time of the search phase relative to "none (narrow)" on the same problem (median of
   --repeats runs after compilation; a ratio measured in the same process, noisy on shared CPUs).
 
 Usage:
-  python bench/exploration.py [--steps 300] [--seeds 3] [--repeats 3] [--out DIR]
+  python bench/exploration.py [--steps 300] [--seeds 3] [--repeats 3] [--problems all|element|block]
+                              [--out DIR]
 Writes DIR/exploration.csv (default bench/results/) and prints a table.
 """
 
@@ -35,7 +38,11 @@ from tqdm import tqdm
 
 import dynadiag_jax as dd
 
-PROBLEMS = [(128, 128, 8), (256, 64, 6), (64, 256, 8)]  # (in, out, K)
+# (in, out, K, block size): element problems, then block problems with P_b = 32, 16, 16.
+PROBLEMS = {
+    "element": [(128, 128, 8, 1), (256, 64, 6, 1), (64, 256, 8, 1)],
+    "block": [(256, 256, 4, 8), (512, 128, 2, 8), (128, 512, 2, 8)],
+}
 STRENGTH_START, STRENGTH_END = 1.0, 1e-3
 NARROW_STRENGTH = 1e-3
 LR, ALPHA_LR, BATCH = 1e-2, 1e-2, 64
@@ -51,15 +58,21 @@ MECHANISMS = {
 }
 
 
-def make_teacher(key, n_in: int, n_out: int, k: int):
-    """A frozen DiagonalDense with K random offsets and values of magnitude 0.5..1 / sqrt(K)."""
-    teacher = dd.nn.DiagonalDense(n_out, k=k, init_phase="frozen", use_bias=False, impl="jax")
+def make_teacher(key, n_in: int, n_out: int, k: int, b: int):
+    """A frozen DiagonalDense with K random offsets and values of magnitude 0.5..1 / sqrt(K b)
+    (every output sees K b inputs)."""
+    teacher = dd.nn.DiagonalDense(
+        n_out, k=k, block_size=b, init_phase="frozen", use_bias=False, impl="jax"
+    )
     k_init, k_mag, k_sign = jax.random.split(key, 3)
     variables = teacher.init(k_init, jnp.zeros((1, n_in)))
     shape = variables["params"]["values"].shape
     mag = jax.random.uniform(k_mag, shape, minval=0.5, maxval=1.0)
     sign = jnp.where(jax.random.bernoulli(k_sign, 0.5, shape), 1.0, -1.0)
-    variables = {"params": {"values": mag * sign / np.sqrt(k)}, "diagonals": variables["diagonals"]}
+    variables = {
+        "params": {"values": mag * sign / np.sqrt(k * b)},
+        "diagonals": variables["diagonals"],
+    }
     return teacher, variables
 
 
@@ -73,11 +86,13 @@ def strength_schedule(kind: str, steps: int):
 
 def run_one(mechanism: str, problem, seed: int, steps: int, repeats: int) -> dict:
     explore, schedule_kind, every = MECHANISMS[mechanism]
-    n_in, n_out, k = problem
+    n_in, n_out, k, b = problem
     k_teacher, k_student, k_data, k_test = jax.random.split(jax.random.key(seed), 4)
-    teacher, t_vars = make_teacher(k_teacher, n_in, n_out, k)
+    teacher, t_vars = make_teacher(k_teacher, n_in, n_out, k, b)
     planted = set(np.asarray(t_vars["diagonals"]["offsets"]).tolist())
-    student = dd.nn.DiagonalDense(n_out, k=k, explore=explore, use_bias=False, impl="jax")
+    student = dd.nn.DiagonalDense(
+        n_out, k=k, block_size=b, explore=explore, use_bias=False, impl="jax"
+    )
     s_vars = student.init(k_student, jnp.zeros((1, n_in)))
     tx = dd.optim.diag_optimizer(LR, alpha_learning_rate=ALPHA_LR)
     schedule = strength_schedule(schedule_kind, steps)
@@ -106,11 +121,11 @@ def run_one(mechanism: str, problem, seed: int, steps: int, repeats: int) -> dic
         times.append(time.perf_counter() - start)
 
     found = set(np.asarray(dd.select_diagonals(params["alpha"], k)).tolist())
-    frozen = dd.freeze_tree({"params": params, "dynadiag": dyn})
+    frozen = dd.freeze_tree({"params": params, "dynadiag": dyn, "diagonals": s_vars["diagonals"]})
     x_test = jax.random.normal(k_test, (1024, n_in))
     y_t, y_s = teacher.apply(t_vars, x_test), student.apply(frozen, x_test)
-    p = max(n_in, n_out)
-    k_cap = student.capacity(n_in)
+    spec = student.spec(n_in)
+    p, k_cap = spec.num_candidates, spec.k_cap
     computed = np.asarray(computed, np.float64)
     if explore == "dense_score":
         n_scored = len(range(0, steps, every))
@@ -131,10 +146,12 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--problems", choices=("all", *PROBLEMS), default="all")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
 
-    jobs = [(m, p, s) for p in PROBLEMS for m in MECHANISMS for s in range(args.seeds)]
+    problems = [p for kind, ps in PROBLEMS.items() if args.problems in ("all", kind) for p in ps]
+    jobs = [(m, p, s) for p in problems for m in MECHANISMS for s in range(args.seeds)]
     results = {}
     for mechanism, problem, seed in tqdm(jobs, desc="exploration"):
         results[mechanism, problem, seed] = run_one(
@@ -142,7 +159,7 @@ def main():
         )
 
     rows = []
-    for problem in PROBLEMS:
+    for problem in problems:
         base = statistics.mean(
             results["none (narrow)", problem, s]["seconds"] for s in range(args.seeds)
         )
@@ -150,7 +167,8 @@ def main():
             runs = [results[mechanism, problem, s] for s in range(args.seeds)]
             rows.append(
                 {
-                    "problem": "{}x{} K={}".format(*problem),
+                    "problem": "{}x{} K={}".format(*problem)
+                    + (f" b={problem[3]}" if problem[3] > 1 else ""),
                     "mechanism": mechanism,
                     "recovered": statistics.mean(r["recovered"] for r in runs),
                     "worst": min(r["recovered"] for r in runs),
@@ -162,13 +180,16 @@ def main():
             )
 
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "exploration.csv"
+    path = args.out / (
+        "exploration.csv" if args.problems == "all" else f"exploration_{args.problems}.csv"
+    )
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     header = (
-        "| problem (in x out) | mechanism | recovered | worst | rel_err | computed | cost | time |"
+        "| problem (in x out, K, block) | mechanism | recovered | worst | rel_err | computed "
+        "| cost | time |"
     )
     print(f"\n{args.steps} search steps, {args.seeds} seeds, jax impl on {jax.default_backend()}\n")
     print(header)

@@ -34,3 +34,29 @@ def test_selection_columns_start_at_their_steps(tmp_path, monkeypatch):
     for j, kept in enumerate(offsets):
         assert np.flatnonzero(grid[:, j]).tolist() == kept
     assert [line.get_xdata()[0] for line in evolution.get_lines()] == [25]  # the freeze line
+
+
+def test_block_layers_are_drawn_as_blocks(tmp_path, monkeypatch):
+    # 16 -> 32 with b = 8: P_b = 2 candidate chains of L_b = 4 blocks; offset 1 kept.
+    mask = plots.support_mask([1], 16, 32, block_size=8)
+    blocks = mask.reshape(4, 8, 2, 8).transpose(0, 2, 1, 3)  # [block row, block col, 8, 8]
+    full = blocks.all(axis=(2, 3))
+    assert np.array_equal(full, blocks.any(axis=(2, 3)))  # every touched block is full
+    assert full.tolist() == [[0, 1], [1, 0], [0, 1], [1, 0]]  # block (t, (t + 1) % 2)
+    with (tmp_path / "metrics.jsonl").open("w") as f:
+        for step, kept in ((0, [0]), (10, [1])):
+            f.write(json.dumps({"step": step, "kind": "selection", "offsets": {"h": kept}}) + "\n")
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plots.plot_diagonals(
+        tmp_path / "metrics.jsonl",
+        {"h": np.array([1])},
+        {"h": (16, 32)},
+        tmp_path / "d.png",
+        block_size=8,
+    )
+    support, evolution = figures[0].axes[:2]
+    np.testing.assert_array_equal(support.get_images()[0].get_array(), mask)
+    assert "1 of 2 block diagonals" in support.get_title()
+    (mesh,) = [c for c in evolution.collections if isinstance(c, QuadMesh)]
+    assert np.asarray(mesh.get_array()).size == 2 * 2  # P_b offsets x 2 snapshots

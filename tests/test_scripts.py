@@ -92,7 +92,8 @@ CONFIGS = ROOT / "train" / "configs"
         ),
         (
             ["--config.batch_size=64"],
-            "(did you mean 'train.batch_size' or 'train.eval_batch_size'?)",
+            "(did you mean 'train.batch_size' or 'train.eval_batch_size' or "
+            "'dynadiag.block_size'?)",
         ),
         (["--config.train.bogus=1"], "'train.bogus'; train holds batch_size, checkpoint_every, "),
         (["--config.seed", "one"], "config key 'seed' takes an int (default 0), got 'one'"),

@@ -36,7 +36,7 @@ DISTRIBUTIONS = {"uniform": B.uniform, "erk": B.erk}
 READS = {
     "dense": (),
     "dynadiag": ("dynadiag",),
-    "static_diagonals": ("dynadiag.layers", "dynadiag.sparsity"),
+    "static_diagonals": ("dynadiag.layers", "dynadiag.sparsity", "dynadiag.block_size"),
     **{m: ("dynadiag.layers", "dynadiag.sparsity", "unstructured") for m in UNSTRUCTURED},
 }
 # Folded into the run's seed for the masks' key, apart from the initialisation and data keys.
@@ -157,6 +157,7 @@ def build(
         static = functools.partial(
             dd.nn.DiagonalDense,
             sparsity=float(sparsity),
+            block_size=int(dynadiag_cfg.block_size),
             init_phase="frozen",
             impl=dynadiag_cfg.get("impl", "auto"),
         )

@@ -72,8 +72,8 @@ def sparsity_of(dynadiag_cfg) -> float:
 
 
 def sparse_layer(cfg) -> functools.partial:
-    """``DiagonalDense`` bound to the config's sparsity, gate, slack, exploration mode and impl,
-    which are checked here (the layer itself checks them only when a model is built)."""
+    """``DiagonalDense`` bound to the config's sparsity, block size, gate, slack, exploration mode
+    and impl, which are checked here (the layer itself checks them only when a model is built)."""
     if cfg.gate not in GATE_HYPER:
         raise ConfigError(f"dynadiag.gate must be one of {sorted(GATE_HYPER)}, got {cfg.gate!r}")
     if cfg.impl not in dd.available_impls():
@@ -81,6 +81,7 @@ def sparse_layer(cfg) -> functools.partial:
     layer = functools.partial(
         dd.nn.DiagonalDense,
         sparsity=float(cfg.sparsity),
+        block_size=int(cfg.block_size),
         gate=cfg.gate,
         slack=float(cfg.slack),
         explore=cfg.explore,

@@ -124,6 +124,7 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
                 common.layer_shapes(built.model, example),
                 workdir / "diagonals.png",
                 freeze_step=built.freeze_step,
+                block_size=int(dyn.block_size),
                 title=f"DynaDiag MLP, sparsity {dyn.sparsity:g}: test accuracy {acc:.4f}",
             )
             print(f"figure: {png}")

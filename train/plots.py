@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from dynadiag_jax.layout import diag_indices
+from dynadiag_jax.layout import block_indices, diag_indices, geometry
 from dynadiag_jax.training import read_jsonl
 
 
@@ -23,15 +23,21 @@ def selection_history(metrics_path) -> tuple[list[int], dict[str, list[np.ndarra
     return steps, history
 
 
-def support_mask(offsets, in_features: int, out_features: int) -> np.ndarray:
-    """``[out, in]`` 0/1 image of the entries the diagonals ``offsets`` cover."""
-    rows, cols = (
-        np.asarray(a)
-        for a in diag_indices(np.asarray(offsets, np.int32), in_features, out_features)
-    )
+def support_mask(offsets, in_features: int, out_features: int, block_size: int = 1) -> np.ndarray:
+    """``[out, in]`` 0/1 image of the entries the diagonals ``offsets`` cover: single entries of
+    element diagonals, or whole ``b x b`` blocks of block diagonals (``block_size = b >= 2``)."""
+    offsets = np.asarray(offsets, np.int32)
     mask = np.zeros((out_features, in_features), np.uint8)
-    mask[rows.ravel(), cols.ravel()] = 1
-    return mask
+    if block_size == 1:
+        rows, cols = (np.asarray(a) for a in diag_indices(offsets, in_features, out_features))
+        mask[rows.ravel(), cols.ravel()] = 1
+        return mask
+    block_rows, block_cols = (
+        np.asarray(a) for a in block_indices(offsets, in_features, out_features, block_size)
+    )
+    blocks = np.zeros((out_features // block_size, in_features // block_size), np.uint8)
+    blocks[block_rows.ravel(), block_cols.ravel()] = 1
+    return np.kron(blocks, np.ones((block_size, block_size), np.uint8))
 
 
 def _column_edges(steps) -> np.ndarray:
@@ -50,6 +56,7 @@ def plot_diagonals(
     *,
     freeze_step: int | None = None,
     title: str = "",
+    block_size: int = 1,
 ) -> pathlib.Path:
     """Write a PNG with one row per layer: the kept diagonals as a weight-support image, and the
     evolution of the top-K selection (offset x step) during the search phase.
@@ -60,6 +67,8 @@ def plot_diagonals(
       shapes: ``{layer path: (in_features, out_features)}``.
       out_path: the PNG to write.
       freeze_step: the step of the freeze (named in the titles, a dashed line on the step axis).
+      block_size: the layers' block size (``dynadiag.block_size``); block layers are drawn as
+        whole ``b x b`` blocks, their selection over the ``P_b`` block diagonals.
     """
     import matplotlib
 
@@ -78,14 +87,15 @@ def plot_diagonals(
     for row, layer in zip(axes, layers):
         fan_in, fan_out = shapes[layer]
         offsets = np.sort(np.asarray(kept[layer]))
-        p = max(fan_in, fan_out)
+        p = geometry(fan_in, fan_out, block_size).num_candidates
         row[0].imshow(
-            support_mask(offsets, fan_in, fan_out),
+            support_mask(offsets, fan_in, fan_out, block_size),
             cmap="Greys",
             interpolation="nearest",
             aspect="auto",
         )
-        row[0].set_title(f"{layer}: {len(offsets)} of {p} diagonals kept ({fan_in}->{fan_out})")
+        kind = "diagonals" if block_size == 1 else f"block diagonals (b = {block_size})"
+        row[0].set_title(f"{layer}: {len(offsets)} of {p} {kind} kept ({fan_in}->{fan_out})")
         row[0].set_xlabel("input")
         row[0].set_ylabel("output")
         snaps = history.get(layer, [])
@@ -108,7 +118,7 @@ def plot_diagonals(
         else:
             row[1].set_title("no selection snapshots recorded")
         row[1].set_xlabel("step")
-        row[1].set_ylabel("diagonal offset")
+        row[1].set_ylabel("diagonal offset" if block_size == 1 else "block diagonal offset")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

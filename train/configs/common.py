@@ -59,10 +59,12 @@ GATE_SCHEDULES = {
 }
 
 
-def dynadiag(sparsity: float, layers, gate: str = "sparse_topk") -> dict:
+def dynadiag(sparsity: float, layers, gate: str = "sparse_topk", block_size: int = 1) -> dict:
     """The ``dynadiag`` section shared by every config: which layers, how sparse, how they search.
 
     ``sparsity=0`` trains the dense model; the search phase is the first 30% of the steps.
+    ``block_size=1`` keeps element diagonals (the paper's); 8, 16, 32, 64 or 128 makes every
+    sparse layer a block-diagonal one (the size must divide each sparse layer's widths).
     """
     if gate not in GATE_SCHEDULES:
         raise ValueError(f"unknown gate {gate!r}; known: {', '.join(GATE_SCHEDULES)}")
@@ -70,6 +72,7 @@ def dynadiag(sparsity: float, layers, gate: str = "sparse_topk") -> dict:
         sparsity=sparsity,
         layers=tuple(layers),
         gate=gate,
+        block_size=block_size,  # 1: element diagonals; b in (8, ..., 128): b x b block diagonals
         slack=0.25,
         explore="buckets",
         gate_schedule=dict(GATE_SCHEDULES[gate]),

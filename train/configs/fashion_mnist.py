@@ -22,12 +22,19 @@ from train.configs.common import dynadiag, parse_arg
 
 def get_config(arg=None):
     arg = parse_arg(
-        arg, sparsity=0.9, epochs=8, gate="sparse_topk", method="dynadiag", runlocal=False
+        arg,
+        sparsity=0.9,
+        epochs=8,
+        gate="sparse_topk",
+        block_size=1,
+        method="dynadiag",
+        runlocal=False,
     )
     config = ml_collections.ConfigDict()
     config.seed = 0
     config.model = dict(name="mlp", hidden=(256, 256))
-    config.dynadiag = dynadiag(arg.sparsity, (r"hidden_\d+",), arg.gate)  # sparsity 0: dense
+    # sparsity 0: dense; block_size 1: element diagonals
+    config.dynadiag = dynadiag(arg.sparsity, (r"hidden_\d+",), arg.gate, arg.block_size)
     # dense | dynadiag | static_diagonals | rigl | set | mest (train/baselines.py): the same layers
     # (dynadiag.layers) at the same sparsity; unstructured methods follow `unstructured`.
     config.method = arg.method

@@ -30,13 +30,15 @@ def get_config(arg=None):
         sparsity=0.9,
         corpus="auto",
         gate="sparse_topk",
+        block_size=1,
         method="dynadiag",
         runlocal=False,
     )
     config = ml_collections.ConfigDict()
     config.seed = 0
     config.model = dict(name="gpt2", variant=arg.variant, dropout=0.0)
-    config.dynadiag = dynadiag(arg.sparsity, SPARSE_LAYERS, arg.gate)  # sparsity 0: dense
+    # sparsity 0: dense; block_size 1: element diagonals
+    config.dynadiag = dynadiag(arg.sparsity, SPARSE_LAYERS, arg.gate, arg.block_size)
     # dense | dynadiag | static_diagonals | rigl | set | mest (train/baselines.py): the same layers
     # (dynadiag.layers) at the same sparsity; unstructured methods follow `unstructured`.
     config.method = arg.method
