@@ -1,8 +1,8 @@
 """dynadiag_jax: DynaDiag diagonally sparse layers for JAX/Flax (Tyagi et al., ICML 2025).
 
-The training-side subpackages (``baselines``, ``data``, ``models``, ``training``) load on first
-use: ``dd.models.ViT`` works after ``import dynadiag_jax as dd`` without making that import pay
-for them.
+The training-side subpackages (``baselines``, ``data``, ``models``, ``training``) and the Flax NNX
+layer (``nnx``) load on first use: ``dd.models.ViT`` works after ``import dynadiag_jax as dd``
+without making that import pay for them.
 """
 
 import importlib as _importlib
@@ -39,7 +39,7 @@ __all__ = [
 
 # Subpackages imported by `__getattr__` on first access (listed by `dir`, not in `__all__`, so a
 # star import does not load them either).
-_LAZY_SUBPACKAGES = ("baselines", "data", "models", "training")
+_LAZY_SUBPACKAGES = ("baselines", "data", "models", "nnx", "training")
 
 
 def __getattr__(name: str):

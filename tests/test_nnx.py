@@ -1,0 +1,188 @@
+"""dd.nnx: the NNX layer over the linen layer's functional core, used as an NNX user would."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+import dynadiag_jax as dd
+
+
+class MLP(nnx.Module):
+    def __init__(self, *, block_size=1, gate="sparse_topk", rngs):
+        self.fc1 = dd.nnx.DiagonalDense(
+            64, 128, sparsity=0.8, block_size=block_size, gate=gate, rngs=rngs
+        )
+        self.fc2 = nnx.Linear(128, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.relu(self.fc1(x)))
+
+
+def linen_variables(layer):
+    """The linen layer's variables holding the NNX layer's values (same names)."""
+    params = {
+        n: getattr(layer, n).get_value() for n in ("alpha", "values", "bias") if hasattr(layer, n)
+    }
+    variables = {"params": params, "diagonals": {"in_features": layer.in_features.get_value()}}
+    if layer.frozen:
+        variables["diagonals"]["offsets"] = layer.offsets.get_value()
+    else:
+        name = layer.spec.hyper_name
+        variables["dynadiag"] = {
+            name: getattr(layer, name).get_value(),
+            "topk": layer.topk.get_value(),
+            "score": layer.score.get_value(),
+        }
+    return variables
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("shape", [(64, 128), (128, 64), (64, 64)], ids=["tall", "wide", "square"])
+def test_same_numbers_as_the_linen_layer_in_both_phases(block_size, shape):
+    n_in, n_out = shape
+    layer = dd.nnx.DiagonalDense(n_in, n_out, sparsity=0.8, block_size=block_size, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (5, n_in))
+    linen = dd.nn.DiagonalDense(n_out, sparsity=0.8, block_size=block_size)
+    np.testing.assert_allclose(
+        layer(x, strength=0.3), linen.apply(linen_variables(layer), x, strength=0.3), rtol=1e-6
+    )
+    frozen_layer = dd.nnx.freeze(layer)
+    assert frozen_layer.frozen and not layer.frozen
+    k = dd.num_diagonals(n_in, n_out, 0.8, block_size=block_size)
+    assert (
+        frozen_layer.values.get_value().shape[0] == k == frozen_layer.offsets.get_value().shape[0]
+    )
+    np.testing.assert_array_equal(
+        frozen_layer.offsets.get_value(), dd.select_diagonals(layer.alpha.get_value(), k)
+    )
+    np.testing.assert_allclose(
+        frozen_layer(x), linen.apply(linen_variables(frozen_layer), x), rtol=1e-6
+    )
+    # at a strength of 0 the search-phase gate is the hard top-K: the frozen layer's product
+    np.testing.assert_allclose(layer(x, strength=0.0), frozen_layer(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def standard_promotion():
+    # nnx.Optimizer hands optax's Adam its count as int32 beside float hyper-parameters, which the
+    # suite's strict promotion rejects inside optax (not in our code).
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+def test_train_with_nnx_jit_grad_optimizer_then_freeze_and_continue(standard_promotion):
+    model = MLP(rngs=nnx.Rngs(0))
+    teacher = MLP(rngs=nnx.Rngs(1))
+    x = jax.random.normal(jax.random.key(2), (32, 64))
+    y = teacher(x)
+    strength = dd.schedules.exponential(1.0, 1e-3, 60)
+    optimizer = nnx.Optimizer(
+        model, dd.optim.diag_optimizer(1e-2, alpha_learning_rate=1e-2), wrt=nnx.Param
+    )
+
+    @nnx.jit
+    def step(model, optimizer, i):
+        dd.nnx.set_gate(model, strength=strength(i))
+
+        def loss(model):
+            return jnp.mean((model(x) - y) ** 2)
+
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return value
+
+    losses = [float(step(model, optimizer, i)) for i in range(60)]
+    assert all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0], losses
+    assert float(model.fc1.strength.get_value()) == pytest.approx(float(strength(59)), rel=1e-5)
+    np.testing.assert_array_equal(  # topk follows alpha on every call
+        model.fc1.topk.get_value(),
+        dd.select_diagonals(model.fc1.alpha.get_value(), model.fc1.spec.k),
+    )
+    frozen = dd.nnx.freeze(model)
+    frozen_opt = nnx.Optimizer(frozen, optax.adam(1e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def frozen_step(model, optimizer):
+        value, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return value
+
+    first = float(frozen_step(frozen, frozen_opt))
+    for _ in range(10):
+        last = float(frozen_step(frozen, frozen_opt))
+    assert np.isfinite(first) and last < first
+
+
+@pytest.mark.parametrize("phase", ["search", "frozen"])
+def test_orbax_round_trip_of_nnx_state(tmp_path, phase):
+    def make():
+        m = MLP(block_size=16, rngs=nnx.Rngs(0))
+        return dd.nnx.freeze(m) if phase == "frozen" else m
+
+    model = make()
+    if phase == "search":
+        dd.nnx.set_gate(model, strength=0.25)
+    x = jax.random.normal(jax.random.key(3), (4, 64))
+    expected = model(x)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", nnx.state(model))
+    abstract = nnx.eval_shape(lambda: MLP(block_size=16, rngs=nnx.Rngs(9)))
+    if phase == "frozen":
+        abstract = nnx.eval_shape(lambda: dd.nnx.freeze(MLP(block_size=16, rngs=nnx.Rngs(9))))
+    graphdef, abstract_state = nnx.split(abstract)
+    with ocp.StandardCheckpointer() as ckpt:
+        state = ckpt.restore(tmp_path / "ckpt", abstract_state)
+    restored = nnx.merge(graphdef, state)
+    np.testing.assert_array_equal(restored(x), expected)
+    if phase == "search":
+        assert float(restored.fc1.strength.get_value()) == 0.25
+
+
+def test_set_gate_errors_name_the_gates_present():
+    model = MLP(gate="softmax", rngs=nnx.Rngs(0))
+    with pytest.raises(
+        ValueError, match=r"set_gate\(strength=...\) matches no layer.*temperature="
+    ):
+        dd.nnx.set_gate(model, strength=0.5)
+    dd.nnx.set_gate(model, temperature=0.5)
+    assert float(model.fc1.temperature.get_value()) == 0.5
+    with pytest.raises(ValueError, match="no layer.*none"):
+        dd.nnx.set_gate(dd.nnx.freeze(model), temperature=0.5)
+    with pytest.raises(ValueError, match="needs strength="):
+        dd.nnx.set_gate(model)
+    with pytest.raises(ValueError, match="temperature"):
+        dd.nnx.set_gate(model, temperature=-1.0)
+
+
+def test_errors_name_the_argument():
+    layer = dd.nnx.DiagonalDense(64, 32, sparsity=0.9, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="x has width 63, the layer expects 64"):
+        layer(jnp.ones((2, 63)))
+    with pytest.raises(ValueError, match="takes strength="):
+        layer(jnp.ones((2, 64)), temperature=1.0)
+    with pytest.raises(ValueError, match="block_size must be 1"):
+        dd.nnx.DiagonalDense(64, 32, sparsity=0.9, block_size=4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="divide"):
+        dd.nnx.DiagonalDense(72, 32, sparsity=0.9, block_size=16, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="sparsity"):
+        dd.nnx.DiagonalDense(64, 32, sparsity=1.5, rngs=nnx.Rngs(0))
+    model = MLP(rngs=nnx.Rngs(0))
+    model.fc1.alpha.set_value(model.fc1.alpha.get_value().at[3].set(jnp.nan))
+    with pytest.raises(ValueError, match="fc1.*non-finite"):
+        dd.nnx.freeze(model)
+
+
+def test_static_diagonals_and_lazy_import():
+    import importlib
+    import sys
+
+    sys.modules.pop("dynadiag_jax.nnx", None)
+    fresh = importlib.reload(importlib.import_module("dynadiag_jax"))
+    assert "dynadiag_jax.nnx" not in sys.modules
+    layer = fresh.nnx.DiagonalDense(64, 64, k=3, init_phase="frozen", rngs=nnx.Rngs(0))
+    assert layer.frozen and layer.offsets.get_value().shape == (3,)
+    assert len(set(np.asarray(layer.offsets.get_value()).tolist())) == 3
