@@ -9,8 +9,10 @@ the frozen params (the alpha group then holds no arrays).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping
 
+import jax
 import optax
 
 __all__ = [
@@ -26,16 +28,26 @@ __all__ = [
 NO_DECAY_NAMES = ("alpha", "bias", "scale")
 
 
-def _map_named(params, fn, parent=None):
-    """``fn(name, leaf, parent_mapping)`` on every leaf of a nested mapping."""
+def _names(path) -> tuple:
+    """The mapping keys of a leaf's path (NNX's ``Variable.value`` attribute dropped)."""
+    return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _map_named(params, fn):
+    """``fn(name, leaf, sibling_names)`` on every leaf of a nested mapping of params.
+
+    The result has the params' tree structure (plain dicts, ``FrozenDict`` or ``nnx.State`` with
+    its ``Variable`` leaves), as optax's masks and labels require.
+    """
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a nested mapping, got {type(params).__name__}")
-    return {
-        name: (
-            _map_named(value, fn, params) if isinstance(value, Mapping) else fn(name, value, params)
-        )
-        for name, value in params.items()
-    }
+    siblings = defaultdict(set)
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = _names(path)
+        siblings[names[:-1]].add(names[-1])
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: fn(_names(path)[-1], leaf, siblings[_names(path)[:-1]]), params
+    )
 
 
 def alpha_mask(params):
