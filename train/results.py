@@ -1,17 +1,21 @@
-"""Train and time every sparse-training method on Fashion-MNIST, then write docs/RESULTS.md.
+"""Train and time every sparse-training method on every suite, then write docs/RESULTS.md.
 
-For each model of the config, every method (dense, DynaDiag, static diagonals, RigL, SET, MEST)
-trains at every sparsity with several seeds; the final test accuracy of each run is appended to
+Suites (train/configs/results.py): an MLP, an MLP-Mixer and a ViT on Fashion-MNIST, and a
+byte-level GPT on a local corpus. In each, every method (dense, DynaDiag with element and block
+diagonals, static diagonals, RigL, SET, MEST) trains at every sparsity with several seeds; the
+final test accuracy (or validation perplexity) of each run is appended to
 ``<workdir>/accuracy.jsonl`` as soon as the run ends. Then every method's jitted training step and
 inference are timed on one fixed batch, interleaved with dense so that each ratio compares
-timings taken side by side (``<workdir>/speed.json``). Finally the report, its plots and the
-machine description are written under ``--docs``.
+timings taken side by side (``<workdir>/speed.json``, per suite). Finally the report of every suite
+with records, its plots and the machine description are written under ``--docs``.
 
 Interrupt at any time: finished runs are kept, the interrupted run resumes from its last
 checkpoint, and the same command carries on. A run whose settings changed is trained again.
 
-  python train/results.py                                          # every model, method, seed
-  python train/results.py --config=train/configs/results.py:quick  # a smoke run (1 seed, 1 epoch)
+  python train/results.py                                          # every suite, method, seed
+  python train/results.py --suite=vit,gpt                          # some suites
+  python train/results.py --config=train/configs/results.py:quick  # a smoke run (1 seed, short)
+  python train/results.py --timing_only                            # re-time on a quiet machine
   python train/results.py --report_only                            # the report from the logs
 """
 
@@ -34,11 +38,11 @@ from train.configs import results as default_config
 from train.results_runs import (
     ACCURACY_FILE,
     SPEED_FILE,
-    build,
     fingerprint,
     prepare,
     read_records,
     run_plan,
+    selected_suites,
     steps_of,
     train_run,
 )
@@ -48,10 +52,68 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", "runs/results", "run directories, accuracy.jsonl and speed.json"
 )
 _DOCS = flags.DEFINE_string("docs", "docs", "where RESULTS.md and its PNG plots are written")
+_SUITE = flags.DEFINE_list(
+    "suite",
+    ["all"],
+    f"suites to train and time: 'all' or some of {', '.join(default_config.SUITES)}",
+)
 _REPORT_ONLY = flags.DEFINE_bool(
     "report_only", False, "only rewrite the report from the logs in --workdir"
 )
+_TIMING_ONLY = flags.DEFINE_bool(
+    "timing_only", False, "time the selected suites again (no training), then rewrite the report"
+)
 _PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar")
+
+
+def train_all(config, data, suites, workdir: pathlib.Path) -> None:
+    """Train every planned run of ``suites`` not yet in ``accuracy.jsonl``, appending each."""
+    accuracy_path = workdir / ACCURACY_FILE
+    done = {
+        (r["model"], r["method"], r["sparsity"], r["seed"], r["fingerprint"])
+        for r in read_records(accuracy_path)
+    }
+    plan = run_plan(config, suites)
+    print(
+        f"data: {data.name}; {len(plan)} training runs on {common.device_summary()}; "
+        f"logs in {workdir}"
+    )
+    bar = tqdm.tqdm(plan, unit="run", disable=not _PROGRESS.value, dynamic_ncols=True)
+    for spec in bar:
+        model_name, method, sparsity, seed = spec
+        steps = steps_of(config.models[model_name], data)
+        fp = fingerprint(config, model_name, method, steps)
+        if (*spec, fp) in done:
+            continue
+        bar.set_description(f"{model_name} {method} s={sparsity:g} seed={seed}")
+        run_dir = workdir / model_name / f"{method}_s{round(100 * sparsity)}_seed{seed}_{fp}"
+        try:
+            record = train_run(config, data, spec, steps, run_dir, fp)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted; the same command resumes ({run_dir} keeps its checkpoint)")
+            raise SystemExit(130) from None
+        with accuracy_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        metric = (
+            f"perplexity {record['perplexity']:.3f} ({record['bits_per_byte']:.3f} bits/byte)"
+            if "perplexity" in record
+            else f"accuracy {record['accuracy']:.4f}"
+        )
+        bar.write(
+            f"{model_name:6s} {method:17s} s={sparsity:<5g} seed={seed}: {metric} "
+            f"({record['seconds']:.0f}s, load {record['load_average'][0]:.1f})"
+        )
+
+
+def time_suites(config, data, suites, workdir: pathlib.Path, begun: float) -> None:
+    """Time ``suites`` side by side; their entries replace the old ones in ``speed.json``."""
+    print("timing every method side by side ...")
+    timings = speed.measure(config, data, suites, progress=_PROGRESS.value)
+    path = workdir / SPEED_FILE
+    old = json.loads(path.read_text()) if path.exists() else {"models": {}}
+    timings["models"] = {**old.get("models", {}), **timings["models"]}
+    timings["invocation_seconds"] = time.perf_counter() - begun  # kept for --report_only
+    path.write_text(json.dumps(timings, indent=1))
 
 
 def main(argv):
@@ -61,51 +123,20 @@ def main(argv):
     workdir, docs = pathlib.Path(_WORKDIR.value), pathlib.Path(_DOCS.value)
     begun = time.perf_counter()
     try:
+        suites = selected_suites(config, _SUITE.value)
         data = prepare(config)
-    except ValueError as e:
+    except common.ConfigError as e:
         common.die(str(e))
     workdir.mkdir(parents=True, exist_ok=True)
-    accuracy_path = workdir / ACCURACY_FILE
     if not _REPORT_ONLY.value:
-        done = {
-            (r["model"], r["method"], r["sparsity"], r["seed"], r["fingerprint"])
-            for r in read_records(accuracy_path)
-        }
-        plan = run_plan(config)
-        print(
-            f"data: {data.name}; {len(plan)} training runs on {common.device_summary()}; "
-            f"logs in {workdir}"
-        )
-        bar = tqdm.tqdm(plan, unit="run", disable=not _PROGRESS.value, dynamic_ncols=True)
-        for spec in bar:
-            model_name, method, sparsity, seed = spec
-            steps = steps_of(config.models[model_name], data)
-            fp = fingerprint(config, model_name, method, steps)
-            if (*spec, fp) in done:
-                continue
-            bar.set_description(f"{model_name} {method} s={sparsity:g} seed={seed}")
-            run_dir = workdir / model_name / f"{method}_s{round(100 * sparsity)}_seed{seed}_{fp}"
-            try:
-                record = train_run(config, data, spec, steps, run_dir, fp)
-            except KeyboardInterrupt:
-                print(f"\ninterrupted; the same command resumes ({run_dir} keeps its checkpoint)")
-                raise SystemExit(130) from None
-            with accuracy_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            bar.write(
-                f"{model_name:6s} {method:17s} s={sparsity:<5g} seed={seed}: "
-                f"accuracy {record['accuracy']:.4f} "
-                f"({record['seconds']:.0f}s)"
-            )
-        print("timing every method side by side ...")
-        timings = speed.measure(config, data, build, steps_of, progress=_PROGRESS.value)
-        timings["invocation_seconds"] = time.perf_counter() - begun  # kept for --report_only
-        (workdir / SPEED_FILE).write_text(json.dumps(timings, indent=1))
+        if not _TIMING_ONLY.value:
+            train_all(config, data, suites, workdir)
+        time_suites(config, data, suites, workdir, begun)
     if not (workdir / SPEED_FILE).exists():
         common.die(f"{workdir / SPEED_FILE} is missing: run without --report_only first")
     records = [
         r
-        for r in read_records(accuracy_path)
+        for r in read_records(workdir / ACCURACY_FILE)
         if r["model"] in config.models
         and r["fingerprint"]
         == fingerprint(config, r["model"], r["method"], steps_of(config.models[r["model"]], data))

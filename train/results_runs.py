@@ -1,5 +1,10 @@
 """The training runs behind the results command (``train/results.py``): plan, build, train, record.
 
+A suite is one entry of the config's ``models``: a model, its data (Fashion-MNIST images for
+``task="classification"``, a byte-level corpus for ``task="language_modeling"``) and one recipe
+for every method. Methods are :data:`train.baselines.METHODS` and their block-diagonal variants
+``dynadiag_b<b>`` / ``static_diagonals_b<b>`` (the same method with ``dynadiag.block_size = b``).
+
 Kept apart from the script so tests import it without defining absl flags.
 """
 
@@ -7,8 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
+import re
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,104 +30,274 @@ from train.configs import results as default_config
 
 ACCURACY_FILE = "accuracy.jsonl"
 SPEED_FILE = "speed.json"
+TASKS = ("classification", "language_modeling")
+_BLOCK_METHOD = re.compile(r"(dynadiag|static_diagonals)_b([1-9][0-9]*)")
 
 
-def run_plan(config) -> list[tuple[str, str, float, int]]:
-    """``(model, method, sparsity, seed)`` of every training run; dense runs once per seed."""
-    plan = []
-    for model in config.models:
-        for seed in range(int(config.seeds)):
-            for method in config.methods:
-                for sparsity in (0.0,) if method == "dense" else config.sparsities:
-                    plan.append((model, method, float(sparsity), seed))
+class Data(NamedTuple):
+    """What the suites train on: ``images`` (:class:`~dynadiag_jax.data.ImageData`) and
+    ``corpus`` (:class:`~dynadiag_jax.data.Corpus`); ``None`` where no suite needs it."""
+
+    images: object | None
+    corpus: object | None
+
+    @property
+    def name(self) -> str:
+        return "; ".join(x.name for x in (self.images, self.corpus) if x is not None)
+
+
+def parse_method(method: str) -> tuple[str, int]:
+    """``"dynadiag_b16"`` -> ``("dynadiag", 16)``; ``"rigl"`` -> ``("rigl", 1)``.
+
+    Raises:
+      common.ConfigError: not a method of :data:`train.baselines.METHODS` or a block variant.
+    """
+    match = _BLOCK_METHOD.fullmatch(method)
+    if match and int(match.group(2)) >= 2:
+        return match.group(1), int(match.group(2))
+    if method in baselines.METHODS:
+        return method, 1
+    raise common.ConfigError(
+        f"unknown method {method!r}; known: {', '.join(baselines.METHODS)}, and "
+        "dynadiag_b<b> / static_diagonals_b<b> (block diagonals of size b >= 2)"
+    )
+
+
+def is_language_model(m) -> bool:
+    return m.task == "language_modeling"
+
+
+def run_plan(config, models=None) -> list[tuple[str, str, float, int]]:
+    """``(model, method, sparsity, seed)`` of every training run, goal sparsity first.
+
+    Dense runs once per seed; ``goal_methods`` run only at ``config.goal_sparsity``; other
+    sparsities run ``sweep_seeds`` seeds.
+    """
+    goal, plan = float(config.goal_sparsity), []
+    for model in suites(config) if models is None else models:
+        m = config.models[model]
+        sparsities = sorted((float(s) for s in m.sparsities), key=lambda s: (s != goal, s))
+        for sparsity in sparsities:
+            at_goal = sparsity == goal
+            methods = tuple(m.methods) + (tuple(m.goal_methods) if at_goal else ())
+            for seed in range(int(m.seeds if at_goal else m.sweep_seeds)):
+                if "dense" in methods and sparsity == sparsities[0]:
+                    plan.append((model, "dense", 0.0, seed))
+                plan += [(model, x, sparsity, seed) for x in methods if x != "dense"]
     return plan
 
 
-def steps_of(model_cfg, data) -> int:
-    return int(model_cfg.epochs) * (len(data.train["label"]) // int(model_cfg.batch_size))
+def suites(config) -> list[str]:
+    """The config's suites in the order of :data:`train.configs.results.SUITES` (a ConfigDict
+    sorts its keys)."""
+    return sorted(config.models, key=default_config.SUITES.index)
+
+
+def selected_suites(config, names) -> list[str]:
+    """The suites ``--suite`` names, in :func:`suites` order; ``all`` is every suite."""
+    if list(names) == ["all"]:
+        return suites(config)
+    unknown = sorted(set(names) - set(config.models))
+    if unknown:
+        raise common.ConfigError(
+            f"--suite names {unknown}, which the config does not define; "
+            f"known: all, {', '.join(suites(config))}"
+        )
+    return [n for n in suites(config) if n in names]
+
+
+def steps_of(model_cfg, data: Data) -> int:
+    if is_language_model(model_cfg):
+        return int(model_cfg.steps)
+    return int(model_cfg.epochs) * (len(data.images.train["label"]) // int(model_cfg.batch_size))
+
+
+def method_dynadiag(model_cfg, method: str):
+    """The suite's ``dynadiag`` section as ``method`` trains it (block variants set
+    ``block_size``)."""
+    _, block = parse_method(method)
+    cfg = model_cfg.dynadiag.copy_and_resolve_references()
+    if block > 1:
+        with cfg.unlocked():
+            cfg.block_size = block
+    return cfg
 
 
 def build(
-    config, model_name: str, method: str, sparsity: float, seed: int, data, steps: int
+    config, model_name: str, method: str, sparsity: float, seed: int, data: Data, steps: int
 ) -> baselines.Method:
     m = config.models[model_name]
-    return baselines.build(
-        method,
+    built = baselines.build(
+        parse_method(method)[0],
         model_cfg=m.model,
-        dynadiag_cfg=m.dynadiag,
+        dynadiag_cfg=method_dynadiag(m, method),
         unstructured_cfg=config.unstructured,
         optimizer_cfg=m.optimizer,
         sparsity=sparsity,
         num_steps=steps,
         warmup_steps=int(m.optimizer.warmup_steps),
         seed=seed,
-        num_classes=data.num_classes,
+        **model_kwargs(m, data),
+    )
+    return built._replace(name=method)
+
+
+def model_kwargs(model_cfg, data: Data) -> dict:
+    """The model constructor's data-dependent arguments (classes, or vocabulary and length)."""
+    if is_language_model(model_cfg):
+        return dict(vocab_size=D.BYTE_VOCAB_SIZE, block_size=int(model_cfg.seq_len))
+    return dict(num_classes=data.images.num_classes)
+
+
+def task_of(model_cfg, data: Data):
+    if is_language_model(model_cfg):
+        return T.LanguageModeling()
+    return T.Classification(
+        data.images.num_classes, float(model_cfg.optimizer.get("label_smoothing", 0.0))
     )
 
 
-def example_input(model_cfg, data) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(
-        (int(model_cfg.batch_size), *data.train["image"].shape[1:]), jnp.float32
-    )
+def example_input(model_cfg, data: Data, batch_size: int | None = None) -> jax.ShapeDtypeStruct:
+    n = int(model_cfg.batch_size) if batch_size is None else int(batch_size)
+    if is_language_model(model_cfg):
+        return jax.ShapeDtypeStruct((n, int(model_cfg.seq_len)), jnp.int32)
+    return jax.ShapeDtypeStruct((n, *data.images.train["image"].shape[1:]), jnp.float32)
 
 
-def prepare(config):
-    """Check the config and load the data: every problem surfaces here, before compiling."""
-    common.check_config(config, default_config.get_config(), free=("models",))
-    unknown = sorted(set(config.methods) - set(baselines.METHODS))
-    if unknown:
-        raise common.ConfigError(
-            f"unknown methods {unknown}; known: {', '.join(baselines.METHODS)}"
+def sample_batch(model_cfg, data: Data, n: int) -> dict:
+    """The first ``n`` training examples (or windows) as one batch, for timing."""
+    if is_language_model(model_cfg):
+        windows = D.TokenWindows(data.corpus.train, int(model_cfg.seq_len), n, seed=0)
+        return {"tokens": jnp.asarray(next(iter(windows.iterate(0)))["tokens"])}
+    return {k: jnp.asarray(data.images.train[k][:n]) for k in ("image", "label")}
+
+
+def model_inputs(model_cfg, batch: dict):
+    return batch["tokens"][:, :-1] if is_language_model(model_cfg) else batch["image"]
+
+
+def _train_source(model_cfg, data: Data, seed: int):
+    batch = int(model_cfg.batch_size)
+    if is_language_model(model_cfg):
+        return D.TokenWindows(data.corpus.train, int(model_cfg.seq_len), batch, seed=seed)
+    return D.ArrayBatches(data.images.train, batch, seed=seed)
+
+
+def _eval_source(config, model_cfg, data: Data):
+    if is_language_model(model_cfg):
+        return D.WindowEvalBatches(
+            data.corpus.valid,
+            int(model_cfg.seq_len),
+            int(model_cfg.eval_batch_size),
+            max_windows=int(model_cfg.eval_windows),
         )
-    if int(config.seeds) < 1 or not config.models or not config.sparsities:
-        raise common.ConfigError("need at least one seed, one model and one sparsity")
-    if not all(0.0 < float(s) < 1.0 for s in config.sparsities):
-        raise common.ConfigError(f"sparsities must lie in (0, 1), got {tuple(config.sparsities)}")
+    return D.EvalBatches(data.images.test, int(config.eval_batch_size))
+
+
+def _check_suite(name: str, m, mesh) -> None:
+    reference = default_config.get_config(f"models={name}").models[name]
     try:
-        data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
-    except (FileNotFoundError, ValueError) as e:
-        raise common.ConfigError(str(e)) from None
+        common.check_config(m, reference, free=("model",))
+    except common.ConfigError as e:
+        raise common.ConfigError(f"models.{name}: {e}") from None
+    if m.task not in TASKS:
+        raise common.ConfigError(f"models.{name}.task must be one of {TASKS}, got {m.task!r}")
+    for method in (*m.methods, *m.goal_methods):
+        parse_method(method)
+    if int(m.seeds) < 1 or int(m.sweep_seeds) < 0 or not m.sparsities:
+        raise common.ConfigError(
+            f"models.{name}: need seeds >= 1, sweep_seeds >= 0 and at least one sparsity"
+        )
+    if not all(0.0 < float(s) < 1.0 for s in m.sparsities):
+        raise common.ConfigError(
+            f"models.{name}.sparsities must lie in (0, 1), got {tuple(m.sparsities)}"
+        )
+    T.check_batch_size(int(m.batch_size), mesh, name=f"models.{name}.batch_size")
+    if is_language_model(m):
+        T.check_batch_size(int(m.eval_batch_size), mesh, name=f"models.{name}.eval_batch_size")
+
+
+def prepare(config) -> Data:
+    """Check the config and load the data: every problem surfaces here, before compiling.
+
+    Raises:
+      common.ConfigError: a bad config entry, missing data, a batch that does not split over the
+        devices, or a layer pattern that selects no layer.
+    """
+    common.check_config(config, default_config.get_config(), free=("models",))
+    if not config.models:
+        raise common.ConfigError("need at least one model")
     mesh = T.data_mesh()
     T.check_batch_size(int(config.eval_batch_size), mesh, name="eval_batch_size")
     for name, m in config.models.items():
-        T.check_batch_size(int(m.batch_size), mesh)
+        _check_suite(name, m, mesh)
+    tasks = {m.task for m in config.models.values()}
+    try:
+        images = (
+            D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
+            if "classification" in tasks
+            else None
+        )
+        corpus = D.load_corpus(config.data.corpus) if "language_modeling" in tasks else None
+    except (FileNotFoundError, ValueError) as e:
+        raise common.ConfigError(str(e)) from None
+    data = Data(images, corpus)
+    for name, m in config.models.items():
         steps = steps_of(m, data)
         if steps <= int(config.unstructured.update_every):
             raise common.ConfigError(
                 f"model {name}: {steps} training steps leave no room for a mask update "
                 f"every {config.unstructured.update_every} steps"
             )
-        for method in config.methods:
-            for sparsity in (0.0,) if method == "dense" else config.sparsities:
-                built = build(config, name, method, sparsity, 0, data, steps)
-                common.check_layer_patterns(built.model, example_input(m, data), m.dynadiag)
+        example = example_input(m, data)
+        for model, method, sparsity, _ in run_plan(config, [name]):
+            try:
+                built = build(config, model, method, sparsity, 0, data, steps)
+                dyn = baselines.with_sparsity(method_dynadiag(m, method), sparsity)
+                common.check_layer_patterns(built.model, example, dyn)
+                if parse_method(method)[1] > 1:  # a block size must divide the layers it selects
+                    jax.eval_shape(lambda x, b=built: b.model.init(jax.random.key(0), x), example)
+            except ValueError as e:
+                raise common.ConfigError(f"model {name}, method {method}: {e}") from None
     return data
 
 
 def fingerprint(config, model_name: str, method: str, steps: int) -> str:
     """Hash of the settings a run's result depends on (a changed one retrains the run): the model,
     recipe and data; the sparse layers for sparse methods; the whole ``dynadiag`` section for
-    DynaDiag, and the ``unstructured`` section for RigL, SET and MEST."""
+    DynaDiag (with the method's block size), and the ``unstructured`` section for RigL, SET and
+    MEST."""
     m = config.models[model_name]
+    base, block = parse_method(method)
+    if is_language_model(m):
+        data = {
+            "corpus": config.data.corpus,
+            **{k: int(m[k]) for k in ("seq_len", "eval_windows")},
+        }
+    else:
+        data = {k: config.data[k] for k in ("source", "data_dir")}
     parts = {
         "model": m.model.to_dict(),
         "optimizer": m.optimizer.to_dict(),
         "batch_size": int(m.batch_size),
         "steps": steps,
-        "data": config.data.to_dict(),
+        "data": data,
         "method": method,
     }
-    if method != "dense":
+    if base != "dense":
         parts["layers"] = list(m.dynadiag.layers)
-    if method == "dynadiag":
-        parts["dynadiag"] = m.dynadiag.to_dict()
-    if method in baselines.UNSTRUCTURED:
+    if base == "dynadiag":
+        parts["dynadiag"] = method_dynadiag(m, method).to_dict()
+    if base == "static_diagonals" and block > 1:
+        parts["block_size"] = block
+    if base in baselines.UNSTRUCTURED:
         parts["unstructured"] = config.unstructured.to_dict()
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def sparse_layer_density(params, shapes: dict[str, tuple[int, int]]) -> float:
-    """Non-zero over dense weights in the replaceable layers (frozen diagonals: K*D/(in*out))."""
+    """Non-zero over dense weights in the replaceable layers (frozen diagonals: every entry of
+    ``values``, i.e. ``K*D`` for element and ``K*max(in, out)*b`` for block diagonals)."""
     flat = traverse_util.flatten_dict(params, sep="/")
     nonzero = total = 0
     for path, (n_in, n_out) in shapes.items():
@@ -148,26 +326,38 @@ def mean_step_time(metrics_path, start: int = 0, stop: int | None = None) -> flo
     return float(np.mean(times)) if times else None
 
 
-def train_run(config, data, spec, steps: int, workdir: pathlib.Path, fp: str) -> dict:
+def validation_curve(metrics_path) -> list[tuple[int, float]]:
+    """``[(step, bits per token), ...]`` of a language model's logged evaluations."""
+    return [
+        (int(r["step"]), float(r["bits_per_token"]))
+        for r in T.read_jsonl(metrics_path)
+        if r.get("kind") == "eval" and "bits_per_token" in r
+    ]
+
+
+def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: str) -> dict:
     """Train one ``(model, method, sparsity, seed)`` run and return its record."""
     model_name, method, sparsity, seed = spec
     m = config.models[model_name]
+    lm = is_language_model(m)
     built = build(config, model_name, method, sparsity, seed, data, steps)
     example = example_input(m, data)
-    start = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    start, cpu_start = time.perf_counter(), time.process_time()
     result = T.train(
         model=built.model,
         optimizer=built.optimizer,
-        task=T.Classification(data.num_classes, float(m.optimizer.label_smoothing)),
-        train_data=D.ArrayBatches(data.train, int(m.batch_size), seed=seed),
-        eval_data=D.EvalBatches(data.test, int(config.eval_batch_size)),
+        task=task_of(m, data),
+        train_data=_train_source(m, data, seed),
+        eval_data=_eval_source(config, m, data),
+        eval_every=int(m.eval_every) if lm else 0,
         num_steps=steps,
         example_input=example,
         seed=seed,
         freeze_step=built.freeze_step,
         gate=built.gate,
         workdir=workdir,
-        checkpoint_every=len(data.train["label"]) // int(m.batch_size),
+        checkpoint_every=max(1, steps // 4) if lm else steps // int(m.epochs),
         keep_checkpoints=1,
         log_every=50,
         learning_rate=built.learning_rate,
@@ -175,23 +365,34 @@ def train_run(config, data, spec, steps: int, workdir: pathlib.Path, fp: str) ->
         tensorboard=False,
         run_info={"model": model_name, "method": method, "sparsity": sparsity, "fingerprint": fp},
     )
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     shapes = common.layer_shapes(built.model, example)
     metrics_path = workdir / "metrics.jsonl"
+    ev = result.eval_metrics
     record = {
         "model": model_name,
         "method": method,
         "sparsity": sparsity,
         "seed": seed,
         "fingerprint": fp,
-        "accuracy": result.eval_metrics["accuracy"],
-        "loss": result.eval_metrics["loss"],
+        "loss": ev["loss"],
         "steps": steps,
         "seconds": seconds,
+        # Processor time of every thread: less sensitive to other programs than wall time.
+        "cpu_seconds": cpu_seconds,
+        "load_average": [load_before, os.getloadavg()[0]],
         "resumed_at": result.start_step,
         "density": sparse_layer_density(result.state.params, shapes),
         "step_time_s": mean_step_time(metrics_path),
     }
+    if lm:
+        record.update(
+            perplexity=ev["perplexity"],
+            bits_per_byte=ev["bits_per_token"],
+            curve=validation_curve(metrics_path),
+        )
+    else:
+        record["accuracy"] = ev["accuracy"]
     if built.freeze_step is not None:
         record["search_step_time_s"] = mean_step_time(metrics_path, 0, built.freeze_step)
         record["frozen_step_time_s"] = mean_step_time(metrics_path, built.freeze_step)

@@ -18,7 +18,6 @@ import platform
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tqdm
 
@@ -26,8 +25,9 @@ import dynadiag_jax as dd
 from dynadiag_jax import baselines as B
 from dynadiag_jax import training as T
 from train import baselines
+from train import results_runs as R
 
-VARIANTS = ("dense", "diagonal", "unstructured_masked", "unstructured_bcoo")
+VARIANTS = ("dense", "diagonal", "unstructured_masked", "unstructured_bcoo")  # + diagonal_b<b>
 
 
 def machine() -> dict:
@@ -77,37 +77,34 @@ def _train_and_infer(model, optimizer, example, batch, task, infer_inputs, gate=
     )
 
 
-def _group(config, data, name: str, sparsity: float, build, steps_of) -> dict:
-    """``{(kind, variant): fn}`` of one model at one sparsity; ``kind`` is ``train`` or
-    ``infer_b<batch>``."""
+def _group(config, data, name: str, sparsity: float, block_sizes=()) -> dict:
+    """``{(kind, variant): fn}`` of one suite at one sparsity; ``kind`` is ``train`` or
+    ``infer_b<batch>``; ``block_sizes`` adds a ``diagonal_b<b>`` variant per block size."""
     m = config.models[name]
-    task = T.Classification(data.num_classes)
-    n = int(config.speed.train_batch)
-    batch = {
-        "image": jnp.asarray(data.train["image"][:n]),
-        "label": jnp.asarray(data.train["label"][:n]),
-    }
-    example = jax.ShapeDtypeStruct(batch["image"].shape, jnp.float32)
-    infer_inputs = {
-        int(b): jnp.asarray(data.test["image"][: int(b)]) for b in config.speed.inference_batches
-    }
+    task = R.task_of(m, data)
+    batch = R.sample_batch(m, data, int(m.batch_size))
+    example = R.example_input(m, data)
+    samples = R.sample_batch(m, data, max(int(b) for b in m.inference_batches))
+    infer_inputs = {int(b): R.model_inputs(m, samples)[: int(b)] for b in m.inference_batches}
     make = functools.partial(
-        build, config, name, sparsity=sparsity, seed=0, data=data, steps=steps_of(m, data)
+        R.build, config, name, sparsity=sparsity, seed=0, data=data, steps=R.steps_of(m, data)
     )
-    dense, rigl, static = make(method="dense"), make(method="rigl"), make(method="static_diagonals")
+    dense, rigl = make(method="dense"), make(method="rigl")
 
     def layered(layer):
         return baselines.model_with_layer(
             m.model,
             m.dynadiag,
             functools.partial(layer, sparsity=sparsity),
-            num_classes=data.num_classes,
+            **R.model_kwargs(m, data),
         )
 
+    static = {"diagonal": make(method="static_diagonals")}
+    static.update({f"diagonal_b{b}": make(method=f"static_diagonals_b{b}") for b in block_sizes})
     fns = {}
     for variant, model, optimizer, infer_model in (
         ("dense", dense.model, dense.optimizer, None),
-        ("diagonal", static.model, static.optimizer, None),
+        *((v, s.model, s.optimizer, None) for v, s in static.items()),
         # A masked model's inference runs MaskedDense layers.
         ("unstructured_masked", rigl.model, rigl.optimizer, layered(B.MaskedDense)),
         ("unstructured_bcoo", layered(B.BCOODense), dense.optimizer, None),
@@ -123,16 +120,23 @@ def _group(config, data, name: str, sparsity: float, build, steps_of) -> dict:
     return fns
 
 
-def measure(config, data, build, steps_of, *, progress: bool = True) -> dict:
-    """Timings of every variant for every model and sparsity of ``config`` (seconds, medians).
+def block_sizes_at(config, name: str, sparsity: float) -> tuple[int, ...]:
+    """The block sizes of the block-diagonal methods the suite trains at ``sparsity``."""
+    plan = R.run_plan(config, [name])
+    return tuple(
+        sorted({R.parse_method(method)[1] for _, method, s, _ in plan if s == sparsity} - {1})
+    )
 
-    ``build`` and ``steps_of`` are :func:`train.results_runs.build` and ``steps_of``.
-    """
+
+def measure(config, data, models=None, *, progress: bool = True) -> dict:
+    """Timings of every variant for every suite in ``models`` (default: all) at each of its
+    sparsities (seconds, medians)."""
     start = time.perf_counter()
     out = {"machine": machine(), "repeats": int(config.speed.repeats), "models": {}}
-    groups = [(name, s) for name in config.models for s in config.sparsities]
+    names = R.suites(config) if models is None else list(models)
+    groups = [(n, float(s)) for n in names for s in config.models[n].sparsities]
     for name, sparsity in tqdm.tqdm(groups, unit="group", disable=not progress, desc="timing"):
-        fns = _group(config, data, name, sparsity, build, steps_of)
+        fns = _group(config, data, name, sparsity, block_sizes_at(config, name, sparsity))
         medians = _time_round_robin(fns, int(config.speed.repeats), int(config.speed.warmup))
         group = out["models"].setdefault(name, {}).setdefault(f"{sparsity:g}", {})
         for (kind, variant), seconds in medians.items():

@@ -28,6 +28,8 @@ class GPT2Size(NamedTuple):
 SIZES = {
     "mu": GPT2Size(32, 2, 2),  # tests and smoke runs only
     "mini": GPT2Size(128, 4, 4),  # CPU-sized runs of train/lm.py
+    # CPU-sized runs of train/results.py: widths are multiples of 16 with 10 block candidates.
+    "micro": GPT2Size(160, 2, 4),
     "small": GPT2Size(768, 12, 12),
     "medium": GPT2Size(1024, 24, 16),
 }

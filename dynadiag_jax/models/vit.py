@@ -30,6 +30,8 @@ class ViTSize(NamedTuple):
 
 SIZES = {
     "mu": ViTSize(32, 2, 64, 2),  # tests and smoke runs only
+    # CPU-sized runs (train/results.py): widths are multiples of 16 with 10 block candidates.
+    "mini": ViTSize(160, 2, 320, 4),
     "Ti": ViTSize(192, 12, 768, 3),
     "S": ViTSize(384, 12, 1536, 6),
     "B": ViTSize(768, 12, 3072, 12),

@@ -1,75 +1,157 @@
-"""Every method on Fashion-MNIST at 80/90/95% sparsity, several seeds: docs/RESULTS.md's numbers.
+"""Every method on four suites: docs/RESULTS.md's numbers.
 
-Two models, each trained with one recipe for every method (AdamW, cosine learning rate; the
-authors' MNIST recipe for the MLP): the authors' MLP 784-256-256-10 (hidden layers sparse, head
-dense), and a small MLP-Mixer (``mu/7``: 16 tokens of 7x7 patches, 2 blocks; token- and
-channel-mixing MLPs sparse; stem and head dense). Unstructured methods use RigL's schedule.
+Each suite (a model and its data) trains every method with one recipe (AdamW, cosine learning
+rate); unstructured methods use RigL's schedule:
 
-  python train/results.py                                          # everything (tens of minutes)
-  python train/results.py --config=train/configs/results.py:quick      # smoke run: 1 seed, 1 epoch
-  python train/results.py --config=train/configs/results.py:seeds=5,models=mlp,methods=dense+rigl
+* ``mlp``: the authors' MLP 784-256-256-10 on Fashion-MNIST (hidden layers sparse, head dense),
+  the authors' MNIST recipe;
+* ``mixer``: a small MLP-Mixer on Fashion-MNIST (``mu/7``: 16 tokens of 7x7 patches, 2 blocks;
+  token- and channel-mixing MLPs sparse; stem and head dense);
+* ``vit``: a small ViT on Fashion-MNIST (``mini/7``: width 160, 2 blocks, 16 patches of 7x7; qkv,
+  proj, fc1, fc2 sparse; patch embedding and head dense);
+* ``gpt``: a small byte-level GPT (``micro``: width 160, 2 blocks) on a local corpus (the Debian
+  fortunes where installed, else the Python standard library's sources); c_attn, c_proj, c_fc and
+  the MLP's c_proj sparse; embeddings (tied head) dense. Validation perplexity and bits per byte.
+
+Per suite: ``methods`` train at every sparsity, ``goal_methods`` (block diagonals,
+``dynadiag_b<b>``) only at ``goal_sparsity``; ``seeds`` seeds at the goal sparsity (and dense),
+``sweep_seeds`` at the others. The widths of the ViT and the GPT are multiples of 16 with 10
+block-diagonal candidates per layer, so blocks of 16 keep exactly 10% of each layer at 90%.
+
+  python train/results.py                                          # every suite
+  python train/results.py --suite=vit,gpt                          # the transformer suites
+  python train/results.py --config=train/configs/results.py:quick  # smoke run (1 seed, short)
+  python train/results.py --config=train/configs/results.py:seeds=5,methods=dense+rigl
 """
 
 import ml_collections
 
-from train.baselines import METHODS, unstructured_defaults
+from train.baselines import unstructured_defaults
 from train.configs.common import dynadiag, parse_arg
 
+SUITES = ("mlp", "mixer", "vit", "gpt")
+ELEMENT_METHODS = ("dense", "dynadiag", "static_diagonals", "rigl", "set", "mest")
+GOAL_SPARSITY = 0.9
 
-def _optimizer(learning_rate, weight_decay):
+
+def _optimizer(learning_rate, weight_decay, **overrides):
     return dict(
-        learning_rate=learning_rate,
-        end_learning_rate=1e-5,
-        warmup_steps=0,
-        weight_decay=weight_decay,
-        b1=0.9,
-        b2=0.999,
-        clip_norm=0.0,
-        label_smoothing=0.0,
+        dict(
+            learning_rate=learning_rate,
+            end_learning_rate=1e-5,
+            warmup_steps=0,
+            weight_decay=weight_decay,
+            b1=0.9,
+            b2=0.999,
+            clip_norm=0.0,
+            label_smoothing=0.0,
+        ),
+        **overrides,
     )
 
 
-def get_config(arg=None):
-    # Lists inside the argument string are "+"-separated (commas separate the arguments).
-    arg = parse_arg(
-        arg,
-        quick=False,
-        seeds=3,
-        models="mlp+mixer",
-        methods="+".join(METHODS),
-        sparsities="0.8+0.9+0.95",
-    )
-    config = ml_collections.ConfigDict()
-    config.seeds = 1 if arg.quick else arg.seeds
-    config.methods = tuple(arg.methods.split("+"))
-    config.sparsities = tuple(float(s) for s in arg.sparsities.split("+"))
-    config.data = dict(source="auto", data_dir="")
-    all_models = dict(
+def _suites():
+    sparsities = (0.8, 0.9, 0.95)
+    return dict(
         mlp=dict(
+            task="classification",
             model=dict(name="mlp", hidden=(256, 256)),
             dynadiag=dynadiag(0.0, (r"hidden_\d+",)),
             optimizer=_optimizer(1e-3, 1e-4),
             batch_size=128,
             epochs=8,
+            seeds=3,
+            sweep_seeds=3,
+            sparsities=sparsities,
+            methods=ELEMENT_METHODS,
+            # b = 32 does not divide the 784 inputs.
+            goal_methods=("dynadiag_b8", "dynadiag_b16"),
+            inference_batches=(1, 256),
         ),
         mixer=dict(
+            task="classification",
             model=dict(name="mixer", variant="mu/7"),
             dynadiag=dynadiag(0.0, (r".*/(token_mixing|channel_mixing)/(fc1|fc2)",)),
             optimizer=_optimizer(2e-3, 0.05),
             batch_size=128,
             epochs=4,
+            seeds=3,
+            sweep_seeds=3,
+            sparsities=sparsities,
+            methods=ELEMENT_METHODS,
+            # b = 32 does not divide the 16-token mixing layers.
+            goal_methods=("dynadiag_b8", "dynadiag_b16"),
+            inference_batches=(1, 256),
+        ),
+        vit=dict(
+            task="classification",
+            model=dict(name="vit", variant="mini/7"),
+            dynadiag=dynadiag(0.0, (r".*/attn/(qkv|proj)", r".*/mlp/(fc1|fc2)")),
+            optimizer=_optimizer(1e-3, 0.05, warmup_steps=50, label_smoothing=0.1),
+            batch_size=64,
+            epochs=1,
+            seeds=3,
+            sweep_seeds=1,
+            sparsities=sparsities,
+            methods=ELEMENT_METHODS[:-1],
+            goal_methods=("dynadiag_b16",),
+            inference_batches=(1, 256),
+        ),
+        gpt=dict(
+            task="language_modeling",
+            model=dict(name="gpt2", variant="micro", dropout=0.0),
+            dynadiag=dynadiag(0.0, (r".*/attn/(c_attn|c_proj)", r".*/mlp/(c_fc|c_proj)")),
+            optimizer=_optimizer(
+                2e-3, 0.1, end_learning_rate=1e-4, warmup_steps=50, b2=0.99, clip_norm=1.0
+            ),
+            batch_size=16,
+            steps=600,
+            seq_len=64,
+            eval_windows=512,
+            eval_batch_size=64,
+            eval_every=100,  # the validation curve of the report's plot
+            seeds=2,
+            sweep_seeds=1,
+            sparsities=sparsities,
+            methods=ELEMENT_METHODS[:-1],
+            goal_methods=("dynadiag_b16",),
+            inference_batches=(1, 16),
         ),
     )
+
+
+def get_config(arg=None):
+    # Lists inside the argument string are "+"-separated (commas separate the arguments). An empty
+    # seeds/methods/sparsities keeps each suite's own; a value replaces it in every suite.
+    arg = parse_arg(arg, quick=False, seeds=0, models="+".join(SUITES), methods="", sparsities="")
+    config = ml_collections.ConfigDict()
+    config.goal_sparsity = GOAL_SPARSITY
+    # Images for the classification suites, a byte-level corpus for the language model.
+    config.data = dict(source="auto", data_dir="", corpus="auto")
+    all_models = _suites()
     unknown = sorted(set(arg.models.split("+")) - set(all_models))
     if unknown:
         raise ValueError(f"unknown models {unknown}; known: {', '.join(all_models)}")
     config.models = {name: all_models[name] for name in arg.models.split("+")}
+    for m in config.models.values():
+        if arg.seeds:
+            m.seeds = m.sweep_seeds = arg.seeds
+        if arg.methods:
+            m.methods = tuple(arg.methods.split("+"))
+            m.goal_methods = ()
+        if arg.sparsities:
+            m.sparsities = tuple(float(s) for s in arg.sparsities.split("+"))
     config.unstructured = unstructured_defaults()
-    config.eval_batch_size = 1000  # the last batch is padded; a multiple of the device count
-    # Timing: every method's jitted step on one fixed batch, interleaved, median of `repeats`.
-    config.speed = dict(train_batch=128, inference_batches=(1, 256), repeats=40, warmup=5)
+    config.eval_batch_size = 1000  # image suites; the last batch is padded; a multiple of devices
+    # Timing: every method's jitted step on one fixed batch (the suite's training batch),
+    # interleaved, median of `repeats`.
+    config.speed = dict(repeats=40, warmup=5)
     if arg.quick:
         for m in config.models.values():
-            m.epochs = 1
+            m.seeds = m.sweep_seeds = 1
+            if "epochs" in m:
+                m.epochs = 1
+            else:
+                m.steps, m.eval_every = 200, 50
         config.speed.repeats = 5
     return config
