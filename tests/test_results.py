@@ -394,6 +394,17 @@ def test_fingerprint_changes_only_for_methods_that_read_the_changed_setting():
     assert results.fingerprint(config, "mlp", "dense", 200) != after_drop["dense"]
 
 
+def test_fingerprint_of_block_methods_differs_per_size_and_element_ignores_block_size_one():
+    config = _config("models=mlp")
+    fp = lambda method: results.fingerprint(config, "mlp", method, 100)  # noqa: E731
+    prints = {fp(m) for m in ("dynadiag", "dynadiag_b8", "dynadiag_b16", "static_diagonals_b16")}
+    assert len(prints) == 4
+    element = fp("dynadiag")
+    with config.unlocked():
+        config.models.mlp.dynadiag.block_size = 1
+    assert fp("dynadiag") == element
+
+
 @pytest.mark.slow
 def test_end_to_end_tiny_transformer_suites(tmp_path):
     """The ViT and GPT suites shrunk to the ``mu`` models: records, curves, timings, report."""

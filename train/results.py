@@ -15,6 +15,7 @@ checkpoint, and the same command carries on. A run whose settings changed is tra
   python train/results.py                                          # every suite, method, seed
   python train/results.py --suite=vit,gpt                          # some suites
   python train/results.py --config=train/configs/results.py:quick  # a smoke run (1 seed, short)
+  python train/results.py --notiming                               # train (and report) only
   python train/results.py --timing_only                            # re-time on a quiet machine
   python train/results.py --report_only                            # the report from the logs
 """
@@ -62,6 +63,9 @@ _REPORT_ONLY = flags.DEFINE_bool(
 )
 _TIMING_ONLY = flags.DEFINE_bool(
     "timing_only", False, "time the selected suites again (no training), then rewrite the report"
+)
+_TIMING = flags.DEFINE_bool(
+    "timing", True, "time the selected suites after training (--notiming: train, then report)"
 )
 _PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar")
 
@@ -131,9 +135,10 @@ def main(argv):
     if not _REPORT_ONLY.value:
         if not _TIMING_ONLY.value:
             train_all(config, data, suites, workdir)
-        time_suites(config, data, suites, workdir, begun)
+        if _TIMING.value or _TIMING_ONLY.value:
+            time_suites(config, data, suites, workdir, begun)
     if not (workdir / SPEED_FILE).exists():
-        common.die(f"{workdir / SPEED_FILE} is missing: run without --report_only first")
+        common.die(f"{workdir / SPEED_FILE} is missing: run with --timing_only first")
     records = [
         r
         for r in read_records(workdir / ACCURACY_FILE)

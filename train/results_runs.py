@@ -287,7 +287,10 @@ def fingerprint(config, model_name: str, method: str, steps: int) -> str:
     if base != "dense":
         parts["layers"] = list(m.dynadiag.layers)
     if base == "dynadiag":
-        parts["dynadiag"] = method_dynadiag(m, method).to_dict()
+        section = method_dynadiag(m, method).to_dict()
+        if section.get("block_size", 1) == 1:  # element diagonals hash as before blocks existed
+            section.pop("block_size", None)
+        parts["dynadiag"] = section
     if base == "static_diagonals" and block > 1:
         parts["block_size"] = block
     if base in baselines.UNSTRUCTURED:

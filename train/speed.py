@@ -1,13 +1,14 @@
 """Side-by-side timings of the training step and inference of every method (results command).
 
-Each group (one model at one sparsity) holds jitted functions on one fixed batch: dense, the
-diagonal layers (DynaDiag after its freeze and the static-diagonal baseline run exactly this
-product, through ``diag_matmul``'s default implementation), unstructured sparsity as masked dense
-layers (training: dense layers under the RigL optimizer wrapper, i.e. the real RigL/SET/MEST step;
-inference: ``MaskedDense``), and unstructured sparsity as ``jax.experimental.sparse`` BCOO layers
-(``BCOODense``, trained with the plain optimizer). After warm-up the group's functions run
-round-robin ``repeats`` times; each reports its median, so every ratio to dense compares timings
-taken under the same machine load.
+Each group (one suite at one sparsity) holds jitted functions on one fixed batch (the suite's
+training batch; images or token windows): dense, the diagonal layers (DynaDiag after its freeze
+and the static-diagonal baseline run exactly this product, through ``diag_matmul``'s default
+implementation), block-diagonal layers for each block size the suite trains at that sparsity
+(``diagonal_b<b>``), unstructured sparsity as masked dense layers (training: dense layers under
+the RigL optimizer wrapper, i.e. the real RigL/SET/MEST step; inference: ``MaskedDense``), and
+unstructured sparsity as ``jax.experimental.sparse`` BCOO layers (``BCOODense``, trained with the
+plain optimizer). After warm-up the group's functions run round-robin ``repeats`` times; each
+reports its median, so every ratio to dense compares timings taken under the same machine load.
 """
 
 from __future__ import annotations
