@@ -203,3 +203,44 @@ def test_block_errors():
         layer.init(jax.random.key(0), jnp.ones((1, 40)))
     with pytest.raises(ValueError, match=r"budget k=4 must be in \[1, P\] with P = 3"):
         DiagonalDense(24, k=4, block_size=8).init(jax.random.key(0), jnp.ones((1, 48)))
+
+
+def test_frozen_repeated_offsets_add_up():
+    """Hand-built frozen variables may name an offset twice: the two chains of blocks add up."""
+    layer = DiagonalDense(48, k=2, block_size=B, init_phase="frozen", use_bias=False, impl="jax")
+    x = jax.random.normal(jax.random.key(0), (3, 24))
+    v = layer.init(jax.random.key(1), x)
+    values = v["params"]["values"]
+    twice = dict(v, diagonals=dict(v["diagonals"], offsets=jnp.array([1, 1], jnp.int32)))
+    once = DiagonalDense(48, k=1, block_size=B, init_phase="frozen", use_bias=False, impl="jax")
+    merged = {
+        "params": {"values": values.sum(axis=0, keepdims=True)},
+        "diagonals": dict(v["diagonals"], offsets=jnp.array([1], jnp.int32)),
+    }
+    w = dd.diag_to_dense(values, jnp.array([1, 1]), in_features=24, out_features=48)
+    got = layer.apply(twice, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w.T), atol=F32_TOL)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(once.apply(merged, x)), atol=F32_TOL)
+
+
+def test_frozen_tall_layer_checks_width_eagerly_and_under_jit():
+    """A frozen tall block layer's values [K, L_b, b, b] fix only in <= out; the stored width
+    does the rest, and under jit (where it is traced) a wrong width gives NaN or a budget error."""
+    layer = DiagonalDense(48, sparsity=0.5, block_size=B, impl="jax")
+    x = jnp.ones((2, 24))
+    _, fv = dd.freeze(layer, layer.init(jax.random.key(0), x))
+    assert fv["params"]["values"].shape == (2, 6, B, B)
+    for width in (16, 56, 4):
+        with pytest.raises(ValueError, match=f"x has width {width}, the layer expects 24"):
+            layer.apply(fv, jnp.ones((2, width)))
+    apply = jax.jit(layer.apply)
+    with pytest.raises(ValueError, match="x has width 56, the layer expects at most 48"):
+        apply(fv, jnp.ones((2, 56)))
+    with pytest.raises(ValueError, match="x has width 4, the layer expects at least 8"):
+        apply(fv, jnp.ones((2, 4)))
+    with pytest.raises(ValueError, match=r"block_size=8 must divide in_features=20"):
+        apply(fv, jnp.ones((2, 20)))
+    with pytest.raises(ValueError, match=r"\[K\] = \[1\] \(the budget of a 16 -> 48 layer\)"):
+        apply(fv, jnp.ones((2, 16)))
+    assert np.all(np.isnan(np.asarray(apply(fv, jnp.ones((2, 32))))))
+    np.testing.assert_allclose(np.asarray(apply(fv, x)), np.asarray(layer.apply(fv, x)), atol=1e-6)

@@ -306,8 +306,13 @@ class DiagonalDense(nn.Module):
             "diagonals", "offsets", lambda: F.random_offsets(self.make_rng("params"), spec)
         ).value
         if offsets.shape != (spec.k,):
+            # Inside jit a frozen layer's stored width is traced, so a wrong x width first shows
+            # here, as a budget that differs from the one the variables were frozen with.
             raise ValueError(
-                f"diagonals/offsets must have shape [K] = [{spec.k}], got {offsets.shape}"
+                f"{self._label()}: diagonals/offsets must have shape [K] = [{spec.k}] (the "
+                f"budget of a {spec.in_features} -> {spec.out_features} layer), got "
+                f"{offsets.shape}: x's width or the layer's sparsity/k differs from the ones the "
+                f"variables were frozen with"
             )
         values = self.param(
             "values", F.init_values(spec), (spec.k, *spec.row_shape), self.param_dtype
