@@ -2,14 +2,17 @@
 
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 from training_helpers import CompileCounter, fast_compile  # noqa: F401 - fixture
 
+import dynadiag_jax as dd
 from dynadiag_jax import training as T
 from dynadiag_jax.data import text
-from train import cli, common, fashion_mnist, imagenet, lm, results_runs
+from train import baselines, cli, common, fashion_mnist, imagenet, lm, results_runs
 from train.configs import fashion_mnist as fashion_config
 from train.configs import gpt2_lm, vit_imagenet
 
@@ -78,6 +81,40 @@ def test_config_arguments_are_typed_and_checked():
     with pytest.raises(ValueError, match="runlocal='maybe' is not true or false"):
         gpt2_lm.get_config("runlocal=maybe")
     assert gpt2_lm.get_config("runlocal=no").train.num_steps == 1000
+
+
+@pytest.mark.parametrize("config_module", [fashion_config, gpt2_lm, vit_imagenet])
+def test_every_training_config_takes_a_block_size(config_module):
+    assert config_module.get_config().dynadiag.block_size == 1  # element diagonals by default
+    cfg = config_module.get_config("block_size=16").dynadiag
+    assert common.sparse_layer(cfg).keywords["block_size"] == 16
+    with cfg.unlocked():
+        cfg.block_size = 4
+    with pytest.raises(common.ConfigError, match="dynadiag: block_size must be 1"):
+        common.sparse_layer(cfg)
+
+
+@pytest.mark.parametrize("method", ["dynadiag", "static_diagonals"])
+def test_block_size_reaches_the_diagonal_layers(method):
+    """fashion_mnist.py:block_size=16 gives 784 -> 256 -> 256 layers of 16 x 16 block diagonals."""
+    config = fashion_config.get_config("block_size=16")
+    built = baselines.build(
+        method,
+        model_cfg=config.model,
+        dynadiag_cfg=config.dynadiag,
+        unstructured_cfg=config.unstructured,
+        optimizer_cfg=config.optimizer,
+        sparsity=0.9,
+        num_steps=10,
+        warmup_steps=0,
+        seed=0,
+        num_classes=10,
+    )
+    variables = built.model.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
+    k = dd.num_diagonals(784, 256, 0.9, block_size=16)
+    rows = k if method == "static_diagonals" else 256 // 16  # frozen K, or all P_b candidates
+    assert variables["params"]["hidden_0"]["values"].shape == (rows, 784 // 16, 16, 16)
+    assert ("alpha" in variables["params"]["hidden_0"]) == (method == "dynadiag")
 
 
 CONFIGS = ROOT / "train" / "configs"
