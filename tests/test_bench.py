@@ -102,3 +102,38 @@ def test_gpu_benchmark_refuses_the_cpu_by_default(run_python, tmp_path):
     )
     assert proc.returncode == 2 and "--allow-cpu" in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+def test_compile_benchmark_times_both_methods_in_fresh_processes(run_python, tmp_path):
+    out = tmp_path / "compile.csv"
+    proc = run_python(
+        [
+            str(ROOT / "bench" / "compile.py"),
+            "--variants",
+            "mu/16",
+            "--batch",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    assert "search step: compile" in proc.stdout, proc.stdout
+    _, rows = read_rows(out)
+    measures = [r["measure"] for r in rows]
+    assert measures == [
+        "init_eager",
+        "init_jit",
+        "search_lower",
+        "search_compile",
+        "search_total",
+        "frozen_lower",
+        "frozen_compile",
+        "frozen_total",
+    ]
+    for r in rows:
+        assert r["variant"] == "mu/16"
+        for key in ("dense_s", "dynadiag_s", "dense_cpu_s", "dynadiag_cpu_s"):
+            assert float(r[key]) > 0, r
+        assert float(r["ratio"]) == pytest.approx(
+            float(r["dynadiag_s"]) / float(r["dense_s"]), rel=1e-2
+        )
