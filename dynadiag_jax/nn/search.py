@@ -67,6 +67,7 @@ def gate_values(spec, alpha, hyper):
     return softmax_topk(alpha, spec.k, temperature=hyper)
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
 def search_forward(spec, alpha, values, x, *, hyper, score=False):
     """The search-phase product ``x @ W_eff.T`` (no bias) and its :class:`SearchStats`.
 
@@ -80,6 +81,9 @@ def search_forward(spec, alpha, values, x, *, hyper, score=False):
 
     Returns:
       ``(y[..., out] in x.dtype, SearchStats)``.
+
+    Jitted with ``spec`` static: an eager ``init`` compiles the product once per layer shape
+    instead of dispatching its ops one by one, and a model traces it once per layer shape.
     """
     gate = gate_values(spec, alpha, hyper)
     p, k_cap = spec.num_candidates, spec.k_cap
