@@ -217,6 +217,7 @@ def _check_suite(name: str, m, mesh) -> None:
         T.check_batch_size(int(m.eval_batch_size), mesh, name=f"models.{name}.eval_batch_size")
 
 
+@common.reports_config_errors
 def prepare(config) -> Data:
     """Check the config and load the data: every problem surfaces here, before compiling.
 
