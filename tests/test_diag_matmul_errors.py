@@ -188,3 +188,30 @@ def test_bad_offsets_of_one_vmapped_element_poison_only_that_element(impl):
     f = jax.jit(jax.vmap(lambda off: dd.diag_matmul(X, V, off, out_features=12, impl=impl)))
     y = np.asarray(f(offsets))
     assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()
+
+
+@pytest.mark.parametrize("impl,form", OOR_CASES)
+def test_in_range_variant_skips_the_rule_and_matches_on_good_offsets(impl, form, rng):
+    """The search's entry (offsets from a ranking of all P) gives the same product and
+    derivatives in every mode, with a smaller program (no out-of-range passes)."""
+    from dynadiag_jax.ops.diag_matmul import diag_matmul_in_range  # noqa: PLC0415
+
+    in_f, out_f, vshape, p = FORMS[form]
+    x = jnp.asarray(rng.standard_normal((4, in_f)), jnp.float32)
+    values = jnp.asarray(rng.standard_normal(vshape), jnp.float32)
+    offsets = jnp.asarray([0, p - 1, 1], jnp.int32)
+
+    def run(fn):
+        def f(x, v):
+            return jnp.sum(jnp.sin(fn(x, v, offsets, out_features=out_f, impl=impl)))
+
+        grads = jax.grad(f, argnums=(0, 1))(x, values)
+        _, tangent = jax.jvp(f, (x, values), (x, values))
+        text = jax.jit(jax.grad(f, argnums=(0, 1))).lower(x, values).as_text()
+        return (f(x, values), *grads, tangent), text.count("\n")
+
+    checked, checked_lines = run(dd.diag_matmul)
+    trusted, trusted_lines = run(diag_matmul_in_range)
+    for a, b in zip(checked, trusted):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    assert trusted_lines < checked_lines

@@ -128,7 +128,13 @@ def _supports(impl: str, dtype) -> bool:
     return any(dtype == d for d in products.backend(impl).dtypes())
 
 
-def _resolve_impl(impl: str, dtype, geo, rows: int, num_diagonals: int) -> str:
+def resolve_impl(impl: str, dtype, geo, rows: int, num_diagonals: int) -> str:
+    """The implementation ``diag_matmul(impl=impl)`` runs for these static facts.
+
+    ``geo``: the product's :class:`dynadiag_jax.layout.DiagGeometry`; ``rows``: the number of
+    rows of ``x`` (leading dimensions flattened). Raises as :func:`diag_matmul` does for an impl
+    that cannot run the dtype or block size.
+    """
     block_size = geo.block_size
     if impl == "auto":
         backends = products.available_backends()
@@ -198,29 +204,55 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
       TypeError, ValueError: at trace time, for bad ranks, shapes, dtypes, block sizes, or host
         offsets out of range.
     """
+    return _diag_matmul(x, values, offsets, out_features=out_features, impl=impl, guard=True)
+
+
+def diag_matmul_in_range(x, values, offsets, *, out_features: int, impl: str = "auto"):
+    """:func:`diag_matmul` for offsets the caller guarantees to lie in ``[0, P)``.
+
+    For the library's own callers whose offsets come from ranking all ``P`` candidates (the search
+    phase): the program skips the passes that define the out-of-range rule, in the product and in
+    every derivative. An offset out of range here gives unspecified values (kernels still never
+    read through it).
+    """
+    return _diag_matmul(x, values, offsets, out_features=out_features, impl=impl, guard=False)
+
+
+def _diag_matmul(x, values, offsets, *, out_features, impl, guard):
     host_offsets = _host_offsets(offsets)  # before _as_array moves numpy data to the device
     x, values, offsets = (
         _as_array(a, n) for a, n in ((x, "x"), (values, "values"), (offsets, "offsets"))
     )
     geo = _check_args(x, values, offsets, out_features, host_offsets)
     lead = x.shape[:-1]
-    impl = _resolve_impl(impl, x.dtype, geo, int(np.prod(lead, dtype=np.int64)), values.shape[0])
+    impl = resolve_impl(impl, x.dtype, geo, int(np.prod(lead, dtype=np.int64)), values.shape[0])
     x2 = x.reshape((-1, geo.in_features))
     if impl == "dense":
-        y2 = _dense(x2, values, offsets, geo)
+        y2 = _dense(x2, values, offsets, geo, guard)
     else:
         y2 = products.fwd(
-            x2, values, offsets.astype(jnp.int32), out_features=geo.out_features, impl=impl
+            x2,
+            values,
+            offsets.astype(jnp.int32),
+            out_features=geo.out_features,
+            impl=impl,
+            guard=guard,
         )
     return y2.reshape(lead + (geo.out_features,))
 
 
-def _dense(x2, values, offsets, geo):
+def _dense(x2, values, offsets, geo, guard):
     """The dense baseline, with the products' rule for offsets out of range (NaN, not wrapped).
 
     A bad offset's row of ``values`` is scaled by NaN (its gradient rows become NaN) and the whole
-    of ``W`` gets a NaN added (all of ``y`` and ``dx``), as in :mod:`dynadiag_jax.ops.products`.
+    of ``W`` gets a NaN added (all of ``y`` and ``dx``), as in :mod:`dynadiag_jax.ops.products`;
+    ``guard=False`` (offsets known in range) builds ``W`` directly.
     """
+    if not guard:
+        w = reference.diag_to_dense(
+            values, offsets, in_features=geo.in_features, out_features=geo.out_features
+        )
+        return reference.dense_product(x2, w)
     valid = (offsets >= 0) & (offsets < geo.num_candidates)
     nan = jnp.asarray(jnp.nan, values.dtype)
     one = jnp.asarray(1, values.dtype)

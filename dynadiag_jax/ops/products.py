@@ -144,8 +144,8 @@ def require_devices_during_lowering(prim: Primitive) -> None:
 def abstract_eval(kind: str):
     """Abstract evaluation of product ``kind`` (shared with the FFI backends' raw calls)."""
 
-    def abstract(*avals, width=None, block_size=1, impl=None):
-        del impl
+    def abstract(*avals, width=None, block_size=1, impl=None, guard=True):
+        del impl, guard
         if kind == "dvalues":  # dy [..., out], x [..., in], offsets [K]
             dy, x, offsets = avals
             k, (n_out, n_in) = offsets.shape[0], (dy.shape[-1], x.shape[-1])
@@ -200,8 +200,10 @@ def _guarded(lower: Callable, widths: Callable, values_at: tuple, outputs: tuple
       outputs: per result, ``"y"``, ``"dx"`` or ``"dvalues"``.
     """
 
-    def guarded(impl, *operands, **params):
+    def guarded(impl, *operands, guard, **params):
         *arrays, offsets = operands
+        if not guard:
+            return lower(impl, *arrays, offsets, **params)
         geo = geometry(*widths(*arrays, **params))
         valid = (offsets >= 0) & (offsets < geo.num_candidates)
 
@@ -327,19 +329,24 @@ fwd_tangent_p = _primitive(
 )
 
 
-def fwd(x, values, offsets, *, out_features: int, impl: str):
-    """``y[..., out] = x[..., in] @ W.T``."""
-    return fwd_p.bind(x, values, offsets, width=out_features, impl=impl)
+def fwd(x, values, offsets, *, out_features: int, impl: str, guard: bool = True):
+    """``y[..., out] = x[..., in] @ W.T``.
+
+    ``guard=False``: the caller guarantees ``offsets`` in range (e.g. they come from
+    ``lax.top_k``), so the lowering skips the out-of-range rule's extra passes (also for every
+    derivative of this call).
+    """
+    return fwd_p.bind(x, values, offsets, width=out_features, impl=impl, guard=guard)
 
 
-def dx(dy, values, offsets, *, in_features: int, impl: str):
+def dx(dy, values, offsets, *, in_features: int, impl: str, guard: bool = True):
     """``dx[..., in] = dy[..., out] @ W`` (the transpose closure)."""
-    return dx_p.bind(dy, values, offsets, width=in_features, impl=impl)
+    return dx_p.bind(dy, values, offsets, width=in_features, impl=impl, guard=guard)
 
 
-def dvalues(dy, x, offsets, *, block_size: int, impl: str):
+def dvalues(dy, x, offsets, *, block_size: int, impl: str, guard: bool = True):
     """The (block) SDDMM: ``[K, D]`` (``block_size`` 1) or ``[K, L_b, b, b]``."""
-    return dvalues_p.bind(dy, x, offsets, block_size=block_size, impl=impl)
+    return dvalues_p.bind(dy, x, offsets, block_size=block_size, impl=impl, guard=guard)
 
 
 # --- JVP rules: every product is bilinear ---------------------------------------------------
@@ -363,28 +370,32 @@ def _bilinear_tangent(product, a, b, a_dot, b_dot, like):
     return _sum(terms, like)
 
 
-def _fwd_jvp(primals, tangents, *, width, impl):
+def _fwd_jvp(primals, tangents, *, width, impl, guard):
     x, values, offsets = primals
     x_dot, values_dot, _ = tangents
-    y = fwd(x, values, offsets, out_features=width, impl=impl)
+    y = fwd(x, values, offsets, out_features=width, impl=impl, guard=guard)
     if _zero(x_dot) or _zero(values_dot):
 
         def product(a, v):
-            return fwd(a, v, offsets, out_features=width, impl=impl)
+            return fwd(a, v, offsets, out_features=width, impl=impl, guard=guard)
 
         return y, _bilinear_tangent(product, x, values, x_dot, values_dot, y)
     # One primitive linear in both tangents: its transpose is the fused backward pass.
-    y_dot = fwd_tangent_p.bind(x_dot, values_dot, x, values, offsets, width=width, impl=impl)
+    y_dot = fwd_tangent_p.bind(
+        x_dot, values_dot, x, values, offsets, width=width, impl=impl, guard=guard
+    )
     return y, y_dot
 
 
-def _fwd_tangent_jvp(primals, tangents, *, width, impl):
+def _fwd_tangent_jvp(primals, tangents, *, width, impl, guard):
     x_dot, values_dot, x, values, offsets = primals
     t_x_dot, t_values_dot, t_x, t_values, _ = tangents
-    y = fwd_tangent_p.bind(x_dot, values_dot, x, values, offsets, width=width, impl=impl)
+    y = fwd_tangent_p.bind(
+        x_dot, values_dot, x, values, offsets, width=width, impl=impl, guard=guard
+    )
 
     def product(a, v):
-        return fwd(a, v, offsets, out_features=width, impl=impl)
+        return fwd(a, v, offsets, out_features=width, impl=impl, guard=guard)
 
     # d(fwd(x_dot, values) + fwd(x, values_dot)), each term bilinear
     first = _bilinear_tangent(product, x_dot, values, t_x_dot, t_values, y)
@@ -392,39 +403,45 @@ def _fwd_tangent_jvp(primals, tangents, *, width, impl):
     return y, _sum([t for t in (first, second) if not _zero(t)], y)
 
 
-def _dx_tangent(dy, values, offsets, dy_dot, values_dot, like, *, width, impl):
+def _dx_tangent(dy, values, offsets, dy_dot, values_dot, like, *, width, impl, guard):
     def product(a, v):
-        return dx(a, v, offsets, in_features=width, impl=impl)
+        return dx(a, v, offsets, in_features=width, impl=impl, guard=guard)
 
     return _bilinear_tangent(product, dy, values, dy_dot, values_dot, like)
 
 
-def _dvalues_tangent(dy, x, offsets, dy_dot, x_dot, like, *, block_size, impl):
+def _dvalues_tangent(dy, x, offsets, dy_dot, x_dot, like, *, block_size, impl, guard):
     def product(a, b):
-        return dvalues(a, b, offsets, block_size=block_size, impl=impl)
+        return dvalues(a, b, offsets, block_size=block_size, impl=impl, guard=guard)
 
     return _bilinear_tangent(product, dy, x, dy_dot, x_dot, like)
 
 
-def _dx_jvp(primals, tangents, *, width, impl):
+def _dx_jvp(primals, tangents, *, width, impl, guard):
     dy, values, offsets = primals
-    out = dx(dy, values, offsets, in_features=width, impl=impl)
-    return out, _dx_tangent(*primals, *tangents[:2], out, width=width, impl=impl)
+    out = dx(dy, values, offsets, in_features=width, impl=impl, guard=guard)
+    return out, _dx_tangent(*primals, *tangents[:2], out, width=width, impl=impl, guard=guard)
 
 
-def _dvalues_jvp(primals, tangents, *, block_size, impl):
+def _dvalues_jvp(primals, tangents, *, block_size, impl, guard):
     dy, x, offsets = primals
-    out = dvalues(dy, x, offsets, block_size=block_size, impl=impl)
-    return out, _dvalues_tangent(*primals, *tangents[:2], out, block_size=block_size, impl=impl)
+    out = dvalues(dy, x, offsets, block_size=block_size, impl=impl, guard=guard)
+    return out, _dvalues_tangent(
+        *primals, *tangents[:2], out, block_size=block_size, impl=impl, guard=guard
+    )
 
 
-def _bwd_jvp(primals, tangents, *, impl):
+def _bwd_jvp(primals, tangents, *, impl, guard):
     dy, x, values, offsets = primals
     dy_dot, x_dot, values_dot, _ = tangents
-    out_dx, out_dv = bwd_p.bind(dy, x, values, offsets, impl=impl)
+    out_dx, out_dv = bwd_p.bind(dy, x, values, offsets, impl=impl, guard=guard)
     width, block_size = x.shape[-1], _block_size(values.shape)
-    t_dx = _dx_tangent(dy, values, offsets, dy_dot, values_dot, out_dx, width=width, impl=impl)
-    t_dv = _dvalues_tangent(dy, x, offsets, dy_dot, x_dot, out_dv, block_size=block_size, impl=impl)
+    t_dx = _dx_tangent(
+        dy, values, offsets, dy_dot, values_dot, out_dx, width=width, impl=impl, guard=guard
+    )
+    t_dv = _dvalues_tangent(
+        dy, x, offsets, dy_dot, x_dot, out_dv, block_size=block_size, impl=impl, guard=guard
+    )
     return (out_dx, out_dv), (t_dx, t_dv)
 
 
@@ -446,42 +463,54 @@ def _linear_in(name, *operands):
     return 0 if a else 1
 
 
-def _fwd_transpose(ct, x, values, offsets, *, width, impl):
+def _fwd_transpose(ct, x, values, offsets, *, width, impl, guard):
     ct = ad.instantiate_zeros(ct)
     if _linear_in("fwd", x, values) == 0:
-        return dx(ct, values, offsets, in_features=_shape(x)[-1], impl=impl), None, None
+        return (
+            dx(ct, values, offsets, in_features=_shape(x)[-1], impl=impl, guard=guard),
+            None,
+            None,
+        )
     block_size = _block_size(_shape(values))
-    return None, dvalues(ct, x, offsets, block_size=block_size, impl=impl), None
+    return None, dvalues(ct, x, offsets, block_size=block_size, impl=impl, guard=guard), None
 
 
-def _fwd_tangent_transpose(ct, x_dot, values_dot, x, values, offsets, *, width, impl):
+def _fwd_tangent_transpose(ct, x_dot, values_dot, x, values, offsets, *, width, impl, guard):
     del width
     ct = ad.instantiate_zeros(ct)
     want_x, want_v = ad.is_undefined_primal(x_dot), ad.is_undefined_primal(values_dot)
     if want_x and want_v:
-        ct_x, ct_v = bwd_p.bind(ct, x, values, offsets, impl=impl)
+        ct_x, ct_v = bwd_p.bind(ct, x, values, offsets, impl=impl, guard=guard)
         return ct_x, ct_v, None, None, None
-    ct_x = dx(ct, values, offsets, in_features=x.shape[-1], impl=impl) if want_x else None
+    ct_x = (
+        dx(ct, values, offsets, in_features=x.shape[-1], impl=impl, guard=guard) if want_x else None
+    )
     block_size = _block_size(values.shape)
-    ct_v = dvalues(ct, x, offsets, block_size=block_size, impl=impl) if want_v else None
+    ct_v = (
+        dvalues(ct, x, offsets, block_size=block_size, impl=impl, guard=guard) if want_v else None
+    )
     return ct_x, ct_v, None, None, None
 
 
-def _dx_transpose(ct, dy, values, offsets, *, width, impl):
+def _dx_transpose(ct, dy, values, offsets, *, width, impl, guard):
     del width
     ct = ad.instantiate_zeros(ct)
     if _linear_in("dx", dy, values) == 0:
-        return fwd(ct, values, offsets, out_features=_shape(dy)[-1], impl=impl), None, None
+        return (
+            fwd(ct, values, offsets, out_features=_shape(dy)[-1], impl=impl, guard=guard),
+            None,
+            None,
+        )
     block_size = _block_size(_shape(values))
-    return None, dvalues(dy, ct, offsets, block_size=block_size, impl=impl), None
+    return None, dvalues(dy, ct, offsets, block_size=block_size, impl=impl, guard=guard), None
 
 
-def _dvalues_transpose(ct, dy, x, offsets, *, block_size, impl):
+def _dvalues_transpose(ct, dy, x, offsets, *, block_size, impl, guard):
     del block_size
     ct = ad.instantiate_zeros(ct)
     if _linear_in("dvalues", dy, x) == 0:
-        return fwd(x, ct, offsets, out_features=_shape(dy)[-1], impl=impl), None, None
-    return None, dx(dy, ct, offsets, in_features=_shape(x)[-1], impl=impl), None
+        return fwd(x, ct, offsets, out_features=_shape(dy)[-1], impl=impl, guard=guard), None, None
+    return None, dx(dy, ct, offsets, in_features=_shape(x)[-1], impl=impl, guard=guard), None
 
 
 ad.primitive_transposes[fwd_p] = _fwd_transpose
