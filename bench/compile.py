@@ -15,7 +15,7 @@ all its threads, steadier on a loaded machine); ``ratio`` is DynaDiag over dense
 
 Usage:
   python bench/compile.py [--variants S/16,B/16] [--batch 8] [--image 32] [--sparsity 0.9]
-                          [--num-buckets 4] [--repeats 1] [--out bench/results/compile.csv]
+                          [--repeats 1] [--out bench/results/compile.csv]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class _Clock:
         return now[0] - last[0], now[1] - last[1]
 
 
-def _model(variant: str, method: str, sparsity: float, num_buckets: int):
+def _model(variant: str, method: str, sparsity: float):
     import functools  # noqa: PLC0415 - the child imports JAX only after its arguments are read
 
     import dynadiag_jax as dd  # noqa: PLC0415
@@ -71,7 +71,7 @@ def _model(variant: str, method: str, sparsity: float, num_buckets: int):
 
     if method == "dense":
         return ViT(num_classes=10, variant=variant)
-    sparse = functools.partial(dd.nn.DiagonalDense, sparsity=sparsity, num_buckets=num_buckets)
+    sparse = functools.partial(dd.nn.DiagonalDense, sparsity=sparsity)
     return ViT(num_classes=10, variant=variant, dense=ByPath(SPARSE_LAYERS, sparse=sparse))
 
 
@@ -94,7 +94,7 @@ def measure(variant: str, method: str, args) -> dict:
     import dynadiag_jax as dd  # noqa: PLC0415
 
     training = dd.training
-    model = _model(variant, method, args.sparsity, args.num_buckets)
+    model = _model(variant, method, args.sparsity)
     images = jnp.ones((args.batch, args.image, args.image, 3), jnp.float32)
     batch = {"image": images, "label": jnp.zeros((args.batch,), jnp.int32)}
     times = {}
@@ -124,7 +124,7 @@ def measure(variant: str, method: str, args) -> dict:
 
 def _run_child(variant: str, method: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, method]
-    for name in ("batch", "image", "sparsity", "num_buckets"):
+    for name in ("batch", "image", "sparsity"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), check=False)
     if proc.returncode:
@@ -138,7 +138,6 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--image", type=int, default=32, help="image height and width")
     parser.add_argument("--sparsity", type=float, default=0.9)
-    parser.add_argument("--num-buckets", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per method")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "compile.csv"
@@ -152,7 +151,7 @@ def main():
     rows = []
     print(
         f"ViT init and first-step compile, batch {args.batch}, {args.image}x{args.image} images, "
-        f"DynaDiag at sparsity {args.sparsity} with {args.num_buckets} buckets; "
+        f"DynaDiag at sparsity {args.sparsity}; "
         f"median of {args.repeats} process(es), seconds"
     )
     header = (
@@ -187,7 +186,6 @@ def main():
                     "batch": args.batch,
                     "image": args.image,
                     "sparsity": args.sparsity,
-                    "num_buckets": args.num_buckets,
                     "repeats": args.repeats,
                 }
             )
