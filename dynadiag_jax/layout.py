@@ -32,6 +32,7 @@ import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from dynadiag_jax._checks import int_at_least
 
@@ -43,6 +44,7 @@ __all__ = [
     "diag_indices",
     "block_indices",
     "transpose_diagonals",
+    "coverage",
 ]
 
 # Block sizes the compiled kernels and the layer accept. The pure-JAX path takes any b >= 2 that
@@ -217,3 +219,34 @@ def transpose_diagonals(values, offsets, in_features: int, out_features: int):
     src = (c - offsets[:, None]) % n
     src = src.reshape(src.shape + (1,) * (values.ndim - 2))
     return jnp.take_along_axis(values, src, axis=1), (-offsets) % n
+
+
+def coverage(offsets, in_features: int, out_features: int, *, block_size: int = 1):
+    """How many kept weights each output row and each input column of ``W`` has.
+
+    A block diagonal touches every block row and column, so block layers cover everything; an
+    element diagonal of a tall ``W`` covers ``in`` of the ``out`` rows (of a wide one, ``out`` of
+    the ``in`` columns), so some selections leave output features constant (bias only) or inputs
+    unread.
+
+    Args:
+      offsets: ``[K]`` concrete diagonal ids in ``[0, P)`` (``[0, P_b)`` for blocks).
+      in_features, out_features: the shape of ``W[out, in]``; block_size: 1 or ``b >= 2``.
+
+    Returns:
+      ``(rows[out], cols[in])`` int64 numpy arrays (repeated offsets count twice).
+    """
+    geo = geometry(in_features, out_features, block_size)
+    off = np.asarray(offsets)
+    if off.ndim != 1 or (off.size and (off.min() < 0 or off.max() >= geo.num_candidates)):
+        raise ValueError(
+            f"offsets must be [K] ids in [0, {geo.num_candidates}), got {off.tolist()!r}"
+        )
+    if geo.blocked:
+        b = geo.block_size
+        brows, bcols = (np.asarray(a) for a in block_indices(off, in_features, out_features, b))
+        rows = np.repeat(np.bincount(brows.ravel(), minlength=out_features // b) * b, b)
+        cols = np.repeat(np.bincount(bcols.ravel(), minlength=in_features // b) * b, b)
+        return rows, cols
+    r, c = (np.asarray(a).ravel() for a in diag_indices(off, in_features, out_features))
+    return np.bincount(r, minlength=out_features), np.bincount(c, minlength=in_features)

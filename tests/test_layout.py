@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dynadiag_jax as dd
-from dynadiag_jax.layout import block_indices, geometry, transpose_diagonals
+from dynadiag_jax.layout import block_indices, coverage, geometry, transpose_diagonals
 
 
 def design_dense(values, offsets, in_features, out_features):
@@ -210,3 +210,25 @@ def test_block_size_that_does_not_divide_names_the_sizes_that_fit(in_f, out_f, b
 def test_block_size_argument_checks(b, error, match):
     with pytest.raises(error, match=match):
         dd.num_diagonals(64, 64, 0.9, block_size=b)
+
+
+@pytest.mark.parametrize(
+    "in_f,out_f,b,offsets",
+    [(4, 12, 1, [0, 1]), (12, 4, 1, [3, 11]), (6, 6, 1, [2]), (16, 32, 8, [1]), (32, 16, 8, [0])],
+)
+def test_coverage_counts_the_nonzeros_of_each_row_and_column(in_f, out_f, b, offsets, rng):
+    off = np.asarray(offsets)
+    shape = (len(off), geometry(in_f, out_f, b).length) + ((b, b) if b > 1 else ())
+    w = np.asarray(
+        dd.diag_to_dense(jnp.ones(shape), jnp.asarray(off), in_features=in_f, out_features=out_f)
+    )
+    rows, cols = coverage(off, in_f, out_f, block_size=b)
+    np.testing.assert_array_equal(rows, (w != 0).sum(1))
+    np.testing.assert_array_equal(cols, (w != 0).sum(0))
+
+
+def test_coverage_of_a_tall_layer_can_leave_rows_empty_and_checks_offsets():
+    rows, cols = coverage([0, 1], 4, 12)  # diagonals 0 and 1 of a 12x4 W reach rows 0..4 only
+    assert (rows == 0).sum() == 7 and (cols == 2).all()
+    with pytest.raises(ValueError, match=r"\[0, 12\)"):
+        coverage([12], 4, 12)

@@ -1,6 +1,8 @@
 """The results command: method selection by config, the report, and a tiny end-to-end run."""
 
+import csv
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -406,7 +408,7 @@ def test_fingerprint_of_block_methods_differs_per_size_and_element_ignores_block
 
 
 @pytest.mark.slow
-def test_end_to_end_tiny_transformer_suites(tmp_path):
+def test_end_to_end_tiny_transformer_suites(tmp_path, run_python):
     """The ViT and GPT suites shrunk to the ``mu`` models: records, curves, timings, report."""
     config = _config("quick,models=vit+gpt,methods=dense+dynadiag+rigl,sparsities=0.9")
     with config.unlocked():
@@ -429,6 +431,18 @@ def test_end_to_end_tiny_transformer_suites(tmp_path):
         assert [s for s, _ in r["curve"]] == [10, 20, 30]
         assert r["curve"][-1][1] == pytest.approx(r["bits_per_byte"])
         assert r["density"] == pytest.approx(1.0 if r["method"] == "dense" else 0.1, abs=0.01)
+    # bench/coverage.py reads the frozen layers of the runs' last checkpoints.
+    cov = tmp_path / "coverage.csv"
+    script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "coverage.py"
+    proc = run_python([str(script), str(tmp_path / "dynadiag"), "--out", str(cov)])
+    assert "all layers: empty output rows" in proc.stdout, proc.stdout
+    with open(cov) as fh:
+        layers = list(csv.DictReader(fh))
+    depth, width = dd.models.gpt2.SIZES["mu"].depth, dd.models.gpt2.SIZES["mu"].width
+    assert len(layers) == 4 * depth
+    qkv = [r for r in layers if r["layer"].endswith("attn/c_attn")]
+    assert [(int(r["in"]), int(r["out"])) for r in qkv] == [(width, 3 * width)] * depth
+    assert all(0 <= int(r["empty_rows"]) <= int(r["out"]) for r in layers)
     timings = speed.measure(config, data, ["gpt"], progress=False)
     assert set(timings["models"]["gpt"]["0.9"]["dense"]) == {"train", "infer_b1", "infer_b8"}
     path = results_report.write(tmp_path / "docs", config, records, timings, data_name=data.name)
