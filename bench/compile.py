@@ -15,7 +15,10 @@ all its threads, steadier on a loaded machine); ``ratio`` is DynaDiag over dense
 
 Usage:
   python bench/compile.py [--variants S/16,B/16] [--batch 8] [--image 32] [--sparsity 0.9]
-                          [--repeats 1] [--out bench/results/compile.csv]
+                          [--explore buckets] [--gate sparse_topk] [--repeats 1]
+
+``--explore`` and ``--gate`` set the DynaDiag layers' exploration and gate, to see what each part
+of the search phase costs to compile (docs/compile_time.md). [--out bench/results/compile.csv]
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class _Clock:
         return now[0] - last[0], now[1] - last[1]
 
 
-def _model(variant: str, method: str, sparsity: float):
+def _model(variant: str, method: str, args):
     import functools  # noqa: PLC0415 - the child imports JAX only after its arguments are read
 
     import dynadiag_jax as dd  # noqa: PLC0415
@@ -71,7 +74,9 @@ def _model(variant: str, method: str, sparsity: float):
 
     if method == "dense":
         return ViT(num_classes=10, variant=variant)
-    sparse = functools.partial(dd.nn.DiagonalDense, sparsity=sparsity)
+    sparse = functools.partial(
+        dd.nn.DiagonalDense, sparsity=args.sparsity, explore=args.explore, gate=args.gate
+    )
     return ViT(num_classes=10, variant=variant, dense=ByPath(SPARSE_LAYERS, sparse=sparse))
 
 
@@ -94,7 +99,7 @@ def measure(variant: str, method: str, args) -> dict:
     import dynadiag_jax as dd  # noqa: PLC0415
 
     training = dd.training
-    model = _model(variant, method, args.sparsity)
+    model = _model(variant, method, args)
     images = jnp.ones((args.batch, args.image, args.image, 3), jnp.float32)
     batch = {"image": images, "label": jnp.zeros((args.batch,), jnp.int32)}
     times = {}
@@ -110,7 +115,8 @@ def measure(variant: str, method: str, args) -> dict:
             model, tx, jax.ShapeDtypeStruct(images.shape, images.dtype), seed=0
         )
     )()
-    gate = training.GateSchedule("strength", dd.schedules.cosine(1.0, 1e-3, 1000))
+    hyper = dd.nn.functional.HYPER_NAME[args.gate]
+    gate = training.GateSchedule(hyper, dd.schedules.cosine(1.0, 1e-3, 1000))
     step = jax.jit(training.make_train_step(model, tx, training.Classification(10), gate=gate))
     _lower_compile(step, state, batch, clock, times, "search")
     if method == "dense":
@@ -124,7 +130,7 @@ def measure(variant: str, method: str, args) -> dict:
 
 def _run_child(variant: str, method: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, method]
-    for name in ("batch", "image", "sparsity"):
+    for name in ("batch", "image", "sparsity", "explore", "gate"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), check=False)
     if proc.returncode:
@@ -138,6 +144,8 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--image", type=int, default=32, help="image height and width")
     parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--explore", default="buckets", choices=("buckets", "dense_score", "none"))
+    parser.add_argument("--gate", default="sparse_topk", choices=("sparse_topk", "softmax"))
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per method")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "compile.csv"
@@ -151,7 +159,7 @@ def main():
     rows = []
     print(
         f"ViT init and first-step compile, batch {args.batch}, {args.image}x{args.image} images, "
-        f"DynaDiag at sparsity {args.sparsity}; "
+        f"DynaDiag at sparsity {args.sparsity}, explore={args.explore}, gate={args.gate}; "
         f"median of {args.repeats} process(es), seconds"
     )
     header = (
@@ -186,6 +194,8 @@ def main():
                     "batch": args.batch,
                     "image": args.image,
                     "sparsity": args.sparsity,
+                    "explore": args.explore,
+                    "gate": args.gate,
                     "repeats": args.repeats,
                 }
             )

@@ -113,11 +113,16 @@ def test_compile_benchmark_times_both_methods_in_fresh_processes(run_python, tmp
             "mu/16",
             "--batch",
             "2",
+            "--explore",
+            "none",
+            "--gate",
+            "softmax",
             "--out",
             str(out),
         ]
     )
     assert "search step: compile" in proc.stdout, proc.stdout
+    assert "explore=none, gate=softmax" in proc.stdout, proc.stdout
     _, rows = read_rows(out)
     measures = [r["measure"] for r in rows]
     assert measures == [
@@ -131,7 +136,7 @@ def test_compile_benchmark_times_both_methods_in_fresh_processes(run_python, tmp
         "frozen_total",
     ]
     for r in rows:
-        assert r["variant"] == "mu/16"
+        assert r["variant"] == "mu/16" and (r["explore"], r["gate"]) == ("none", "softmax")
         for key in ("dense_s", "dynadiag_s", "dense_cpu_s", "dynadiag_cpu_s"):
             assert float(r[key]) > 0, r
         assert float(r["ratio"]) == pytest.approx(
