@@ -379,3 +379,18 @@ def test_fashion_mnist_script_end_to_end(run_python, tmp_path):
         ]
     )
     assert "resumed at step 31" in again.stdout
+
+
+def test_results_without_timing_trains_then_says_how_to_get_the_report(run_python, tmp_path):
+    args = [
+        str(ROOT / "train" / "results.py"),
+        f"--config={CONFIGS / 'results.py'}:quick,models=mlp,methods=dense,sparsities=0.9,seeds=1",
+        f"--workdir={tmp_path / 'run'}",
+        f"--docs={tmp_path / 'docs'}",
+        "--noprogress",
+    ]
+    proc = run_python([*args, "--notiming"], timeout=300)
+    assert "trained; no report yet" in proc.stdout and "--timing_only" in proc.stdout
+    assert (tmp_path / "run" / "accuracy.jsonl").exists() and not (tmp_path / "docs").exists()
+    proc = run_python([*args, "--report_only"], check=False, timeout=300)
+    assert proc.returncode == 2 and "run with --timing_only first" in proc.stderr

@@ -138,6 +138,13 @@ def main(argv):
         if _TIMING.value or _TIMING_ONLY.value:
             time_suites(config, data, suites, workdir, begun)
     if not (workdir / SPEED_FILE).exists():
+        if not (_REPORT_ONLY.value or _TIMING.value):
+            # --notiming on a new workdir: the runs are in; the report needs the timings.
+            print(
+                f"trained; no report yet: {workdir / SPEED_FILE} is missing "
+                "(--timing_only times the suites and writes the report)"
+            )
+            return
         common.die(f"{workdir / SPEED_FILE} is missing: run with --timing_only first")
     records = [
         r
