@@ -15,7 +15,7 @@ checkpoint, and the same command carries on. A run whose settings changed is tra
   python train/results.py                                          # every suite, method, seed
   python train/results.py --suite=vit,gpt                          # some suites
   python train/results.py --config=train/configs/results.py:quick  # a smoke run (1 seed, short)
-  python train/results.py --notiming                               # train (and report) only
+  python train/results.py --notiming                               # train; report if timed before
   python train/results.py --timing_only                            # re-time on a quiet machine
   python train/results.py --report_only                            # the report from the logs
 """
