@@ -131,8 +131,9 @@ def _kth_largest(z, k: float):
     return jax.lax.stop_gradient(jnp.sort(z, axis=-1)[..., n - rank : n - rank + 1])
 
 
-def _project_value(z, k):
-    z = z - _kth_largest(z, k)
+def _project_value(z, k, shifted):
+    if not shifted:  # the sparse gate shifts before scaling; its z is already centred here
+        z = z - _kth_largest(z, k)
     # After the shift the ceil(k)-th largest entry is 0, so tau <= 0 and every entry >= 1 projects
     # to 1; an entry <= -1 with y > 0 would need tau < -1, putting 1 on the top ceil(k) entries
     # and exceeding the budget, so it projects to 0. Clipping to [-2, 2] therefore changes no
@@ -142,19 +143,19 @@ def _project_value(z, k):
     return jnp.clip(z - tau, 0, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _project(z, k):
-    return _project_value(z, k)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _project(z, k, shifted):
+    return _project_value(z, k, shifted)
 
 
-def _project_fwd(z, k):
-    y = _project_value(z, k)
+def _project_fwd(z, k, shifted):
+    y = _project_value(z, k, shifted)
     return y, (y > 0) & (y < 1)
 
 
-def _project_bwd(k, free, g):
+def _project_bwd(k, shifted, free, g):
     # Jacobian on the free set F is I - 11^T/|F|, zero elsewhere: centre g within F.
-    del k
+    del k, shifted
     n_free = jnp.maximum(jnp.sum(free, axis=-1, keepdims=True), 1).astype(g.dtype)
     mean_f = jnp.sum(jnp.where(free, g, 0), axis=-1, keepdims=True) / n_free
     return (jnp.where(free, g - mean_f, 0),)
@@ -185,7 +186,7 @@ def capped_simplex_projection(z, k):
         return jnp.ones_like(z)
     # Low-precision input is projected in float32: tau is a difference of nearby sums.
     zw = z.astype(work_dtype(z.dtype))
-    return _project(zw, float(k)).astype(z.dtype)
+    return _project(zw, float(k), False).astype(z.dtype)
 
 
 def _hard_topk(s, k):
@@ -281,7 +282,8 @@ def sparse_soft_topk(scores, k, *, strength):
     positive, safe = _split_hyper(strength, work)
     # Shift before scaling (exact by shift invariance) so 1/strength does not magnify rounding.
     # The clip to [-2, 2] changes no output (see _project_value).
-    soft = capped_simplex_projection(_scaled(s - _kth_largest(s, k), safe, -2.0, 2.0), k)
+    z = _scaled(s - _kth_largest(s, k), safe, -2.0, 2.0)  # its ceil(k)-th largest entry is 0
+    soft = jnp.ones_like(z) if k == z.shape[-1] else _project(z, float(k), True)
     return jnp.where(positive, soft, _hard_topk(s, k)).astype(scores.dtype)
 
 
