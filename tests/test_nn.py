@@ -246,6 +246,27 @@ def test_buckets_compile_one_chunk_product_for_any_support(n_in, n_out):
     assert hlo.count("chlo.top_k") == 1  # one ranking of the gates, no top-k per chunk
 
 
+def test_buckets_with_the_dense_impl_build_w_once_over_every_diagonal(rng):
+    """impl="dense" costs the same whatever the number of diagonals: no chunk loop, all P."""
+    layer = DiagonalDense(64, sparsity=0.9, impl="dense")
+    v, x = init(layer, 48)
+    params = perturb(v["params"], rng)
+    strength = 0.02
+    y, state = layer.apply(dict(v, params=params), x, strength=strength, mutable=["intermediates"])
+    assert float(state["intermediates"]["computed_diagonals"][0]) == 64
+    gate = dd.sparse_soft_topk(params["alpha"], layer.budget(48), strength=strength)
+    assert int(jnp.sum(gate > 0)) < 64  # a chunked step would have computed fewer
+    want = dense_reference(params, x, 64, gate, jnp.arange(64))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=F32_TOL, rtol=F32_TOL)
+
+    def loops(impl):
+        chunked = DiagonalDense(64, sparsity=0.9, impl=impl)
+        fn = jax.jit(lambda p: chunked.apply(dict(v, params=p), x, strength=strength))
+        return fn.lower(params).as_text().count("stablehlo.while")
+
+    assert loops("dense") == 1 < loops("jax")  # the gate's own bisection loop, no chunk loop
+
+
 def test_topk_refresh_when_mutable(rng):
     layer = DiagonalDense(16, sparsity=0.75, explore="none", impl="jax")
     v, x = init(layer, 16)
