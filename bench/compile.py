@@ -15,10 +15,11 @@ all its threads, steadier on a loaded machine); ``ratio`` is DynaDiag over dense
 
 Usage:
   python bench/compile.py [--variants S/16,B/16] [--batch 8] [--image 32] [--sparsity 0.9]
-                          [--explore buckets] [--gate sparse_topk] [--repeats 1]
+                          [--explore buckets] [--num-buckets 4] [--gate sparse_topk]
+                          [--repeats 1] [--out bench/results/compile.csv]
 
-``--explore`` and ``--gate`` set the DynaDiag layers' exploration and gate, to see what each part
-of the search phase costs to compile (docs/compile_time.md). [--out bench/results/compile.csv]
+``--explore``, ``--num-buckets`` and ``--gate`` set the DynaDiag layers' exploration and gate, to
+see what each part of the search phase costs to compile (docs/compile_time.md).
 """
 
 from __future__ import annotations
@@ -75,7 +76,11 @@ def _model(variant: str, method: str, args):
     if method == "dense":
         return ViT(num_classes=10, variant=variant)
     sparse = functools.partial(
-        dd.nn.DiagonalDense, sparsity=args.sparsity, explore=args.explore, gate=args.gate
+        dd.nn.DiagonalDense,
+        sparsity=args.sparsity,
+        explore=args.explore,
+        num_buckets=args.num_buckets,
+        gate=args.gate,
     )
     return ViT(num_classes=10, variant=variant, dense=ByPath(SPARSE_LAYERS, sparse=sparse))
 
@@ -130,7 +135,7 @@ def measure(variant: str, method: str, args) -> dict:
 
 def _run_child(variant: str, method: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, method]
-    for name in ("batch", "image", "sparsity", "explore", "gate"):
+    for name in ("batch", "image", "sparsity", "explore", "num_buckets", "gate"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), check=False)
     if proc.returncode:
@@ -145,6 +150,7 @@ def main():
     parser.add_argument("--image", type=int, default=32, help="image height and width")
     parser.add_argument("--sparsity", type=float, default=0.9)
     parser.add_argument("--explore", default="buckets", choices=("buckets", "dense_score", "none"))
+    parser.add_argument("--num-buckets", type=int, default=4)
     parser.add_argument("--gate", default="sparse_topk", choices=("sparse_topk", "softmax"))
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per method")
     parser.add_argument(
@@ -159,7 +165,8 @@ def main():
     rows = []
     print(
         f"ViT init and first-step compile, batch {args.batch}, {args.image}x{args.image} images, "
-        f"DynaDiag at sparsity {args.sparsity}, explore={args.explore}, gate={args.gate}; "
+        f"DynaDiag at sparsity {args.sparsity}, explore={args.explore} "
+        f"({args.num_buckets} buckets), gate={args.gate}; "
         f"median of {args.repeats} process(es), seconds"
     )
     header = (
@@ -195,6 +202,7 @@ def main():
                     "image": args.image,
                     "sparsity": args.sparsity,
                     "explore": args.explore,
+                    "num_buckets": args.num_buckets,
                     "gate": args.gate,
                     "repeats": args.repeats,
                 }

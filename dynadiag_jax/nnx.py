@@ -51,7 +51,7 @@ class DiagonalDense(nnx.Module):
       sparsity: fraction of zeros in ``(0, 1)``; or ``k``: the budget ``K`` in ``[1, P]``.
       block_size: 1 (element diagonals) or ``b`` in (8, 16, 32, 64, 128) dividing both widths.
       gate: ``"sparse_topk"`` (hyper-parameter ``strength``) or ``"softmax"`` (``temperature``).
-      use_bias, slack, explore, gate_init, dtype, param_dtype, impl: as
+      use_bias, slack, explore, num_buckets, gate_init, dtype, param_dtype, impl: as
         :class:`dynadiag_jax.nn.DiagonalDense`.
       init_phase: ``"search"``, or ``"frozen"`` for K random offsets (static diagonals).
       rngs: ``nnx.Rngs`` with a ``params`` stream.
@@ -72,6 +72,7 @@ class DiagonalDense(nnx.Module):
         slack: float = 0.25,
         init_phase: str = "search",
         explore: str = "buckets",
+        num_buckets: int = 4,
         gate_init: float | None = None,
         dtype=None,
         param_dtype=jnp.float32,
@@ -107,6 +108,7 @@ class DiagonalDense(nnx.Module):
             gate=gate,
             slack=float(slack),
             explore=explore,
+            num_buckets=int(num_buckets),
             impl=impl,
         )
         self.dtype = dtype

@@ -122,7 +122,7 @@ def test_compile_benchmark_times_both_methods_in_fresh_processes(run_python, tmp
         ]
     )
     assert "search step: compile" in proc.stdout, proc.stdout
-    assert "explore=none, gate=softmax" in proc.stdout, proc.stdout
+    assert "explore=none (4 buckets), gate=softmax" in proc.stdout, proc.stdout
     _, rows = read_rows(out)
     measures = [r["measure"] for r in rows]
     assert measures == [

@@ -1,8 +1,5 @@
 """DiagonalDense: both phases against a dense reference, gate plumbing, metrics, bad input."""
 
-import collections
-import re
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,7 +8,7 @@ import pytest
 
 import dynadiag_jax as dd
 from dynadiag_jax.nn import DiagonalDense, set_gate
-from dynadiag_jax.nn.search import chunk_count
+from dynadiag_jax.nn.search import bucket_sizes
 
 F32_TOL = 1e-5
 BF16_TOL = 3e-2
@@ -207,47 +204,26 @@ def test_metrics_are_sown(rng):
     assert "topk_changed" not in m  # "dynadiag" was not mutable
 
 
-def test_buckets_compute_the_support_in_whole_chunks(rng):
-    layer = DiagonalDense(64, sparsity=0.9, impl="jax")
+def test_buckets_compute_the_support_only(rng):
+    layer = DiagonalDense(64, sparsity=0.9, num_buckets=4, impl="jax")
     v, x = init(layer, 64)
-    assert layer.capacity(64) == 9 and chunk_count(9, 64) == 8  # K = 7; the last chunk shifted
-    assert chunk_count(64, 64) == 1 and chunk_count(8, 64) == 8
-    params = perturb(v["params"], rng)
-    k = layer.budget(64)
-    for strength in (10.0, 0.05, 0.02, 1e-4):
-        gate = dd.sparse_soft_topk(params["alpha"], k, strength=strength)
-        support = int(jnp.sum(gate > 0))
-        y, state = layer.apply(
-            dict(v, params=params), x, strength=strength, mutable=["intermediates"]
+    sizes = bucket_sizes(layer.capacity(64), 64, 4)
+    assert sizes == (9, 18, 34, 64) and layer.capacity(64) == 9  # K = 7
+    assert bucket_sizes(8, 64, 1) == (64,) and bucket_sizes(64, 64, 4) == (64,)
+    for strength, expected in ((10.0, 64), (1e-4, layer.capacity(64))):
+        _, state = layer.apply(
+            dict(v, params=perturb(v["params"], rng)),
+            x,
+            strength=strength,
+            mutable=["intermediates"],
         )
-        inter = {name: float(value[0]) for name, value in state["intermediates"].items()}
-        assert inter["computed_diagonals"] == min(64, 9 * -(-support // 9)), strength
-        assert inter["gate_mass_outside"] == pytest.approx(0, abs=1e-5)
-        want = dense_reference(params, x, 64, gate, jnp.arange(64))
-        np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=F32_TOL, rtol=F32_TOL)
-
-
-@pytest.mark.skipif("ffi" not in dd.available_impls(), reason="no compiled kernels")
-@pytest.mark.parametrize("n_in,n_out", [(64, 192), (192, 64)])
-def test_buckets_compile_one_chunk_product_for_any_support(n_in, n_out):
-    """The search step's program holds one forward and one backward kernel call per layer, and
-    one ranking of the gates, however many chunks the support can span."""
-    layer = DiagonalDense(n_out, sparsity=0.9, impl="ffi")
-    v, x = init(layer, n_in)
-    spec = layer.spec(n_in)
-    assert chunk_count(spec.k_cap, spec.num_candidates) >= 8
-
-    def loss(params, x):
-        return jnp.sum(layer.apply(dict(v, params=params), x, strength=0.5) ** 2)
-
-    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(v["params"], x).as_text()
-    calls = collections.Counter(re.findall(r"custom_call @dynadiag_diag_matmul_\w+?_(\w+)\(", hlo))
-    assert calls == {"fwd": 1, "bwd": 1}, calls
-    assert hlo.count("chlo.top_k") == 1  # one ranking of the gates, no top-k per chunk
+        inter = state["intermediates"]
+        assert float(inter["computed_diagonals"][0]) == expected
+        assert float(inter["gate_mass_outside"][0]) == pytest.approx(0, abs=1e-5)
 
 
 def test_buckets_with_the_dense_impl_build_w_once_over_every_diagonal(rng):
-    """impl="dense" costs the same whatever the number of diagonals: no chunk loop, all P."""
+    """impl="dense" costs the same whatever the number of diagonals: no bucket switch, all P."""
     layer = DiagonalDense(64, sparsity=0.9, impl="dense")
     v, x = init(layer, 48)
     params = perturb(v["params"], rng)
@@ -255,16 +231,16 @@ def test_buckets_with_the_dense_impl_build_w_once_over_every_diagonal(rng):
     y, state = layer.apply(dict(v, params=params), x, strength=strength, mutable=["intermediates"])
     assert float(state["intermediates"]["computed_diagonals"][0]) == 64
     gate = dd.sparse_soft_topk(params["alpha"], layer.budget(48), strength=strength)
-    assert int(jnp.sum(gate > 0)) < 64  # a chunked step would have computed fewer
+    assert int(jnp.sum(gate > 0)) < 34  # a bucket of 34 or fewer would hold the support
     want = dense_reference(params, x, 64, gate, jnp.arange(64))
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=F32_TOL, rtol=F32_TOL)
 
-    def loops(impl):
-        chunked = DiagonalDense(64, sparsity=0.9, impl=impl)
-        fn = jax.jit(lambda p: chunked.apply(dict(v, params=p), x, strength=strength))
-        return fn.lower(params).as_text().count("stablehlo.while")
+    def switches(impl):
+        other = DiagonalDense(64, sparsity=0.9, impl=impl)
+        fn = jax.jit(lambda p: other.apply(dict(v, params=p), x, strength=strength))
+        return fn.lower(params).as_text().count("stablehlo.case")
 
-    assert loops("dense") == 1 < loops("jax")  # the gate's own bisection loop, no chunk loop
+    assert switches("dense") == 0 < switches("jax")
 
 
 def test_topk_refresh_when_mutable(rng):

@@ -61,12 +61,11 @@ class DiagonalDense(nn.Module):
     gate only (``jax.lax.top_k``, static shapes) through :func:`dynadiag_jax.diag_matmul`; a dense
     ``W`` is never built. How many are computed depends on ``explore``:
 
-    * ``"buckets"`` (default): every diagonal with a non-zero gate is computed: the gate's
-      support rounded up to whole chunks of ``K_cap = ceil((1 + slack) K)`` diagonals, one chunk
-      product per loop step with a traced trip count, so the compiled program holds one product
-      per layer. With a wide start (large strength: every gate ``K/P``) the first steps cost up
-      to a dense layer; as the strength anneals the support, and the cost, shrink to ``K_cap``.
-      Gradients are exact for every diagonal in the support.
+    * ``"buckets"`` (default): every diagonal with a non-zero gate is computed, in the smallest of
+      ``num_buckets`` static sizes from ``K_cap = ceil((1 + slack) K)`` up to ``P`` that holds the
+      gate's support (``lax.switch``). With a wide start (large strength: every gate ``K/P``) the
+      first steps cost up to a dense layer; as the strength anneals the support, and the cost,
+      shrink to ``K_cap``. Gradients are exact for every diagonal in the support.
     * ``"dense_score"``: always ``K_cap`` diagonals; on steps where the ``"dynadiag"`` flag
       ``score`` is set (``set_gate(..., score=True)``), the backward pass also runs one dense
       diagonal SDDMM (``dy^T x`` reduced along all ``P`` diagonals, as RigL's dense gradient) so
@@ -107,6 +106,7 @@ class DiagonalDense(nn.Module):
       init_phase: ``"search"``, or ``"frozen"`` to initialise ``K`` distinct random offsets (the
         static-random-diagonals baseline).
       explore: ``"buckets"``, ``"dense_score"`` or ``"none"`` (see above).
+      num_buckets: number of static sizes for ``explore="buckets"``.
       gate_init: value ``init`` stores for the gate hyper-parameter when the call gives none
         (default 1.0 strength / 5.0 temperature).
       dtype: computation dtype (default: promote the input and ``param_dtype``).
@@ -130,6 +130,7 @@ class DiagonalDense(nn.Module):
     slack: float = 0.25
     init_phase: str = "search"
     explore: str = "buckets"
+    num_buckets: int = 4
     gate_init: float | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -161,6 +162,9 @@ class DiagonalDense(nn.Module):
             raise ValueError(f"unknown explore {self.explore!r}; expected one of {F.EXPLORE_MODES}")
         if not self.slack >= 0:
             raise ValueError(f"slack must be >= 0, got {self.slack!r}")
+        buckets = self.num_buckets
+        if isinstance(buckets, bool) or not isinstance(buckets, numbers.Integral) or buckets < 1:
+            raise ValueError(f"num_buckets must be an int >= 1, got {self.num_buckets!r}")
         if self.gate_init is not None:
             check_gate_value(self.gate_init, "gate_init")
         super().__post_init__()
@@ -187,6 +191,7 @@ class DiagonalDense(nn.Module):
             gate=self.gate,
             slack=float(self.slack),
             explore=self.explore,
+            num_buckets=int(self.num_buckets),
             impl=self.impl,
         )
 

@@ -113,6 +113,7 @@ class LayerSpec(NamedTuple):
       gate: ``"sparse_topk"`` or ``"softmax"``.
       slack: ``K_cap = min(P, ceil((1 + slack) * K))``.
       explore: ``"buckets"``, ``"dense_score"`` or ``"none"`` (see ``search.py``).
+      num_buckets: static sizes for ``explore="buckets"``.
       impl: passed to :func:`dynadiag_jax.diag_matmul`.
     """
 
@@ -123,6 +124,7 @@ class LayerSpec(NamedTuple):
     gate: str = "sparse_topk"
     slack: float = 0.25
     explore: str = "buckets"
+    num_buckets: int = 4
     impl: str = "auto"
 
     @property

@@ -6,10 +6,8 @@ The product runs on the diagonals with the largest gate only (``jax.lax.top_k``,
 through :func:`dynadiag_jax.diag_matmul`; a dense ``W`` is never built. How many are computed
 depends on ``spec.explore``:
 
-* ``"buckets"``: every diagonal with a non-zero gate: the gate's support, rounded up to whole
-  chunks of ``K_cap`` diagonals ranked by gate, one product per chunk in a loop whose trip count
-  is the traced number of chunks. One chunk product is compiled per layer whatever the support,
-  and a step computes ``K_cap * ceil(support / K_cap)`` diagonals (at most ``P``).
+* ``"buckets"``: every diagonal with a non-zero gate, in the smallest of ``num_buckets`` static
+  sizes from ``K_cap`` up to ``P`` that holds the gate's support (``lax.switch``).
 * ``"dense_score"``: ``K_cap`` diagonals; when ``score`` is set the backward pass also runs one
   diagonal SDDMM over all ``P`` offsets, so every diagonal gets its exact gradient.
 * ``"none"``: ``K_cap`` diagonals; the gate mass outside is dropped (and reported).
@@ -21,6 +19,7 @@ the gate scales a whole diagonal, whatever its shape.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -30,7 +29,7 @@ import numpy as np
 from dynadiag_jax.ops.diag_matmul import diag_matmul_in_range, resolve_impl
 from dynadiag_jax.topk import softmax_topk, sparse_soft_topk
 
-__all__ = ["SearchStats", "chunk_count", "gate_values", "search_forward"]
+__all__ = ["SearchStats", "bucket_sizes", "gate_values", "search_forward"]
 
 
 class SearchStats(NamedTuple):
@@ -49,9 +48,16 @@ class SearchStats(NamedTuple):
     computed_diagonals: jax.Array
 
 
-def chunk_count(k_cap: int, num_candidates: int) -> int:
-    """Chunks of ``k_cap`` diagonals that cover all ``P`` candidates (``explore="buckets"``)."""
-    return -(-num_candidates // k_cap)
+def bucket_sizes(k_cap: int, num_candidates: int, num_buckets: int) -> tuple[int, ...]:
+    """Static numbers of computed diagonals for ``explore="buckets"``: geometric ``k_cap .. P``.
+
+    The last size is always ``P``, so any support fits; one bucket means always computing all.
+    """
+    if k_cap >= num_candidates or num_buckets <= 1:
+        return (num_candidates,)
+    ratio = (num_candidates / k_cap) ** (1.0 / (num_buckets - 1))
+    sizes = {min(num_candidates, math.ceil(k_cap * ratio**i)) for i in range(num_buckets - 1)}
+    return tuple(sorted(sizes | {num_candidates}))
 
 
 def gate_values(spec, alpha, hyper):
@@ -81,11 +87,26 @@ def search_forward(spec, alpha, values, x, *, hyper, score=False):
     instead of dispatching its ops one by one, and a model traces it once per layer shape.
     """
     gate = gate_values(spec, alpha, hyper)
-    k_cap = spec.k_cap
+    p, k_cap = spec.num_candidates, spec.k_cap
     product = _Product(x, values, gate, spec.out_features, spec.impl)
-    if spec.explore == "buckets":
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if (
+        spec.explore == "buckets"
+        and resolve_impl(spec.impl, x.dtype, spec.geometry, rows, k_cap) == "dense"
+    ):
+        # W built and XLA's dot: the cost does not depend on how many diagonals, so one product
+        # over all P replaces the buckets.
+        y, kept = product.sparse(p)
+        computed = jnp.asarray(p, jnp.float32)
+    elif spec.explore == "buckets":
+        sizes = bucket_sizes(k_cap, p, spec.num_buckets)
         support = jnp.sum(gate > 0)
-        y, kept, computed = product.chunked(k_cap, support, spec.geometry)
+        branch = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), support), len(sizes) - 1)
+        if len(sizes) == 1:
+            y, kept = product.sparse(sizes[0])
+        else:
+            y, kept = jax.lax.switch(branch, [lambda s=s: product.sparse(s) for s in sizes])
+        computed = jnp.asarray(sizes, jnp.float32)[branch]
     elif spec.explore == "dense_score":
         y, kept = jax.lax.cond(
             jnp.asarray(score, jnp.bool_),
@@ -117,56 +138,6 @@ class _Product:
         _, idx = jax.lax.top_k(jax.lax.stop_gradient(self.gate), size)
         return jnp.sort(idx).astype(jnp.int32)
 
-    def chunked(self, chunk: int, support, geo):
-        """``(y, gate mass computed, diagonals computed)`` over the gate's support.
-
-        The diagonals ranked by gate (``lax.top_k``: ties to the lower offset) are cut into
-        ``ceil(P / chunk)`` chunks; chunk ``j`` holds ranks ``[j c, (j + 1) c)``, the last one
-        shifted back to end at rank ``P`` with the ranks it shares with chunk ``j - 1`` weighted 0,
-        so every rank is counted once. A scan runs the product of chunk ``j`` only while
-        ``j < ceil(support / c)`` (a traced count): the program holds one chunk product, forward
-        and backward, for any support. The chunk body is rematerialised in the backward pass, so
-        the scan stores no per-chunk weights. Where ``impl`` resolves to ``"dense"`` for the
-        chunk (``W`` built, XLA's dot: the cost does not depend on how many diagonals), one
-        product over all ``P`` replaces the loop.
-        """
-        gate, x = self.gate, self.x
-        p = gate.shape[0]
-        n_max = chunk_count(chunk, p)
-        rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-        if n_max == 1 or resolve_impl(self.impl, x.dtype, geo, rows, chunk) == "dense":
-            y, kept = self.sparse(p)
-            return y, kept, jnp.asarray(p, jnp.float32)
-        _, order = jax.lax.top_k(jax.lax.stop_gradient(gate), p)
-        active = jnp.clip((support + chunk - 1) // chunk, 1, n_max)
-
-        def product(j):
-            start = jnp.minimum(j * chunk, p - chunk)
-            ranks = start + jnp.arange(chunk)
-            idx, fresh = jax.lax.sort(
-                (jax.lax.dynamic_slice(order, (start,), (chunk,)), ranks >= j * chunk),
-                num_keys=1,
-            )
-            g = jnp.where(fresh, gate[idx], jnp.zeros((), gate.dtype))
-            w = _scaled_rows(g, self.values[idx], x.dtype)
-            y = diag_matmul_in_range(x, w, idx, out_features=self.out_features, impl=self.impl)
-            return y, jnp.sum(g)
-
-        @functools.partial(jax.checkpoint, prevent_cse=False)
-        def body(carry, j):
-            y, kept = carry
-            dy, dk = jax.lax.cond(
-                j < active,
-                lambda: product(j),
-                lambda: (jnp.zeros_like(y), jnp.zeros_like(kept)),
-            )
-            return (y + dy, kept + dk), None
-
-        zero = (jnp.zeros(x.shape[:-1] + (self.out_features,), x.dtype), jnp.zeros((), gate.dtype))
-        (y, kept), _ = jax.lax.scan(body, zero, jnp.arange(n_max))
-        computed = jnp.minimum(active * chunk, p).astype(jnp.float32)
-        return y, kept, computed
-
     def sparse(self, size: int):
         """``(y, gate mass computed)`` over the ``size`` diagonals with the largest gate."""
         idx = self._select(size)
@@ -186,15 +157,10 @@ def _per_row(gate, ndim: int):
     return gate.reshape(gate.shape + (1,) * (ndim - 1))
 
 
-def _scaled_rows(g, rows, dtype):
-    """``g[K] * rows[K, *V]`` (in ``g``'s dtype), cast to the compute dtype."""
-    rows = rows.astype(g.dtype)
-    return (_per_row(g, rows.ndim) * rows).astype(dtype)
-
-
 def _selected_weights(gate, values, idx, dtype):
     """``gate[idx] * values[idx]`` (in the gate's dtype), cast to the compute dtype."""
-    return _scaled_rows(gate[idx], values[idx], dtype)
+    rows = values[idx].astype(gate.dtype)
+    return (_per_row(gate[idx], rows.ndim) * rows).astype(dtype)
 
 
 @functools.cache
