@@ -164,6 +164,14 @@ def _project_bwd(k, shifted, free, g):
 _project.defvjp(_project_fwd, _project_bwd)
 
 
+def _projection(z, k, shifted: bool):
+    """:func:`_project` of work-dtype ``z``, or 1 everywhere for ``k == n`` (the feasible set is the
+    single point ``y = 1``)."""
+    if k == z.shape[-1]:
+        return jnp.ones_like(z)
+    return _project(z, float(k), shifted)
+
+
 def capped_simplex_projection(z, k):
     """Euclidean projection of ``z[..., n]`` onto ``{y : 0 <= y <= 1, sum(y) = k}`` (last axis).
 
@@ -182,11 +190,8 @@ def capped_simplex_projection(z, k):
     _check_scores(z, fn)
     n = z.shape[-1]
     _check_k(k, n, fn)
-    if k == n:  # the feasible set is the single point y = 1
-        return jnp.ones_like(z)
     # Low-precision input is projected in float32: tau is a difference of nearby sums.
-    zw = z.astype(work_dtype(z.dtype))
-    return _project(zw, float(k), False).astype(z.dtype)
+    return _projection(z.astype(work_dtype(z.dtype)), k, False).astype(z.dtype)
 
 
 def _hard_topk(s, k):
@@ -283,7 +288,7 @@ def sparse_soft_topk(scores, k, *, strength):
     # Shift before scaling (exact by shift invariance) so 1/strength does not magnify rounding.
     # The clip to [-2, 2] changes no output (see _project_value).
     z = _scaled(s - _kth_largest(s, k), safe, -2.0, 2.0)  # its ceil(k)-th largest entry is 0
-    soft = jnp.ones_like(z) if k == z.shape[-1] else _project(z, float(k), True)
+    soft = _projection(z, k, True)
     return jnp.where(positive, soft, _hard_topk(s, k)).astype(scores.dtype)
 
 
