@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,31 +85,33 @@ def _solve_tau(z, k: float):
     """Threshold ``tau`` and free-set mask of the projection of ``z[..., n]`` (``0 < k < n``).
 
     ``f(t) = sum_i clip(z_i - t, 0, 1)`` is continuous, piecewise linear and non-increasing, with
-    breakpoints at ``z_i - 1`` and ``z_i``. A binary search over the ``2n`` sorted breakpoints finds
-    the segment ``[lo, hi]`` with ``f(lo) >= k > f(hi)``; on its interior the sets of saturated
+    breakpoints at ``z_i - 1`` and ``z_i``. Two rounds over the ``2n`` sorted breakpoints find
+    the segment ``[lo, hi]`` with ``f(lo) >= k > f(hi)``: ``f`` at every ``s``-th breakpoint
+    (``s ~ sqrt(2n)``) brackets it within ``s``, then ``f`` at each breakpoint of the bracket
+    pins it (``O(n sqrt(n))`` work in a few vectorized ops, no loop: a loop or a running sum would
+    cost far more to compile than to run). On the segment's interior the sets of saturated
     (``y = 1``) and free (``0 < y < 1``) entries are fixed, and ``sum(y) = k`` gives ``tau`` in
     closed form. ``f(min z - 1) = n > k`` and ``f(max z) = 0 < k`` bound the search.
     """
     n = z.shape[-1]
+    last = 2 * n - 1
     zm1 = z - 1
     breaks = jnp.sort(jnp.concatenate([zm1, z], axis=-1), axis=-1)
+    stride = math.ceil(math.sqrt(2 * n))
 
-    def f_at(idx):
-        t = jnp.take_along_axis(breaks, idx[..., None], axis=-1)
-        return jnp.sum(jnp.clip(z - t, 0, 1), axis=-1)
+    def last_at_least_k(idx):
+        """The largest of ``idx[..., M]`` (ascending) where ``f >= k``, or ``idx[..., 0]``."""
+        t = jnp.take_along_axis(breaks, jnp.minimum(idx, last), axis=-1)
+        f = jnp.sum(jnp.clip(z[..., None, :] - t[..., :, None], 0, 1), axis=-1)
+        return jnp.max(jnp.where(f >= k, idx, idx[..., :1]), axis=-1, keepdims=True)
 
-    def step(_, bounds):
-        lo, hi = bounds
-        mid = (lo + hi) // 2
-        above = f_at(mid) >= k
-        return jnp.where(above, mid, lo), jnp.where(above, hi, mid)
+    def steps(count):
+        return jax.lax.broadcasted_iota(jnp.int32, z.shape[:-1] + (count,), z.ndim - 1)
 
-    lead = z.shape[:-1]
-    lo = jnp.zeros(lead, jnp.int32)
-    hi = jnp.full(lead, 2 * n - 1, jnp.int32)
-    lo, hi = jax.lax.fori_loop(0, math.ceil(math.log2(2 * n - 1)), step, (lo, hi))
-    b_lo = jnp.take_along_axis(breaks, lo[..., None], axis=-1)
-    b_hi = jnp.take_along_axis(breaks, hi[..., None], axis=-1)
+    lo = last_at_least_k(stride * steps(-(-last // stride)))  # f(lo) >= k > f(lo + stride)
+    lo = last_at_least_k(lo + steps(stride))
+    b_lo = jnp.take_along_axis(breaks, lo, axis=-1)
+    b_hi = jnp.take_along_axis(breaks, lo + 1, axis=-1)
     # Membership on the open segment (b_lo, b_hi), decided against breakpoints computed by the
     # same float operations, so ties and rounding cannot misclassify an entry.
     ones = zm1 >= b_hi
@@ -131,45 +134,92 @@ def _kth_largest(z, k: float):
     return jax.lax.stop_gradient(jnp.sort(z, axis=-1)[..., n - rank : n - rank + 1])
 
 
-def _project_value(z, k, shifted):
-    if not shifted:  # the sparse gate shifts before scaling; its z is already centred here
-        z = z - _kth_largest(z, k)
+@jax.custom_vjp
+def _threshold(z, tau):
+    """``clip(z - tau, 0, 1)`` for the projection's threshold ``tau[..., 1]`` (no gradient)."""
+    return jnp.clip(z - tau, 0, 1)
+
+
+def _threshold_fwd(z, tau):
+    y = jnp.clip(z - tau, 0, 1)
+    return y, (y > 0) & (y < 1)
+
+
+def _threshold_bwd(free, g):
+    # The projection's Jacobian: on the free set F it is I - 11^T/|F| (tau moves with z so that
+    # the sum stays k), zero elsewhere; centre g within F.
+    n_free = jnp.maximum(jnp.sum(free, axis=-1, keepdims=True), 1).astype(g.dtype)
+    mean_f = jnp.sum(jnp.where(free, g, 0), axis=-1, keepdims=True) / n_free
+    return jnp.where(free, g - mean_f, 0), None
+
+
+_threshold.defvjp(_threshold_fwd, _threshold_bwd)
+
+
+class SparseSolution(NamedTuple):
+    """The non-differentiable part of :func:`sparse_soft_topk` of ``scores[..., n]``, per row.
+
+    Every field is ``[..., 1]`` in the scores' work dtype.
+
+    Attributes:
+      kth: the ``ceil(k)``-th largest score.
+      tau: the threshold of the projection of ``clip((scores - kth) / strength, -2, 2)``.
+      share: the hard gate (strength 0) of the scores tied with ``kth``.
+    """
+
+    kth: jax.Array
+    tau: jax.Array
+    share: jax.Array
+
+
+def _row_hyper(value, s):
+    """The hyper-parameter, one per row of ``s[..., n]``, as ``[..., 1]``."""
+    value = jnp.broadcast_to(jnp.asarray(value, s.dtype), s.shape[:-1])
+    return value.reshape(value.shape + (1,))
+
+
+def sparse_solution(s, k, strength) -> SparseSolution:
+    """:class:`SparseSolution` of work-dtype scores ``s[..., n]`` (``0 < k <= n``, no gradient).
+
+    ``strength`` is a scalar or one value per row (``[...]``). The sort and the threshold search
+    are the costly part of the gate to compile and to run; :func:`sparse_gate` finishes it.
+    """
+    s = jax.lax.stop_gradient(s)
+    _, safe = _split_hyper(_row_hyper(strength, s), s.dtype)
+    kth = _kth_largest(s, k)
+    above, tied = s > kth, s == kth
+    n_above = jnp.sum(above, axis=-1, keepdims=True).astype(s.dtype)
+    n_tied = jnp.maximum(jnp.sum(tied, axis=-1, keepdims=True), 1).astype(s.dtype)
+    share = (k - n_above) / n_tied
+    if k == s.shape[-1]:
+        return SparseSolution(kth, jnp.zeros_like(kth), share)
     # After the shift the ceil(k)-th largest entry is 0, so tau <= 0 and every entry >= 1 projects
     # to 1; an entry <= -1 with y > 0 would need tau < -1, putting 1 on the top ceil(k) entries
     # and exceeding the budget, so it projects to 0. Clipping to [-2, 2] therefore changes no
     # output, and keeps infinite inputs (a tiny strength) out of the breakpoint search, where
     # inf - inf would give NaN.
-    tau, _ = _solve_tau(jnp.clip(z, -2, 2), k)
-    return jnp.clip(z - tau, 0, 1)
+    z = jnp.clip((s - kth) / safe, -2, 2)
+    tau, _ = _solve_tau(z, float(k))
+    return SparseSolution(kth, tau, share)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _project(z, k, shifted):
-    return _project_value(z, k, shifted)
+def sparse_gate(s, k, strength, solution: SparseSolution):
+    """The sparse gate of work-dtype scores ``s[..., n]`` given their :class:`SparseSolution`.
 
-
-def _project_fwd(z, k, shifted):
-    y = _project_value(z, k, shifted)
-    return y, (y > 0) & (y < 1)
-
-
-def _project_bwd(k, shifted, free, g):
-    # Jacobian on the free set F is I - 11^T/|F|, zero elsewhere: centre g within F.
-    del k, shifted
-    n_free = jnp.maximum(jnp.sum(free, axis=-1, keepdims=True), 1).astype(g.dtype)
-    mean_f = jnp.sum(jnp.where(free, g, 0), axis=-1, keepdims=True) / n_free
-    return (jnp.where(free, g - mean_f, 0),)
-
-
-_project.defvjp(_project_fwd, _project_bwd)
-
-
-def _projection(z, k, shifted: bool):
-    """:func:`_project` of work-dtype ``z``, or 1 everywhere for ``k == n`` (the feasible set is the
-    single point ``y = 1``)."""
-    if k == z.shape[-1]:
-        return jnp.ones_like(z)
-    return _project(z, float(k), shifted)
+    Differentiable in ``s`` (the projection's closed-form VJP); ``strength`` as in
+    :func:`sparse_solution`.
+    """
+    if k == s.shape[-1]:  # the feasible set is the single point y = 1, for every strength
+        return jnp.ones_like(s)
+    positive, safe = _split_hyper(_row_hyper(strength, s), s.dtype)
+    # Shift before scaling (exact by shift invariance) so 1/strength does not magnify rounding.
+    # The clip to [-2, 2] changes no output (see sparse_solution).
+    z = _scaled(s - solution.kth, safe, -2.0, 2.0)
+    soft = _threshold(z, solution.tau)
+    # strength 0: 1 above the ceil(k)-th largest, 0 below it, the rest of the budget shared by
+    # the scores tied with it (no gradient)
+    hard = jnp.where(s > solution.kth, 1.0, jnp.where(s == solution.kth, solution.share, 0.0))
+    return jnp.where(positive, soft, hard.astype(s.dtype))
 
 
 def capped_simplex_projection(z, k):
@@ -191,21 +241,13 @@ def capped_simplex_projection(z, k):
     n = z.shape[-1]
     _check_k(k, n, fn)
     # Low-precision input is projected in float32: tau is a difference of nearby sums.
-    return _projection(z.astype(work_dtype(z.dtype)), k, False).astype(z.dtype)
-
-
-def _hard_topk(s, k):
-    """The limit of the projection as ``strength -> 0+`` (no gradient).
-
-    1 above the ``ceil(k)``-th largest score, 0 below it, and the rest of the budget
-    ``k - #above`` shared equally by the scores tied with it (the projection keeps ties equal).
-    """
-    s = jax.lax.stop_gradient(s)
-    kth = _kth_largest(s, k)
-    above, tied = s > kth, s == kth
-    n_above = jnp.sum(above, axis=-1, keepdims=True).astype(s.dtype)
-    n_tied = jnp.maximum(jnp.sum(tied, axis=-1, keepdims=True), 1).astype(s.dtype)
-    return jnp.where(above, 1.0, jnp.where(tied, (k - n_above) / n_tied, 0.0)).astype(s.dtype)
+    w = z.astype(work_dtype(z.dtype))
+    if k == n:  # the feasible set is the single point y = 1
+        return jnp.ones_like(z)
+    shifted = w - _kth_largest(w, k)
+    # After the shift the ceil(k)-th largest entry is 0; see sparse_solution for the clip.
+    tau, _ = _solve_tau(jnp.clip(jax.lax.stop_gradient(shifted), -2, 2), float(k))
+    return _threshold(shifted, tau).astype(z.dtype)
 
 
 def _hard_argmax(s, k):
@@ -282,14 +324,8 @@ def sparse_soft_topk(scores, k, *, strength):
     _check_scores(scores, fn)
     _check_k(k, scores.shape[-1], fn)
     check_gate_value(strength, "strength", fn)
-    work = work_dtype(scores.dtype)
-    s = scores.astype(work)
-    positive, safe = _split_hyper(strength, work)
-    # Shift before scaling (exact by shift invariance) so 1/strength does not magnify rounding.
-    # The clip to [-2, 2] changes no output (see _project_value).
-    z = _scaled(s - _kth_largest(s, k), safe, -2.0, 2.0)  # its ceil(k)-th largest entry is 0
-    soft = _projection(z, k, True)
-    return jnp.where(positive, soft, _hard_topk(s, k)).astype(scores.dtype)
+    s = scores.astype(work_dtype(scores.dtype))
+    return sparse_gate(s, k, strength, sparse_solution(s, k, strength)).astype(scores.dtype)
 
 
 def softmax_topk(scores, k, *, temperature):
@@ -315,10 +351,16 @@ def softmax_topk(scores, k, *, temperature):
     _check_scores(scores, fn)
     _check_k(k, scores.shape[-1], fn)
     check_gate_value(temperature, "temperature", fn)
-    work = work_dtype(scores.dtype)
-    s = scores.astype(work)
-    positive, safe = _split_hyper(temperature, work)
+    return softmax_gate(scores.astype(work_dtype(scores.dtype)), k, temperature).astype(
+        scores.dtype
+    )
+
+
+def softmax_gate(s, k, temperature):
+    """:func:`softmax_topk` of work-dtype scores ``s[..., n]`` without the checks; ``temperature``
+    is a scalar or one value per row (``[...]``)."""
+    positive, safe = _split_hyper(_row_hyper(temperature, s), s.dtype)
     shifted = s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))  # <= 0
     p = jax.nn.softmax(_scaled(shifted, safe, _MIN_LOGIT, 1.0), axis=-1)
-    soft = jnp.clip(jnp.asarray(k, work) * p, 0, 1)
-    return jnp.where(positive, soft, _hard_argmax(s, k)).astype(scores.dtype)
+    soft = jnp.clip(jnp.asarray(k, s.dtype) * p, 0, 1)
+    return jnp.where(positive, soft, _hard_argmax(s, k))
