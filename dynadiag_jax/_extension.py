@@ -13,7 +13,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from dynadiag_jax.ops import cuda
+from dynadiag_jax.ops import cuda, ranking
 from dynadiag_jax.ops.ffi import PlatformKernels, make_ffi_backend
 from dynadiag_jax.ops.products import register_backend
 
@@ -72,11 +72,12 @@ def _register(module, platform: str) -> None:
 
 def custom_call_targets() -> tuple[str, ...]:
     """Every custom-call target name this package registers (or would, with all kernels built)."""
-    return tuple(
+    products = tuple(
         f"{prefix}_{kind}"
         for prefix in (TARGET_PREFIX, cuda.EMULATED_PREFIX)
         for kind in ("fwd", "dx", "dvalues", "bwd")
     )
+    return (*products, ranking.TARGET)
 
 
 def has_cpu_kernels() -> bool:
@@ -92,6 +93,7 @@ def has_cuda_kernels() -> bool:
 _native: dict[str, PlatformKernels] = {}
 if _cpu_ext is not None:
     _register(_cpu_ext, "cpu")
+    ranking.register_cpu_target()
     _native["cpu"] = PlatformKernels(
         dtypes=(jnp.float32, jnp.bfloat16), fused_backward=True, block_diagonals=True
     )

@@ -27,7 +27,7 @@ from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.freeze import _check_finite
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
-from dynadiag_jax.nn.search import search_forward
+from dynadiag_jax.nn.search import gate_inputs, search_forward
 from dynadiag_jax.topk import check_gate_value
 
 __all__ = ["DiagonalDense", "Diagonals", "GateState", "freeze", "set_gate"]
@@ -166,11 +166,11 @@ class DiagonalDense(nnx.Module):
         else:
             alpha = self.alpha.get_value().astype(work_dtype(self.param_dtype))
             hyper = given if given is not None else getattr(self, name).get_value()
+            inputs = gate_inputs(alpha, hyper, gate=spec.gate, k=spec.k, impl=spec.impl)
             y, _ = search_forward(
-                spec, alpha, self.values.get_value(), x, hyper=hyper, score=self.score.get_value()
+                spec, self.values.get_value(), x, inputs, score=self.score.get_value()
             )
-            topk, _ = F.refresh_topk(alpha, self.topk.get_value(), spec.k)
-            self.topk.set_value(topk)
+            self.topk.set_value(inputs.topk)
         if self.bias is not None:
             bias = self.bias.get_value().astype(dtype)
             y = y + bias.reshape((1,) * (y.ndim - 1) + (spec.out_features,))

@@ -16,7 +16,7 @@ import dynadiag_jax as dd
 from dynadiag_jax import _extension
 from dynadiag_jax.ops import cuda
 
-VERSIONED = re.compile(r"^dynadiag_(emu_)?diag_matmul_v\d+_(fwd|dx|dvalues|bwd)$")
+VERSIONED = re.compile(r"^dynadiag_((emu_)?diag_matmul_v\d+_(fwd|dx|dvalues|bwd)|gate_rank_v\d+)$")
 
 
 def custom_call_targets(module_text):
@@ -169,3 +169,15 @@ def test_a_sharded_program_exports_and_runs(run_python):
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     err = float(run_python(["-c", SHARDED], env=env).stdout.strip().splitlines()[-1])
     assert err <= 1e-5
+
+
+def test_search_phase_layer_exports_with_its_ranking_call():
+    layer = dd.nn.DiagonalDense(32, sparsity=0.8)
+    x = jnp.ones((4, 48), jnp.float32)
+    variables = layer.init(jax.random.key(0), x)
+    exported = dd.export(jax.jit(layer.apply))(variables, x)
+    targets = custom_call_targets(exported.mlir_module())
+    if _extension.has_cpu_kernels():
+        assert "dynadiag_gate_rank_v1" in targets
+    restored = jax.export.deserialize(exported.serialize())
+    np.testing.assert_allclose(restored.call(variables, x), layer.apply(variables, x), rtol=1e-6)

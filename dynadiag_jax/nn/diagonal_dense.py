@@ -34,7 +34,7 @@ import numpy as np
 from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
-from dynadiag_jax.nn.search import search_forward
+from dynadiag_jax.nn.search import gate_inputs, search_forward
 from dynadiag_jax.topk import check_gate_value
 
 __all__ = ["DiagonalDense"]
@@ -58,8 +58,9 @@ class DiagonalDense(nn.Module):
     Search phase: ``W_eff = sum_p gate[p] * values[p]`` placed on diagonal ``p``, with
     ``gate = sparse_soft_topk(alpha, K, strength=s)`` (default) or
     ``softmax_topk(alpha, K, temperature=T)``. The product runs on the diagonals with the largest
-    gate only (``jax.lax.top_k``, static shapes) through :func:`dynadiag_jax.diag_matmul`; a dense
-    ``W`` is never built. How many are computed depends on ``explore``:
+    gate only (ranked by :func:`dynadiag_jax.ops.ranking.gate_rank`, static shapes) through
+    :func:`dynadiag_jax.diag_matmul`; a dense ``W`` is never built. How many are computed depends
+    on ``explore``:
 
     * ``"buckets"`` (default): every diagonal with a non-zero gate is computed, in the smallest of
       ``num_buckets`` static sizes from ``K_cap = ceil((1 + slack) K)`` up to ``P`` that holds the
@@ -359,21 +360,20 @@ class DiagonalDense(nn.Module):
         p = spec.num_candidates
         alpha = self.param("alpha", F.init_alpha, (p,), work).astype(work)
         values = self.param("values", F.init_values(spec), (p, *spec.row_shape), self.param_dtype)
-        self._track_topk(alpha, spec.k)
+        tracking = self.has_variable("dynadiag", "topk") and self.is_mutable_collection("dynadiag")
+        old = self.get_variable("dynadiag", "topk") if tracking else None
+        inputs = gate_inputs(alpha, hyper, old, gate=spec.gate, k=spec.k, impl=spec.impl)
+        if self.is_initializing():
+            self.variable("dynadiag", "topk", lambda: inputs.topk)
+        elif tracking:
+            self.put_variable("dynadiag", "topk", inputs.topk)
+            self.sow("intermediates", "topk_changed", inputs.topk_changed)
         score = (
             self.get_variable("dynadiag", "score")
             if self.has_variable("dynadiag", "score")
             else jnp.asarray(False)
         )
-        y, stats = search_forward(spec, alpha, values, x, hyper=hyper, score=score)
+        y, stats = search_forward(spec, values, x, inputs, score=score)
         for name, value in stats._asdict().items():
             self.sow("intermediates", name, value)
         return y
-
-    def _track_topk(self, alpha, k):
-        if self.is_initializing():
-            self.variable("dynadiag", "topk", lambda: F.select_diagonals(alpha, k))
-        elif self.has_variable("dynadiag", "topk") and self.is_mutable_collection("dynadiag"):
-            var = self.variable("dynadiag", "topk")
-            var.value, changed = F.refresh_topk(alpha, var.value, k)
-            self.sow("intermediates", "topk_changed", changed)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from dynadiag_jax.layout import DiagGeometry, geometry, num_diagonals
 from dynadiag_jax.ops import diag_matmul
+from dynadiag_jax.ops.ranking import descending_order
 
 __all__ = [
     "GATES",
@@ -57,7 +58,7 @@ EXPLORE_MODES = ("buckets", "dense_score", "none")
 HYPER_NAME = {"sparse_topk": "strength", "softmax": "temperature"}
 # The gate value a layer starts with when neither the call nor the layer gives one.
 DEFAULT_HYPER = {"strength": 1.0, "temperature": 5.0}
-# alpha = (1 + ALPHA_NOISE * u) / P with u ~ U(0, 1): breaks ties for lax.top_k, and stays far
+# alpha = (1 + ALPHA_NOISE * u) / P with u ~ U(0, 1): breaks ties in the ranking, and stays far
 # below any sensible strength, so the first sparse gate is uniform (K / P) on every diagonal.
 ALPHA_NOISE = 1e-3
 
@@ -183,12 +184,11 @@ def random_offsets(key, spec: LayerSpec):
 def select_diagonals(alpha, k: int):
     """The ``k`` offsets with the largest ``alpha[..., P]``, sorted ascending, int32 ``[..., k]``.
 
-    Ties go to the lower offset (``jax.lax.top_k``); NaN scores rank below every other score.
+    Ties go to the lower offset; NaN scores rank with -inf, below every other score (the order of
+    :func:`dynadiag_jax.ops.ranking.descending_order`, which the search phase's ``topk`` uses).
     """
-    alpha = jax.lax.stop_gradient(alpha)
-    alpha = jnp.where(jnp.isnan(alpha), jnp.asarray(-jnp.inf, alpha.dtype), alpha)
-    _, idx = jax.lax.top_k(alpha, k)
-    return jnp.sort(idx, axis=-1).astype(jnp.int32)
+    order = descending_order(jax.lax.stop_gradient(alpha))
+    return jnp.sort(order[..., :k], axis=-1)
 
 
 def frozen_forward(spec: LayerSpec, values, offsets, x):

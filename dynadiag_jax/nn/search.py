@@ -2,9 +2,9 @@
 
 ``W_eff = sum_p gate[p] * values[p]`` placed on diagonal ``p``, with
 ``gate = sparse_soft_topk(alpha, K, strength=s)`` or ``softmax_topk(alpha, K, temperature=T)``.
-The product runs on the diagonals with the largest gate only (``jax.lax.top_k``, static shapes)
-through :func:`dynadiag_jax.diag_matmul`; a dense ``W`` is never built. How many are computed
-depends on ``spec.explore``:
+The product runs on the diagonals with the largest gate only (static shapes: a prefix of the
+ranking of :func:`dynadiag_jax.ops.ranking.gate_rank`) through :func:`dynadiag_jax.diag_matmul`;
+a dense ``W`` is never built. How many are computed depends on ``spec.explore``:
 
 * ``"buckets"``: every diagonal with a non-zero gate, in the smallest of ``num_buckets`` static
   sizes from ``K_cap`` up to ``P`` that holds the gate's support (``lax.switch``).
@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynadiag_jax.ops.diag_matmul import diag_matmul_in_range, resolve_impl
-from dynadiag_jax.topk import softmax_topk, sparse_soft_topk
+from dynadiag_jax.ops.ranking import gate_rank
+from dynadiag_jax.topk import SparseSolution, softmax_gate, sparse_gate
 
-__all__ = ["SearchStats", "bucket_sizes", "gate_values", "search_forward"]
+__all__ = ["GateInputs", "SearchStats", "bucket_sizes", "gate_inputs", "search_forward"]
 
 
 class SearchStats(NamedTuple):
@@ -60,24 +61,78 @@ def bucket_sizes(k_cap: int, num_candidates: int, num_buckets: int) -> tuple[int
     return tuple(sorted(sizes | {num_candidates}))
 
 
-def gate_values(spec, alpha, hyper):
-    """``gate[P]`` of ``alpha[P]`` for the spec's gate, in ``alpha``'s dtype."""
-    hyper = jnp.asarray(hyper, alpha.dtype)
-    if spec.gate == "sparse_topk":
-        return sparse_soft_topk(alpha, spec.k, strength=hyper)
-    return softmax_topk(alpha, spec.k, temperature=hyper)
+class GateInputs(NamedTuple):
+    """What a search-phase call needs from ``alpha`` alone (leading dims ``[...]`` allowed).
+
+    Attributes:
+      gate: ``[..., P]`` gate, in ``alpha``'s dtype (differentiable in ``alpha``).
+      order: ``[..., P]`` int32, the diagonals by descending ``alpha`` (ties: lower offset
+        first; NaN last). Both gates are non-decreasing in ``alpha``, so the diagonals with a
+        non-zero sparse gate are a prefix of ``order``.
+      rank: ``[..., P]`` int32, the position of each diagonal in ``order``.
+      topk: ``[..., K]`` int32, the top-K offsets by ``alpha``, ascending
+        (:func:`~dynadiag_jax.nn.functional.select_diagonals`).
+      topk_changed: ``[...]`` float32, offsets in ``topk`` that were not in the previous top-K
+        (0 without one).
+      gate_nonzero: ``[...]`` float32, the number of non-zero gates.
+      gate_mean: ``[...]`` float32, the mean gate.
+    """
+
+    gate: jax.Array
+    order: jax.Array
+    rank: jax.Array
+    topk: jax.Array
+    topk_changed: jax.Array
+    gate_nonzero: jax.Array
+    gate_mean: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("gate", "k", "impl"))
+def gate_inputs(alpha, hyper, old_topk=None, *, gate: str, k: int, impl: str = "auto"):
+    """:class:`GateInputs` of ``alpha[..., P]`` with the gate hyper-parameter ``hyper``.
+
+    The ranking, the top-K refresh and the sparse gate's threshold come from one
+    :func:`dynadiag_jax.ops.ranking.gate_rank` (one custom call on CPU); the gate itself is
+    finished here, differentiable in ``alpha``.
+
+    Args:
+      alpha: ``[..., P]`` scores (float32 or wider).
+      hyper: the gate's strength or temperature, a scalar or one per row (``[...]``).
+      old_topk: ``[..., K]`` int32, the previous top-K, or None (``topk_changed`` is then 0).
+      gate: ``"sparse_topk"`` or ``"softmax"``.
+      k: the budget ``K``.
+      impl: the layer's ``impl``; ``"jax"`` keeps the ranking on the pure-JAX path too.
+    """
+    lead = alpha.shape[:-1]
+    sparse = gate == "sparse_topk"
+    old = old_topk if old_topk is not None else jnp.zeros(lead + (k,), jnp.int32)
+    ranked = gate_rank(alpha, hyper, old, sparse=sparse, impl=impl)
+    if sparse:
+        solution = SparseSolution(*(v[..., None] for v in (ranked.kth, ranked.tau, ranked.share)))
+        values = sparse_gate(alpha, k, hyper, solution)
+    else:
+        values = softmax_gate(alpha, k, hyper)
+    changed = ranked.changed if old_topk is not None else jnp.zeros(lead, jnp.float32)
+    return GateInputs(
+        gate=values,
+        order=ranked.order,
+        rank=ranked.rank,
+        topk=ranked.topk,
+        topk_changed=changed,
+        gate_nonzero=jnp.sum(values > 0, axis=-1).astype(jnp.float32),
+        gate_mean=jax.lax.stop_gradient(jnp.mean(values, axis=-1)).astype(jnp.float32),
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def search_forward(spec, alpha, values, x, *, hyper, score=False):
+def search_forward(spec, values, x, inputs: GateInputs, *, score=False):
     """The search-phase product ``x @ W_eff.T`` (no bias) and its :class:`SearchStats`.
 
     Args:
       spec: the layer's :class:`dynadiag_jax.nn.functional.LayerSpec`.
-      alpha: ``[P]`` scores (float32 or wider).
       values: ``[P, *V]`` diagonal values.
       x: ``[..., in]`` in the computation dtype.
-      hyper: the gate's strength or temperature (scalar, may be traced).
+      inputs: the layer's :class:`GateInputs` (no leading dims), from :func:`gate_inputs`.
       score: bool scalar; with ``explore="dense_score"``, score every diagonal this call.
 
     Returns:
@@ -86,72 +141,45 @@ def search_forward(spec, alpha, values, x, *, hyper, score=False):
     Jitted with ``spec`` static: an eager ``init`` compiles the product once per layer shape
     instead of dispatching its ops one by one, and a model traces it once per layer shape.
     """
-    gate = gate_values(spec, alpha, hyper)
+    gate, order, rank = inputs.gate, inputs.order, inputs.rank
     p, k_cap = spec.num_candidates, spec.k_cap
-    product = _Product(x, values, gate, spec.out_features, spec.impl)
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    if (
-        spec.explore == "buckets"
-        and resolve_impl(spec.impl, x.dtype, spec.geometry, rows, k_cap) == "dense"
-    ):
-        # W built and XLA's dot: the cost does not depend on how many diagonals, so one product
-        # over all P replaces the buckets.
-        y, kept = product.sparse(p)
-        computed = jnp.asarray(p, jnp.float32)
-    elif spec.explore == "buckets":
-        sizes = bucket_sizes(k_cap, p, spec.num_buckets)
-        support = jnp.sum(gate > 0)
-        branch = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), support), len(sizes) - 1)
-        if len(sizes) == 1:
-            y, kept = product.sparse(sizes[0])
+    if spec.explore == "buckets":
+        if resolve_impl(spec.impl, x.dtype, spec.geometry, rows, k_cap) == "dense":
+            # W built and XLA's dot: the cost does not depend on how many diagonals, so one
+            # product over all P replaces the buckets, with nothing to rank.
+            sizes, branch = (p,), jnp.asarray(0, jnp.int32)
+            w = _weights(gate, values, x.dtype)
+            every = jnp.arange(p, dtype=jnp.int32)
+            y = diag_matmul_in_range(x, w, every, out_features=spec.out_features, impl=spec.impl)
         else:
-            y, kept = jax.lax.switch(branch, [lambda s=s: product.sparse(s) for s in sizes])
-        computed = jnp.asarray(sizes, jnp.float32)[branch]
-    elif spec.explore == "dense_score":
-        y, kept = jax.lax.cond(
-            jnp.asarray(score, jnp.bool_),
-            lambda: product.scored(k_cap),
-            lambda: product.sparse(k_cap),
-        )
-        computed = jnp.asarray(k_cap, jnp.float32)
+            sizes = bucket_sizes(k_cap, p, spec.num_buckets)
+            # the smallest size that holds the support (the last one, P, holds any)
+            support = jnp.sum(gate > 0)
+            branch = jnp.sum(support > jnp.asarray(sizes[:-1], support.dtype), dtype=jnp.int32)
+            product = _ranked_product(sizes, spec.out_features, spec.impl)
+            y = product(x, values, gate, order, rank, branch)
+        # every non-zero gate is computed
+        outside = jnp.zeros((), jnp.float32)
     else:
-        y, kept = product.sparse(k_cap)
-        computed = jnp.asarray(k_cap, jnp.float32)
+        sizes, branch = (k_cap,), jnp.asarray(0, jnp.int32)
+        product = _ranked_product(sizes, spec.out_features, spec.impl)
+        if spec.explore == "dense_score":
+            y = jax.lax.cond(
+                jnp.asarray(score, jnp.bool_),
+                lambda: _scored_vjp(spec.out_features, spec.impl)(x, gate, values, order[:k_cap]),
+                lambda: product(x, values, gate, order, rank, branch),
+            )
+        else:
+            y = product(x, values, gate, order, rank, branch)
+        outside = jnp.sum(jnp.where(rank >= k_cap, jax.lax.stop_gradient(gate), 0))
     stats = SearchStats(
-        gate_nonzero=jnp.sum(gate > 0).astype(jnp.float32),
-        gate_mass_outside=jax.lax.stop_gradient(jnp.sum(gate) - kept).astype(jnp.float32),
-        gate_mean=jax.lax.stop_gradient(jnp.mean(gate)).astype(jnp.float32),
-        computed_diagonals=computed,
+        gate_nonzero=inputs.gate_nonzero,
+        gate_mass_outside=outside.astype(jnp.float32),
+        gate_mean=inputs.gate_mean,
+        computed_diagonals=jnp.asarray(sizes, jnp.float32)[branch],
     )
     return y, stats
-
-
-class _Product:
-    """The diagonal product of one search-phase call, on a chosen number of top-gate diagonals."""
-
-    def __init__(self, x, values, gate, out_features, impl):
-        self.x, self.values, self.gate = x, values, gate
-        self.out_features, self.impl = out_features, impl
-
-    def _select(self, size: int):
-        # Ascending offsets, as in the frozen phase: kernels see one ordering in both phases.
-        if size == self.gate.shape[0]:  # every diagonal: nothing to rank
-            return jnp.arange(size, dtype=jnp.int32)
-        _, idx = jax.lax.top_k(jax.lax.stop_gradient(self.gate), size)
-        return jnp.sort(idx).astype(jnp.int32)
-
-    def sparse(self, size: int):
-        """``(y, gate mass computed)`` over the ``size`` diagonals with the largest gate."""
-        idx = self._select(size)
-        w = _selected_weights(self.gate, self.values, idx, self.x.dtype)
-        y = diag_matmul_in_range(self.x, w, idx, out_features=self.out_features, impl=self.impl)
-        return y, jnp.sum(self.gate[idx])
-
-    def scored(self, size: int):
-        """As :meth:`sparse`, with exact gradients for all ``P`` diagonals (dense SDDMM)."""
-        idx = self._select(size)
-        y = _scored_vjp(self.out_features, self.impl)(self.x, self.gate, self.values, idx)
-        return y, jnp.sum(self.gate[idx])
 
 
 def _per_row(gate, ndim: int):
@@ -159,10 +187,71 @@ def _per_row(gate, ndim: int):
     return gate.reshape(gate.shape + (1,) * (ndim - 1))
 
 
+def _weights(gate, values, dtype):
+    """``gate * values`` row by row (in the gate's dtype), cast to the compute dtype."""
+    rows = values.astype(gate.dtype)
+    return (_per_row(gate, rows.ndim) * rows).astype(dtype)
+
+
 def _selected_weights(gate, values, idx, dtype):
     """``gate[idx] * values[idx]`` (in the gate's dtype), cast to the compute dtype."""
-    rows = values[idx].astype(gate.dtype)
-    return (_per_row(gate[idx], rows.ndim) * rows).astype(dtype)
+    return _weights(gate[idx], values[idx], dtype)
+
+
+@functools.cache
+def _ranked_product(sizes: tuple, out_features: int, impl: str):
+    """``y = x @ W.T`` over the first ``sizes[branch]`` diagonals of ``order`` (``lax.switch``).
+
+    ``(x, values, gate, order, rank, branch) -> y``. The VJP is written out, so the branches keep
+    no residuals (autodiff of a switch returns every branch's residuals from every branch) and
+    each branch returns the SDDMM of its diagonals in rank order, padded to ``P`` rows; one gather
+    by ``rank`` brings it back to diagonal order, where ``dvalues = gate * G`` and
+    ``dgate = <values, G>`` row by row (zero for the diagonals not computed).
+    """
+
+    def switch(fn, branch, *args):
+        branches = [functools.partial(fn, s) for s in sizes]
+        if len(branches) == 1:
+            return branches[0](*args)
+        return jax.lax.switch(branch, branches, *args)
+
+    def product(s, x, w, order):
+        return diag_matmul_in_range(x, w[:s], order[:s], out_features=out_features, impl=impl)
+
+    def backward(s, x, w, order, dy):
+        _, pull = jax.vjp(
+            lambda a, v: diag_matmul_in_range(
+                a, v, order[:s], out_features=out_features, impl=impl
+            ),
+            x,
+            w[:s],
+        )
+        dx, g = pull(dy)
+        return dx, jnp.pad(g, [(0, w.shape[0] - s)] + [(0, 0)] * (g.ndim - 1))
+
+    def ranked_weights(x, values, gate, order):
+        # one gather for every branch; the backward's recomputation is the same expression
+        return _weights(gate, values, x.dtype)[order]
+
+    @jax.custom_vjp
+    def f(x, values, gate, order, rank, branch):
+        del rank
+        return switch(product, branch, x, ranked_weights(x, values, gate, order), order)
+
+    def f_fwd(x, values, gate, order, rank, branch):
+        return f(x, values, gate, order, rank, branch), (x, values, gate, order, rank, branch)
+
+    def f_bwd(res, dy):
+        x, values, gate, order, rank, branch = res
+        w = ranked_weights(x, values, gate, order)
+        dx, g = switch(backward, branch, x, w, order, dy)
+        g = g[rank].astype(gate.dtype)
+        dgate = jnp.sum(values.astype(gate.dtype) * g, axis=tuple(range(1, values.ndim)))
+        dvalues = (_per_row(gate, values.ndim) * g).astype(values.dtype)
+        return dx, dvalues, dgate, None, None, None
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
 
 
 @functools.cache

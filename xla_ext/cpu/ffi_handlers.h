@@ -9,6 +9,7 @@ XLA_FFI_Error* DynadiagDiagMatmulFwdCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* DynadiagDiagMatmulDxCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* DynadiagDiagMatmulDvaluesCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* DynadiagDiagMatmulBwdCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* DynadiagGateRankCpu(XLA_FFI_CallFrame* call_frame);
 }
 
 #endif  // DYNADIAG_XLA_EXT_CPU_FFI_HANDLERS_H_

@@ -148,6 +148,7 @@ NB_MODULE(_cpu_ext, m) {
     d["dynadiag_diag_matmul_v2_dx"] = Capsule(DynadiagDiagMatmulDxCpu);
     d["dynadiag_diag_matmul_v2_dvalues"] = Capsule(DynadiagDiagMatmulDvaluesCpu);
     d["dynadiag_diag_matmul_v2_bwd"] = Capsule(DynadiagDiagMatmulBwdCpu);
+    d["dynadiag_gate_rank_v1"] = Capsule(DynadiagGateRankCpu);
     return d;
   });
   m.def("kernel_isa", [] { return std::string(dynadiag::IsaName(dynadiag::BestIsa())); },

@@ -1,0 +1,184 @@
+// The CPU target dynadiag_gate_rank_v1 (docs/kernel_abi.md, "Gate ranking"): everything a
+// search-phase layer needs from its scores alone, in one call per layer.
+//
+// Per row of alpha[R, P]: the diagonals by descending score (order, and its inverse rank), the
+// top-K offsets ascending, how many of them are new against the previous top-K, and for the sparse
+// gate the non-differentiable part of its projection (kth, tau, share). The pure-JAX reference is
+// dynadiag_jax/ops/ranking.py: reference(); tests/test_ranking.py compares the two.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "ffi_handlers.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace dynadiag {
+namespace {
+
+constexpr const char* kTarget = "dynadiag_gate_rank_v1";
+
+ffi::Error Invalid(const std::string& message) {
+  return ffi::Error::InvalidArgument(std::string(kTarget) + ": " + message);
+}
+
+// f(t) = sum_i clip(z_i - t, 0, 1), accumulated in T as the reference does.
+template <typename T>
+T CappedSum(const std::vector<T>& z, T t) {
+  T f = 0;
+  for (T zi : z) f += std::min<T>(std::max<T>(zi - t, 0), 1);
+  return f;
+}
+
+// One row; see the reference for the definitions.
+template <typename T>
+void RankRow(const T* alpha, T hyper, const int32_t* old_topk, int64_t p, int64_t k, bool sparse,
+             int32_t* order, int32_t* rank, int32_t* topk, float* changed, T* kth, T* tau,
+             T* share) {
+  std::vector<T> key(p);
+  for (int64_t i = 0; i < p; ++i) {
+    key[i] = std::isnan(alpha[i]) ? -std::numeric_limits<T>::infinity() : alpha[i];
+  }
+  std::iota(order, order + p, 0);
+  std::stable_sort(order, order + p, [&](int32_t a, int32_t b) { return key[a] > key[b]; });
+  for (int64_t j = 0; j < p; ++j) rank[order[j]] = static_cast<int32_t>(j);
+  std::copy(order, order + k, topk);
+  std::sort(topk, topk + k);
+  int64_t kept = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    const int32_t o = old_topk[j];
+    kept += (o >= 0 && o < p && rank[o] < k) ? 1 : 0;
+  }
+  *changed = static_cast<float>(k - kept);
+  *kth = 0;
+  *tau = 0;
+  *share = 0;
+  if (!sparse) return;
+
+  const T kk = static_cast<T>(k);
+  const T kth_value = alpha[order[k - 1]];
+  int64_t above = 0, tied = 0;
+  for (int64_t i = 0; i < p; ++i) {
+    above += alpha[i] > kth_value ? 1 : 0;
+    tied += alpha[i] == kth_value ? 1 : 0;
+  }
+  *kth = kth_value;
+  *share = (kk - static_cast<T>(above)) / static_cast<T>(std::max<int64_t>(tied, 1));
+  if (k == p) return;  // the gate is 1 everywhere
+
+  // !(hyper > 0) also catches NaN: the soft branch then runs with 1 (its value is not used).
+  const T safe = hyper > 0 ? hyper : T(1);
+  std::vector<T> z(p), breaks(2 * p);
+  for (int64_t i = 0; i < p; ++i) {
+    z[i] = std::min<T>(std::max<T>((alpha[i] - kth_value) / safe, -2), 2);
+    breaks[i] = z[i] - 1;
+    breaks[p + i] = z[i];
+  }
+  // NaN (a NaN score) sorts last, as in XLA, and keeps the comparison a strict weak order.
+  std::sort(breaks.begin(), breaks.end(),
+            [](T a, T b) { return a < b || (!std::isnan(a) && std::isnan(b)); });
+  // f(breaks[0]) = p >= k > 0 = f(breaks[2p - 1]); keep f(breaks[lo]) >= k > f(breaks[hi]).
+  int64_t lo = 0, hi = 2 * p - 1;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (CappedSum(z, breaks[mid]) >= kk ? lo : hi) = mid;
+  }
+  const T b_lo = breaks[lo], b_hi = breaks[hi];
+  int64_t n_free = 0, n_ones = 0;
+  T sum_free = 0;
+  for (int64_t i = 0; i < p; ++i) {
+    const bool one = z[i] - 1 >= b_hi;
+    const bool free = z[i] >= b_hi && !one;
+    n_ones += one ? 1 : 0;
+    n_free += free ? 1 : 0;
+    sum_free += free ? z[i] : T(0);
+  }
+  *tau = n_free > 0 ? (sum_free + static_cast<T>(n_ones) - kk) / static_cast<T>(n_free) : b_lo;
+}
+
+template <typename T>
+void RankRows(ffi::AnyBuffer alpha, ffi::AnyBuffer hyper, const int32_t* old_topk, int64_t rows,
+              int64_t p, int64_t k, bool sparse, int32_t* order, int32_t* rank, int32_t* topk,
+              float* changed, T* kth, T* tau, T* share) {
+  const T* a = alpha.typed_data<T>();
+  const T* h = hyper.typed_data<T>();
+  for (int64_t r = 0; r < rows; ++r) {
+    RankRow<T>(a + r * p, h[r], old_topk + r * k, p, k, sparse, order + r * p, rank + r * p,
+               topk + r * k, changed + r, kth + r, tau + r, share + r);
+  }
+}
+
+ffi::Error GateRankImpl(ffi::AnyBuffer alpha, ffi::AnyBuffer hyper, ffi::AnyBuffer old_topk,
+                        ffi::Result<ffi::AnyBuffer> order, ffi::Result<ffi::AnyBuffer> rank,
+                        ffi::Result<ffi::AnyBuffer> topk, ffi::Result<ffi::AnyBuffer> changed,
+                        ffi::Result<ffi::AnyBuffer> kth, ffi::Result<ffi::AnyBuffer> tau,
+                        ffi::Result<ffi::AnyBuffer> share, bool sparse) {
+  const auto dims = alpha.dimensions();
+  if (dims.size() != 2 || dims[1] < 1) {
+    return Invalid("alpha must have shape [R, P] with P >= 1");
+  }
+  const ffi::DataType dtype = alpha.element_type();
+  if (dtype != ffi::DataType::F32 && dtype != ffi::DataType::F64) {
+    return Invalid("alpha must be F32 or F64");
+  }
+  const int64_t rows = dims[0], p = dims[1];
+  const auto old_dims = old_topk.dimensions();
+  if (old_dims.size() != 2 || old_dims[0] != rows || old_dims[1] < 1 || old_dims[1] > p) {
+    return Invalid("old_topk must have shape [R, K] with 1 <= K <= P = " + std::to_string(p));
+  }
+  const int64_t k = old_dims[1];
+  if (old_topk.element_type() != ffi::DataType::S32) return Invalid("old_topk must be S32");
+  if (hyper.element_type() != dtype || hyper.dimensions().size() != 1 ||
+      hyper.dimensions()[0] != rows) {
+    return Invalid("hyper must have shape [R] and the dtype of alpha");
+  }
+  auto shaped = [](const ffi::AnyBuffer& b, ffi::DataType t, std::vector<int64_t> want) {
+    const auto d = b.dimensions();
+    return b.element_type() == t && std::equal(d.begin(), d.end(), want.begin(), want.end());
+  };
+  if (!shaped(*order, ffi::DataType::S32, {rows, p}) ||
+      !shaped(*rank, ffi::DataType::S32, {rows, p}) ||
+      !shaped(*topk, ffi::DataType::S32, {rows, k}) ||
+      !shaped(*changed, ffi::DataType::F32, {rows}) || !shaped(*kth, dtype, {rows}) ||
+      !shaped(*tau, dtype, {rows}) || !shaped(*share, dtype, {rows})) {
+    return Invalid("results must be order, rank [R, P] S32, topk [R, K] S32, changed [R] F32 "
+                   "and kth, tau, share [R] in the dtype of alpha");
+  }
+  const int32_t* old = old_topk.typed_data<int32_t>();
+  int32_t* o = order->typed_data<int32_t>();
+  int32_t* r = rank->typed_data<int32_t>();
+  int32_t* t = topk->typed_data<int32_t>();
+  float* c = changed->typed_data<float>();
+  if (dtype == ffi::DataType::F32) {
+    RankRows<float>(alpha, hyper, old, rows, p, k, sparse, o, r, t, c,
+                    kth->typed_data<float>(), tau->typed_data<float>(),
+                    share->typed_data<float>());
+  } else {
+    RankRows<double>(alpha, hyper, old, rows, p, k, sparse, o, r, t, c,
+                     kth->typed_data<double>(), tau->typed_data<double>(),
+                     share->typed_data<double>());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace dynadiag
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagGateRankCpu, dynadiag::GateRankImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()   // alpha[R, P] F32/F64
+                                  .Arg<ffi::AnyBuffer>()   // hyper[R]
+                                  .Arg<ffi::AnyBuffer>()   // old_topk[R, K] S32
+                                  .Ret<ffi::AnyBuffer>()   // order[R, P] S32
+                                  .Ret<ffi::AnyBuffer>()   // rank[R, P] S32
+                                  .Ret<ffi::AnyBuffer>()   // topk[R, K] S32
+                                  .Ret<ffi::AnyBuffer>()   // changed[R] F32
+                                  .Ret<ffi::AnyBuffer>()   // kth[R]
+                                  .Ret<ffi::AnyBuffer>()   // tau[R]
+                                  .Ret<ffi::AnyBuffer>()   // share[R]
+                                  .Attr<bool>("sparse"));
