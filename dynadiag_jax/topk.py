@@ -225,9 +225,10 @@ def sparse_gate(s, k, strength, solution: SparseSolution):
 def capped_simplex_projection(z, k):
     """Euclidean projection of ``z[..., n]`` onto ``{y : 0 <= y <= 1, sum(y) = k}`` (last axis).
 
-    ``y = clip(z - tau, 0, 1)`` with ``tau`` solved exactly (sort + binary search over breakpoints,
-    O(n log n), no host callback). Differentiable with the closed-form VJP: on the free set
-    ``F = {0 < y < 1}`` the Jacobian is ``I - 11^T / |F|``, elsewhere zero.
+    ``y = clip(z - tau, 0, 1)`` with ``tau`` solved exactly (a sort and a search over the sorted
+    breakpoints, O(n sqrt(n)) vectorized work, no loop, no host callback). Differentiable with the
+    closed-form VJP: on the free set ``F = {0 < y < 1}`` the Jacobian is ``I - 11^T / |F|``,
+    elsewhere zero.
 
     Args:
       z: ``[..., n]`` floating.

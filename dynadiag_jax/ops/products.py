@@ -332,8 +332,8 @@ fwd_tangent_p = _primitive(
 def fwd(x, values, offsets, *, out_features: int, impl: str, guard: bool = True):
     """``y[..., out] = x[..., in] @ W.T``.
 
-    ``guard=False``: the caller guarantees ``offsets`` in range (e.g. they come from
-    ``lax.top_k``), so the lowering skips the out-of-range rule's extra passes (also for every
+    ``guard=False``: the caller guarantees ``offsets`` in range (e.g. they come from a ranking
+    of the candidates), so the lowering skips the out-of-range rule's extra passes (also for every
     derivative of this call).
     """
     return fwd_p.bind(x, values, offsets, width=out_features, impl=impl, guard=guard)
