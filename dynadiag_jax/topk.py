@@ -184,9 +184,14 @@ def sparse_solution(s, k, strength) -> SparseSolution:
     ``strength`` is a scalar or one value per row (``[...]``). The sort and the threshold search
     are the costly part of the gate to compile and to run; :func:`sparse_gate` finishes it.
     """
-    s = jax.lax.stop_gradient(s)
+    return solution_from_kth(s, k, strength, _kth_largest(s, k))
+
+
+def solution_from_kth(s, k, strength, kth) -> SparseSolution:
+    """:func:`sparse_solution` given ``kth[..., 1]``, the ``ceil(k)``-th largest of ``s`` (e.g.
+    read from a ranking instead of sorted again)."""
+    s, kth = jax.lax.stop_gradient(s), jax.lax.stop_gradient(kth)
     _, safe = _split_hyper(_row_hyper(strength, s), s.dtype)
-    kth = _kth_largest(s, k)
     above, tied = s > kth, s == kth
     n_above = jnp.sum(above, axis=-1, keepdims=True).astype(s.dtype)
     n_tied = jnp.maximum(jnp.sum(tied, axis=-1, keepdims=True), 1).astype(s.dtype)
@@ -245,10 +250,9 @@ def capped_simplex_projection(z, k):
     w = z.astype(work_dtype(z.dtype))
     if k == n:  # the feasible set is the single point y = 1
         return jnp.ones_like(z)
-    shifted = w - _kth_largest(w, k)
-    # After the shift the ceil(k)-th largest entry is 0; see sparse_solution for the clip.
-    tau, _ = _solve_tau(jnp.clip(jax.lax.stop_gradient(shifted), -2, 2), float(k))
-    return _threshold(shifted, tau).astype(z.dtype)
+    # the sparse gate's solution at strength 1: the same shift, clip and threshold
+    solution = sparse_solution(w, k, 1.0)
+    return _threshold(w - solution.kth, solution.tau).astype(z.dtype)
 
 
 def _hard_argmax(s, k):

@@ -15,10 +15,11 @@ one such wrapper, and any other framework can wrap the same core with the same v
 * :class:`LayerSpec`: the static facts of one layer at one input width (hashable, so it can be a
   static argument of ``jit``).
 * :func:`init_alpha`, :func:`init_values`, :func:`random_offsets`: initial values.
-* :func:`search_forward`: the search-phase product (gates, exploration, metrics: ``search.py``).
+* :func:`~dynadiag_jax.nn.search.gate_inputs`, :func:`~dynadiag_jax.nn.search.search_forward`:
+  the search phase (gate, ranking and top-K refresh; exploration, product, metrics:
+  ``search.py``).
 * :func:`frozen_forward`: the product of exactly ``K`` diagonals with a hard gate of 1.
-* :func:`select_diagonals`, :func:`refresh_topk`: the top-K offsets by alpha (the freeze keeps
-  them; the search tracks how they change).
+* :func:`select_diagonals`: the top-K offsets by alpha (the freeze keeps them).
 * :func:`search_width`, :func:`frozen_width`: the input width that variables' shapes fix.
 """
 
@@ -48,7 +49,6 @@ __all__ = [
     "random_offsets",
     "frozen_forward",
     "select_diagonals",
-    "refresh_topk",
     "search_width",
     "frozen_width",
 ]
@@ -228,11 +228,3 @@ def frozen_width(values_shape, out_features: int) -> tuple[int | None, int, int 
     if length * b > out_features:
         return length * b, length * b, length * b
     return None, b, out_features
-
-
-def refresh_topk(alpha, old_topk, k: int):
-    """``(topk, changed)``: the current top-K offsets by alpha, and how many are new since
-    ``old_topk`` (float32 scalar)."""
-    new = select_diagonals(alpha, k)
-    changed = k - jnp.sum(jnp.isin(new, old_topk))
-    return new, changed.astype(jnp.float32)

@@ -155,7 +155,7 @@ def search_forward(spec, values, x, inputs: GateInputs, *, score=False):
         else:
             sizes = bucket_sizes(k_cap, p, spec.num_buckets)
             # the smallest size that holds the support (the last one, P, holds any)
-            support = jnp.sum(gate > 0)
+            support = inputs.gate_nonzero
             branch = jnp.sum(support > jnp.asarray(sizes[:-1], support.dtype), dtype=jnp.int32)
             product = _ranked_product(sizes, spec.out_features, spec.impl)
             y = product(x, values, gate, order, rank, branch)

@@ -30,7 +30,7 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from dynadiag_jax.topk import _solve_tau
+from dynadiag_jax.topk import solution_from_kth
 
 __all__ = ["Ranking", "descending_order", "gate_rank", "reference", "register_cpu_target"]
 
@@ -73,14 +73,8 @@ def reference(alpha, hyper, old_topk, *, sparse: bool) -> Ranking:
     if not sparse:
         return Ranking(order, rank, topk, changed, zeros, zeros, zeros)
     kth = jnp.take_along_axis(alpha, order[:, k - 1 : k], axis=-1)
-    n_above = jnp.sum(alpha > kth, axis=-1).astype(alpha.dtype)
-    n_tied = jnp.maximum(jnp.sum(alpha == kth, axis=-1), 1).astype(alpha.dtype)
-    share = (k - n_above) / n_tied
-    if k == p:  # the gate is 1 everywhere
-        return Ranking(order, rank, topk, changed, kth[:, 0], zeros, share)
-    safe = jnp.where(hyper > 0, hyper, jnp.ones_like(hyper))[:, None]  # NaN -> 1 as well
-    tau, _ = _solve_tau(jnp.clip((alpha - kth) / safe, -2, 2), float(k))
-    return Ranking(order, rank, topk, changed, kth[:, 0], tau[:, 0], share)
+    solution = solution_from_kth(alpha, k, hyper, kth)
+    return Ranking(order, rank, topk, changed, *(v[:, 0] for v in solution))
 
 
 def _abstract(alpha, hyper, old_topk, *, sparse, impl):
