@@ -95,7 +95,10 @@ if _cpu_ext is not None:
     _register(_cpu_ext, "cpu")
     ranking.register_cpu_target()
     _native["cpu"] = PlatformKernels(
-        dtypes=(jnp.float32, jnp.bfloat16), fused_backward=True, block_diagonals=True
+        dtypes=(jnp.float32, jnp.bfloat16),
+        fused_backward=True,
+        block_diagonals=True,
+        widened_dtypes=(jnp.float16,),  # no float16 arithmetic in the kernels; docs/cpu_kernels.md
     )
 if _cuda_ext is not None:
     _register(_cuda_ext, "CUDA")

@@ -442,3 +442,39 @@ def test_block_handlers_reject_bad_operands(target, results, operands, message):
         _ffi(target, results, *operands)
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
         _ffi(target, results, *operands)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_float16_auto_runs_the_kernels_in_float32(block_size, rng):
+    """A float16 model on CPU (issue 23: it took the pure-JAX path, slower than dense): impl="auto"
+    lowers every product to the kernels on float32 copies and rounds each result to float16 once,
+    so it agrees with the float32 kernels on the same (float16) inputs."""
+    in_f, out_f, rows = 96, 320, 40
+    k = dd.num_diagonals(in_f, out_f, 0.8, block_size=block_size)
+    p = dd.layout.geometry(in_f, out_f, block_size).num_candidates
+    offsets = jnp.asarray(rng.choice(p, k, replace=False), jnp.int32)
+    shape = (k, in_f) if block_size == 1 else (k, out_f // block_size, block_size, block_size)
+    x, values, dy = (
+        jnp.asarray(rng.standard_normal(s), jnp.float16)
+        for s in ((rows, in_f), shape, (rows, out_f))
+    )
+
+    def run(x, values, dy):
+        def f(x, values):
+            return dd.diag_matmul(x, values, offsets, out_features=out_f)
+
+        y, vjp = jax.vjp(f, x, values)
+        return (y, *vjp(dy))
+
+    step = jax.jit(run)
+    text = step.lower(x, values, dy).compile().as_text()
+    for target in ("fwd", "bwd"):
+        assert f"dynadiag_diag_matmul_v2_{target}" in text, target
+    got = step(x, values, dy)
+    want = jax.jit(run)(*(a.astype(jnp.float32) for a in (x, values, dy)))
+    for name, g, w in zip(("y", "dx", "dvalues"), got, want):
+        assert g.dtype == jnp.float16 and g.shape == w.shape, name
+        # one rounding to float16 (half an ulp, 2**-11 relative) of the float32 result
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32), w, rtol=2.0**-11, atol=1e-6, err_msg=name
+        )

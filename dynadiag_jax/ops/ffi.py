@@ -48,6 +48,9 @@ class PlatformKernels(NamedTuple):
     # (docs/kernel_abi.md); without them, impl="auto" runs block diagonals on the "jax" path, and
     # so does a lowering for this platform from another one (jax.export, lowering_platforms).
     block_diagonals: bool = False
+    # Dtypes its lowering widens to float32 around the call and rounds back (once) after it: the
+    # kernels compute in float32 anyway, and the converts cost one pass over each operand.
+    widened_dtypes: tuple = ()
 
 
 def platform_of_default_backend() -> str:
@@ -181,7 +184,15 @@ def _reference_call(kind: str, *args, width=None, block_size=1):
     return dx, ref.dvalues(dy, x, offsets, block_size=values.shape[-1])
 
 
-def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels):
+def _widened_call(raw: Primitive, kind: str, *args, **params):
+    """``raw`` on the floating operands widened to float32, its results rounded back."""
+    dtype = args[0].dtype
+    wide = [a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args]
+    out = raw.bind(*wide, **params)
+    return [o.astype(dtype) for o in out] if kind == "bwd" else out.astype(dtype)
+
+
+def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels, raw: Primitive):
     def rule(ctx, *operands, **params):
         if len(_values_aval(kind, ctx.avals_in, ctx.avals_out).shape) == 4 and not (
             kernels.block_diagonals
@@ -190,6 +201,9 @@ def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels):
             # CUDA from a CPU host): that platform runs the pure-JAX path, as impl="auto" would.
             fallback = functools.partial(_reference_call, kind, **params)
             return mlir.lower_fun(fallback, multiple_results=kind == "bwd")(ctx, *operands)
+        if ctx.avals_in[0].dtype in kernels.widened_dtypes:
+            widened = functools.partial(_widened_call, raw, kind, **params)
+            return mlir.lower_fun(widened, multiple_results=kind == "bwd")(ctx, *operands)
         del params  # the handlers read every size from the operand and result shapes
         avals_out = list(ctx.avals_out)
         if kernels.workspace_bytes is not None:
@@ -230,7 +244,7 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
     for kind in ("fwd", "dx", "dvalues"):
         raws[kind] = _new_primitive(f"{prefix}_{kind}_call", kind)
         for platform, kernels in platforms.items():
-            rule = _custom_call_lowering(f"{prefix}_{kind}", kind, kernels)
+            rule = _custom_call_lowering(f"{prefix}_{kind}", kind, kernels, raws[kind])
             mlir.register_lowering(raws[kind], rule, platform=platform)
 
     def separate_backward(dy, x, values, offsets):
@@ -241,7 +255,7 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
     raws["bwd"] = _new_primitive(f"{prefix}_bwd_call", "bwd")
     for platform, kernels in platforms.items():
         if kernels.fused_backward:
-            rule = _custom_call_lowering(f"{prefix}_bwd", "bwd", kernels)
+            rule = _custom_call_lowering(f"{prefix}_bwd", "bwd", kernels, raws["bwd"])
         else:
             rule = mlir.lower_fun(separate_backward, multiple_results=True)
         mlir.register_lowering(raws["bwd"], rule, platform=platform)
@@ -261,7 +275,7 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
 
     def dtypes():
         kernels = platforms.get(platform_of_default_backend())
-        return kernels.dtypes if kernels else ()
+        return (*kernels.dtypes, *kernels.widened_dtypes) if kernels else ()
 
     def block_size_ok(block_size):
         if block_size == 1:
