@@ -25,6 +25,7 @@ phase, flushed as it goes) and, where matplotlib is installed, a PNG of the spee
 Examples::
 
     python bench/diag_matmul.py --quick          # a few minutes: 768->3072, ffi vs dense, b = 1, 16
+    python bench/diag_matmul.py --quick --sparsities 0.9 --dtype float16   # quick, but only these
     python bench/diag_matmul.py                  # ViT-B shapes x sparsities 0.5/0.8/0.9/0.95
     python bench/diag_matmul.py --shapes 768:3072 --sparsities 0.9 --repeats 15 --impls ffi,dense
     python bench/diag_matmul.py --blocks 1,16,32,64 --shapes 768:3072,768:768,3072:768 \
@@ -245,7 +246,8 @@ def parse_args(argv):
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="768:3072, ffi and dense only, b = 1 and 16, 7 repeats (a few minutes)",
+        help="defaults for a few minutes: 768:3072, ffi and dense only, b = 1 and 16, 7 repeats "
+        "(options given on the command line, e.g. --sparsities, still apply)",
     )
     parser.add_argument(
         "--shapes",
@@ -269,7 +271,7 @@ def parse_args(argv):
     )
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per function (median)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--out",
@@ -278,9 +280,9 @@ def parse_args(argv):
         help="CSV path (default bench/results/diag_matmul_<time>.csv)",
     )
     args = parser.parse_args(argv)
-    if args.quick:
-        for name, value in QUICK.items():
-            setattr(args, name, value)
+    if args.quick:  # the quick case's values replace the defaults, not what was typed
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
     if "dense" not in args.impls:
         args.impls = ("dense", *args.impls)
     if "ffi" in args.impls and "ffi" not in dd.available_impls():

@@ -73,6 +73,23 @@ def test_diag_matmul_benchmark_writes_the_csv_without_matplotlib(run_python, tmp
     assert not out.with_suffix(".png").exists()
 
 
+def test_quick_benchmark_keeps_the_options_given_beside_it(run_python, tmp_path):
+    """``--quick --sparsities 0.9`` (issue 23: --quick replaced the typed sparsities): the quick
+    case's block sizes and implementations, the typed sparsity, shape, batch, repeats and dtype."""
+    out = tmp_path / "bench.csv"
+    tiny = ["--shapes", "16:32", "--sparsities", "0.9", "--batch", "4", "--repeats", "1"]
+    run_python(
+        [str(ROOT / "bench" / "diag_matmul.py"), "--quick", *tiny, "--dtype", "float16"]
+        + ["--out", str(out)]
+    )
+    _, rows = read_rows(out)
+    got = {(r["in"], r["out"], r["sparsity"], r["block"], r["impl"], r["dtype"]) for r in rows}
+    assert got == {
+        ("16", "32", "0.9", b, i, "float16") for b in ("1", "16") for i in ("dense", "ffi")
+    }
+    assert_timings(rows)
+
+
 def test_gpu_benchmark_runs_on_the_cpu_when_allowed(run_python, tmp_path):
     out = tmp_path / "gpu.csv"
     proc = run_python(
