@@ -17,15 +17,26 @@ tests/test_cuda_counts.py):
   ``K * L_b * b * b`` elements) fit in :data:`WEIGHT_L2_BYTES`; beyond that the model charges one
   weight read from HBM per row slab.
 
-A launch takes ``max(tensor, cuda_core, hbm, l2) + launch_seconds``: its tensor-core FLOPs at the
-rate of its engine (``wmma`` for our kernels, ``dense`` for XLA's dot), its CUDA-core FMAs as warp
-instructions (``instructions_per_fma`` of its inner loop, read off the source) at the issue rate,
-its HBM bytes at the HBM bandwidth and its global loads and stores at the L2 bandwidth. A path's
-time is the sum over its launches; a training step of the layer takes ``fwd + bwd``.
+A launch takes ``max(tensor, issue, hbm, l2) + launch_seconds``: its tensor-core FLOPs at the rate
+of its engine (``wmma`` for our kernels, ``dense`` for XLA's dot), its HBM bytes at the HBM
+bandwidth, its global loads and stores at the L2 bandwidth, and - for our kernels - the warp
+instructions it issues at the issue rate derated by its occupancy:
 
-What it ignores: latency that the pipeline does not hide, wave quantisation, L1 hits (the L2 term is
-an upper bound), clock throttling. It is a ranking model for ``impl="auto"`` and a statement of what
-each kernel can at best reach; only a GPU run (``scripts/gpu_check.sh``) measures.
+* ``instructions``: counted from the compiled code. :mod:`dynadiag_jax.gpu_sass` holds, per kernel
+  and region of its source, the SASS instructions a warp issues per unit (per MMA, per FMA
+  instruction, per global load or store instruction, per pipeline trip, per thread block), read by
+  ``scripts/sass_counts.py`` from the sm_90 build; each launch multiplies them by the units its plan
+  executes. Runtime divisions, index maths and narrow loads are in these figures.
+* occupancy (:func:`occupancy`): thread blocks per SM from the registers and shared memory that
+  ``ptxas -v`` reports; below ``latency_warps`` warps per scheduler a scheduler cannot hide the
+  latency of dependent instructions, so the issue rate is scaled by ``warps / latency_warps``.
+
+A path's time is the sum over its launches; a training step of the layer takes ``fwd + bwd``.
+
+What it ignores: memory latency at low occupancy (the double-buffered stages keep about 16 KiB per
+SM in flight), wave quantisation, L1 hits (the L2 term is an upper bound), clock throttling, the
+sm_80 code (A100 predictions reuse the sm_90 instruction counts). It is a ranking model for
+``impl="auto"``; only a GPU run (``scripts/gpu_check.sh``) measures.
 
 Device specs: :data:`DEVICES` holds the H100 SXM and A100 SXM figures used by ``impl="auto"``; add
 another with :func:`register_device` (a :class:`DeviceSpec`; ``device_kinds`` are substrings of
@@ -39,6 +50,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from dynadiag_jax import gpu_sass
 from dynadiag_jax.layout import geometry
 from dynadiag_jax.ops import cuda
 
@@ -49,8 +61,10 @@ __all__ = [
     "PathCost",
     "Prediction",
     "device_for_kind",
+    "occupancy",
     "predict",
     "register_device",
+    "sass",
 ]
 
 
@@ -67,6 +81,13 @@ class DeviceSpec(NamedTuple):
     l2_bandwidth: float  # bytes/s between L2 and the SMs
     l2_bytes: int
     launch_seconds: float  # per kernel launch inside a compiled XLA program
+    sm_shared_bytes: int = 228 * 1024  # shared memory per SM (1 KiB of it reserved per block)
+    sm_registers: int = 65536
+    sm_max_warps: int = 64
+    sm_max_blocks: int = 32
+    # Warps per scheduler (4 per SM) needed to issue every cycle: dependent integer and shared
+    # memory instructions take 4-30 cycles, the runtime divisions chain a dozen of them.
+    latency_warps: int = 4
 
 
 # H100 SXM5 80 GB: 132 SMs at ~1.75 GHz sustained; 989 TFLOP/s bf16 peak of which cuBLAS sustains
@@ -98,21 +119,19 @@ A100 = DeviceSpec(
     l2_bandwidth=5.0e12,
     l2_bytes=40 * 2**20,
     launch_seconds=3e-6,
+    sm_shared_bytes=164 * 1024,
 )
 DEVICES: dict[str, DeviceSpec] = {"H100": H100, "A100": A100}
 DEFAULT_DEVICE = "H100"
 
-# Warp instructions per thread-level FMA in the CUDA-core inner loops (from the source; see the
-# kernels in xla_ext/cuda/diag_kernels.cuh): a global load and the FMA plus amortised index work
-# (element diagonal path), a shared-memory load and the FMA (block products), two shared loads and
-# the FMA (block SDDMM), one global load and the FMA (element SDDMM).
-INSTRUCTIONS_PER_FMA = {
-    "element_product": 3.0,
-    "block_product": 2.0,
-    "block_sddmm": 3.0,
-    "element_sddmm": 2.0,
-}
+# Warp instructions per thread-level FMA of the element diagonal walk that the kernels' path rule
+# (cuda.TILE_COST, compiled into the kernels) was derived with: a global load, the FMA and index
+# work, read off the source. The SASS counts are higher (gpu_sass); the rule stays until the
+# kernels are rebuilt with a new one (tile_cost_ratio).
+PATH_RULE_INSTRUCTIONS_PER_FMA = 3.0
 MMA_FLOPS = 2 * 16 * 16 * 16  # one warp-level m16n16k16 product
+WARP = 32
+BLOCK_WARPS = 8  # every kernel runs blocks of 256 threads
 
 
 def register_device(spec: DeviceSpec) -> None:
@@ -128,6 +147,35 @@ def device_for_kind(device_kind: str) -> DeviceSpec | None:
         if any(k.lower() in device_kind.lower() for k in spec.device_kinds):
             return spec
     return None
+
+
+def occupancy(registers: int, shared_bytes: int, threads: int, spec: DeviceSpec) -> tuple:
+    """``(blocks per SM, warps per scheduler, issue efficiency)`` of a kernel.
+
+    Registers are allocated per warp in units of 256 (8 per thread); each block also reserves
+    1 KiB of shared memory. The efficiency is ``min(1, warps per scheduler / latency_warps)``.
+    """
+    warps = -(-threads // WARP)
+    per_warp = -(-registers // 8) * 8 * WARP
+    limits = [spec.sm_max_warps // warps, spec.sm_max_blocks]
+    if registers:
+        limits.append(spec.sm_registers // (per_warp * warps))
+    if shared_bytes:
+        limits.append(spec.sm_shared_bytes // (shared_bytes + 1024))
+    blocks = min(limits)
+    per_scheduler = blocks * warps / 4
+    return blocks, per_scheduler, min(1.0, per_scheduler / spec.latency_warps)
+
+
+def sass(kernel: str, dtype, flags: tuple = ()) -> dict:
+    """The compiled kernel's figures (:mod:`dynadiag_jax.gpu_sass`): registers, smem, regions."""
+    return gpu_sass.KERNELS[(kernel, jnp.dtype(dtype).name, tuple(flags))]
+
+
+def _instructions(figures: dict, **units) -> float:
+    """Warp instructions of a launch: each region's SASS figure times the units it executes."""
+    regions = figures["regions"]
+    return float(sum(regions[name] * n for name, n in units.items() if n))
 
 
 def _spec(device) -> DeviceSpec:
@@ -150,19 +198,32 @@ class Launch(NamedTuple):
     hbm_bytes: int = 0
     engine: str = "wmma"  # "wmma": our kernels; "xla": XLA ops (dot FLOPs at the dense rate)
     dense_flops: float = 0.0  # XLA dot FLOPs
-    kernel: str = ""  # INSTRUCTIONS_PER_FMA key of the CUDA-core loop
+    instructions: float = 0.0  # warp instructions issued (SASS figures x executed units)
+    registers: int = 0  # per thread (ptxas -v)
+    shared_bytes: int = 0  # static shared memory per block (ptxas -v)
+    threads: int = 256  # per block
 
     def seconds(self, spec: DeviceSpec, dtype) -> float:
         """Roofline time: the slowest of its engines plus the launch cost."""
+        return max(self.terms(spec, dtype).values()) + spec.launch_seconds
+
+    def terms(self, spec: DeviceSpec, dtype) -> dict:
+        """Seconds of each engine: ``tensor``, ``issue`` (occupancy-derated), ``hbm``, ``l2``."""
         tensor = self.mma * MMA_FLOPS / spec.wmma_flops
         if self.dense_flops:
             wide = jnp.dtype(dtype).itemsize >= 4
             rate = spec.dense_flops_f32 if wide else spec.dense_flops_16bit
             tensor += self.dense_flops / rate
-        cuda_core = self.fma * INSTRUCTIONS_PER_FMA.get(self.kernel, 1.0) / 32 / spec.issue_rate
-        hbm = self.hbm_bytes / spec.hbm_bandwidth
-        l2 = (self.load_bytes + self.store_bytes) / spec.l2_bandwidth
-        return max(tensor, cuda_core, hbm, l2) + spec.launch_seconds
+        issue = 0.0
+        if self.instructions:
+            efficiency = occupancy(self.registers, self.shared_bytes, self.threads, spec)[2]
+            issue = self.instructions / (spec.issue_rate * efficiency)
+        return {
+            "tensor": tensor,
+            "issue": issue,
+            "hbm": self.hbm_bytes / spec.hbm_bandwidth,
+            "l2": (self.load_bytes + self.store_bytes) / spec.l2_bandwidth,
+        }
 
 
 class PathCost(NamedTuple):
@@ -299,6 +360,7 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
             + structure * 4 * int(st.n_tiles.sum() + 2 * layout.n_ob)
             + s * (packed * cuda.TILE * cuda.TILE + pack_entries)
         )
+        plan = sass("element_plan_kernel", dtype, (layout.out_moving,))
         launches.append(
             Launch(
                 "element_plan",
@@ -306,6 +368,9 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
                 load_bytes=load,
                 store_bytes=store,
                 hbm_bytes=4 * k + s * pack_entries + store,
+                instructions=_instructions(plan, cta=layout.n_ob * BLOCK_WARPS),
+                registers=plan["registers"],
+                shared_bytes=plan["smem"],
             )
         )
     slab = _slab_rows(rows, cuda.ELEM_ROWS)
@@ -329,6 +394,20 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
     weights = k * geo.length * s
     packed = int(st.n_tiles[tc_blocks].sum()) * cuda.TILE * cuda.TILE * s
     hbm = rows * q_dim * s + store + _weight_hbm(weights + packed, n_slabs)
+    product = sass("element_product_kernel", dtype, (layout.out_moving,))
+    tc_count = int(tc_blocks.sum())
+    warps = BLOCK_WARPS
+    instructions = _instructions(
+        product,
+        mma=mma,
+        # every thread loads its 8 slots of a 128 x 16 x slice (predicated past the last row)
+        x_load=tiles * n_slabs * cuda.ELEM_ROWS * cuda.TILE // WARP,
+        tc_store=tc_count * rows_sum * cuda.TILE // WARP,
+        stage=int(np.sum(-(-st.n_tiles[tc_blocks] // 2))) * n_slabs * warps,
+        fma=fma / WARP,
+        diag_store=(layout.n_ob - tc_count) * rows_sum * cuda.TILE // WARP,
+        cta=layout.n_ob * n_slabs * warps,
+    )
     launches.append(
         Launch(
             "element_product",
@@ -338,7 +417,9 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
             load_bytes=tc_load + diag_load,
             store_bytes=store,
             hbm_bytes=hbm,
-            kernel="element_product",
+            instructions=instructions,
+            registers=product["registers"],
+            shared_bytes=product["smem"],
         )
     )
     return launches
@@ -381,29 +462,40 @@ def element_dvalues_launches(rows, in_features, out_features, offsets, dtype) ->
     fma = valid * d * rows
     load = (groups * d + valid * d) * rows * s
     out = k * d * (4 * splits if splits > 1 else s)  # the partial sums of every split
+    ctas = _cdiv(d, cuda.SDDMM_LANES) * groups * splits
+    sddmm = sass("sddmm_kernel", dtype)
     launches = [
         Launch(
             "element_sddmm",
-            ctas=_cdiv(d, cuda.SDDMM_LANES) * groups * splits,
+            ctas=ctas,
             fma=fma,
             load_bytes=load,
             store_bytes=out,
             hbm_bytes=rows * (in_features + out_features) * s + out,
-            kernel="element_sddmm",
+            instructions=_instructions(sddmm, fma=fma / WARP, cta=ctas * BLOCK_WARPS),
+            registers=sddmm["registers"],
+            shared_bytes=sddmm["smem"],
         )
     ]
     if splits > 1:
-        n = k * d
-        launches.append(
-            Launch(
-                "sddmm_reduce",
-                ctas=_cdiv(n, cuda.REDUCE_THREADS),
-                load_bytes=splits * n * 4,
-                store_bytes=n * s,
-                hbm_bytes=splits * n * 4 + n * s,
-            )
-        )
+        launches.append(_reduce_launch(k * d, splits, dtype))
     return launches
+
+
+def _reduce_launch(n: int, splits: int, dtype) -> Launch:
+    """The fixed-order sum of ``splits`` float32 partial results of ``n`` elements."""
+    ctas = _cdiv(n, cuda.REDUCE_THREADS)
+    reduce = sass("sddmm_reduce_kernel", dtype)
+    return Launch(
+        "sddmm_reduce",
+        ctas=ctas,
+        load_bytes=splits * n * 4,
+        store_bytes=n * _itemsize(dtype),
+        hbm_bytes=splits * n * 4 + n * _itemsize(dtype),
+        instructions=_instructions(reduce, load=splits * n / WARP, cta=ctas * BLOCK_WARPS),
+        registers=reduce["registers"],
+        shared_bytes=reduce["smem"],
+    )
 
 
 # --- block diagonals --------------------------------------------------------------------------
@@ -429,6 +521,7 @@ def block_product_launches(kind, rows, in_features, out_features, offsets, dtype
     sw = plan.slice_width
     slices_per_block = b // sw
     loads = stores = mma = fma = 0
+    x_slices = w_elements = trips = 0  # per row slab: loaded slices, weight elements, loop trips
     for panel in range(plan.n_panels):
         s_idx, chunk = panel % p_b, panel // p_b
         if plan.out_long:  # one x block per diagonal, shared by the panel's valid wraps
@@ -449,12 +542,30 @@ def block_product_launches(kind, rows, in_features, out_features, offsets, dtype
         w_load = weight_blocks * slices_per_block * b * sw * s * n_slabs
         loads += x_load + w_load + 4 * k * n_slabs
         stores += rows_sum * cols * s
+        x_slices += n_x_blocks * slices_per_block
+        w_elements += weight_blocks * slices_per_block * b * sw
+        # the pipeline visits every slice (empty ones too): two per trip on tensor cores
+        n_slices = k * (1 if plan.out_long else plan.wraps) * slices_per_block
+        trips += _cdiv(n_slices, 2) if plan.tensor_cores else n_slices
         if plan.tensor_cores:
             mma += weight_blocks * slices_per_block * (b // 16) * cuda.BLOCK_WARPS * n_slabs
         else:
             fma += weight_blocks * b * b * cuda.BLOCK_ROWS * n_slabs
     weights = k * l_b * b * b * s
     hbm = rows * (q_dim + o_dim) * s + _weight_hbm(weights, n_slabs)
+    name = "block_product_tc_kernel" if plan.tensor_cores else "block_product_simt_kernel"
+    kernel = sass(name, dtype, (plan.out_long, kind == "dx"))
+    instructions = _instructions(
+        kernel,
+        mma=mma,
+        fma=fma / WARP,
+        # every thread loads its slots of a 128-row x slice (predicated past the last row)
+        x_load=x_slices * n_slabs * cuda.BLOCK_ROWS * 16 // WARP,
+        w_load=w_elements * n_slabs / WARP,
+        store=stores / s / WARP,
+        stage=trips * n_slabs * BLOCK_WARPS,
+        cta=plan.n_panels * n_slabs * BLOCK_WARPS,
+    )
     return [
         Launch(
             "block_product",
@@ -464,7 +575,9 @@ def block_product_launches(kind, rows, in_features, out_features, offsets, dtype
             load_bytes=loads,
             store_bytes=stores,
             hbm_bytes=hbm,
-            kernel="block_product",
+            instructions=instructions,
+            registers=kernel["registers"],
+            shared_bytes=kernel["smem"],
         )
     ]
 
@@ -487,7 +600,7 @@ def block_dvalues_launches(rows, in_features, out_features, offsets, dtype, b) -
     # every split runs its rows in stages of SDDMM_STAGE_ROWS; the last stage of a split is padded
     rows_padded = sum(_cdiv(int(r), cuda.SDDMM_STAGE_ROWS) for r in split_rows)
     rows_padded *= cuda.SDDMM_STAGE_ROWS
-    loads = mma = fma = 0
+    loads = mma = fma = loaded = 0
     frag = (b // 16) ** 2 if plan.tensor_cores else 0
     for chunk in range(plan.wrap_chunks):
         for r in range(p_b):
@@ -497,33 +610,41 @@ def block_dvalues_launches(rows, in_features, out_features, offsets, dtype, b) -
                 ks = range(g * plan.diags_per_cta, min(k, (g + 1) * plan.diags_per_cta))
                 v = int(sum(valid[kk] for kk in ks))
                 loads += (u + v) * b * rows * s + 4 * len(ks) * plan.splits
+                loaded += (u + v) * b * rows_padded
                 if plan.tensor_cores:
                     mma += u * v * frag * (rows_padded // 16)
                 else:
                     fma += u * v * b * b * rows_padded
     out_bytes = n_out * (4 * plan.splits if plan.splits > 1 else s)
+    ctas = plan.wrap_chunks * p_b * plan.groups * plan.splits
+    name = "block_sddmm_tc_kernel" if plan.tensor_cores else "block_sddmm_simt_kernel"
+    kernel = sass(name, dtype)
+    base = plan.wrap_chunks * p_b * plan.groups  # thread blocks per row split
+    instructions = _instructions(
+        kernel,
+        mma=mma,
+        fma=fma / WARP,
+        load=loaded / WARP,
+        store=n_out * plan.splits / WARP,
+        stage=rows_padded // cuda.SDDMM_STAGE_ROWS * base * BLOCK_WARPS,
+        cta=ctas * BLOCK_WARPS,
+    )
     launches = [
         Launch(
             "block_sddmm",
-            ctas=plan.wrap_chunks * p_b * plan.groups * plan.splits,
+            ctas=ctas,
             mma=mma,
             fma=fma,
             load_bytes=loads,
             store_bytes=out_bytes,
             hbm_bytes=rows * (in_features + out_features) * s + out_bytes,
-            kernel="block_sddmm",
+            instructions=instructions,
+            registers=kernel["registers"],
+            shared_bytes=kernel["smem"],
         )
     ]
     if plan.splits > 1:
-        launches.append(
-            Launch(
-                "sddmm_reduce",
-                ctas=_cdiv(n_out, cuda.REDUCE_THREADS),
-                load_bytes=plan.splits * n_out * 4,
-                store_bytes=n_out * s,
-                hbm_bytes=plan.splits * n_out * 4 + n_out * s,
-            )
-        )
+        launches.append(_reduce_launch(n_out, plan.splits, dtype))
     return launches
 
 
@@ -651,7 +772,7 @@ def tile_cost_ratio(spec: DeviceSpec = H100, dtype=jnp.bfloat16) -> float:
         (rows * cuda.TILE * s + cuda.TILE * cuda.TILE * s) / spec.l2_bandwidth,
     )
     entry = max(
-        rows * INSTRUCTIONS_PER_FMA["element_product"] / 32 / spec.issue_rate,
+        rows * PATH_RULE_INSTRUCTIONS_PER_FMA / WARP / spec.issue_rate,
         (rows + cuda.ELEM_GROUPS) * s / spec.l2_bandwidth,
     )
     return tile / entry

@@ -1,14 +1,18 @@
 """``impl="auto"``: which implementation ``diag_matmul`` runs, decided from static information.
 
-Only what is known at trace time counts - the platform, the shapes (rows, in, out), the dtype, K and
-the block size b; the offsets are traced (they change during the search), so the cost model assumes
-them scattered (the pessimistic case for the kernels, docs/gpu_cost_model.md).
+Only static facts count - the platform, the shapes (rows, in, out), the dtype, K and the block size
+b; the offsets are traced (they change during the search), so the cost model assumes them scattered
+(the pessimistic case for the kernels, docs/gpu_cost_model.md). The decision is taken in the
+lowering, once per platform lowered for (``ops/products.py``), so a program exported or lowered for
+CUDA on a CPU host gets CUDA's choice, and one lowered for ``("cpu", "cuda")`` holds both.
 
 * **cpu**: the C++ kernels where they are built and take the dtype and block size, else ``"jax"``.
 * **cuda**: the CUDA kernels only where the cost model (:mod:`dynadiag_jax.gpu_cost`, for the GPU
-  found, H100 figures when none is visible) predicts them faster than building ``W`` and calling
-  XLA's dot, in the forward product and in the whole step (forward + backward); otherwise
-  ``"dense"`` (:mod:`dynadiag_jax.ops.dense`).
+  found, H100 figures when none is visible) predicts them at least :data:`MIN_SPEEDUP` times
+  faster than building ``W`` and calling XLA's dot, in the forward product and in the whole step
+  (forward + backward); otherwise ``"dense"``. The model charges the instructions the compiled
+  kernels issue and their occupancy, and with the kernels of today it predicts none of them faster
+  than dense (docs/gpu_cost_model.md), so a GPU runs ``"dense"`` everywhere.
 * **any other platform** (TPU, ROCm: no kernels): ``"dense"``.
 """
 
@@ -21,8 +25,22 @@ import jax
 import jax.numpy as jnp
 
 from dynadiag_jax import gpu_cost
+from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 
-__all__ = ["Decision", "decide", "decide_for_gpu", "current_platform", "gpu_spec"]
+__all__ = [
+    "MIN_SPEEDUP",
+    "Decision",
+    "current_platform",
+    "decide",
+    "decide_for_gpu",
+    "decide_for_lowering",
+    "gpu_spec",
+    "kernel_available",
+]
+
+# The predicted speed-up over dense the kernels need, forward and step, before auto takes them: a
+# margin for what the model does not see (a kernel no GPU has timed yet must not be slower).
+MIN_SPEEDUP = 1.2
 
 
 class Decision(NamedTuple):
@@ -95,7 +113,7 @@ def decide(
     )
     fwd, step = pred.speedup("kernel", "dense")
     why = f"{spec.name} model: kernel/dense speed-up {fwd:.2f}x forward, {step:.2f}x step"
-    if fwd > 1.0 and step > 1.0:
+    if fwd >= MIN_SPEEDUP and step >= MIN_SPEEDUP:
         return Decision("ffi", why, pred)
     return Decision("dense", why, pred)
 
@@ -112,4 +130,31 @@ def decide_for_gpu(rows, in_features, out_features, dtype, num_diagonals, block_
         block_size=block_size,
         kernel_available=True,
         spec=spec,
+    )
+
+
+def kernel_available(platform: str, dtype, block_size: int = 1) -> bool:
+    """Whether ``impl="ffi"`` runs this dtype and block size when lowering for ``platform``."""
+    from dynadiag_jax import _extension  # noqa: PLC0415 - the extension imports the ops
+
+    kernels = _extension._native.get(platform)  # the platforms the "ffi" backend was built with
+    if kernels is None or jnp.dtype(dtype) not in (*kernels.dtypes, *kernels.widened_dtypes):
+        return False
+    return block_size == 1 or (kernels.block_diagonals and block_size in KERNEL_BLOCK_SIZES)
+
+
+def decide_for_lowering(platform: str, *, rows: int, geo, dtype, num_diagonals: int) -> Decision:
+    """:func:`decide` for ``platform`` with the kernels this installation has for it.
+
+    ``geo``: the product's :class:`dynadiag_jax.layout.DiagGeometry`.
+    """
+    return decide(
+        platform,
+        rows=rows,
+        in_features=geo.in_features,
+        out_features=geo.out_features,
+        dtype=dtype,
+        num_diagonals=num_diagonals,
+        block_size=geo.block_size,
+        kernel_available=kernel_available(platform, dtype, geo.block_size),
     )

@@ -136,18 +136,9 @@ def resolve_impl(impl: str, dtype, geo, rows: int, num_diagonals: int) -> str:
     that cannot run the dtype or block size.
     """
     block_size = geo.block_size
-    if impl == "auto":
-        backends = products.available_backends()
-        usable = "ffi" in backends and _supports("ffi", dtype)
-        return auto.decide(
-            auto.current_platform(),
-            rows=rows,
-            in_features=geo.in_features,
-            out_features=geo.out_features,
-            dtype=dtype,
-            num_diagonals=num_diagonals,
-            block_size=block_size,
-            kernel_available=usable and backends["ffi"].block_size_ok(block_size),
+    if impl == "auto":  # the default platform's choice; diag_matmul decides per lowering platform
+        return auto.decide_for_lowering(
+            auto.current_platform(), rows=rows, geo=geo, dtype=dtype, num_diagonals=num_diagonals
         ).impl
     if impl != "dense" and impl not in products.available_backends():
         raise ValueError(f"impl must be one of {available_impls()}, got {impl!r}")
@@ -225,7 +216,8 @@ def _diag_matmul(x, values, offsets, *, out_features, impl, guard):
     )
     geo = _check_args(x, values, offsets, out_features, host_offsets)
     lead = x.shape[:-1]
-    impl = resolve_impl(impl, x.dtype, geo, int(np.prod(lead, dtype=np.int64)), values.shape[0])
+    # checks the impl; "auto" goes on to the products, which decide per lowering platform
+    resolve_impl(impl, x.dtype, geo, int(np.prod(lead, dtype=np.int64)), values.shape[0])
     x2 = x.reshape((-1, geo.in_features))
     if impl == "dense":
         y2 = _dense(x2, values, offsets, geo, guard)

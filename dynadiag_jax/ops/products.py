@@ -20,6 +20,9 @@ the platform has it.
 
 Every primitive carries the implementation name (``impl``) as a parameter and lowers through that
 :class:`Backend`'s functions, so the partitioning of the FFI kernels stays in their lowering.
+``impl="auto"`` is decided in the lowering, by a lowering rule per platform (:func:`_auto_impl`), so
+a program lowered for another platform than the default one (``jax.export``, ``lowering_platforms``)
+gets that platform's choice, and one lowered for several switches between their choices.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -108,6 +112,10 @@ def available_backends() -> dict[str, Backend]:
 
 
 def backend(name: str) -> Backend:
+    if name == "dense":  # impl="auto"'s choice where the kernels do not pay; not a public impl here
+        from dynadiag_jax.ops import dense  # noqa: PLC0415 - dense imports this module
+
+        return dense.BACKEND
     return _BACKENDS[name]
 
 
@@ -200,11 +208,13 @@ def _guarded(lower: Callable, widths: Callable, values_at: tuple, outputs: tuple
       outputs: per result, ``"y"``, ``"dx"`` or ``"dvalues"``.
     """
 
-    def guarded(impl, *operands, guard, **params):
+    def guarded(impl, *operands, guard, platform, **params):
         *arrays, offsets = operands
+        geo = geometry(*widths(*arrays, **params))
+        if impl == "auto":
+            impl = _auto_impl(platform, geo, arrays[0], offsets)
         if not guard:
             return lower(impl, *arrays, offsets, **params)
-        geo = geometry(*widths(*arrays, **params))
         valid = (offsets >= 0) & (offsets < geo.num_candidates)
 
         def poison(a, ok):
@@ -225,6 +235,25 @@ def _guarded(lower: Callable, widths: Callable, values_at: tuple, outputs: tuple
         return outs if len(outputs) > 1 else outs[0]
 
     return guarded
+
+
+# --- impl="auto" ----------------------------------------------------------------------------
+
+# Platforms with a lowering rule (and an impl="auto" decision) of their own; any other platform
+# has no kernels and takes the default rule, where "auto" is "dense" (auto.decide).
+_AUTO_PLATFORMS = ("cpu", "cuda")
+
+
+def _auto_impl(platform, geo, first, offsets) -> str:
+    """The impl ``"auto"`` runs on lowering platform ``platform`` (None: one without kernels)."""
+    if platform is None:
+        return "dense"
+    from dynadiag_jax.ops import auto  # noqa: PLC0415 - auto's cost model imports the FFI backend
+
+    rows = int(np.prod(first.shape[:-1], dtype=np.int64))
+    return auto.decide_for_lowering(
+        platform, rows=rows, geo=geo, dtype=first.dtype, num_diagonals=offsets.shape[0]
+    ).impl
 
 
 # --- primitives -----------------------------------------------------------------------------
@@ -269,15 +298,20 @@ def _primitive(name: str, kind: str, lower: Callable) -> Primitive:
     prim.def_abstract_eval(abstract_eval(kind))
     prim.def_impl(lambda *args, **params: _compiled(prim, tuple(sorted(params.items())))(*args))
 
-    def lowering(ctx, *operands, impl, **params):
-        fn = functools.partial(lower, impl, **params)
+    def lowering(ctx, *operands, impl, platform=None, **params):
+        fn = functools.partial(lower, impl, platform=platform, **params)
         token = lowering_for_export.set(ctx.module_context.lowering_parameters.for_export)
         try:
             return mlir.lower_fun(fn, multiple_results=prim.multiple_results)(ctx, *operands)
         finally:
             lowering_for_export.reset(token)
 
+    # One rule per platform: a multi-platform lowering switches between them and lowers each for
+    # its platform alone (the kernels' own per-platform rules included).
     mlir.register_lowering(prim, lowering)
+    for platform in _AUTO_PLATFORMS:
+        rule = functools.partial(lowering, platform=platform)
+        mlir.register_lowering(prim, rule, platform=platform)
     require_devices_during_lowering(prim)
     return prim
 

@@ -1,0 +1,58 @@
+"""The three products on the dense path: ``W`` built on the device (a scatter) and XLA's dot.
+
+What ``impl="auto"`` lowers to on a platform where the kernels are not predicted to pay (every
+GPU today, TPU, ROCm; :mod:`dynadiag_jax.ops.auto`). The forward is ``diag_matmul(impl="dense")``'s
+``x @ W.T``; ``dx`` and ``dvalues`` are its transposes in ``x`` and in ``values`` (``dy @ W``, and
+the diagonals gathered from ``dy^T x``), so both are dots in the input dtype, as autodiff of the
+dense forward gives them. Leading dimensions of ``x`` / ``dy`` are rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dynadiag_jax.layout import geometry
+from dynadiag_jax.ops import reference
+from dynadiag_jax.ops.products import Backend
+
+__all__ = ["BACKEND"]
+
+
+def _product(x, values, offsets, in_features, out_features):
+    """``x[..., in] @ W.T`` with ``W`` scattered from ``(values, offsets)``."""
+    w = reference.diag_to_dense(values, offsets, in_features=in_features, out_features=out_features)
+    x2 = x.reshape(-1, in_features)
+    return reference.dense_product(x2, w).reshape(x.shape[:-1] + (out_features,))
+
+
+def _fwd(x, values, offsets, *, out_features):
+    return _product(x, values, offsets, x.shape[-1], out_features)
+
+
+def _dx(dy, values, offsets, *, in_features):
+    def product(x):
+        return _product(x, values, offsets, in_features, dy.shape[-1])
+
+    x = jax.ShapeDtypeStruct(dy.shape[:-1] + (in_features,), dy.dtype)
+    return jax.linear_transpose(product, x)(dy)[0]
+
+
+def _dvalues(dy, x, offsets, *, block_size):
+    in_features, out_features = x.shape[-1], dy.shape[-1]
+    geo = geometry(in_features, out_features, block_size)
+
+    def product(values):
+        return _product(x, values, offsets, in_features, out_features)
+
+    values = jax.ShapeDtypeStruct(offsets.shape + geo.values_shape, dy.dtype)
+    return jax.linear_transpose(product, values)(dy)[0]
+
+
+BACKEND = Backend(
+    fwd=_fwd,
+    dx=_dx,
+    dvalues=_dvalues,
+    dtypes=lambda: (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64),
+    block_size_ok=lambda block_size: True,
+)
