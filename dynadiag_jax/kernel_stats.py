@@ -10,7 +10,9 @@ cores for bfloat16/float16 with ``b`` a multiple of 16, CUDA cores otherwise.
 
 :func:`kernel_stats` applies the kernels' rules on the host, so a learned set of offsets shows the
 efficiency to expect; with ``rows`` it also gives the cost model's predicted time of every GPU path
-(:mod:`dynadiag_jax.gpu_cost`, docs/gpu_cost_model.md).
+(:mod:`dynadiag_jax.gpu_cost`, docs/gpu_cost_model.md). :func:`model_paths` says, for every sparse
+layer of a model, which path ``impl="auto"`` takes on a platform and (on a GPU) the model's
+predicted speed against the dense layer; :func:`describe_paths` words it for a log.
 """
 
 from __future__ import annotations
@@ -23,9 +25,16 @@ import numpy as np
 
 from dynadiag_jax import gpu_cost
 from dynadiag_jax.layout import geometry
-from dynadiag_jax.ops import cuda
+from dynadiag_jax.ops import auto, cuda
 
-__all__ = ["KernelStats", "ProductStats", "kernel_stats"]
+__all__ = [
+    "KernelStats",
+    "LayerPath",
+    "ProductStats",
+    "describe_paths",
+    "kernel_stats",
+    "model_paths",
+]
 
 
 class ProductStats(NamedTuple):
@@ -158,3 +167,104 @@ def _concrete_offsets(offsets, num_candidates: int, name: str) -> np.ndarray:
             f"[{off.min()}, {off.max()}]"
         )
     return off.astype(np.int64)
+
+
+# --- which path each layer of a model takes ----------------------------------------------------
+
+
+class LayerPath(NamedTuple):
+    """What ``impl="auto"`` runs for one sparse layer (:func:`model_paths`)."""
+
+    path: str  # module path, "/"-joined
+    platform: str
+    in_features: int
+    out_features: int
+    block_size: int
+    num_diagonals: int  # K
+    impl: str  # "ffi", "jax" or "dense"
+    reason: str
+    # GPU only: the cost model's (forward, step) speed of the kernels and of the path taken,
+    # each against the dense layer (XLA's dot on a dense W parameter)
+    kernel_speedup: tuple | None = None
+    path_speedup: tuple | None = None
+
+
+def model_paths(model, *init_args, platform: str | None = None) -> list[LayerPath]:
+    """For every ``DiagonalDense`` of a linen ``model``: the path ``impl="auto"`` takes there.
+
+    The model is initialised abstractly, ``jax.eval_shape(model.init, *init_args)`` (no memory,
+    no compile); each layer's rows, computation dtype and K are those of that call, so the input in
+    ``init_args`` should be the one a device sees.
+
+    Args:
+      model: a linen module holding ``dd.nn.DiagonalDense`` layers (search phase).
+      init_args: the arguments of ``model.init`` (an RNG key and an example input).
+      platform: lowering platform; default the default backend's.
+    """
+    from dynadiag_jax.nn import DiagonalDense  # noqa: PLC0415 - the layers import the ops
+
+    def init(*args):
+        v = model.init(*args, capture_intermediates=lambda m, _: isinstance(m, DiagonalDense))
+        flat = jax.tree_util.tree_flatten_with_path(v.get("intermediates", {}))[0]
+        outputs = {
+            tuple(k.key for k in names[:-2]): y
+            for names, y in flat
+            if getattr(names[-2], "key", None) == "__call__"
+        }
+        return v.get("params", {}), v.get("dynadiag", {}), outputs
+
+    params, gates, outputs = jax.eval_shape(init, *init_args)
+    platform = auto.current_platform() if platform is None else platform
+    return [_layer_path(path, params, gates, y, platform) for path, y in sorted(outputs.items())]
+
+
+def _layer_path(path, params, gates, y, platform) -> LayerPath:
+    """The path of the layer at ``path`` whose output is ``y``."""
+    for key in path:
+        params, gates = params[key], gates[key]
+    shape = params["values"].shape  # [P, D] or [P_b, L_b, b, b]: both widths, in either order
+    b = shape[-1] if len(shape) == 4 else 1
+    out_f = y.shape[-1]
+    in_f = shape[1] * b if shape[0] * b == out_f else shape[0] * b
+    geo = geometry(in_f, out_f, b)
+    rows, k = int(np.prod(y.shape[:-1], dtype=np.int64)), gates["topk"].shape[0]
+    d = auto.decide_for_lowering(platform, rows=rows, geo=geo, dtype=y.dtype, num_diagonals=k)
+    kernel = taken = None
+    if platform == "cuda":
+        pred = d.prediction or gpu_cost.predict(
+            rows, in_f, out_f, y.dtype, k, block_size=b, device=auto.gpu_spec()
+        )
+        kernel = pred.speedup("kernel", "dense_layer")
+        taken = pred.speedup("kernel" if d.impl == "ffi" else "dense", "dense_layer")
+    name = "/".join(path)
+    return LayerPath(name, platform, in_f, out_f, b, k, d.impl, d.reason, kernel, taken)
+
+
+_WORDS = {
+    "jax": "the pure-JAX path",
+    "dense": "W built + XLA's dot (dense speed)",
+}
+
+
+def describe_paths(paths: list[LayerPath]) -> list[str]:
+    """One line per distinct layer shape: its count, the path and the predicted speed."""
+    groups: dict[tuple, list[str]] = {}
+    for p in paths:
+        key = p._replace(path="")
+        groups.setdefault(key, []).append(p.path)
+    lines = []
+    for p, names in groups.items():
+        b = f", blocks of {p.block_size}" if p.block_size > 1 else ", element diagonals"
+        line = (
+            f"{len(names)} x {p.in_features}->{p.out_features}{b}, K={p.num_diagonals} "
+            f"({names[0]}{', ...' if len(names) > 1 else ''}) on {p.platform}: "
+            + _WORDS.get(p.impl, "the C++ kernels" if p.platform == "cpu" else "the CUDA kernels")
+        )
+        if p.kernel_speedup is not None:
+            line += (
+                f"; predicted vs a dense layer: this path {p.path_speedup[0]:.2f}x forward, "
+                f"{p.path_speedup[1]:.2f}x step; the CUDA kernels would be "
+                f"{p.kernel_speedup[0]:.2f}x / {p.kernel_speedup[1]:.2f}x"
+            )
+        lines.append(line)
+    return lines

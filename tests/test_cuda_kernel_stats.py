@@ -1,9 +1,11 @@
 """dd.kernel_stats: the CUDA kernels' tile structure and path rules, applied on the host.
 
 (tests/test_cuda_emulated.py checks the per-block structure against what the device plan kernel
-writes; tests/test_gpu_cost.py the predicted times.)
+writes; tests/test_gpu_cost.py the predicted times.) Also model_paths: what impl="auto" runs per
+layer of a model.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 
 import dynadiag_jax as dd
 from dynadiag_jax import gpu_cost
+from dynadiag_jax.kernel_stats import describe_paths, model_paths
 from dynadiag_jax.ops import cuda
 
 
@@ -103,3 +106,37 @@ def test_bad_offsets_are_rejected():
         dd.kernel_stats(np.array([0.5]), 48, 20)
     with pytest.raises(TypeError, match="concrete offsets"):
         jax.jit(lambda o: dd.kernel_stats(o, 48, 20).nonzeros)(jnp.arange(3))
+
+
+class _TwoLayers(nn.Module):
+    """A tall element layer in bfloat16 and a wide block layer without a bias, in float32."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = dd.nn.DiagonalDense(3072, sparsity=0.9, dtype=jnp.bfloat16, name="up")(x)
+        return dd.nn.DiagonalDense(768, sparsity=0.9, block_size=16, use_bias=False)(x)
+
+
+def test_model_paths_say_what_auto_runs_per_layer_and_platform():
+    x = jax.ShapeDtypeStruct((2048, 197, 768), jnp.float32)
+    cpu, cuda_ = (
+        model_paths(_TwoLayers(), jax.random.key(0), x, platform=p) for p in ("cpu", "cuda")
+    )
+    down, up = cuda_  # sorted by module path
+    assert (up.path, up.in_features, up.out_features, up.block_size) == ("up", 768, 3072, 1)
+    assert (down.in_features, down.out_features, down.block_size) == (3072, 768, 16)
+    assert (up.num_diagonals, down.num_diagonals) == (308, 5)
+    # on a GPU both take the dense path; the numbers are the cost model's for each layer's rows
+    # (2048 x 197) and computation dtype
+    for p, dtype in ((up, jnp.bfloat16), (down, jnp.float32)):
+        pred = gpu_cost.predict(
+            2048 * 197, p.in_features, p.out_features, dtype, p.num_diagonals,
+            block_size=p.block_size,
+        )  # fmt: skip
+        assert p.impl == "dense" and p.kernel_speedup == pred.speedup("kernel", "dense_layer")
+        assert p.path_speedup == pred.speedup("dense", "dense_layer")
+    assert [p.impl for p in cpu] == (["ffi", "ffi"] if dd.has_cpu_kernels() else ["jax", "jax"])
+    assert all(p.kernel_speedup is None for p in cpu)
+    lines = describe_paths([up, up, down])  # repeated layers are counted on one line
+    assert len(lines) == 2 and lines[0].startswith("2 x 768->3072, element diagonals, K=308")
+    assert "W built + XLA's dot" in lines[0] and f"{up.kernel_speedup[1]:.2f}x" in lines[0]
