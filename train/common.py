@@ -23,6 +23,7 @@ from flax import traverse_util
 import dynadiag_jax as dd
 from dynadiag_jax import models
 from dynadiag_jax import training as T
+from dynadiag_jax.kernel_stats import describe_paths, model_paths
 
 MODELS = {"mlp": models.MLP, "vit": models.ViT, "mixer": models.MlpMixer, "gpt2": models.GPT2}
 MODEL_MODULES = {"mlp": models.mlp, "vit": models.vit, "mixer": models.mixer, "gpt2": models.gpt2}
@@ -283,6 +284,9 @@ def train_from_config(
       ConfigError: ``workdir`` holds a checkpoint of another recipe (:func:`recipe`) or seed.
     """
     t = config.train
+    if jax.process_index() == 0:
+        for line in layer_paths(method.model, example_input):
+            print(line)
     try:
         return T.train(
             model=method.model,
@@ -307,6 +311,15 @@ def train_from_config(
         )
     except T.CheckpointMismatch as e:
         raise ConfigError(f"{e} (--workdir)") from None
+
+
+def layer_paths(model: nn.Module, example_input) -> list[str]:
+    """Start-up lines: the path ``impl="auto"`` takes for each sparse layer on this platform, and
+    on a GPU the cost model's predicted speed against a dense layer (nothing for dense models)."""
+    batch = example_input.shape[0] // jax.device_count()  # the rows one device multiplies
+    x = jax.ShapeDtypeStruct((batch, *example_input.shape[1:]), example_input.dtype)
+    paths = model_paths(model, jax.random.key(0), x)
+    return [f"sparse layers: {line}" for line in describe_paths(paths)]
 
 
 def check_train_section(train_cfg) -> None:
