@@ -124,8 +124,8 @@ def geometry(in_features, out_features, block_size=1) -> DiagGeometry:
         raise ValueError(
             f"block_size={block_size} must divide in_features={in_features} and out_features="
             f"{out_features}; block sizes in {KERNEL_BLOCK_SIZES} that fit: "
-            f"{', '.join(map(str, fits)) or 'none'} (the pure-JAX path takes any common divisor "
-            ">= 2)"
+            f"{', '.join(map(str, fits)) or 'none'} (DiagonalDense and the kernels take only "
+            "these; dd.diag_matmul(..., impl='jax') also takes any other common divisor >= 2)"
         )
     return DiagGeometry(in_features, out_features, block_size)
 

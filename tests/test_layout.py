@@ -4,6 +4,7 @@ Every other test builds its dense oracle from ``diag_indices``/``diag_to_dense``
 those to the contract itself, so a convention error cannot hide in both the kernels and the oracle.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -232,3 +233,17 @@ def test_coverage_of_a_tall_layer_can_leave_rows_empty_and_checks_offsets():
     assert (rows == 0).sum() == 7 and (cols == 2).all()
     with pytest.raises(ValueError, match=r"\[0, 12\)"):
         coverage([12], 4, 12)
+
+
+def test_the_block_size_hint_names_sizes_the_layer_takes():
+    """Issue 23 item 4: the hint said "the pure-JAX path takes any common divisor >= 2", yet the
+    layer refuses block_size=4; it now lists the sizes DiagonalDense takes, and one of them works."""
+    x = jax.ShapeDtypeStruct((2, 784), jnp.float32)
+
+    def init(b):
+        layer = dd.nn.DiagonalDense(256, sparsity=0.9, block_size=b)
+        return jax.eval_shape(lambda x: layer.init(jax.random.key(0), x), x)
+
+    with pytest.raises(ValueError, match=r"that fit: 8, 16 \(DiagonalDense and the kernels take "):
+        init(64)
+    assert init(16)["params"]["values"].shape == (16, 49, 16, 16)
