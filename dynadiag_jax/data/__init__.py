@@ -10,6 +10,7 @@ from dynadiag_jax.data.imagenet import (
     IMAGENET_MEAN_STD,
     ImageNetEval,
     ImageNetTrain,
+    SyntheticImages,
     check_imagenet_dir,
     imagenet_source,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "ImageNetEval",
     "ImageNetTrain",
     "RandAugment",
+    "SyntheticImages",
     "TokenWindows",
     "WindowEvalBatches",
     "check_imagenet_dir",

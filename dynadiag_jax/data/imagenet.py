@@ -11,6 +11,7 @@ Training example number ``g`` (counted over the whole run) is image ``perm_e[g %
 process takes its contiguous share. Hence batches depend only on ``(seed, step)``: resuming needs
 nothing but the step. Images leave the pipeline as uint8; the jitted step normalises them
 (:class:`dynadiag_jax.training.Classification` with ``normalize=IMAGENET_MEAN_STD``).
+Without the data, :class:`SyntheticImages` stands in for a split (random images and labels).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "IMAGENET_MEAN_STD",
     "ImageNetEval",
     "ImageNetTrain",
+    "SyntheticImages",
     "check_imagenet_dir",
     "imagenet_source",
 ]
@@ -68,6 +70,31 @@ def imagenet_source(split: str, data_dir):
     return tfds.data_source(
         DATASET, split=split, data_dir=None if data_dir is None else str(data_dir), download=False
     )
+
+
+class SyntheticImages:
+    """A stand-in for an ImageNet split when there is no data: ``num_examples`` random examples
+    ``{"image": uint8 [256, 320, 3], "label": int in [0, num_classes)}``, example ``i`` drawn
+    from ``default_rng([seed, i])`` (the same on every call and process). Random pixels and labels:
+    the pipeline, the model and the step run as on ImageNet (try a command, time it), but nothing
+    can be learned (the accuracy stays near chance)."""
+
+    SHAPE = (256, 320, 3)  # an ImageNet-like photo: larger than the crops, not square
+
+    def __init__(self, num_examples: int, *, seed: int, num_classes: int = 1000):
+        if num_examples < 1:
+            raise ValueError(f"SyntheticImages needs num_examples >= 1, got {num_examples}")
+        self.num_examples, self.seed, self.num_classes = int(num_examples), seed, num_classes
+
+    def __len__(self) -> int:
+        return self.num_examples
+
+    def __getitem__(self, index: int) -> dict:
+        if not 0 <= index < self.num_examples:
+            raise IndexError(f"example {index} of {self.num_examples}")
+        rng = np.random.default_rng([self.seed, int(index)])
+        image = rng.integers(0, 256, self.SHAPE, dtype=np.uint8)
+        return {"image": image, "label": int(rng.integers(self.num_classes))}
 
 
 def _read_options(num_threads: int, prefetch: int):
