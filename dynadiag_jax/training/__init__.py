@@ -5,7 +5,7 @@ TensorBoard and JSONL, Orbax checkpoints, data parallelism over every device).
 """
 
 from dynadiag_jax.training.checkpoint import Checkpointer, CheckpointMismatch
-from dynadiag_jax.training.loop import BatchSource, TrainResult, evaluate, train
+from dynadiag_jax.training.loop import BatchSource, Interrupted, TrainResult, evaluate, train
 from dynadiag_jax.training.metrics import MetricWriter, read_jsonl
 from dynadiag_jax.training.mixup import MixupCutmix
 from dynadiag_jax.training.optimizer import NO_DECAY, adamw
@@ -35,6 +35,7 @@ __all__ = [
     "Checkpointer",
     "Classification",
     "GateSchedule",
+    "Interrupted",
     "LanguageModeling",
     "MetricWriter",
     "MixupCutmix",

@@ -38,7 +38,7 @@ from dynadiag_jax.training.sparsity import GateSchedule, freeze_state, is_search
 from dynadiag_jax.training.state import TrainState, create_train_state
 from dynadiag_jax.training.steps import make_eval_step, make_train_step
 
-__all__ = ["BatchSource", "TrainResult", "evaluate", "train"]
+__all__ = ["BatchSource", "Interrupted", "TrainResult", "evaluate", "train"]
 
 # Metrics logged from wall-clock time; they differ between runs and are not reproducible.
 TIMING_METRICS = ("step_time_s", "examples_per_s")
@@ -81,11 +81,33 @@ class _NullWriter:
         pass
 
 
+class Interrupted(KeyboardInterrupt):
+    """What :func:`train` raises when a signal asked it to stop, once the step is checkpointed.
+
+    Attributes:
+      signum: that signal, ``signal.SIGINT`` or ``signal.SIGTERM`` (scripts exit 128 + signum).
+    """
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
+class _StopRequest:
+    """The first SIGINT/SIGTERM received (``signum``, None before any)."""
+
+    signum: int | None = None
+
+    def is_set(self) -> bool:
+        return self.signum is not None
+
+
 @contextlib.contextmanager
 def _stop_requests():
-    """A flag set by the first SIGINT/SIGTERM, so the loop can stop after the current step and
-    save; a second SIGINT interrupts at once. Signal handlers only exist in the main thread."""
-    flag = threading.Event()
+    """A :class:`_StopRequest` set by the first SIGINT/SIGTERM, so the loop can stop after the
+    current step and save; a second SIGINT interrupts at once. Signal handlers only exist in the
+    main thread."""
+    flag = _StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return
@@ -94,7 +116,8 @@ def _stop_requests():
     def handler(signum, frame):
         if flag.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        flag.set()
+        if not flag.is_set():
+            flag.signum = signum
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, handler)
@@ -208,7 +231,8 @@ def train(
       ValueError: bad arguments or a batch size not divisible by the device count;
         :class:`CheckpointMismatch` (a ``ValueError``): the newest checkpoint in ``workdir`` was
         written with another ``run_info``, seed or model shape — all before anything is compiled.
-      KeyboardInterrupt: after SIGINT/SIGTERM, once the current step is checkpointed.
+      Interrupted: (a ``KeyboardInterrupt``) after SIGINT/SIGTERM, once the current step is
+        checkpointed; its ``signum`` says which.
     """
     _check_args(
         num_steps, freeze_step, eval_every, checkpoint_every, log_every, selection_every, workdir
@@ -346,9 +370,10 @@ def train(
                 bar.update(1)
             if step < num_steps:
                 save(state, not searching and sparse)
-                raise KeyboardInterrupt(
+                raise Interrupted(
                     f"stopped at step {step} of {num_steps}; "
-                    f"{'saved in ' + str(workdir) if workdir else 'no workdir, nothing saved'}"
+                    f"{'saved in ' + str(workdir) if workdir else 'no workdir, nothing saved'}",
+                    stop.signum,
                 )
         if eval_data is not None:  # a run resumed at its last step already logged this evaluation
             eval_metrics = run_eval(state, log=step > start)
