@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -193,50 +194,50 @@ def model_paths(model, *init_args, platform: str | None = None) -> list[LayerPat
     """For every ``DiagonalDense`` of a linen ``model``: the path ``impl="auto"`` takes there.
 
     The model is initialised abstractly, ``jax.eval_shape(model.init, *init_args)`` (no memory,
-    no compile); each layer's rows, computation dtype and K are those of that call, so the input in
-    ``init_args`` should be the one a device sees.
+    no compile), and each layer's call is seen on the way (``nn.intercept_methods``): its widths,
+    rows, computation dtype and K are those of that call, so the input in ``init_args`` should be
+    the one a device sees. Search-phase and frozen layers alike; sorted by module path.
 
     Args:
-      model: a linen module holding ``dd.nn.DiagonalDense`` layers (search phase).
+      model: a linen module holding ``dd.nn.DiagonalDense`` layers.
       init_args: the arguments of ``model.init`` (an RNG key and an example input).
       platform: lowering platform; default the default backend's.
     """
     from dynadiag_jax.nn import DiagonalDense  # noqa: PLC0415 - the layers import the ops
 
-    def init(*args):
-        v = model.init(*args, capture_intermediates=lambda m, _: isinstance(m, DiagonalDense))
-        flat = jax.tree_util.tree_flatten_with_path(v.get("intermediates", {}))[0]
-        outputs = {
-            tuple(k.key for k in names[:-2]): y
-            for names, y in flat
-            if getattr(names[-2], "key", None) == "__call__"
-        }
-        return v.get("params", {}), v.get("dynadiag", {}), outputs
+    calls = {}  # module path -> (y shape, y dtype, input width, K, b)
 
-    params, gates, outputs = jax.eval_shape(init, *init_args)
+    def record(next_fun, args, kwargs, context):
+        y = next_fun(*args, **kwargs)
+        layer = context.module
+        if isinstance(layer, DiagonalDense) and context.method_name == "__call__":
+            width = args[0].shape[-1]
+            facts = (y.shape, y.dtype, width, layer.budget(width), layer.block_size)
+            calls["/".join(layer.path)] = facts
+        return y
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(lambda *a: model.init(*a), *init_args)  # a fresh trace: nothing cached
     platform = auto.current_platform() if platform is None else platform
-    return [_layer_path(path, params, gates, y, platform) for path, y in sorted(outputs.items())]
+    out = []
+    for name, (y_shape, dtype, in_f, k, b) in sorted(calls.items()):
+        out.append(_layer_path(name, in_f, y_shape, dtype, k, b, platform))
+    return out
 
 
-def _layer_path(path, params, gates, y, platform) -> LayerPath:
-    """The path of the layer at ``path`` whose output is ``y``."""
-    for key in path:
-        params, gates = params[key], gates[key]
-    shape = params["values"].shape  # [P, D] or [P_b, L_b, b, b]: both widths, in either order
-    b = shape[-1] if len(shape) == 4 else 1
-    out_f = y.shape[-1]
-    in_f = shape[1] * b if shape[0] * b == out_f else shape[0] * b
+def _layer_path(name, in_f, y_shape, dtype, k, b, platform) -> LayerPath:
+    """What ``"auto"`` runs for one layer call ``[rows, in_f] -> y_shape``."""
+    out_f = y_shape[-1]
     geo = geometry(in_f, out_f, b)
-    rows, k = int(np.prod(y.shape[:-1], dtype=np.int64)), gates["topk"].shape[0]
-    d = auto.decide_for_lowering(platform, rows=rows, geo=geo, dtype=y.dtype, num_diagonals=k)
+    rows = int(np.prod(y_shape[:-1], dtype=np.int64))
+    d = auto.decide_for_lowering(platform, rows=rows, geo=geo, dtype=dtype, num_diagonals=k)
     kernel = taken = None
     if platform == "cuda":
         pred = d.prediction or gpu_cost.predict(
-            rows, in_f, out_f, y.dtype, k, block_size=b, device=auto.gpu_spec()
+            rows, in_f, out_f, dtype, k, block_size=b, device=auto.gpu_spec()
         )
         kernel = pred.speedup("kernel", "dense_layer")
         taken = pred.speedup("kernel" if d.impl == "ffi" else "dense", "dense_layer")
-    name = "/".join(path)
     return LayerPath(name, platform, in_f, out_f, b, k, d.impl, d.reason, kernel, taken)
 
 

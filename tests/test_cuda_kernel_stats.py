@@ -140,3 +140,12 @@ def test_model_paths_say_what_auto_runs_per_layer_and_platform():
     lines = describe_paths([up, up, down])  # repeated layers are counted on one line
     assert len(lines) == 2 and lines[0].startswith("2 x 768->3072, element diagonals, K=308")
     assert "W built + XLA's dot" in lines[0] and f"{up.kernel_speedup[1]:.2f}x" in lines[0]
+
+
+def test_model_paths_of_frozen_layers():
+    # the static-diagonals baseline: frozen from init, values [K, D] leave a wide layer's input
+    # width open; the call gives it
+    layer = dd.nn.DiagonalDense(768, sparsity=0.9, init_phase="frozen")
+    x = jax.ShapeDtypeStruct((2048, 197, 3072), jnp.float32)
+    (p,) = model_paths(layer, jax.random.key(0), x, platform="cuda")
+    assert (p.in_features, p.out_features, p.num_diagonals, p.impl) == (3072, 768, 308, "dense")

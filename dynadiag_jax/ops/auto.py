@@ -12,7 +12,8 @@ CUDA on a CPU host gets CUDA's choice, and one lowered for ``("cpu", "cuda")`` h
   faster than building ``W`` and calling XLA's dot, in the forward product and in the whole step
   (forward + backward); otherwise ``"dense"``. The model charges the instructions the compiled
   kernels issue and their occupancy, and with the kernels of today it predicts none of them faster
-  than dense (docs/gpu_cost_model.md), so a GPU runs ``"dense"`` everywhere.
+  than dense at training batch sizes (docs/gpu_cost_model.md), so a GPU runs ``"dense"`` there;
+  only calls of a few hundred rows, where reading the weights dominates, can take the kernels.
 * **any other platform** (TPU, ROCm: no kernels): ``"dense"``.
 """
 
