@@ -14,7 +14,6 @@ training loop can freeze inside ``jax.jit``.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,22 +57,23 @@ def _not_finite_message(path: tuple, count: int, size: int) -> str:
     )
 
 
-def _raise_if_not_finite(count, *, path: tuple, size: int):
-    if int(count):
-        raise ValueError(_not_finite_message(path, int(count), size))
+def finite_values(alpha, values, path: tuple):
+    """``values[..., K, *V]`` of a layer frozen from ``alpha[..., P]``, if alpha is finite.
 
-
-def _check_finite(alpha, path: tuple):
-    """Raises naming ``path`` if ``alpha`` holds NaN or inf.
-
-    A concrete ``alpha`` is checked now. Inside ``jit`` the check runs on the host when the frozen
-    variables are computed (``jax.debug.callback``), and the error surfaces from the jitted call.
+    A concrete ``alpha`` with NaN or inf raises naming ``path``. A traced one cannot be read while
+    tracing: the values of every slice whose alpha is not finite become NaN instead, so everything
+    the frozen layer computes is NaN (as for an offset out of range known only at run time),
+    without a host callback. An abstract one (``jax.ShapeDtypeStruct``) has nothing to check.
     """
-    bad = jnp.sum(~jnp.isfinite(alpha))
+    if isinstance(alpha, jax.ShapeDtypeStruct):
+        return values
+    finite = jnp.all(jnp.isfinite(alpha), axis=-1)
     if isinstance(alpha, jax.core.Tracer):
-        jax.debug.callback(functools.partial(_raise_if_not_finite, path=path, size=alpha.size), bad)
-    elif int(bad):
-        raise ValueError(_not_finite_message(path, int(bad), alpha.size))
+        finite = finite.reshape(finite.shape + (1,) * (values.ndim - finite.ndim))
+        return jnp.where(finite, values, jnp.asarray(jnp.nan, values.dtype))
+    if not bool(jnp.all(finite)):
+        raise ValueError(_not_finite_message(path, int(jnp.sum(~jnp.isfinite(alpha))), alpha.size))
+    return values
 
 
 def _input_width(node, structure) -> Any:
@@ -170,10 +170,9 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
       not fix it (a rectangular layer without bias).
 
     Raises:
-      ValueError: a search layer whose K cannot be determined, or whose ``alpha`` holds NaN or
-        inf (naming its path). Inside ``jit`` alpha cannot be read while tracing: a host callback
-        checks it when the jitted call runs, which then raises an error carrying this message
-        (``jax.errors.JaxRuntimeError``); NaN scores rank last in the selection meanwhile.
+      ValueError: a search layer whose K cannot be determined, or whose concrete ``alpha`` holds
+        NaN or inf (naming its path). Inside ``jit`` alpha cannot be read while tracing: such a
+        layer's frozen ``values`` are NaN instead, so its outputs (and the loss) are NaN.
     """
     if not isinstance(variables, Mapping) or "params" not in variables:
         raise ValueError("freeze_tree needs variables with a 'params' collection")
@@ -192,10 +191,10 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
                 f"'dynadiag' entry 'topk' (created by init) is missing; keep the 'dynadiag' "
                 f"collection in the variables or pass budgets={{{path!r}: K}}"
             )
-        _check_finite(layer["alpha"], path)
         structure = _get_path(diagonals, path)
         width = _input_width(layer, structure)
         params, offsets = _freeze_params(layer, k)
+        params["values"] = finite_values(layer["alpha"], params["values"], path)
         entries = {"offsets": offsets}
         if width is not None:
             entries["in_features"] = width
@@ -222,7 +221,10 @@ def freeze(layer: DiagonalDense, variables):
 
     The K diagonals with the largest ``alpha`` become a hard 0/1 gate. ``frozen_layer`` is
     ``layer`` with ``init_phase="frozen"`` (so its ``init`` builds a restore template of the same
-    shapes); applying either module to ``frozen_variables`` computes the frozen product.
+    shapes) and ``in_features`` set to the width frozen (so a wrong ``x`` width is an error inside
+    ``jit`` too, where the stored width is traced); applying either module to
+    ``frozen_variables`` computes the frozen product. ``frozen_layer`` refuses search-phase
+    variables.
 
     Args:
       layer: a :class:`dynadiag_jax.nn.DiagonalDense`.
@@ -242,16 +244,16 @@ def freeze(layer: DiagonalDense, variables):
         )
     if not isinstance(variables, Mapping) or "params" not in variables:
         raise ValueError("freeze needs the layer's variables with a 'params' collection")
-    frozen_layer = layer.clone(init_phase="frozen")
     params = variables["params"]
     if not _is_search_layer(params):
         if "values" in params and "offsets" in variables.get("diagonals", {}):
-            return frozen_layer, variables
+            return layer.clone(init_phase="frozen"), variables
         raise ValueError(
             "freeze: variables are not those of a DiagonalDense (need params "
             "'alpha' [P] and 'values' [P, D] or [P, L_b, b, b])"
         )
     in_features = search_width(params["values"].shape, layer.features)
+    frozen_layer = layer.clone(init_phase="frozen", in_features=in_features)
     diagonals = dict(variables.get("diagonals", {}))
     diagonals.setdefault("in_features", jnp.asarray(in_features, jnp.int32))
     variables = {**variables, "diagonals": diagonals}

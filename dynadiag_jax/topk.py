@@ -37,6 +37,7 @@ __all__ = [
     "softmax_topk",
     "capped_simplex_projection",
     "check_gate_value",
+    "nan_if_nan",
 ]
 
 # The softmax gate clips its shifted logits (all <= 0) from below here: exp of anything below is
@@ -56,7 +57,8 @@ def check_gate_value(value, name: str, fn: str | None = None):
     """Rejects a missing, non-scalar, negative or NaN gate hyper-parameter known at trace time.
 
     Traced values are not checked (they cannot be read inside ``jit``); the gates define what
-    every traced value does (a negative or NaN one acts as 0).
+    every traced value does (a negative or NaN one acts as 0), and a layer's output is NaN for a
+    NaN one (:func:`nan_if_nan`).
     """
     where = f"{fn}: " if fn else ""
     if value is None:
@@ -70,6 +72,16 @@ def check_gate_value(value, name: str, fn: str | None = None):
         raise ValueError(f"{where}{name} must be a scalar, got shape {arr.shape}")
     if not np.issubdtype(arr.dtype, np.number) or not arr >= 0:
         raise ValueError(f"{where}{name} must be >= 0 (0 is the hard limit), got {value!r}")
+
+
+def nan_if_nan(y, value):
+    """``y``, or NaN everywhere in it when the gate hyper-parameter ``value`` is NaN.
+
+    A layer's answer to a traced NaN strength or temperature, which :func:`check_gate_value`
+    cannot refuse: no gate belongs to it, and NaN outputs say so in the loss (as an offset out of
+    range known only at run time does), where computing on would hide a broken schedule.
+    """
+    return jnp.where(jnp.isnan(value), jnp.asarray(jnp.nan, y.dtype), y)
 
 
 def _check_scores(scores, fn: str):

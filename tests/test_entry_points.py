@@ -5,6 +5,7 @@ keeps the compiled modules in site-packages only, so a checkout placed first wou
 every diagonal product would silently take the pure-JAX path. The package warns in that case.
 """
 
+import ast
 import os
 import pathlib
 import subprocess
@@ -53,3 +54,23 @@ def test_a_checkout_that_shadows_the_kernels_warns(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert "ffi" in dd.available_impls()  # the tests' own import is the installed one
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_prints_the_docstring_as_written_and_the_config_flag(script):
+    """``--help`` (issue 23): absl formats the docstring with ``%``, which turned "90% sparse" into
+    "90train/fashion_mnist.pyparse"; ``--config`` was listed only by ``--helpfull``."""
+    doc = ast.get_docstring(ast.parse((ROOT / "train" / script).read_text()), clean=False)
+    proc = subprocess.run(
+        [sys.executable, f"train/{script}", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for line in doc.strip().splitlines():
+        assert line in proc.stdout, line
+    assert "--config: config file and its arguments" in proc.stdout, proc.stdout[-2000:]
+    if script == "lm.py":
+        assert "gpt2_lm.py:runlocal" in proc.stdout

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
+from flax import nnx, traverse_util
 
 import dynadiag_jax as dd
 
@@ -131,8 +131,8 @@ def test_orbax_round_trip_of_nnx_state(tmp_path, phase):
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "ckpt", nnx.state(model))
     abstract = nnx.eval_shape(lambda: MLP(block_size=16, rngs=nnx.Rngs(9)))
-    if phase == "frozen":
-        abstract = nnx.eval_shape(lambda: dd.nnx.freeze(MLP(block_size=16, rngs=nnx.Rngs(9))))
+    if phase == "frozen":  # the README's form (issue 23: freezing abstract state raised)
+        abstract = dd.nnx.freeze(abstract)
     graphdef, abstract_state = nnx.split(abstract)
     with ocp.StandardCheckpointer() as ckpt:
         state = ckpt.restore(tmp_path / "ckpt", abstract_state)
@@ -174,6 +174,60 @@ def test_errors_name_the_argument():
     model.fc1.alpha.set_value(model.fc1.alpha.get_value().at[3].set(jnp.nan))
     with pytest.raises(ValueError, match="fc1.*non-finite"):
         dd.nnx.freeze(model)
+    # Inside nnx.jit alpha cannot be read: the layer's frozen values are NaN (issue 23 item 6).
+    frozen = nnx.jit(dd.nnx.freeze)(model)
+    assert np.all(np.isnan(frozen.fc1.values.get_value()))
+    assert np.all(np.isnan(frozen(jnp.ones((2, 64)))))
+
+
+def test_a_traced_nan_strength_gives_nan_outputs():
+    """Issue 23 item 6: eagerly a NaN strength raises; inside nnx.jit the outputs are NaN."""
+    model = MLP(rngs=nnx.Rngs(0))
+    x = jnp.ones((2, 64))
+    with pytest.raises(ValueError, match="strength must be >= 0"):
+        dd.nnx.set_gate(model, strength=float("nan"))
+
+    @nnx.jit
+    def run(model, strength):
+        dd.nnx.set_gate(model, strength=strength)
+        return model(x)
+
+    assert np.all(np.isnan(run(model, jnp.nan)))
+    assert np.all(np.isfinite(run(model, -1.0)))  # a traced negative strength acts as 0
+    np.testing.assert_array_equal(run(model, -1.0), run(model, 0.0))
+
+
+def test_freeze_opt_state_carries_the_optimizer_over(standard_promotion):
+    """Issue 23 item 3: the README made a fresh optimizer after dd.nnx.freeze and lost Adam's
+    moments; dd.nnx.freeze_opt_state keeps them (the kept diagonals' rows) and the step count."""
+    model = MLP(rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(2), (16, 64))
+    tx = dd.optim.diag_optimizer(1e-2, alpha_learning_rate=1e-2)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+        grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+
+    for _ in range(3):
+        step(model, optimizer)
+    frozen = dd.nnx.freeze(model)
+    continued = dd.nnx.freeze_opt_state(optimizer, model, frozen)
+    old = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(optimizer)))
+    new = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(continued)))
+    offsets = np.asarray(frozen.fc1.offsets.get_value())
+    assert set(new) == {path for path in old if path[-1] != "alpha"}
+    moments = 0
+    for path, value in new.items():
+        if path[-2:] == ("fc1", "values") and hasattr(value, "shape"):
+            np.testing.assert_array_equal(value, np.asarray(old[path])[offsets])
+            moments += 1
+        else:
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(old[path]), str(path))
+    assert moments == 2 and int(new[("step",)]) == 3  # Adam's mu and nu
+    step(frozen, continued)  # and training goes on
+    assert int(continued.step.get_value()) == 4 and int(optimizer.step.get_value()) == 3
 
 
 def test_static_diagonals_and_lazy_import():

@@ -1,6 +1,14 @@
 """The training scripts: bad input is reported before compiling; short runs on real or mock data."""
 
+import functools
+import json
+import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +18,22 @@ import tensorflow_datasets as tfds
 from training_helpers import CompileCounter, fast_compile  # noqa: F401 - fixture
 
 import dynadiag_jax as dd
+from dynadiag_jax import data as D
 from dynadiag_jax import training as T
 from dynadiag_jax.data import text
-from train import baselines, cli, common, fashion_mnist, imagenet, lm, results_runs
+from train import (
+    baselines,
+    cli,
+    common,
+    fashion_mnist,
+    imagenet,
+    lm,
+    results_report,
+    results_runs,
+)
 from train.configs import fashion_mnist as fashion_config
 from train.configs import gpt2_lm, vit_imagenet
+from train.configs import results as results_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -30,6 +49,14 @@ def _fake_prepared_imagenet(root: pathlib.Path) -> pathlib.Path:
     (variant / "features.json").write_text("{}")
     (variant / "imagenet2012-train.array_record-00000-of-00001").write_bytes(b"")
     return root
+
+
+def _on_tfds(config, root: pathlib.Path):
+    """``config`` reading imagenet2012 through tfds from a directory made at ``root`` (runlocal's
+    random images off): mock_data serves the examples."""
+    config.data.fake_examples = 0
+    config.data.data_dir = str(_fake_prepared_imagenet(root))
+    return config
 
 
 @pytest.mark.parametrize(
@@ -49,6 +76,11 @@ def _fake_prepared_imagenet(root: pathlib.Path) -> pathlib.Path:
         (lambda c: c.dynadiag.update(explore="wide"), "dynadiag: unknown explore 'wide'"),
         (lambda c: c.dynadiag.update(slack=-1.0), "dynadiag: slack must be >= 0"),
         (lambda c: c.dynadiag.update(impl="cuda"), "dynadiag.impl must be one of"),
+        (
+            lambda c: c.dynadiag.update(block_size=64),
+            r"block_size=64 must divide both widths of every sparse layer; it does not divide "
+            r"hidden_0 \(784 -> 256\)\. Block sizes that fit every sparse layer: 8, 16, or 1",
+        ),
         (lambda c: c.train.update(checkpoint_every=-1), "train.checkpoint_every must be >= 0"),
         (lambda c: c.train.update(keep_checkpoints=0), "train.keep_checkpoints must be >= 1"),
     ],
@@ -117,6 +149,23 @@ def test_block_size_reaches_the_diagonal_layers(method):
     assert ("alpha" in variables["params"]["hidden_0"]) == (method == "dynadiag")
 
 
+@pytest.mark.parametrize(
+    "method, block, name",
+    [
+        ("dynadiag", 1, "dynadiag_s90"),
+        ("dynadiag", 16, "dynadiag_b16_s90"),
+        ("static_diagonals", 16, "static_diagonals_b16_s90"),
+        ("rigl", 16, "rigl_s90"),  # RigL does not read the block size
+    ],
+)
+def test_fashion_mnist_run_names_show_the_block_size(method, block, name):
+    """The run's name (its subdirectory and the printed accuracy) tells blocks from elements."""
+    config = fashion_config.get_config(f"block_size={block},method={method}")
+    config.data.source = "mnist5k"
+    _, _, _, models = fashion_mnist.prepare(config)
+    assert list(models) == ["dense", name]
+
+
 CONFIGS = ROOT / "train" / "configs"
 
 
@@ -166,6 +215,7 @@ def test_command_line_checks_accept_what_ml_collections_accepts():
 
 def test_imagenet_bad_data_dirs_and_variants(tmp_path):
     config = vit_imagenet.get_config("runlocal,sparsity=0")
+    config.data.fake_examples = 0
     for data_dir, match in [
         ("", "needs data_dir"),
         (str(tmp_path / "x"), "does not exist"),
@@ -174,18 +224,23 @@ def test_imagenet_bad_data_dirs_and_variants(tmp_path):
         config.data.data_dir = data_dir
         with pytest.raises(common.ConfigError, match=match):
             imagenet.prepare(config)
-    config.data.data_dir = str(_fake_prepared_imagenet(tmp_path))
+    _on_tfds(config, tmp_path / "data")
     config.model.variant = "Z/16"
     with CompileCounter() as c, pytest.raises(common.ConfigError, match="unknown ViT size 'Z'"):
         with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
             imagenet.prepare(config)
     assert c.count == 0
+    config.data.fake_examples = 64
+    with pytest.raises(common.ConfigError, match="data_dir=.* would be ignored: set --config.dat"):
+        imagenet.prepare(config)
+    config.data.update(data_dir="", fake_examples=-1)
+    with pytest.raises(common.ConfigError, match="data.fake_examples must be >= 0"):
+        imagenet.prepare(config)
 
 
 @pytest.mark.parametrize("sparsity", [0.0, pytest.param(0.9, marks=pytest.mark.slow)])
 def test_imagenet_runs_on_mock_data(tmp_path, sparsity):
-    config = vit_imagenet.get_config(f"runlocal,sparsity={sparsity}")
-    config.data.data_dir = str(_fake_prepared_imagenet(tmp_path / "data"))
+    config = _on_tfds(vit_imagenet.get_config(f"runlocal,sparsity={sparsity}"), tmp_path / "data")
     with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
         result = imagenet.train_and_evaluate(config, tmp_path / "run", progress=False)
     assert result.eval_metrics["count"] == 16 and 0.0 <= result.eval_metrics["accuracy"] <= 1.0
@@ -193,6 +248,39 @@ def test_imagenet_runs_on_mock_data(tmp_path, sparsity):
     assert [r["step"] for r in records if r["kind"] == "train"] == [2, 4, 6]
     assert all(np.isfinite(r["loss"]) for r in records if r["kind"] == "train")
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4", "6"]
+
+
+@pytest.mark.slow
+def test_imagenet_smoke_run_needs_no_data(run_python, tmp_path):
+    """The documented smoke run on a machine without ImageNet (issue 23: it stopped with
+    "ImageNet needs data_dir"): runlocal trains on random images."""
+    proc = run_python(
+        [
+            str(ROOT / "train" / "imagenet.py"),
+            f"--workdir={tmp_path / 'run'}",
+            f"--config={CONFIGS / 'vit_imagenet.py'}:runlocal",
+            "--noprogress",
+        ],
+        timeout=900,
+    )
+    assert "data: 64 random images per split (data.fake_examples)" in proc.stdout
+    assert "top-1 accuracy" in proc.stdout and "on 16 validation images" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4", "6"]
+
+
+def test_synthetic_images_are_a_deterministic_imagenet_split():
+    source = D.SyntheticImages(5, seed=3)
+    assert len(source) == 5
+    a, b = source[4], D.SyntheticImages(5, seed=3)[4]
+    assert a["image"].dtype == np.uint8 and a["image"].shape == D.SyntheticImages.SHAPE
+    np.testing.assert_array_equal(a["image"], b["image"])
+    assert a["label"] == b["label"] and 0 <= a["label"] < 1000
+    assert not np.array_equal(a["image"], source[3]["image"])
+    assert not np.array_equal(a["image"], D.SyntheticImages(5, seed=4)[4]["image"])
+    with pytest.raises(IndexError):
+        source[5]
+    batch = next(iter(D.ImageNetTrain(source, 2, seed=0, image_size=32).iterate(0)))
+    assert batch["image"].shape == (2, 32, 32, 3) and batch["label"].shape == (2,)
 
 
 def _sparse_layer_density(method, example, config, params) -> float:
@@ -206,7 +294,7 @@ def _sparse_layer_density(method, example, config, params) -> float:
 def test_imagenet_trains_the_baseline_its_config_names(tmp_path, method):
     config = vit_imagenet.get_config(f"runlocal,sparsity=0.9,method={method}")
     config.unstructured.update_every = 2  # a drop-and-grow step within the 6 steps
-    config.data.data_dir = str(_fake_prepared_imagenet(tmp_path / "data"))
+    _on_tfds(config, tmp_path / "data")
     with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
         built, _, _, _, example = imagenet.prepare(config)
         result = imagenet.train_and_evaluate(config, tmp_path / "run", progress=False)
@@ -301,7 +389,7 @@ def test_eval_batch_not_divisible_by_devices_is_reported(run_python, tmp_path, s
             str(ROOT / "train" / script),
             "--config.data.source=mnist5k",
             f"--workdir={tmp_path / 'run'}",
-            f"--docs={tmp_path / 'docs'}" if script == "results.py" else "--noprogress",
+            "--noprogress",
         ],
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=16"},
         check=False,
@@ -329,6 +417,17 @@ def test_eval_batch_not_divisible_by_devices_is_reported(run_python, tmp_path, s
             "unknown config argument 'quik' (did you mean 'quick'?)",
         ),
         ("lm.py", ["--wrkdir=runs"], "Unknown command line flag 'wrkdir'"),
+        # issue 23: found only after the dense comparison had trained, with a traceback
+        (
+            "fashion_mnist.py",
+            ["--config.dynadiag.block_size=64"],
+            "dynadiag.block_size=64 must divide both widths of every sparse layer",
+        ),
+        (
+            "lm.py",
+            [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.optimizer.warmup_steps=6"],
+            "optimizer.warmup_steps=6 must be fewer than the 6 training steps",
+        ),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(run_python, tmp_path, script, args, message):
@@ -381,16 +480,100 @@ def test_fashion_mnist_script_end_to_end(run_python, tmp_path):
     assert "resumed at step 31" in again.stdout
 
 
-def test_results_without_timing_trains_then_says_how_to_get_the_report(run_python, tmp_path):
+def test_results_smoke_run_reports_in_its_workdir_and_never_writes_docs(run_python, tmp_path):
+    """A smoke run as a user types it, from a checkout (issue 23: it rewrote docs/RESULTS.md and
+    the plots): its report goes under --workdir, and --docs, the explicit way to write the
+    shipped report, refuses anything but the full campaign before training."""
+    docs = tmp_path / "docs"  # the child runs in tmp_path: where a checkout keeps docs/
+    docs.mkdir()
+    (docs / "RESULTS.md").write_text("the shipped report")
+    run = tmp_path / "run"
     args = [
         str(ROOT / "train" / "results.py"),
+        "--suite=mlp",
         f"--config={CONFIGS / 'results.py'}:quick,models=mlp,methods=dense,sparsities=0.9,seeds=1",
-        f"--workdir={tmp_path / 'run'}",
-        f"--docs={tmp_path / 'docs'}",
+        f"--workdir={run}",
         "--noprogress",
     ]
     proc = run_python([*args, "--notiming"], timeout=300)
     assert "trained; no report yet" in proc.stdout and "--timing_only" in proc.stdout
-    assert (tmp_path / "run" / "accuracy.jsonl").exists() and not (tmp_path / "docs").exists()
+    assert (run / "accuracy.jsonl").exists() and not (run / "RESULTS.md").exists()
     proc = run_python([*args, "--report_only"], check=False, timeout=300)
     assert proc.returncode == 2 and "run with --timing_only first" in proc.stderr
+    proc = run_python([*args, "--timing_only"], timeout=300)
+    assert f"report: {run / 'RESULTS.md'}" in proc.stdout
+    assert "| Dense |" in (run / "RESULTS.md").read_text()
+    assert (run / results_report.PLOTS["speed"]).stat().st_size > 0
+    assert os.listdir(docs) == ["RESULTS.md"] and (docs / "RESULTS.md").read_text() == (
+        "the shipped report"
+    )
+    proc = run_python([*args, "--docs=docs", f"--workdir={tmp_path / 'other'}"], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --docs writes the shipped report") and ":quick" in last
+    assert not (tmp_path / "other").exists() and os.listdir(docs) == ["RESULTS.md"]
+
+
+def test_only_the_full_campaign_may_write_docs(tmp_path):
+    """``--docs``: the default config, with every planned run recorded and every suite timed in
+    the workdir, or produced by the command itself (the suites it trains and times)."""
+    config = results_config.get_config()
+    data = results_runs.Data(types.SimpleNamespace(train={"label": np.zeros(60_000)}), None)
+    check = functools.partial(results_runs.check_full_campaign, config, data, tmp_path)
+    every = results_runs.suites(config)
+    check(trained=every, timed=every)  # a whole run from scratch
+    with pytest.raises(common.ConfigError, match=r"lacks \d+ training runs \(mixer dense"):
+        check(trained=["mlp"], timed=["mlp"])  # --suite=mlp in an empty workdir
+    with pytest.raises(common.ConfigError, match="lacks the timings of mlp, the timings of mixer"):
+        check(trained=every, timed=[])  # --notiming
+    records = [
+        {"model": m, "method": x, "sparsity": s, "seed": seed, "fingerprint": fp}
+        for m, x, s, seed in results_runs.run_plan(config)
+        for fp in [
+            results_runs.fingerprint(config, m, x, results_runs.steps_of(config.models[m], data))
+        ]
+    ]
+    (tmp_path / results_runs.ACCURACY_FILE).write_text("\n".join(map(json.dumps, records)))
+    (tmp_path / results_runs.SPEED_FILE).write_text(json.dumps({"models": dict.fromkeys(every)}))
+    check(trained=[], timed=[])  # --report_only of a complete workdir
+    with config.unlocked():
+        config.models.mlp.epochs = 1
+    with pytest.raises(common.ConfigError, match="not the default one"):
+        check(trained=every, timed=every)
+
+
+def test_sigterm_saves_and_exits_with_sigterms_status(tmp_path):
+    """``kill <pid>`` (SIGTERM) stops after the current step, saves it and exits 143 (128 + 15),
+    not SIGINT's 130 (issue 23)."""
+    workdir = tmp_path / "run"
+    command = [
+        sys.executable,
+        str(ROOT / "train" / "lm.py"),
+        f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal,sparsity=0",
+        "--config.train.num_steps=100000",
+        f"--workdir={workdir}",
+        "--noprogress",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    checkpoints = workdir / "checkpoints"
+    proc = subprocess.Popen(command, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        # training has started once a checkpoint exists (one every 2 steps)
+        while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
+            if proc.poll() is not None:
+                pytest.fail(f"exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail("no checkpoint after 300 s")
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "run the same command to resume" in stderr and "Traceback" not in stderr
+    stopped = int(stderr.split("stopped at step ")[1].split()[0])
+    assert (checkpoints / str(stopped)).is_dir()  # the step it stopped at was saved

@@ -38,14 +38,21 @@ _PARSERS = {
 _ELEMENTS = {bool: "booleans", int: "ints", float: "numbers", str: "strings"}
 
 
-def define_config_flag(default: str | None, help_text: str = "experiment config file"):
+def define_config_flag(
+    default: str | None,
+    help_text: str = "config file and its arguments, path[:key=value,...]; "
+    "--config.<key>=<value> overrides one entry",
+):
     """``config_flags.DEFINE_config_file("config", default, lock_config=True)``, after
     :func:`check_command_line` on ``sys.argv`` (a problem exits with status 2)."""
     try:
         check_command_line(sys.argv, default)
     except common.ConfigError as e:
         common.die(str(e))
-    return config_flags.DEFINE_config_file(FLAG, default, help_text, lock_config=True)
+    holder = config_flags.DEFINE_config_file(FLAG, default, help_text, lock_config=True)
+    # --help lists the main module's key flags only; defined here, --config would be in --helpfull.
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[FLAG])
+    return holder
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -8,7 +8,9 @@ baseline (``method=``: dense, static_diagonals, rigl, set, mest) on the same lay
 Uses every local device (data parallel); on several hosts, start one process per host with
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set. Re-running the same
 command resumes from the newest checkpoint in ``--workdir``. docs/training.md explains how to
-prepare the data.
+prepare the data. Without it, ``--config.data.fake_examples=N`` (set by the smoke run
+``--config=train/configs/vit_imagenet.py:runlocal``) trains on N random images per split: the
+command, the pipeline and the step run as on ImageNet, and nothing is learned.
 """
 
 from __future__ import annotations
@@ -48,9 +50,7 @@ def prepare(config):
     mesh = T.data_mesh()
     T.check_batch_size(int(config.train.batch_size), mesh, name="train.batch_size")
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
-    data_dir = D.check_imagenet_dir(config.data.data_dir or None)
-    train_source = D.imagenet_source(config.data.train_split, data_dir)
-    eval_source = D.imagenet_source(config.data.eval_split, data_dir)
+    train_source, eval_source = _sources(config.data)
     batch, size = int(config.train.batch_size), int(config.data.image_size)
     steps_per_epoch = max(1, len(train_source) // batch)
     num_steps = int(config.train.num_steps) or int(config.train.epochs) * steps_per_epoch
@@ -59,7 +59,12 @@ def prepare(config):
     method = baselines.from_config(
         config, num_steps=num_steps, warmup_steps=warmup, num_classes=NUM_CLASSES
     )
-    common.check_layer_patterns(method.model, example, config.dynadiag)
+    common.check_layer_patterns(
+        method.model,
+        example,
+        config.dynadiag,
+        block_size=baselines.block_size(method, config.dynadiag),
+    )
     ra, threads, prefetch = (
         config.data.randaugment,
         int(config.data.num_threads),
@@ -88,6 +93,28 @@ def prepare(config):
     return method, train_data, eval_data, num_steps, example
 
 
+def _sources(data_cfg):
+    """The training and evaluation splits: ImageNet from ``data_dir``, or ``fake_examples``
+    random images each (:class:`dynadiag_jax.data.SyntheticImages`)."""
+    fake = int(data_cfg.fake_examples)
+    if fake < 0:
+        raise common.ConfigError(f"data.fake_examples must be >= 0 (0: ImageNet), got {fake}")
+    if not fake:
+        data_dir = D.check_imagenet_dir(data_cfg.data_dir or None)
+        return (
+            D.imagenet_source(data_cfg.train_split, data_dir),
+            D.imagenet_source(data_cfg.eval_split, data_dir),
+        )
+    if data_cfg.data_dir:
+        raise common.ConfigError(
+            f"data.fake_examples={fake} trains on random images, so data.data_dir="
+            f"{data_cfg.data_dir!r} would be ignored: set --config.data.fake_examples=0 to train "
+            "on ImageNet"
+        )
+    train = D.SyntheticImages(fake, seed=0, num_classes=NUM_CLASSES)
+    return train, D.SyntheticImages(fake, seed=1, num_classes=NUM_CLASSES)
+
+
 def train_and_evaluate(config, workdir, *, progress: bool = True) -> T.TrainResult:
     """Train and evaluate as ``config`` says; checkpoints and metrics under ``workdir``.
 
@@ -95,6 +122,11 @@ def train_and_evaluate(config, workdir, *, progress: bool = True) -> T.TrainResu
       common.ConfigError: bad config, data directory or batch size (before compiling anything).
     """
     method, train_data, eval_data, num_steps, example = prepare(config)
+    if int(config.data.fake_examples):
+        print(
+            f"data: {config.data.fake_examples} random images per split (data.fake_examples), "
+            "not ImageNet: the accuracy means nothing"
+        )
     mix = config.mixup
     task = T.Classification(
         NUM_CLASSES,

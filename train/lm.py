@@ -1,7 +1,9 @@
 """GPT-2 on a byte-level corpus, DynaDiag or a baseline (``method=``: dense, static_diagonals,
 rigl, set, mest); reports validation perplexity.
 
-  python train/lm.py --workdir=runs/lm_fortunes_s90           # mini GPT-2, fortunes, 90% sparse
+  python train/lm.py --workdir=runs/lm_fortunes_s90           # mini GPT-2, fortunes, sparsity 0.9
+  python train/lm.py --workdir=/tmp/lm_smoke --config=train/configs/gpt2_lm.py:runlocal
+      # a smoke run: a tiny GPT-2 ("mu"), 6 steps of batch 8 on windows of 32 bytes
   python train/lm.py --workdir=runs/gpt2s_wt103_s90 \\
       --config=train/configs/gpt2_lm.py:corpus=wikitext,variant=small \\
       --config.data.path=/data/wikitext-103-raw
@@ -65,7 +67,12 @@ def prepare(config):
         vocab_size=D.BYTE_VOCAB_SIZE,
         block_size=seq_len,
     )
-    common.check_layer_patterns(method.model, example, config.dynadiag)
+    common.check_layer_patterns(
+        method.model,
+        example,
+        config.dynadiag,
+        block_size=baselines.block_size(method, config.dynadiag),
+    )
     return method, corpus, train_data, eval_data, example
 
 

@@ -7,12 +7,16 @@ final test accuracy (or validation perplexity) of each run is appended to
 ``<workdir>/accuracy.jsonl`` as soon as the run ends. Then every method's jitted training step and
 inference are timed on one fixed batch, interleaved with dense so that each ratio compares
 timings taken side by side (``<workdir>/speed.json``, per suite). Finally the report of every suite
-with records, its plots and the machine description are written under ``--docs``.
+with records, its plots and the machine description are written: to ``<workdir>/RESULTS.md``, or
+with ``--docs=docs`` to the shipped ``docs/RESULTS.md``, which only the full campaign may write
+(the default config, every run recorded and every suite timed; anything else is refused before it
+trains, so a smoke run or an experiment never overwrites the shipped report).
 
 Interrupt at any time: finished runs are kept, the interrupted run resumes from its last
 checkpoint, and the same command carries on. A run whose settings changed is trained again.
 
-  python train/results.py                                          # every suite, method, seed
+  python train/results.py --docs=docs                              # the campaign -> docs/
+  python train/results.py                                          # the same, report in --workdir
   python train/results.py --suite=vit,gpt                          # some suites
   python train/results.py --config=train/configs/results.py:quick  # a smoke run (1 seed, short)
   python train/results.py --notiming                               # train; report if timed before
@@ -39,6 +43,7 @@ from train.configs import results as default_config
 from train.results_runs import (
     ACCURACY_FILE,
     SPEED_FILE,
+    check_full_campaign,
     fingerprint,
     prepare,
     read_records,
@@ -46,13 +51,19 @@ from train.results_runs import (
     selected_suites,
     steps_of,
     train_run,
+    untrained,
 )
 
-_CONFIG = cli.define_config_flag(str(pathlib.Path(default_config.__file__)), "results config file")
+_CONFIG = cli.define_config_flag(str(pathlib.Path(default_config.__file__)))
 _WORKDIR = flags.DEFINE_string(
     "workdir", "runs/results", "run directories, accuracy.jsonl and speed.json"
 )
-_DOCS = flags.DEFINE_string("docs", "docs", "where RESULTS.md and its PNG plots are written")
+_DOCS = flags.DEFINE_string(
+    "docs",
+    "",
+    "write RESULTS.md and its PNG plots here (docs: the shipped report) instead of --workdir; "
+    "only for the full campaign: the default config, every run recorded, every suite timed",
+)
 _SUITE = flags.DEFINE_list(
     "suite",
     ["all"],
@@ -73,29 +84,24 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar")
 def train_all(config, data, suites, workdir: pathlib.Path) -> None:
     """Train every planned run of ``suites`` not yet in ``accuracy.jsonl``, appending each."""
     accuracy_path = workdir / ACCURACY_FILE
-    done = {
-        (r["model"], r["method"], r["sparsity"], r["seed"], r["fingerprint"])
-        for r in read_records(accuracy_path)
-    }
     plan = run_plan(config, suites)
+    todo = untrained(config, data, suites, workdir)
     print(
-        f"data: {data.name}; {len(plan)} training runs on {common.device_summary()}; "
-        f"logs in {workdir}"
+        f"data: {data.name}; {len(todo)} of {len(plan)} training runs to train on "
+        f"{common.device_summary()}; logs in {workdir}"
     )
-    bar = tqdm.tqdm(plan, unit="run", disable=not _PROGRESS.value, dynamic_ncols=True)
+    bar = tqdm.tqdm(todo, unit="run", disable=not _PROGRESS.value, dynamic_ncols=True)
     for spec in bar:
         model_name, method, sparsity, seed = spec
         steps = steps_of(config.models[model_name], data)
         fp = fingerprint(config, model_name, method, steps)
-        if (*spec, fp) in done:
-            continue
         bar.set_description(f"{model_name} {method} s={sparsity:g} seed={seed}")
         run_dir = workdir / model_name / f"{method}_s{round(100 * sparsity)}_seed{seed}_{fp}"
         try:
             record = train_run(config, data, spec, steps, run_dir, fp)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             print(f"\ninterrupted; the same command resumes ({run_dir} keeps its checkpoint)")
-            raise SystemExit(130) from None
+            raise SystemExit(common.interrupt_status(e)) from None
         with accuracy_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         metric = (
@@ -124,19 +130,28 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
-    workdir, docs = pathlib.Path(_WORKDIR.value), pathlib.Path(_DOCS.value)
+    workdir = pathlib.Path(_WORKDIR.value)
     begun = time.perf_counter()
+    training = not (_REPORT_ONLY.value or _TIMING_ONLY.value)
+    timing = not _REPORT_ONLY.value and (_TIMING.value or _TIMING_ONLY.value)
     try:
-        suites = selected_suites(config, _SUITE.value)
+        chosen = selected_suites(config, _SUITE.value)
         data = prepare(config)
+        if _DOCS.value:
+            check_full_campaign(
+                config,
+                data,
+                workdir,
+                trained=chosen if training else [],
+                timed=chosen if timing else [],
+            )
     except common.ConfigError as e:
         common.die(str(e))
     workdir.mkdir(parents=True, exist_ok=True)
-    if not _REPORT_ONLY.value:
-        if not _TIMING_ONLY.value:
-            train_all(config, data, suites, workdir)
-        if _TIMING.value or _TIMING_ONLY.value:
-            time_suites(config, data, suites, workdir, begun)
+    if training:
+        train_all(config, data, chosen, workdir)
+    if timing:
+        time_suites(config, data, chosen, workdir, begun)
     if not (workdir / SPEED_FILE).exists():
         if not (_REPORT_ONLY.value or _TIMING.value):
             # --notiming on a new workdir: the runs are in; the report needs the timings.
@@ -154,7 +169,14 @@ def main(argv):
         == fingerprint(config, r["model"], r["method"], steps_of(config.models[r["model"]], data))
     ]
     timings = json.loads((workdir / SPEED_FILE).read_text())
-    path = results_report.write(docs, config, records, timings, data_name=data.name)
+    if _DOCS.value:  # what check_full_campaign allowed must have happened (no run failed)
+        try:
+            check_full_campaign(config, data, workdir, trained=(), timed=())
+        except common.ConfigError as e:
+            common.die(str(e))
+    path = results_report.write(
+        _DOCS.value or workdir, config, records, timings, data_name=data.name
+    )
     print(f"report: {path}")
 
 

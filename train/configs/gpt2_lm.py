@@ -8,6 +8,7 @@ GPT-2 small/medium on WikiText-103 (raw files wiki.{train,valid,test}.raw in a d
   python train/lm.py --workdir=runs/lm_stdlib \\
       --config=train/configs/gpt2_lm.py:corpus=stdlib,sparsity=0
   python train/lm.py --workdir=runs/lm_rigl90 --config=train/configs/gpt2_lm.py:method=rigl
+  python train/lm.py --workdir=/tmp/lm_smoke --config=train/configs/gpt2_lm.py:runlocal  # smoke run
   python train/lm.py --workdir=runs/gpt2s_wt103_s90 \\
       --config=train/configs/gpt2_lm.py:variant=small,corpus=wikitext,sparsity=0.9 \\
       --config.data.path=/data/wikitext-103-raw --config.data.seq_len=1024 \\

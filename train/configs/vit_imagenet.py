@@ -16,6 +16,12 @@ block; search phase = the first 30% of steps, then the selection freezes.
       --config.data.data_dir=$TFDS_DATA_DIR
   (variants: B/16, S/16, Ti/16; sparsity: 0 (dense), 0.8, 0.9, 0.95; method: dynadiag,
   static_diagonals, rigl, set, mest)
+  python train/imagenet.py --workdir=/tmp/vit_smoke --config=train/configs/vit_imagenet.py:runlocal
+  python train/imagenet.py --workdir=/tmp/vit_b16_fake \\
+      --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9 \\
+      --config.data.fake_examples=4096 --config.train.num_steps=100
+  (no data needed: runlocal is a tiny ViT on 64 random images; data.fake_examples=N trains on N
+  random images per split, to try or time a command on a machine without ImageNet)
 
 On a GPU every sparse layer runs at dense speed: with dynadiag.impl="auto", element diagonals (the
 default block_size=1) run as W built on the device + XLA's dot, by design (scattered diagonals
@@ -64,6 +70,9 @@ def get_config(arg=None):
         num_threads=16,
         prefetch=512,
         eval_max_examples=0,
+        # > 0: this many random images per split instead of ImageNet (no data_dir): a command runs
+        # anywhere, at ImageNet's cost per step, and learns nothing
+        fake_examples=0,
     )
     config.mixup = dict(mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5, prob=1.0)
     config.train = dict(
@@ -87,9 +96,10 @@ def get_config(arg=None):
         clip_norm=0.0,
         label_smoothing=0.1,
     )
-    if arg.runlocal:  # a smoke run: tiny model, small images, a few steps
+    if arg.runlocal:  # a smoke run: tiny model, small images, a few steps, no data needed
         config.model.variant = "mu/4"
         config.data.image_size = 32
+        config.data.fake_examples = 64
         config.data.num_threads = 2
         config.data.prefetch = 16
         config.data.eval_max_examples = 16
