@@ -114,6 +114,11 @@ def decide(
     )
     fwd, step = pred.speedup("kernel", "dense")
     why = f"{spec.name} model: kernel/dense speed-up {fwd:.2f}x forward, {step:.2f}x step"
+    if block_size == 1:
+        # Scattered element diagonals run on CUDA cores at a twelfth of the tensor-core rate:
+        # no training shape can beat cuBLAS, and the model's small-call wins (reading K/P of W)
+        # rest on latency terms no GPU has measured yet.
+        return Decision("dense", f"element diagonals stay dense on GPU; {why}", pred)
     if fwd >= MIN_SPEEDUP and step >= MIN_SPEEDUP:
         return Decision("ffi", why, pred)
     return Decision("dense", why, pred)
