@@ -1,4 +1,5 @@
-"""DynaDiag layers for Flax NNX: ``dd.nnx.DiagonalDense``, ``set_gate`` and ``freeze``.
+"""DynaDiag layers for Flax NNX: ``dd.nnx.DiagonalDense``, ``set_gate``, ``freeze`` and
+``freeze_opt_state``.
 
 The same functional core as the linen layer (:mod:`dynadiag_jax.nn.functional`,
 :mod:`dynadiag_jax.nn.search`) with the same variable names, so ``nnx.state(model)`` holds what
@@ -20,17 +21,19 @@ from __future__ import annotations
 
 import numbers
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dynadiag_jax._dtypes import promote_floats, work_dtype
-from dynadiag_jax.freeze import _check_finite
+from dynadiag_jax.freeze import finite_values
+from dynadiag_jax.freeze import freeze_opt_state as freeze_params_opt_state
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
 from dynadiag_jax.nn.search import gate_inputs, search_forward
-from dynadiag_jax.topk import check_gate_value
+from dynadiag_jax.topk import check_gate_value, nan_if_nan
 
-__all__ = ["DiagonalDense", "Diagonals", "GateState", "freeze", "set_gate"]
+__all__ = ["DiagonalDense", "Diagonals", "GateState", "freeze", "freeze_opt_state", "set_gate"]
 
 BLOCK_SIZES = (1, *KERNEL_BLOCK_SIZES)
 
@@ -51,7 +54,8 @@ class DiagonalDense(nnx.Module):
       sparsity: fraction of zeros in ``(0, 1)``; or ``k``: the budget ``K`` in ``[1, P]``.
       block_size: 1 (element diagonals) or ``b`` in (8, 16, 32, 64, 128) dividing both widths.
       gate: ``"sparse_topk"`` (hyper-parameter ``strength``) or ``"softmax"`` (``temperature``).
-      use_bias, slack, explore, num_buckets, gate_init, dtype, param_dtype, impl: as
+      use_bias, slack, explore, num_buckets, gate_init, dtype, param_dtype, impl, kernel_init,
+        bias_init, fan_in, scale: as
         :class:`dynadiag_jax.nn.DiagonalDense`.
       init_phase: ``"search"``, or ``"frozen"`` for K random offsets (static diagonals).
       rngs: ``nnx.Rngs`` with a ``params`` stream.
@@ -77,6 +81,10 @@ class DiagonalDense(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         impl: str = "auto",
+        kernel_init=F.DEFAULT_KERNEL_INIT,
+        bias_init=F.DEFAULT_BIAS_INIT,
+        fan_in: str = "sparse",
+        scale: str = "rms",
         rngs: nnx.Rngs,
     ):
         for name, value in (("in_features", in_features), ("out_features", out_features)):
@@ -95,6 +103,7 @@ class DiagonalDense(nnx.Module):
             raise ValueError(f"unknown init_phase {init_phase!r}; expected 'search' or 'frozen'")
         if not slack >= 0:
             raise ValueError(f"slack must be >= 0, got {slack!r}")
+        F.check_init_and_search(fan_in, scale)
         if gate_init is not None:
             check_gate_value(gate_init, "gate_init")
         budget = F.layer_budget(
@@ -110,28 +119,32 @@ class DiagonalDense(nnx.Module):
             explore=explore,
             num_buckets=int(num_buckets),
             impl=impl,
+            scale=scale,
         )
         self.dtype = dtype
         self.param_dtype = param_dtype
         spec = self.spec
         self.in_features = Diagonals(jnp.asarray(spec.in_features, jnp.int32))
+        values_init = F.init_values(spec, kernel_init, fan_in)
         if init_phase == "frozen":
-            self.offsets = Diagonals(F.random_offsets(rngs.params(), spec))
-            self.values = nnx.Param(
-                F.init_values(spec)(rngs.params(), (spec.k, *spec.row_shape), param_dtype)
-            )
+            offsets = F.random_offsets(rngs.params(), spec)
+            self.offsets = Diagonals(offsets)
+            self.values = nnx.Param(values_init(rngs.params(), offsets, param_dtype))
         else:
             p = spec.num_candidates
             alpha = F.init_alpha(rngs.params(), (p,), work_dtype(param_dtype))
             self.alpha = nnx.Param(alpha)
-            self.values = nnx.Param(
-                F.init_values(spec)(rngs.params(), (p, *spec.row_shape), param_dtype)
-            )
+            every = jnp.arange(p, dtype=jnp.int32)
+            self.values = nnx.Param(values_init(rngs.params(), every, param_dtype))
             start = gate_init if gate_init is not None else F.DEFAULT_HYPER[spec.hyper_name]
             setattr(self, spec.hyper_name, GateState(jnp.asarray(start, jnp.float32)))
             self.topk = GateState(F.select_diagonals(alpha, spec.k))
             self.score = GateState(jnp.asarray(False))
-        self.bias = nnx.Param(jnp.zeros((spec.out_features,), param_dtype)) if use_bias else None
+        self.bias = (
+            nnx.Param(bias_init(rngs.params(), (spec.out_features,), param_dtype))
+            if use_bias
+            else None
+        )
 
     @property
     def frozen(self) -> bool:
@@ -170,6 +183,7 @@ class DiagonalDense(nnx.Module):
             y, _ = search_forward(
                 spec, self.values.get_value(), x, inputs, score=self.score.get_value()
             )
+            y = nan_if_nan(y, hyper)
             self.topk.set_value(inputs.topk)
         if self.bias is not None:
             bias = self.bias.get_value().astype(dtype)
@@ -215,24 +229,57 @@ def set_gate(model, *, strength=None, temperature=None, score=None):
             m.score.set_value(jnp.asarray(score, jnp.bool_))
 
 
+def _kept(alpha, values, k: int):
+    """``(offsets[K], values[K, *V])`` of the ``k`` diagonals with the largest ``alpha[P]``;
+    abstract arrays (``jax.ShapeDtypeStruct``, from ``nnx.eval_shape``) give abstract ones."""
+
+    def keep(alpha, values):
+        offsets = F.select_diagonals(alpha, k)
+        return offsets, values[offsets]
+
+    if isinstance(alpha, jax.ShapeDtypeStruct):
+        return jax.eval_shape(keep, alpha, values)
+    return keep(alpha, values)
+
+
 def freeze(model):
     """A copy of ``model`` with every search-phase :class:`DiagonalDense` in the compact frozen
     form: the ``K`` diagonals with the largest ``alpha`` (``dd.select_diagonals``), ``values[K,
     *V]`` and ``offsets[K]``; ``alpha`` and the gate state are gone. ``model`` is unchanged.
 
-    Train the frozen copy with a new ``nnx.Optimizer``. Raises ``ValueError`` naming the layer
-    when a concrete ``alpha`` holds NaN or inf (a diverged search).
+    An abstract model (``nnx.eval_shape(lambda: Model(...))``) gives the abstract frozen one, a
+    template to restore a frozen checkpoint into. Continue training with
+    :func:`freeze_opt_state`. Raises ``ValueError`` naming the layer when a concrete ``alpha``
+    holds NaN or inf (a diverged search); inside ``nnx.jit`` such a layer's frozen ``values`` are
+    NaN instead (:func:`dynadiag_jax.freeze_tree`).
     """
     frozen = nnx.clone(model)
     for path, m in _layers(frozen):
         if m.frozen:
             continue
         alpha = m.alpha.get_value()
-        _check_finite(alpha, tuple(map(str, path)))
-        offsets = F.select_diagonals(alpha, m.spec.k)
-        values = m.values.get_value()[offsets]
+        offsets, values = _kept(alpha, m.values.get_value(), m.spec.k)
+        values = finite_values(alpha, values, tuple(map(str, path)))
         for name in ("alpha", m.spec.hyper_name, "topk", "score"):
             delattr(m, name)
         m.offsets = Diagonals(offsets)
         m.values = nnx.Param(values)
     return frozen
+
+
+def freeze_opt_state(optimizer: nnx.Optimizer, model, frozen) -> nnx.Optimizer:
+    """An ``nnx.Optimizer`` for ``frozen = freeze(model)`` that continues ``optimizer`` (made for
+    ``model``), as :func:`dynadiag_jax.freeze_opt_state` does for linen: the same transformation,
+    ``wrt`` and step count; every params-shaped tree of its state (Adam's moments, ...) loses
+    ``alpha`` and keeps the rows of the diagonals ``freeze`` kept. ``optimizer`` is unchanged.
+    """
+    params_before = nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
+    params_after = nnx.to_pure_dict(nnx.state(frozen, optimizer.wrt))
+    state = freeze_params_opt_state(
+        nnx.to_pure_dict(nnx.state(optimizer)), params_before, params_after
+    )
+    continued = nnx.Optimizer(frozen, optimizer.tx, wrt=optimizer.wrt)
+    template = nnx.state(continued)
+    nnx.replace_by_pure_dict(template, state)
+    nnx.update(continued, template)
+    return continued

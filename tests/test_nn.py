@@ -15,8 +15,12 @@ BF16_TOL = 3e-2
 SHAPES = [(16, 24), (24, 16), (20, 20)]  # (in, out): tall, wide, square
 
 
-def dense_reference(params, x, features, gate, computed):
-    """``x @ W.T + b`` with ``W = sum_{p in computed} gate[p] * values[p]`` built densely."""
+def dense_reference(params, x, features, gate, computed, k=None):
+    """``x @ W.T + b`` with ``W = sum_{p in computed} gate[p] * values[p]`` built densely; with
+    ``k`` the gate is first scaled by the layer's ``scale="rms"`` factor ``sqrt(k / sum(gate^2))``
+    (constant for the gradient)."""
+    if k is not None:
+        gate = gate * jax.lax.stop_gradient(jnp.sqrt(k / jnp.sum(gate * gate)))
     w = dd.diag_to_dense(
         gate[computed][:, None] * params["values"][computed],
         computed,
@@ -54,12 +58,75 @@ def test_init_shapes_and_ranges(n_in, n_out):
         "diagonals": {"in_features": ()},
     }
     assert int(v["diagonals"]["in_features"]) == n_in
-    values, alpha = np.asarray(v["params"]["values"]), np.asarray(v["params"]["alpha"])
-    assert np.abs(values).max() <= 1 / np.sqrt(d_len) and values.std() > 0.3 / np.sqrt(d_len)
+    alpha = np.asarray(v["params"]["alpha"])
     np.testing.assert_allclose(alpha, 1 / p, rtol=2e-3)
     assert len(np.unique(alpha)) == p  # ties broken by the params RNG
     np.testing.assert_array_equal(v["params"]["bias"], 0)
     assert v["dynadiag"]["topk"].dtype == jnp.int32
+
+
+def _position_init(key, shape, dtype=jnp.float32):
+    """A kernel ``[in, out]`` whose entries say where they are (1, 2, ...), for any key."""
+    del key
+    return jnp.arange(1, shape[0] * shape[1] + 1, dtype=dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("phase", ["search", "frozen"])
+@pytest.mark.parametrize("fan_in", ["sparse", "dense"])
+@pytest.mark.parametrize(
+    "block_size,n_in,n_out", [(1, 16, 24), (1, 24, 16), (1, 20, 20), (8, 16, 32), (8, 32, 16)]
+)
+def test_values_are_the_dense_kernels_entries(phase, fan_in, block_size, n_in, n_out):
+    """Each value is the entry of ``kernel_init``'s dense ``[in, out]`` kernel at its place in
+    ``W[out, in]``, times ``1 / sqrt(density)`` with ``fan_in="sparse"``."""
+    layer = DiagonalDense(
+        n_out,
+        sparsity=0.8,
+        block_size=block_size,
+        kernel_init=_position_init,
+        fan_in=fan_in,
+        init_phase=phase,
+        impl="jax",
+    )
+    v, _ = init(layer, n_in)
+    values = np.asarray(v["params"]["values"], np.float64)
+    p = values.shape[0] if phase == "search" else None
+    offsets = v["diagonals"]["offsets"] if phase == "frozen" else jnp.arange(p, dtype=jnp.int32)
+    k = layer.budget(n_in)
+    density = k * np.prod(values.shape[1:]) / (n_in * n_out)
+    gain = 1 / np.sqrt(density) if fan_in == "sparse" else 1.0
+    w = np.asarray(
+        dd.diag_to_dense(jnp.asarray(values / gain), offsets, in_features=n_in, out_features=n_out)
+    )
+    kernel = np.asarray(_position_init(None, (n_in, n_out))).T
+    kept = w != 0
+    assert kept.sum() == values.size  # distinct entries, none lost
+    np.testing.assert_allclose(w[kept], kernel[kept], rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_default_init_keeps_the_dense_layers_output_scale(block_size):
+    """``nn.Dense``'s default (lecun normal, variance ``1 / in``) with the sparse fan-in: a frozen
+    layer's outputs have unit variance for unit inputs, as the dense layer's have; a masked-dense
+    start (``fan_in="dense"``) is ``sqrt(density)`` smaller."""
+    x = jax.random.normal(jax.random.key(1), (1024, 256))
+    stds = {}
+    for fan_in in ("sparse", "dense"):
+        layer = DiagonalDense(
+            512, sparsity=0.9, block_size=block_size, init_phase="frozen", fan_in=fan_in
+        )
+        v = layer.init(jax.random.key(0), x)
+        stds[fan_in] = float(jnp.std(layer.apply(v, x)))
+    density = layer.budget(256) * (256 if block_size == 1 else 512 * block_size) / (256 * 512)
+    assert stds["sparse"] == pytest.approx(1.0, rel=0.15)
+    assert stds["dense"] / stds["sparse"] == pytest.approx(np.sqrt(density), rel=0.05)
+
+
+def test_unknown_fan_in_and_scale_are_rejected():
+    with pytest.raises(ValueError, match="fan_in"):
+        DiagonalDense(8, k=2, fan_in="wide")
+    with pytest.raises(ValueError, match="scale"):
+        DiagonalDense(8, k=2, scale="mean")
 
 
 def test_keyword_only_and_budget_k():
@@ -92,7 +159,7 @@ def test_search_forward_and_grad_match_dense(rng, n_in, n_out, explore):
 
     def ref_apply(params):
         g = dd.sparse_soft_topk(params["alpha"], layer.budget(n_in), strength=strength)
-        return dense_reference(params, x, n_out, g, computed)
+        return dense_reference(params, x, n_out, g, computed, k=layer.budget(n_in))
 
     np.testing.assert_allclose(
         np.asarray(layer_apply(params)), np.asarray(ref_apply(params)), atol=F32_TOL, rtol=F32_TOL
@@ -118,7 +185,7 @@ def test_dense_score_step_gives_exact_gradient_for_every_diagonal(rng, n_in, n_o
 
     def ref(params, computed):
         g = dd.sparse_soft_topk(params["alpha"], k, strength=0.1)
-        return dense_reference(params, x, n_out, g, computed)
+        return dense_reference(params, x, n_out, g, computed, k=layer.budget(n_in))
 
     y = layer.apply(v, x)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref(params, truncated)), atol=F32_TOL)
@@ -141,7 +208,7 @@ def test_softmax_gate_and_temperature_collection(rng):
     v = dict(v, params=params)
     k = layer.budget(10)
     gate = dd.softmax_topk(params["alpha"], k, temperature=0.7)
-    want = dense_reference(params, x, 12, gate, jnp.arange(12))  # never sparse: all computed
+    want = dense_reference(params, x, 12, gate, jnp.arange(12), k=k)  # never sparse: all computed
     got = layer.apply(set_gate(v, temperature=0.7), x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=F32_TOL)
     np.testing.assert_allclose(
@@ -232,7 +299,7 @@ def test_buckets_with_the_dense_impl_build_w_once_over_every_diagonal(rng):
     assert float(state["intermediates"]["computed_diagonals"][0]) == 64
     gate = dd.sparse_soft_topk(params["alpha"], layer.budget(48), strength=strength)
     assert int(jnp.sum(gate > 0)) < 34  # a bucket of 34 or fewer would hold the support
-    want = dense_reference(params, x, 64, gate, jnp.arange(64))
+    want = dense_reference(params, x, 64, gate, jnp.arange(64), k=layer.budget(48))
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=F32_TOL, rtol=F32_TOL)
 
     def switches(impl):
@@ -454,7 +521,8 @@ def test_gate_value_zero_is_the_hard_topk(rng):
     sv = soft.init(jax.random.key(0), x)
     sv = dict(sv, params=perturb(sv["params"], rng))
     best = jnp.argmax(sv["params"]["alpha"])[None]
-    want = dense_reference(sv["params"], x, 24, jnp.ones(1), best)  # all mass on the arg-max
+    # all mass on the arg-max, at the output scale of K diagonals (scale="rms")
+    want = dense_reference(sv["params"], x, 24, jnp.ones(1), best, k=soft.budget(16))
     got = jax.jit(soft.apply)(set_gate(sv, temperature=0.0), x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=F32_TOL)
 
@@ -538,3 +606,47 @@ def test_set_gate_refuses_arguments_no_layer_takes():
         with pytest.raises(ValueError, match="no 'dynadiag' collection"):
             set_gate(variables, strength=0.5)
     assert float(set_gate(sparse, strength=0.0)["dynadiag"]["strength"]) == 0.0
+
+
+def test_frozen_layer_and_phase_mix_ups_are_errors_under_jit_too():
+    """Issue 23 item 5, as the user ran it: ``DiagonalDense(32, k=4)`` frozen at width 64 and run
+    under jit on width 48 gave all-NaN; the frozen layer silently ran the search product on
+    search-phase variables; search params beside frozen offsets gave Flax's shape error."""
+    layer = DiagonalDense(32, k=4, impl="jax")
+    x = jax.random.normal(jax.random.key(0), (2, 64))
+    v = layer.init(jax.random.key(1), x)
+    frozen_layer, fv = dd.freeze(layer, v)
+    assert frozen_layer.in_features == 64  # static: known while tracing
+    apply = jax.jit(frozen_layer.apply)
+    with pytest.raises(ValueError, match="x has width 48, the layer expects 64"):
+        apply(fv, x[:, :48])
+    with pytest.raises(ValueError, match="init_phase='frozen'.*given search-phase variables"):
+        apply(v, x)
+    with pytest.raises(ValueError, match="mixed phases: params hold a search-phase layer"):
+        jax.jit(layer.apply)({**v, "diagonals": fv["diagonals"]}, x)
+    np.testing.assert_allclose(apply(fv, x), layer.apply(fv, x), atol=F32_TOL)
+    with pytest.raises(ValueError, match="x has width 63, the layer expects 64"):
+        DiagonalDense(32, k=4, in_features=64).init(jax.random.key(0), x[:, :63])
+    with pytest.raises(ValueError, match="in_features must be None or an int >= 1, got 0"):
+        DiagonalDense(32, k=4, in_features=0)
+
+
+@pytest.mark.parametrize("gate", ["sparse_topk", "softmax"])
+def test_a_nan_gate_value_raises_eagerly_and_gives_nan_outputs_under_jit(gate):
+    """Issue 23 item 6: a NaN strength/temperature raises where it can be read (the call,
+    set_gate, eagerly); traced, the layer cannot raise, and its outputs are NaN rather than the
+    finite product of some other gate. A traced negative value still acts as 0."""
+    layer = DiagonalDense(8, sparsity=0.5, gate=gate, impl="jax")
+    name = layer.hyper_name
+    x = jax.random.normal(jax.random.key(0), (3, 8))
+    v = layer.init(jax.random.key(1), x)
+    with pytest.raises(ValueError, match=f"{name} must be >= 0"):
+        layer.apply(v, x, **{name: float("nan")})
+    with pytest.raises(ValueError, match=f"{name} must be >= 0"):
+        set_gate(v, **{name: float("nan")})
+    by_call = jax.jit(lambda v, h: layer.apply(v, x, **{name: h}))
+    by_set_gate = jax.jit(lambda v, h: layer.apply(set_gate(v, **{name: h}), x))
+    for f in (by_call, by_set_gate):
+        assert np.all(np.isnan(np.asarray(f(v, jnp.nan))))
+        np.testing.assert_array_equal(f(v, -1.0), f(v, 0.0))
+        assert np.all(np.isfinite(np.asarray(f(v, -1.0))))

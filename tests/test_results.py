@@ -249,6 +249,8 @@ def _transformer_records():
                     "accuracy": a + 0.001 * (seed - 1),
                     "seconds": 60.0,
                     "density": 1.0 if method == "dense" else 0.1,
+                    # the training loss every 10 steps, drawn in results_vit_loss.png
+                    "loss_curve": [[step, 2.3 / (1 + step / 50) + a] for step in range(0, 101, 10)],
                 }
             )
     gpt = {
@@ -314,6 +316,7 @@ def test_report_tables_goals_plots_and_kept_notes(tmp_path):
     assert "gpt: blocks 16x16 within 2% of element diagonals' perplexity: **missed**" in text
     assert "| DynaDiag | n/a | 6.060 ± 0.000 (2) | n/a |" in text
     assert "| Dense | 10 s (1.00×; CPU 1.00×) |" in text and "range 1.0-3.0" in text
+    assert "![ViT training loss vs step](results_vit_loss.png)" in text
     for name in results_report.PLOTS.values():
         assert (tmp_path / name).stat().st_size > 0
     path.write_text(
@@ -352,6 +355,9 @@ def test_end_to_end_tiny_run_and_timings(tmp_path):
         records.append(results.train_run(config, data, spec, steps, tmp_path / spec[1], fp))
     for r in records:
         assert 0.0 <= r["accuracy"] <= 1.0
+        steps = [s for s, _ in r["loss_curve"]]  # every logged interval's mean training loss
+        assert steps == sorted(steps) and steps[-1] == r["steps"], r["loss_curve"]
+        assert all(np.isfinite(loss) and loss > 0 for _, loss in r["loss_curve"])
         want = 1.0 if r["method"] == "dense" else 0.1
         assert r["density"] == pytest.approx(want, abs=0.002), r
     timings = speed.measure(config, data, progress=False)

@@ -17,10 +17,13 @@ training script selects the method with its config's ``method`` entry (:func:`fr
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 import dynadiag_jax as dd
@@ -36,7 +39,12 @@ DISTRIBUTIONS = {"uniform": B.uniform, "erk": B.erk}
 READS = {
     "dense": (),
     "dynadiag": ("dynadiag",),
-    "static_diagonals": ("dynadiag.layers", "dynadiag.sparsity", "dynadiag.block_size"),
+    "static_diagonals": (
+        "dynadiag.layers",
+        "dynadiag.sparsity",
+        "dynadiag.block_size",
+        "dynadiag.fan_in",
+    ),
     **{m: ("dynadiag.layers", "dynadiag.sparsity", "unstructured") for m in UNSTRUCTURED},
 }
 # Folded into the run's seed for the masks' key, apart from the initialisation and data keys.
@@ -47,6 +55,10 @@ def unstructured_defaults() -> ml_collections.ConfigDict:
     """The ``unstructured`` section: RigL's schedule (delta T = 100, stop at 75%, drop 0.3 cosine).
 
     ``mutation_ratio`` and ``soft_bound`` are MEST's (EM&S: grow 20% above the budget).
+    ``fan_in="sparse"`` starts the kept weights of a sparse layer at the model's dense
+    initializer times ``1 / sqrt(density)`` (the same rule as ``DiagonalDense``'s default), so
+    every method starts at the output scale of the dense layer it replaces; ``"dense"`` keeps the
+    dense initializer (a masked dense layer's start).
     """
     return ml_collections.ConfigDict(
         dict(
@@ -56,6 +68,7 @@ def unstructured_defaults() -> ml_collections.ConfigDict:
             drop_fraction=0.3,
             mutation_ratio=0.2,
             soft_bound=True,
+            fan_in="sparse",
         )
     )
 
@@ -95,6 +108,16 @@ def check(method: str, unstructured_cfg) -> None:
         raise common.ConfigError(
             f"unstructured.end_fraction must be in (0, 1], got {unstructured_cfg.end_fraction}"
         )
+    if unstructured_cfg.fan_in not in dd.nn.functional.FAN_INS:
+        raise common.ConfigError(
+            f"unstructured.fan_in must be one of {dd.nn.functional.FAN_INS}, "
+            f"got {unstructured_cfg.fan_in!r}"
+        )
+    if unstructured_cfg.fan_in == "sparse" and unstructured_cfg.distribution != "uniform":
+        raise common.ConfigError(
+            "unstructured.fan_in='sparse' scales every sparse layer by the same density: it "
+            f"needs distribution='uniform', got {unstructured_cfg.distribution!r}"
+        )
     if int(unstructured_cfg.update_every) < 1:
         raise common.ConfigError(
             f"unstructured.update_every must be >= 1, got {unstructured_cfg.update_every}"
@@ -104,6 +127,15 @@ def check(method: str, unstructured_cfg) -> None:
 def kernel_include(layer_patterns) -> Callable:
     """``(path, leaf) -> bool`` selecting the kernels of the layers ``dynadiag.layers`` names."""
     return B.include_paths([f"^(?:{p})/kernel$" for p in layer_patterns])
+
+
+def scaled_initializer(init, gain: float):
+    """``init`` with every value multiplied by ``gain``."""
+
+    def scaled(key, shape, dtype=jnp.float32):
+        return (gain * init(key, shape, jnp.float32)).astype(dtype)
+
+    return scaled
 
 
 def with_sparsity(dynadiag_cfg, sparsity: float):
@@ -159,9 +191,16 @@ def build(
             sparsity=float(sparsity),
             block_size=int(dynadiag_cfg.block_size),
             init_phase="frozen",
+            fan_in=dynadiag_cfg.fan_in,
             impl=dynadiag_cfg.get("impl", "auto"),
         )
         model = model_with_layer(model_cfg, dynadiag_cfg, static, **model_kwargs)
+    elif method in UNSTRUCTURED and unstructured_cfg.fan_in == "sparse":
+        kernel_init = scaled_initializer(
+            common.dense_kernel_init(model_cfg), 1.0 / math.sqrt(1.0 - float(sparsity))
+        )
+        dense = functools.partial(nn.Dense, kernel_init=kernel_init)
+        model = model_with_layer(model_cfg, dynadiag_cfg, dense, **model_kwargs)
     else:
         model = common.build_model(model_cfg, diag_cfg, **model_kwargs)
     if method in UNSTRUCTURED:
@@ -183,6 +222,12 @@ def build(
             kwargs.update(drop_fraction=float(u.drop_fraction))
         optimizer = UNSTRUCTURED[method](optimizer, **kwargs)
     return Method(method, model, optimizer, lr, gate, freeze, READS[method])
+
+
+def block_size(method: Method, dynadiag_cfg) -> int:
+    """The block size ``method`` trains with: ``dynadiag.block_size`` where it reads it, else 1."""
+    reads_it = "dynadiag" in method.reads or "dynadiag.block_size" in method.reads
+    return int(dynadiag_cfg.block_size) if reads_it else 1
 
 
 def from_config(config, *, num_steps: int, warmup_steps: int, **model_kwargs) -> Method:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import signal
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,6 +25,7 @@ import dynadiag_jax as dd
 from dynadiag_jax import models
 from dynadiag_jax import training as T
 from dynadiag_jax.kernel_stats import describe_paths, model_paths
+from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 
 MODELS = {"mlp": models.MLP, "vit": models.ViT, "mixer": models.MlpMixer, "gpt2": models.GPT2}
 MODEL_MODULES = {"mlp": models.mlp, "vit": models.vit, "mixer": models.mixer, "gpt2": models.gpt2}
@@ -87,6 +89,8 @@ def sparse_layer(cfg) -> functools.partial:
         slack=float(cfg.slack),
         explore=cfg.explore,
         impl=cfg.impl,
+        fan_in=cfg.fan_in,
+        scale=cfg.scale,
     )
     try:
         layer(1)
@@ -121,8 +125,21 @@ def build_model(model_cfg, dynadiag_cfg, **overrides) -> nn.Module:
         raise ConfigError(f"model {name}: {e}") from None
 
 
-def check_layer_patterns(model: nn.Module, example_input, dynadiag_cfg) -> list[str]:
-    """The replaceable layers that the patterns select; raises if a pattern selects nothing."""
+def dense_kernel_init(model_cfg):
+    """The kernel initializer of the model's replaceable dense layers (``nn.Dense``'s default
+    unless the model's ``DENSE`` binds one)."""
+    module = MODEL_MODULES.get(model_cfg.name)
+    if module is None:
+        raise ConfigError(f"unknown model {model_cfg.name!r}; known models: {', '.join(MODELS)}")
+    bound = models.routing.initializers(module.DENSE)
+    return bound.get("kernel_init", nn.initializers.lecun_normal())
+
+
+def check_layer_patterns(
+    model: nn.Module, example_input, dynadiag_cfg, *, block_size: int = 1
+) -> list[str]:
+    """The replaceable layers that the patterns select; raises if a pattern selects nothing, or if
+    ``block_size`` (:func:`train.baselines.block_size`) does not divide both widths of every one."""
     paths = models.replaceable_layers(model, example_input)
     if float(dynadiag_cfg.sparsity) == 0.0:
         return []
@@ -135,7 +152,24 @@ def check_layer_patterns(model: nn.Module, example_input, dynadiag_cfg) -> list[
     selected = [
         p for p in paths if models.ByPath(tuple(dynadiag_cfg.layers), sparse=nn.Dense).matches(p)
     ]
+    if block_size > 1:
+        _check_block_size(layer_shapes(model, example_input), selected, block_size)
     return selected
+
+
+def _check_block_size(shapes: dict[str, tuple[int, int]], selected: list[str], b: int) -> None:
+    """Raises naming the selected layers whose widths ``b`` does not divide, and the block sizes
+    that divide every selected layer's."""
+    misfits = [p for p in selected if shapes[p][0] % b or shapes[p][1] % b]
+    if not misfits:
+        return
+    fits = [c for c in KERNEL_BLOCK_SIZES if all(not (w % c) for p in selected for w in shapes[p])]
+    raise ConfigError(
+        f"dynadiag.block_size={b} must divide both widths of every sparse layer; it does not "
+        f"divide {', '.join(f'{p} ({shapes[p][0]} -> {shapes[p][1]})' for p in misfits)}. "
+        f"Block sizes that fit every sparse layer: {', '.join(map(str, fits)) or 'none'}, "
+        "or 1 (element diagonals)"
+    )
 
 
 def layer_shapes(model: nn.Module, example_input) -> dict[str, tuple[int, int]]:
@@ -165,7 +199,15 @@ def gate_schedule(dynadiag_cfg, freeze_step: int | None, num_steps: int) -> T.Ga
             schedule = dd.schedules.by_name(name, steps=steps, **sched)
     except (ValueError, KeyError) as e:
         raise ConfigError(f"dynadiag.gate_schedule: {e}") from None
-    return T.GateSchedule(GATE_HYPER[dynadiag_cfg.gate], schedule, int(dynadiag_cfg.score_every))
+    rescore = float(dynadiag_cfg.rescore_fraction)
+    if not 0.0 <= rescore < 1.0:
+        raise ConfigError(f"dynadiag.rescore_fraction must be in [0, 1), got {rescore}")
+    return T.GateSchedule(
+        GATE_HYPER[dynadiag_cfg.gate],
+        schedule,
+        int(dynadiag_cfg.score_every),
+        rescore_step=round(rescore * steps),
+    )
 
 
 def freeze_step(dynadiag_cfg, num_steps: int) -> int | None:
@@ -182,8 +224,13 @@ def learning_rate(opt_cfg, num_steps: int, warmup: int):
     """Linear warm-up over ``warmup`` steps to ``learning_rate``, then cosine decay to
     ``end_learning_rate``."""
     if not 0 <= warmup < num_steps:
+        # Name the entry the user sets: warmup_steps, or warmup_epochs (imagenet.py).
+        if "warmup_epochs" in opt_cfg:
+            entry = f"optimizer.warmup_epochs={opt_cfg.warmup_epochs} ({warmup} steps)"
+        else:
+            entry = f"optimizer.warmup_steps={warmup}"
         raise ConfigError(
-            f"the warm-up ({warmup} steps) must be shorter than training ({num_steps} steps)"
+            f"{entry} must be fewer than the {num_steps} training steps: lower it or train longer"
         )
     return optax.warmup_cosine_decay_schedule(
         0.0 if warmup else float(opt_cfg.learning_rate),
@@ -331,9 +378,16 @@ def check_train_section(train_cfg) -> None:
         raise ConfigError(f"train.keep_checkpoints must be >= 1, got {train_cfg.keep_checkpoints}")
 
 
+def interrupt_status(interrupt: KeyboardInterrupt) -> int:
+    """The shell's status for a run stopped by a signal: 128 + the signal (130 for Ctrl-C, 143 for
+    SIGTERM; :class:`dynadiag_jax.training.Interrupted` says which, a bare interrupt is Ctrl-C)."""
+    return 128 + getattr(interrupt, "signum", signal.SIGINT)
+
+
 def run_script(body: Callable[[], Any]) -> Any:
     """Run a script's body: a :class:`ConfigError` exits with ``error: ...`` (status 2); an
-    interrupt (Ctrl-C, SIGTERM), once the loop has saved its checkpoint, exits with status 130."""
+    interrupt (Ctrl-C, SIGTERM), once the loop has saved its checkpoint, exits with
+    :func:`interrupt_status` (130, 143)."""
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     try:
         return body()
@@ -341,7 +395,7 @@ def run_script(body: Callable[[], Any]) -> Any:
         die(str(e))
     except KeyboardInterrupt as e:
         print(f"\ninterrupted ({e}); run the same command to resume", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(interrupt_status(e)) from None
 
 
 def die(message: str) -> None:

@@ -106,6 +106,52 @@ def selected_suites(config, names) -> list[str]:
     return [n for n in suites(config) if n in names]
 
 
+def untrained(config, data, suites, workdir: pathlib.Path) -> list[tuple]:
+    """The planned runs of ``suites`` with no record of their settings in ``accuracy.jsonl``."""
+    done = {
+        (r["model"], r["method"], r["sparsity"], r["seed"], r["fingerprint"])
+        for r in read_records(workdir / ACCURACY_FILE)
+    }
+    return [
+        spec
+        for spec in run_plan(config, suites)
+        if (*spec, fingerprint(config, spec[0], spec[1], steps_of(config.models[spec[0]], data)))
+        not in done
+    ]
+
+
+def untimed(suites, workdir: pathlib.Path) -> list[str]:
+    """The ``suites`` that ``speed.json`` has no timings of."""
+    path = workdir / SPEED_FILE
+    timed = json.loads(path.read_text())["models"] if path.exists() else {}
+    return [s for s in suites if s not in timed]
+
+
+def check_full_campaign(config, data, workdir, *, trained, timed) -> None:
+    """Raises unless the report of ``workdir`` will be the full campaign's (what ``--docs``
+    writes): the default config, and every run and suite timing either in ``workdir`` or among
+    those this command produces (the suites ``trained`` and ``timed``)."""
+    if config.to_dict() != default_config.get_config().to_dict():
+        raise common.ConfigError(
+            "--docs writes the shipped report, which only the full campaign may write: this "
+            "config is not the default one (a config argument such as :quick, or an override); "
+            f"leave out --docs and the report goes to {workdir}"
+        )
+    everything = suites(config)
+    runs = untrained(config, data, [s for s in everything if s not in trained], workdir)
+    missing = [f"{len(runs)} training runs ({runs[0][0]} {runs[0][1]} ...)"] if runs else []
+    missing += [
+        f"the timings of {s}" for s in untimed([s for s in everything if s not in timed], workdir)
+    ]
+    if missing:
+        raise common.ConfigError(
+            f"--docs writes the shipped report, which only the full campaign may write: "
+            f"{workdir} lacks {', '.join(missing)}. Complete it first (without --docs and "
+            f"--suite the same command trains what is missing and times every suite), or leave "
+            f"out --docs: the report then goes to {workdir}"
+        )
+
+
 def steps_of(model_cfg, data: Data) -> int:
     if is_language_model(model_cfg):
         return int(model_cfg.steps)
@@ -255,9 +301,8 @@ def prepare(config) -> Data:
             try:
                 built = build(config, model, method, sparsity, 0, data, steps)
                 dyn = baselines.with_sparsity(method_dynadiag(m, method), sparsity)
-                common.check_layer_patterns(built.model, example, dyn)
-                if parse_method(method)[1] > 1:  # a block size must divide the layers it selects
-                    jax.eval_shape(lambda x, b=built: b.model.init(jax.random.key(0), x), example)
+                block = baselines.block_size(built, dyn)
+                common.check_layer_patterns(built.model, example, dyn, block_size=block)
             except ValueError as e:
                 raise common.ConfigError(f"model {name}, method {method}: {e}") from None
     return data
@@ -292,8 +337,10 @@ def fingerprint(config, model_name: str, method: str, steps: int) -> str:
         if section.get("block_size", 1) == 1:  # element diagonals hash as before blocks existed
             section.pop("block_size", None)
         parts["dynadiag"] = section
-    if base == "static_diagonals" and block > 1:
-        parts["block_size"] = block
+    if base == "static_diagonals":
+        parts["fan_in"] = m.dynadiag.fan_in
+        if block > 1:
+            parts["block_size"] = block
     if base in baselines.UNSTRUCTURED:
         parts["unstructured"] = config.unstructured.to_dict()
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -328,6 +375,15 @@ def mean_step_time(metrics_path, start: int = 0, stop: int | None = None) -> flo
         and (stop is None or r["step"] <= stop)
     ]
     return float(np.mean(times)) if times else None
+
+
+def loss_curve(metrics_path) -> list[tuple[int, float]]:
+    """``[(step, training loss), ...]``: each logged interval's mean training loss."""
+    return [
+        (int(r["step"]), float(r["loss"]))
+        for r in T.read_jsonl(metrics_path)
+        if r.get("kind") == "train" and "loss" in r
+    ]
 
 
 def validation_curve(metrics_path) -> list[tuple[int, float]]:
@@ -388,6 +444,7 @@ def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: s
         "resumed_at": result.start_step,
         "density": sparse_layer_density(result.state.params, shapes),
         "step_time_s": mean_step_time(metrics_path),
+        "loss_curve": loss_curve(metrics_path),
     }
     if lm:
         record.update(

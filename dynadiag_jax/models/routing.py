@@ -11,12 +11,14 @@ constructor by matching regular expressions against the layer's module path, e.g
 A constructor is called as ``ctor(features, *, name, use_bias, dtype, param_dtype)``, the keywords
 that ``flax.linen.Dense`` and ``dd.nn.DiagonalDense`` share. Model-specific initialisers live in
 each model's default dense constructor (``vit.DENSE`` etc.), which :class:`ByPath` uses for the
-layers no pattern matches.
+layers no pattern matches; :func:`resolve_dense` also passes them (``kernel_init``,
+``bias_init``) to the other constructors, which must then accept them as ``nn.Dense`` does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +34,8 @@ __all__ = [
     "linear",
     "replaceable_layers",
     "resolve_dense",
+    "initializers",
+    "INIT_ARGS",
     "unmatched_patterns",
 ]
 
@@ -74,11 +78,34 @@ class ByPath:
 Dense = DenseFactory | ByPath
 
 
+# The initializer arguments of nn.Dense that a model's default constructor may bind.
+INIT_ARGS = ("kernel_init", "bias_init")
+
+
+def initializers(ctor) -> dict:
+    """The :data:`INIT_ARGS` that ``ctor`` binds (as a ``functools.partial``), else ``{}``."""
+    bound = getattr(ctor, "keywords", None) or {}
+    return {k: bound[k] for k in INIT_ARGS if k in bound}
+
+
+def _with_initializers(ctor, inits: dict):
+    missing = {k: v for k, v in inits.items() if k not in initializers(ctor)}
+    return functools.partial(ctor, **missing) if missing else ctor
+
+
 def resolve_dense(dense: Dense, default: DenseFactory) -> Dense:
-    """``dense`` with a :class:`ByPath`'s missing ``dense`` filled in with the model default."""
-    if isinstance(dense, ByPath) and dense.dense is None:
-        return dataclasses.replace(dense, dense=default)
-    return dense
+    """``dense`` ready for :func:`linear`: a :class:`ByPath`'s missing ``dense`` is the model
+    default, and every other constructor gets the default's initializers it does not bind itself
+    (so a ``DiagonalDense`` in place of the model's dense layer starts from that layer's
+    distribution: ``dd.nn.DiagonalDense``'s ``kernel_init``)."""
+    inits = initializers(default)
+    if isinstance(dense, ByPath):
+        return dataclasses.replace(
+            dense,
+            sparse=_with_initializers(dense.sparse, inits),
+            dense=default if dense.dense is None else _with_initializers(dense.dense, inits),
+        )
+    return _with_initializers(dense, inits)
 
 
 def linear(
@@ -123,6 +150,8 @@ class _Probe(nn.Module):
     use_bias: bool = True
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    kernel_init: Any = None
+    bias_init: Any = None
 
     @nn.compact
     def __call__(self, x):

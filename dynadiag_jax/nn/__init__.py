@@ -3,6 +3,6 @@ functional core that layers of any framework wrap (:mod:`dynadiag_jax.nn.functio
 
 from dynadiag_jax.nn import functional
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
-from dynadiag_jax.nn.gate_state import set_gate
+from dynadiag_jax.nn.gate_state import alpha_from_values, set_gate
 
-__all__ = ["DiagonalDense", "functional", "set_gate"]
+__all__ = ["DiagonalDense", "alpha_from_values", "functional", "set_gate"]

@@ -35,7 +35,7 @@ from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
 from dynadiag_jax.nn.search import gate_inputs, search_forward
-from dynadiag_jax.topk import check_gate_value
+from dynadiag_jax.topk import check_gate_value, nan_if_nan
 
 __all__ = ["DiagonalDense"]
 
@@ -84,7 +84,8 @@ class DiagonalDense(nn.Module):
     The gate hyper-parameter comes from the call (``strength=`` / ``temperature=``) or, if not
     given, from the ``"dynadiag"`` collection created by ``init``; a training loop updates every
     layer at once with :func:`dynadiag_jax.nn.set_gate`. A value of 0 is the gate's hard limit
-    (:func:`dynadiag_jax.sparse_soft_topk`); a traced negative value acts as 0.
+    (:func:`dynadiag_jax.sparse_soft_topk`); a traced negative value acts as 0, and a traced NaN
+    makes every output NaN (a concrete negative or NaN value raises).
 
     Metrics sown into ``"intermediates"`` by a search-phase call (float32 scalars):
     ``gate_nonzero`` (number of non-zero gates), ``gate_mass_outside`` (gate mass on diagonals
@@ -95,6 +96,11 @@ class DiagonalDense(nn.Module):
 
     Attributes:
       features: output width (>= 1).
+      in_features: the input width, if known in advance (``dd.freeze`` sets it on the layer it
+        returns): every call checks ``x`` against it while tracing, so a wrong width raises even
+        inside ``jit``. Without it (None) the width is checked against the variables, which are
+        traced inside ``jit``: where a frozen layer's shapes do not fix the width, a wrong one
+        there gives NaN outputs.
       sparsity: fraction of zeros in ``(0, 1)``;
         ``K = dd.num_diagonals(in, features, sparsity, block_size=block_size)``.
       k: the budget ``K`` directly, in ``[1, P]`` (instead of ``sparsity``).
@@ -115,6 +121,18 @@ class DiagonalDense(nn.Module):
         its init noise and the small updates that rank the diagonals are below the resolution
         of a 16-bit float (in bfloat16 every alpha would start equal).
       impl: passed to :func:`dynadiag_jax.diag_matmul`.
+      kernel_init: the initializer of the dense kernel ``[in, features]`` this layer stands for
+        (``nn.Dense``'s argument, same default): ``values`` are that kernel's entries on the
+        diagonals (:func:`dynadiag_jax.nn.functional.init_values`).
+      bias_init: initializer of ``bias`` (zeros, as ``nn.Dense``).
+      fan_in: ``"sparse"`` (default) scales the initial values by ``1 / sqrt(density)``, so the
+        frozen layer starts at the output scale of the dense layer ``kernel_init`` was made for;
+        ``"dense"`` keeps the dense kernel's entries (the start of a masked dense layer).
+      scale: ``"rms"`` (default): the search product times ``sqrt(K / sum(gate^2))`` (no
+        gradient), the output scale of ``K`` diagonals at gate 1 however flat the gates, so the
+        search starts at the frozen layer's scale and the freeze changes nothing (at hard gates
+        the factor is 1); ``"none"``: the plain gated sum, ``sqrt(K / P)`` as large at a flat
+        start.
 
     Shapes: ``x[..., in] -> y[..., features]``. Element diagonals: ``P = max(in, features)``,
     ``values[P, D]`` with ``D = min(in, features)``. Block diagonals: ``P_b`` as above,
@@ -123,6 +141,7 @@ class DiagonalDense(nn.Module):
 
     features: int
     _: dataclasses.KW_ONLY
+    in_features: int | None = None
     sparsity: float | None = None
     k: int | None = None
     block_size: int = 1
@@ -136,12 +155,21 @@ class DiagonalDense(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     impl: str = "auto"
+    kernel_init: Any = F.DEFAULT_KERNEL_INIT
+    bias_init: Any = F.DEFAULT_BIAS_INIT
+    fan_in: str = "sparse"
+    scale: str = "rms"
 
     def __post_init__(self):
         if isinstance(self.features, bool) or not isinstance(self.features, numbers.Integral):
             raise ValueError(f"features must be an int >= 1, got {self.features!r}")
         if self.features < 1:
             raise ValueError(f"features must be >= 1, got {self.features}")
+        width = self.in_features
+        if width is not None and (
+            isinstance(width, bool) or not isinstance(width, numbers.Integral) or width < 1
+        ):
+            raise ValueError(f"in_features must be None or an int >= 1, got {width!r}")
         if (self.sparsity is None) == (self.k is None):
             raise ValueError("DiagonalDense needs exactly one of sparsity= (in (0, 1)) or k=")
         if self.sparsity is not None:
@@ -166,6 +194,7 @@ class DiagonalDense(nn.Module):
         buckets = self.num_buckets
         if isinstance(buckets, bool) or not isinstance(buckets, numbers.Integral) or buckets < 1:
             raise ValueError(f"num_buckets must be an int >= 1, got {self.num_buckets!r}")
+        F.check_init_and_search(self.fan_in, self.scale)
         if self.gate_init is not None:
             check_gate_value(self.gate_init, "gate_init")
         super().__post_init__()
@@ -194,6 +223,7 @@ class DiagonalDense(nn.Module):
             explore=self.explore,
             num_buckets=int(self.num_buckets),
             impl=self.impl,
+            scale=self.scale,
         )
 
     def budget(self, in_features: int) -> int:
@@ -212,6 +242,7 @@ class DiagonalDense(nn.Module):
         if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
         self._check_offsets_present()
+        self._check_phase()
         self._check_width(x.shape[-1])
         try:
             spec = self.spec(x.shape[-1])
@@ -237,9 +268,7 @@ class DiagonalDense(nn.Module):
         else:
             y = self._search(spec, x, self._gate_hyper(given))
         if self.use_bias:
-            bias = self.param(
-                "bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype
-            )
+            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             y = y + bias.astype(dtype).reshape((1,) * (y.ndim - 1) + (self.features,))
         return y
 
@@ -262,6 +291,25 @@ class DiagonalDense(nn.Module):
                 f"only 'params'"
             )
 
+    def _check_phase(self):
+        """Search-phase params (``alpha``) only go with a search-phase layer and collections."""
+        if self.is_initializing() or not self.has_variable("params", "alpha"):
+            return
+        if self.has_variable("diagonals", "offsets"):
+            raise ValueError(
+                f"{self._label()}: mixed phases: params hold a search-phase layer (alpha [P], "
+                f"values [P, ...]) but the 'diagonals' collection holds the offsets [K] of a "
+                f"frozen one; pass params and collections of one phase (dd.freeze / "
+                f"dd.freeze_tree return the frozen ones together)"
+            )
+        if self.init_phase == "frozen":
+            raise ValueError(
+                f"{self._label()}: this layer has init_phase='frozen' (dd.freeze returns it so) "
+                f"and computes the frozen product, but was given search-phase variables (params "
+                f"alpha [P], values [P, ...]): apply the search-phase layer to them, or freeze "
+                f"them first (dd.freeze, dd.freeze_tree)"
+            )
+
     def _check_width(self, width: int):
         """Raises unless ``x``'s width is the layer's (known from its variables after init).
 
@@ -270,6 +318,10 @@ class DiagonalDense(nn.Module):
         ``jit`` it is traced: :meth:`_guard_width` handles that), else only the bounds the shape
         gives (variables frozen before ``in_features`` was stored).
         """
+        if self.in_features is not None and width != self.in_features:
+            raise ValueError(
+                f"{self._label()}: x has width {width}, the layer expects {self.in_features}"
+            )
         if self.is_initializing() or not self.has_variable("params", "values"):
             return
         shape = self.get_variable("params", "values").shape
@@ -315,13 +367,14 @@ class DiagonalDense(nn.Module):
                 f"{offsets.shape}: x's width or the layer's sparsity/k differs from the ones the "
                 f"variables were frozen with"
             )
-        values = self.param(
-            "values", F.init_values(spec), (spec.k, *spec.row_shape), self.param_dtype
-        )
+        values = self.param("values", self._values_init(spec), offsets, self.param_dtype)
         y = F.frozen_forward(spec, values, offsets, x)
         if F.frozen_width(values.shape, self.features)[0] is not None:
             return y  # the shape fixed the width
         return self._guard_width(y, spec.in_features)
+
+    def _values_init(self, spec: F.LayerSpec):
+        return F.init_values(spec, self.kernel_init, self.fan_in)
 
     def _given_hyper(self, strength, temperature):
         """The call's value for this gate's hyper-parameter (or None), validated."""
@@ -359,7 +412,8 @@ class DiagonalDense(nn.Module):
         work = work_dtype(self.param_dtype)
         p = spec.num_candidates
         alpha = self.param("alpha", F.init_alpha, (p,), work).astype(work)
-        values = self.param("values", F.init_values(spec), (p, *spec.row_shape), self.param_dtype)
+        every = jnp.arange(p, dtype=jnp.int32)
+        values = self.param("values", self._values_init(spec), every, self.param_dtype)
         tracking = self.has_variable("dynadiag", "topk") and self.is_mutable_collection("dynadiag")
         old = self.get_variable("dynadiag", "topk") if tracking else None
         inputs = gate_inputs(alpha, hyper, old, gate=spec.gate, k=spec.k, impl=spec.impl)
@@ -376,4 +430,4 @@ class DiagonalDense(nn.Module):
         y, stats = search_forward(spec, values, x, inputs, score=score)
         for name, value in stats._asdict().items():
             self.sow("intermediates", name, value)
-        return y
+        return nan_if_nan(y, hyper)

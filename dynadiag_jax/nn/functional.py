@@ -29,12 +29,14 @@ import math
 import numbers
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from dynadiag_jax.layout import DiagGeometry, geometry, num_diagonals
 from dynadiag_jax.ops import diag_matmul
 from dynadiag_jax.ops.ranking import descending_order
+from dynadiag_jax.ops.reference import dense_to_diag
 
 __all__ = [
     "GATES",
@@ -44,6 +46,7 @@ __all__ = [
     "LayerSpec",
     "layer_budget",
     "check_sparsity",
+    "check_init_and_search",
     "init_alpha",
     "init_values",
     "random_offsets",
@@ -55,6 +58,11 @@ __all__ = [
 
 GATES = ("sparse_topk", "softmax")
 EXPLORE_MODES = ("buckets", "dense_score", "none")
+SCALES = ("none", "rms")
+FAN_INS = ("sparse", "dense")
+# nn.Dense's default: a DiagonalDense in place of an nn.Dense starts from the same distribution.
+DEFAULT_KERNEL_INIT = nn.initializers.lecun_normal()
+DEFAULT_BIAS_INIT = nn.initializers.zeros_init()
 HYPER_NAME = {"sparse_topk": "strength", "softmax": "temperature"}
 # The gate value a layer starts with when neither the call nor the layer gives one.
 DEFAULT_HYPER = {"strength": 1.0, "temperature": 5.0}
@@ -77,6 +85,14 @@ def check_sparsity(sparsity) -> None:
             else ""
         )
         raise ValueError(f"sparsity must be in (0, 1), got {sparsity!r}{hint}")
+
+
+def check_init_and_search(fan_in: str, scale: str) -> None:
+    """Rejects an unknown ``fan_in`` or ``scale``."""
+    if fan_in not in FAN_INS:
+        raise ValueError(f"unknown fan_in {fan_in!r}; expected one of {FAN_INS}")
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; expected one of {SCALES}")
 
 
 def layer_budget(
@@ -116,6 +132,7 @@ class LayerSpec(NamedTuple):
       explore: ``"buckets"``, ``"dense_score"`` or ``"none"`` (see ``search.py``).
       num_buckets: static sizes for ``explore="buckets"``.
       impl: passed to :func:`dynadiag_jax.diag_matmul`.
+      scale: the search product's output scale (``search.py``): ``"none"`` or ``"rms"``.
     """
 
     in_features: int
@@ -127,6 +144,7 @@ class LayerSpec(NamedTuple):
     explore: str = "buckets"
     num_buckets: int = 4
     impl: str = "auto"
+    scale: str = "rms"
 
     @property
     def geometry(self) -> DiagGeometry:
@@ -160,17 +178,27 @@ def init_alpha(key, shape, dtype=jnp.float32):
     return ((1.0 + ALPHA_NOISE * u) / p).astype(dtype)
 
 
-def init_values(spec: LayerSpec):
-    """Initializer ``(key, shape, dtype)`` of ``values``: ``U(-1/sqrt(m), 1/sqrt(m))``.
+def init_values(spec: LayerSpec, kernel_init=DEFAULT_KERNEL_INIT, fan_in: str = "sparse"):
+    """Initializer ``(key, offsets[N], dtype) -> values[N, *V]`` drawn as a dense layer would be.
 
-    ``m = min(in, out)`` for element and block diagonals alike (the authors' Kaiming-uniform bound
-    for ``values[P, D]``); at equal density a block layer's outputs see as many inputs as an
-    element layer's, so the same bound gives the same output scale.
+    A dense kernel ``[in, out]`` (flax's layout) is drawn with ``kernel_init`` (``nn.Dense``'s
+    argument of the same name) and its entries on the diagonals ``offsets`` become the values, so
+    every value has the distribution the dense layer gives that position. ``fan_in="sparse"``
+    multiplies them by ``1 / sqrt(density)`` (``density = K * entries per diagonal / (in * out)``,
+    the frozen layer's): each output then sums its ``density * in`` inputs at the scale the dense
+    layer has with all ``in``, instead of starting ``sqrt(density)`` times smaller as a masked
+    dense layer does (``fan_in="dense"``). The draw is dense-sized once, as ``nn.Dense``'s init.
     """
-    bound = 1.0 / math.sqrt(min(spec.in_features, spec.out_features))
+    check_init_and_search(fan_in, "none")
+    geo = spec.geometry
+    per_diagonal = math.prod(geo.values_shape)
+    density = spec.k * per_diagonal / (spec.in_features * spec.out_features)
+    gain = 1.0 / math.sqrt(density) if fan_in == "sparse" else 1.0
 
-    def init(key, shape, dtype=jnp.float32):
-        return jax.random.uniform(key, shape, dtype, -bound, bound)
+    def init(key, offsets, dtype=jnp.float32):
+        kernel = kernel_init(key, (spec.in_features, spec.out_features), jnp.float32)
+        values = dense_to_diag(kernel.T, offsets, block_size=spec.block_size)
+        return (gain * values).astype(dtype)
 
     return init
 

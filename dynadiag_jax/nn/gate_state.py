@@ -1,15 +1,18 @@
-"""``set_gate``: write the gate hyper-parameters of every search-phase layer in a model at once."""
+"""``set_gate``: write the gate hyper-parameters of every search-phase layer in a model at once;
+``alpha_from_values``: restart every layer's scores from what its values learned."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
+from flax import traverse_util
 
 from dynadiag_jax.topk import check_gate_value
 
-__all__ = ["set_gate"]
+__all__ = ["alpha_from_values", "set_gate"]
 
 COLLECTION = "dynadiag"
 # The gate each "dynadiag" entry belongs to, for the error that names the gates present.
@@ -110,3 +113,31 @@ def set_gate(variables, *, strength=None, temperature=None, score=None):
     out = dict(variables)
     out[COLLECTION] = _replace(variables[COLLECTION], updates)
     return out
+
+
+def alpha_from_values(params, scale):
+    """``params`` with each search-phase layer's ``alpha[P]`` set from its ``values[P, ...]``.
+
+    ``alpha[p] = scale * (n_p - mean(n)) / std(n)`` with ``n_p`` the norm of diagonal ``p``'s
+    values (an informative start after a warm-up with flat gates: the diagonals whose values grew
+    most rank first). ``scale`` is typically the gate's current strength, so the scores spread over
+    a few strengths and the gate narrows from there. Pure and jit-able; other leaves are shared.
+    A layer whose norms are all equal (std 0) gets ``alpha = 0``.
+    """
+    flat = traverse_util.flatten_dict(params)
+    out = dict(flat)
+    for key, alpha in flat.items():
+        values = flat.get(key[:-1] + ("values",))
+        if key[-1] != "alpha" or values is None:
+            continue
+        norms = jnp.sqrt(
+            jnp.sum(
+                jnp.square(values.astype(alpha.dtype)),
+                axis=tuple(range(alpha.ndim, values.ndim)),
+            )
+        )
+        centred = norms - jnp.mean(norms, axis=-1, keepdims=True)
+        std = jnp.std(norms, axis=-1, keepdims=True)
+        z = jnp.where(std > 0, centred / jnp.where(std > 0, std, 1), 0)
+        out[key] = jax.lax.stop_gradient(jnp.asarray(scale, alpha.dtype) * z)
+    return traverse_util.unflatten_dict(out)

@@ -41,12 +41,17 @@ class SearchStats(NamedTuple):
       gate_mass_outside: gate mass on diagonals that were not computed.
       gate_mean: mean gate.
       computed_diagonals: number of diagonals in the product.
+      output_scale: the product's expected output scale relative to the frozen layer's (the top-K
+        diagonals by alpha at gate 1, same values): ``sqrt(sum_p (c g_p)^2 |v_p|^2 /
+        sum_{p in top-K} |v_p|^2)`` with ``c`` the search scale, for inputs uncorrelated across
+        diagonals: about ``sqrt(K / P)`` at a flat start without ``scale="rms"``.
     """
 
     gate_nonzero: jax.Array
     gate_mass_outside: jax.Array
     gate_mean: jax.Array
     computed_diagonals: jax.Array
+    output_scale: jax.Array
 
 
 def bucket_sizes(k_cap: int, num_candidates: int, num_buckets: int) -> tuple[int, ...]:
@@ -173,13 +178,36 @@ def search_forward(spec, values, x, inputs: GateInputs, *, score=False):
         else:
             y = product(x, values, gate, order, rank, branch)
         outside = jnp.sum(jnp.where(rank >= k_cap, jax.lax.stop_gradient(gate), 0))
+    c = rms_scale(gate, spec.k) if spec.scale == "rms" else jnp.ones((), gate.dtype)
+    if spec.scale == "rms":
+        y = y * c.astype(y.dtype)
     stats = SearchStats(
         gate_nonzero=inputs.gate_nonzero,
         gate_mass_outside=outside.astype(jnp.float32),
         gate_mean=inputs.gate_mean,
         computed_diagonals=jnp.asarray(sizes, jnp.float32)[branch],
+        output_scale=_output_scale(gate * c, values, order[: spec.k]),
     )
     return y, stats
+
+
+def rms_scale(gate, k: int):
+    """``sqrt(K / sum(gate^2))`` without gradient: the factor that gives the gated product the
+    output scale of ``K`` diagonals at gate 1 (``sqrt(P / K)`` while every gate is ``K / P``, 1
+    once ``K`` gates are 1 and the rest 0)."""
+    g = jax.lax.stop_gradient(gate)
+    return jnp.sqrt(k / jnp.maximum(jnp.sum(g * g), jnp.finfo(g.dtype).tiny))
+
+
+def _output_scale(gate, values, top):
+    """:attr:`SearchStats.output_scale` for the scaled gate ``c * gate[P]`` and ``top[K]``."""
+    g = jax.lax.stop_gradient(gate).astype(jnp.float32)
+    norms = jnp.sum(
+        jnp.square(jax.lax.stop_gradient(values).astype(jnp.float32)),
+        axis=tuple(range(1, values.ndim)),
+    )
+    frozen = jnp.maximum(jnp.sum(norms[top]), jnp.finfo(jnp.float32).tiny)
+    return jnp.sqrt(jnp.sum(g * g * norms) / frozen)
 
 
 def _per_row(gate, ndim: int):

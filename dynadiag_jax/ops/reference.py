@@ -24,11 +24,24 @@ from dynadiag_jax.layout import block_indices, diag_indices, geometry, transpose
 
 __all__ = [
     "diag_to_dense",
+    "dense_to_diag",
     "dense_product",
     "diag_matmul_fwd_reference",
     "diag_matmul_dx_reference",
     "diag_matmul_dvalues_reference",
 ]
+
+
+def _entry_indices(offsets, in_features: int, out_features: int, block_size: int):
+    """``(rows, cols)`` of ``W[out, in]`` for every value: ``[K, D]`` or ``[K, L_b, b, b]``."""
+    if block_size == 1:
+        return diag_indices(offsets, in_features, out_features)
+    b = block_size
+    block_rows, block_cols = block_indices(offsets, in_features, out_features, b)
+    i = jnp.arange(b, dtype=jnp.int32)
+    rows = block_rows[:, :, None, None] * b + i[None, None, :, None]
+    cols = block_cols[:, :, None, None] * b + i[None, None, None, :]
+    return rows, cols
 
 
 def diag_to_dense(values, offsets, *, in_features: int, out_features: int):
@@ -38,16 +51,18 @@ def diag_to_dense(values, offsets, *, in_features: int, out_features: int):
       values: ``[K, D]`` (element diagonals) or ``[K, L_b, b, b]`` (block diagonals);
       offsets: ``[K]`` integer in ``[0, P)`` (``[0, P_b)`` for blocks).
     """
-    w = jnp.zeros((out_features, in_features), values.dtype)
-    if values.ndim != 4:
-        rows, cols = diag_indices(offsets, in_features, out_features)
-        return w.at[rows, cols].add(values)
-    b = values.shape[-1]
-    block_rows, block_cols = block_indices(offsets, in_features, out_features, b)
-    i = jnp.arange(b, dtype=jnp.int32)
-    rows = block_rows[:, :, None, None] * b + i[None, None, :, None]
-    cols = block_cols[:, :, None, None] * b + i[None, None, None, :]
-    return w.at[rows, cols].add(values)
+    b = values.shape[-1] if values.ndim == 4 else 1
+    rows, cols = _entry_indices(offsets, in_features, out_features, b)
+    return jnp.zeros((out_features, in_features), values.dtype).at[rows, cols].add(values)
+
+
+def dense_to_diag(w, offsets, *, block_size: int = 1):
+    """The entries of ``w[out, in]`` on the diagonals ``offsets[K]``: ``values[K, D]``
+    (``block_size=1``) or ``[K, L_b, b, b]``, so that ``diag_to_dense`` of the result keeps
+    exactly those entries of ``w``."""
+    out_features, in_features = w.shape
+    rows, cols = _entry_indices(offsets, in_features, out_features, block_size)
+    return w[rows, cols]
 
 
 def dense_product(x2, w):

@@ -22,6 +22,7 @@ from dynadiag_jax.training.state import TrainState
 __all__ = [
     "GateSchedule",
     "apply_gate",
+    "rescore",
     "freeze_state",
     "is_searching",
     "kept_offsets",
@@ -42,17 +43,22 @@ class GateSchedule(NamedTuple):
       schedule: ``step -> value`` (e.g. ``dd.schedules.cosine(5.0, 0.05, freeze_step)``).
       score_every: for ``explore="dense_score"`` layers, score every diagonal on each step that
         is a multiple of this (0: never).
+      rescore_step: at this step (> 0) every layer's ``alpha`` restarts from its values
+        (:func:`dynadiag_jax.nn.alpha_from_values` at the current strength); 0: never.
     """
 
     name: str
     schedule: Callable
     score_every: int = 0
+    rescore_step: int = 0
 
     def check(self) -> GateSchedule:
         if self.name not in ("strength", "temperature"):
             raise ValueError(f"gate name must be 'strength' or 'temperature', got {self.name!r}")
         if int(self.score_every) < 0:
             raise ValueError(f"score_every must be >= 0, got {self.score_every!r}")
+        if int(self.rescore_step) < 0:
+            raise ValueError(f"rescore_step must be >= 0, got {self.rescore_step!r}")
         return self
 
 
@@ -75,6 +81,19 @@ def apply_gate(collections: dict, gate: GateSchedule | None, step) -> dict:
     if gate.score_every:
         kwargs["score"] = (step % gate.score_every) == 0
     return dict(dd.nn.set_gate(collections, **kwargs))
+
+
+def rescore(params, gate: GateSchedule | None, step):
+    """``params`` with every layer's ``alpha`` restarted from its values on ``gate.rescore_step``
+    (jit-able; unchanged on other steps or without a rescore step)."""
+    if gate is None or not gate.rescore_step:
+        return params
+    return jax.lax.cond(
+        step == gate.rescore_step,
+        lambda p: dd.nn.alpha_from_values(p, gate.schedule(step)),
+        lambda p: p,
+        params,
+    )
 
 
 def freeze_state(state: TrainState) -> TrainState:

@@ -10,7 +10,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dynadiag_jax.training.sparsity import GateSchedule, apply_gate, is_searching, layer_metrics
+from dynadiag_jax.training.sparsity import (
+    GateSchedule,
+    apply_gate,
+    is_searching,
+    layer_metrics,
+    rescore,
+)
 from dynadiag_jax.training.state import TrainState
 
 __all__ = ["make_eval_step", "make_train_step"]
@@ -37,6 +43,7 @@ def make_train_step(
         k_drop, k_data = jax.random.split(key)
         inputs, targets = task.train_inputs(batch, k_data)
         searching = is_searching(state.params)
+        params = rescore(state.params, gate, state.step) if searching else state.params
         collections = (
             apply_gate(state.collections, gate, state.step) if searching else state.collections
         )
@@ -57,12 +64,12 @@ def make_train_step(
             loss, metrics = task.loss(logits, targets, batch)
             return loss, (metrics, updated)
 
-        (_, (metrics, updated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        (_, (metrics, updated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         # optax mixes Python floats with int32 step counts (bias correction), which strict dtype
         # promotion rejects; the arithmetic is well defined under the standard rules.
         with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+            updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        params = optax.apply_updates(params, updates)
         updated = dict(updated)
         metrics = {
             **metrics,

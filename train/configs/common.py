@@ -79,5 +79,9 @@ def dynadiag(sparsity: float, layers, gate: str = "sparse_topk", block_size: int
         search_fraction=0.3,
         score_every=0,  # > 0 with explore="dense_score": score every diagonal this often
         alpha_lr_scale=1.0,
+        fan_in="sparse",  # initial values at the dense layer's output scale (DiagonalDense)
+        scale="rms",  # the search product at the frozen layer's output scale (DiagonalDense)
+        # alpha restarts from the values' norms this far into the search (0: never)
+        rescore_fraction=0.2,
         impl="auto",  # dd.diag_matmul backend: "auto" (compiled kernel if built), "jax", "dense"
     )
