@@ -1,7 +1,10 @@
 """Selection learns: a student recovers planted diagonals (docs/design.md section 4, issue 3).
 
 Element diagonals (64 -> 96, K = 5 of 96) and block diagonals (128 -> 256 with b = 8, K = 3 of 16
-candidate chains of 32 blocks), each with the default gate and exploration.
+candidate chains of 32 blocks), each with the default gate and exploration, and the training
+recipe's restart of alpha from the values at 20% of the search (``dynadiag.rescore_fraction``).
+Without the restart, the default ``fan_in="sparse"`` start misses planted element diagonals here
+(its large starting values push every score down first); ``fan_in="dense"`` finds them either way.
 """
 
 import jax
@@ -13,7 +16,8 @@ import pytest
 import dynadiag_jax as dd
 from dynadiag_jax.nn import DiagonalDense, set_gate
 
-STEPS, BATCH = 300, 64
+STEPS, BATCH = 400, 64
+RESCORE_STEP = STEPS // 5
 MATCH_TOL = 0.01  # relative output error of the frozen student
 
 
@@ -36,12 +40,17 @@ def teacher(n_in, n_out, k, block_size):
 
 
 @pytest.mark.parametrize(
+    "fan_in,rescore", [("sparse", True), ("dense", False)], ids=["default", "dense-fan-in"]
+)
+@pytest.mark.parametrize(
     "n_in,n_out,k,block_size", [(64, 96, 5, 1), (128, 256, 3, 8)], ids=["element", "block"]
 )
-def test_student_recovers_planted_diagonals(n_in, n_out, k, block_size):
+def test_student_recovers_planted_diagonals(n_in, n_out, k, block_size, fan_in, rescore):
     t_layer, t_vars = teacher(n_in, n_out, k, block_size)
     planted = np.asarray(t_vars["diagonals"]["offsets"])
-    student = DiagonalDense(n_out, k=k, block_size=block_size, use_bias=False, impl="jax")
+    student = DiagonalDense(
+        n_out, k=k, block_size=block_size, use_bias=False, fan_in=fan_in, impl="jax"
+    )
     s_vars = student.init(jax.random.key(2), jnp.zeros((1, n_in)))
     # Wide start (every gate K/P), narrowed geometrically over the search phase.
     strength = dd.schedules.exponential(1.0, 1e-3, STEPS)
@@ -50,6 +59,13 @@ def test_student_recovers_planted_diagonals(n_in, n_out, k, block_size):
     def step(carry, i):
         params, opt_state, v = carry
         v = set_gate(v, strength=strength(i))
+        if rescore:
+            params = jax.lax.cond(
+                i == RESCORE_STEP,
+                lambda p: dd.nn.alpha_from_values(p, strength(i)),
+                lambda p: p,
+                params,
+            )
         x = jax.random.normal(jax.random.fold_in(jax.random.key(3), i), (BATCH, n_in))
         target = t_layer.apply(t_vars, x)
         grads = jax.grad(lambda p: jnp.mean((student.apply(dict(v, params=p), x) - target) ** 2))(
