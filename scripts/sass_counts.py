@@ -144,28 +144,48 @@ def nvcc_version(nvcc: str) -> str:
     return re.search(r"release [\d.]+, V([\d.]+)", out).group(1)
 
 
+def compile_device_code(nvcc: str, include_dir: str, out_dir, archs=(ARCH,)) -> str:
+    """Compile the shipped source's device code for ``archs`` in one nvcc call; returns the
+    ``ptxas -v`` log. ``out_dir`` keeps each architecture's ``ffi_handlers.compute_<a>.cubin``
+    and ``.ptx`` (:func:`cubin_path`), so one build serves every check that reads them."""
+    out = pathlib.Path(out_dir)
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    cmd = [nvcc, "--fatbin", "-std=c++17", "-O3", "-DNDEBUG", "-lineinfo", "-Xptxas", "-v",
+           "--threads", "0", "--keep", "--keep-dir", str(out), *gencode,
+           "-I", str(ROOT / "xla_ext"), "-isystem", include_dir,
+           str(SOURCE), "-o", str(out / "kernels.fatbin")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed:\n{proc.stderr[-4000:]}")
+    return proc.stdout + proc.stderr
+
+
+def cubin_path(out_dir, arch: str = ARCH) -> pathlib.Path:
+    """The cubin of ``arch`` that :func:`compile_device_code` kept in ``out_dir``."""
+    return pathlib.Path(out_dir) / f"{SOURCE.stem}.compute_{arch}.cubin"
+
+
+def disassemble(nvdisasm: str, cubin) -> str:
+    """``nvdisasm -c -gi`` text of a cubin."""
+    dis = subprocess.run([nvdisasm, "-c", "-gi", str(cubin)], capture_output=True, text=True)
+    if dis.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed:\n{dis.stderr[-4000:]}")
+    return dis.stdout
+
+
 def compile_and_disassemble(nvcc: str, nvdisasm: str, include_dir: str) -> tuple[str, str]:
     """(ptxas -v log, nvdisasm -gi text) of the sm_90 build of the shipped source."""
     with tempfile.TemporaryDirectory() as tmp:
-        cubin = pathlib.Path(tmp) / "kernels.cubin"
-        cmd = [nvcc, "-cubin", f"-arch=sm_{ARCH}", "-std=c++17", "-O3", "-DNDEBUG", "-lineinfo",
-               "-Xptxas", "-v", "-I", str(ROOT / "xla_ext"), "-isystem", include_dir,
-               str(SOURCE), "-o", str(cubin)]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed:\n{proc.stderr[-4000:]}")
-        dis = subprocess.run([nvdisasm, "-c", "-gi", str(cubin)], capture_output=True, text=True)
-        if dis.returncode != 0:
-            raise RuntimeError(f"nvdisasm failed:\n{dis.stderr[-4000:]}")
-        return proc.stdout + proc.stderr, dis.stdout
+        log = compile_device_code(nvcc, include_dir, tmp)
+        return log, disassemble(nvdisasm, cubin_path(tmp))
 
 
-def resources(log: str) -> dict:
-    """Mangled kernel -> (registers, static shared memory bytes) from ``ptxas -v``."""
+def resources(log: str, arch: str = ARCH) -> dict:
+    """Mangled kernel -> (registers, static shared memory bytes) of ``arch`` from ``ptxas -v``."""
     out, current = {}, None
     for line in log.splitlines():
         if m := re.search(r"Compiling entry function '(\S+)' for 'sm_(\d+)'", line):
-            current = m.group(1)
+            current = m.group(1) if m.group(2) == arch else None
         elif current and (m := re.search(r"Used (\d+) registers", line)):
             smem = re.search(r"(\d+) bytes smem", line)
             out[current] = (int(m.group(1)), int(smem.group(1)) if smem else 0)

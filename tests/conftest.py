@@ -1,5 +1,6 @@
 """Strict numerics for every test (no silent dtype or rank promotion) and shared fixtures."""
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -19,6 +20,10 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
+
+_spec = importlib.util.spec_from_file_location("sass_counts", ROOT / "scripts" / "sass_counts.py")
+sass_counts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_counts)
 
 
 @pytest.fixture
@@ -54,3 +59,15 @@ def run_python(tmp_path):
         return proc
 
     return run
+
+
+@pytest.fixture(scope="session")
+def cuda_device_build(tmp_path_factory):
+    """``(ptxas -v log, folder)`` of the shipped CUDA source's device code for sm_80 and sm_90,
+    compiled once per session (minutes on two cores); the folder keeps each architecture's cubin
+    and PTX (``sass_counts.cubin_path``). Skips without nvcc."""
+    nvcc = sass_counts.find_tool("nvcc")
+    if nvcc is None or not sass_counts.SOURCE.exists():
+        pytest.skip("needs nvcc and the xla_ext sources")
+    out = tmp_path_factory.mktemp("nvcc")
+    return sass_counts.compile_device_code(nvcc, jax.ffi.include_dir(), out, ("80", "90")), out

@@ -21,7 +21,6 @@ import dynadiag_jax as dd
 from dynadiag_jax.ops import cuda
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "xla_ext" / "cuda" / "ffi_handlers.cu"
 GUARD = ROOT / "xla_ext" / "cuda" / "cuda_plugin_guard.cmake"
 PLUGIN_LISTER = ROOT / "xla_ext" / "cuda" / "jax_cuda_plugin.py"
 ARCHS = ("80", "90")
@@ -64,37 +63,10 @@ def ptxas_report(log: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def ptxas(tmp_path_factory):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None or not SOURCE.exists():
-        pytest.skip("needs nvcc on PATH and the xla_ext sources")
-    out = tmp_path_factory.mktemp("nvcc")
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
-    cmd = [
-        nvcc,
-        "--fatbin",
-        "-std=c++17",
-        "-O3",
-        "-Xptxas",
-        "-v",
-        "--threads",
-        "0",  # both architectures at once
-        "--keep",
-        "--keep-dir",
-        str(out),
-        *gencode,
-        "-I",
-        str(ROOT / "xla_ext"),
-        "-isystem",
-        jax.ffi.include_dir(),
-        str(SOURCE),
-        "-o",
-        str(out / "kernels.fatbin"),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"nvcc failed:\n{proc.stderr[-4000:]}"
+def ptxas(cuda_device_build):
+    log, out = cuda_device_build  # one nvcc build per session, shared with test_gpu_sass.py
     ptx = {a: "".join(p.read_text() for p in out.glob(f"*compute_{a}*.ptx")) for a in ARCHS}
-    return ptxas_report(proc.stdout + proc.stderr), ptx
+    return ptxas_report(log), ptx
 
 
 @pytest.mark.slow

@@ -6,18 +6,10 @@ followed by a new table fails here. Without them, the counting method runs on a 
 nvdisasm's format.
 """
 
-import importlib.util
-import pathlib
-
-import jax
 import pytest
+from conftest import sass_counts
 
 from dynadiag_jax import gpu_sass
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("sass_counts", ROOT / "scripts" / "sass_counts.py")
-sass_counts = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sass_counts)
 
 KERNEL_FILE = "/work/xla_ext/cuda/diag_kernels.cuh"
 
@@ -92,14 +84,15 @@ def test_the_table_covers_every_kernel_the_model_charges():
 
 
 @pytest.mark.slow
-def test_the_recorded_table_is_what_the_compiled_kernels_give():
+def test_the_recorded_table_is_what_the_compiled_kernels_give(request):
     nvcc, nvdisasm = sass_counts.find_tool("nvcc"), sass_counts.find_tool("nvdisasm")
     if nvcc is None or nvdisasm is None:
         pytest.skip("needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)")
     version = sass_counts.nvcc_version(nvcc)
     if version != gpu_sass.NVCC_VERSION:
         pytest.skip(f"the table was written by nvcc {gpu_sass.NVCC_VERSION}, this is {version}")
-    log, sass = sass_counts.compile_and_disassemble(nvcc, nvdisasm, jax.ffi.include_dir())
+    log, out = request.getfixturevalue("cuda_device_build")  # shared with test_cuda_build.py
+    sass = sass_counts.disassemble(nvdisasm, sass_counts.cubin_path(out))
     assert sass_counts.count_all(log, sass) == gpu_sass.KERNELS, (
         "the kernels changed: regenerate with `python scripts/sass_counts.py --write`"
     )
