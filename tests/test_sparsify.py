@@ -1,0 +1,239 @@
+"""dd.nn.sparsify / dd.nnx.sparsify: diagonal layers in models written the usual way, unedited.
+
+Each model trains a few steps (the loss goes down), is frozen, and must then compute exactly what
+the *original* dense model computes with the frozen diagonals written into its kernels (the dense
+oracle); every replaced layer keeps K*D values.
+"""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import dynadiag_jax as dd
+
+# explore="none": one product per layer, so the search step compiles in a second or two
+SPARSE = {"sparsity": 0.75, "explore": "none"}
+STEPS = 8
+
+
+# --- models written the usual way --------------------------------------------------------------
+
+
+class Mlp(nn.Module):
+    """nn.Dense and nn.DenseGeneral, [in] -> [heads, dim] -> [out]."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(32)(x))
+        h = nn.DenseGeneral((4, 8), name="split")(h)
+        h = nn.DenseGeneral(16, axis=(-2, -1), name="merge")(nn.relu(h))
+        return nn.Dense(4, name="head")(h)
+
+
+class Attention(nn.Module):
+    """A pre-norm Transformer block on [batch, tokens, width]."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2)(nn.LayerNorm()(x))
+        h = nn.gelu(nn.Dense(32)(nn.LayerNorm()(x)))
+        return x + nn.Dense(16)(h)
+
+
+class Shared(nn.Module):
+    """One nn.Dense called twice, and one passed to two children."""
+
+    def setup(self):
+        self.shared = nn.Dense(16)
+        self.proj = nn.Dense(16)
+        self.left = Child(self.proj)
+        self.right = Child(self.proj)
+
+    def __call__(self, x):
+        x = nn.relu(self.shared(x))
+        x = nn.relu(self.shared(x))
+        return self.left(x) + self.right(x)
+
+
+class Child(nn.Module):
+    layer: nn.Module
+
+    @nn.compact
+    def __call__(self, x):
+        return self.layer(x)
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _=None):
+        return x + nn.Dense(16)(nn.relu(nn.Dense(32)(x))), None
+
+
+class Stacked(nn.Module):
+    """Two scanned blocks (every collection scanned) and a rematerialised one."""
+
+    @nn.compact
+    def __call__(self, x):
+        scanned = nn.scan(Block, variable_axes={True: 0}, split_rngs={"params": True}, length=2)
+        x, _ = scanned(name="layers")(x, None)
+        x, _ = nn.remat(Block)(name="last")(x)
+        return x
+
+
+def sequential():
+    return nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(16), nn.relu, nn.Dense(4)])
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def path_get(tree, path: str):
+    for key in path.split("/"):
+        tree = tree[key]
+    return tree
+
+
+def path_set(tree, path: str, value):
+    keys = path.split("/")
+    for key in keys[:-1]:
+        tree = tree[key]
+    tree[keys[-1]] = value
+
+
+def copy_tree(tree):
+    return {k: copy_tree(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def dense_oracle_params(model, frozen, x):
+    """The params of the unedited ``model`` holding each replaced layer's frozen diagonals as its
+    kernel (``W.T`` reshaped to the layer's ``[*in, *out]``) and its bias reshaped; the other
+    params are the frozen model's own."""
+    params = copy_tree(frozen["params"])
+    for layer in dd.nn.linear_layer_paths(model, x):
+        node = path_get(frozen["params"], layer.path)
+        if "values" not in node:
+            continue
+        offsets = path_get(frozen["diagonals"], layer.path)["offsets"]
+        n_in, n_out = math.prod(layer.in_shape), math.prod(layer.out_shape)
+
+        def kernel(values, offsets, n_in=n_in, n_out=n_out, layer=layer):
+            w = dd.diag_to_dense(values, offsets, in_features=n_in, out_features=n_out)
+            return w.T.reshape(layer.in_shape + layer.out_shape)
+
+        for _ in range(offsets.ndim - 1):  # stacked layers (nn.scan): one kernel per slice
+            kernel = jax.vmap(kernel)
+        lead = offsets.shape[:-1]
+        kernel = kernel(node["values"], offsets)
+        path_set(
+            params,
+            layer.path,
+            {"kernel": kernel, "bias": node["bias"].reshape(lead + layer.out_shape)},
+        )
+    return params
+
+
+def train(model, x, y, steps=STEPS):
+    """README's loop: search steps, the freeze with the optimizer state carried over, frozen
+    steps. Returns the frozen variables and the losses of both phases."""
+    strength = dd.schedules.exponential(1.0, 0.1, steps)  # a slow anneal: 8 steps is short
+    tx = dd.optim.diag_optimizer(1e-2, alpha_learning_rate=1e-2)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
+    opt_state = tx.init(variables["params"])
+
+    def step(variables, opt_state):
+        def loss_fn(params):
+            return jnp.mean((model.apply({**variables, "params": params}, x) - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(variables["params"])
+        updates, opt_state = tx.update(grads, opt_state, variables["params"])
+        params = optax.apply_updates(variables["params"], updates)
+        return {**variables, "params": params}, opt_state, loss
+
+    @jax.jit
+    def search_step(variables, opt_state, i):
+        return step(dd.nn.set_gate(variables, strength=strength(i)), opt_state)
+
+    frozen_step = jax.jit(step)
+    search, after = [], []
+    # optax's Adam raises its decay (a float) to its int32 count, which the suite's strict
+    # promotion rejects inside optax (not in our code).
+    with jax.numpy_dtype_promotion("standard"):
+        for i in range(steps):
+            variables, opt_state, loss = search_step(variables, opt_state, i)
+            search.append(float(loss))
+        frozen = dd.freeze_tree(variables)
+        opt_state = dd.freeze_opt_state(opt_state, variables["params"], frozen["params"])
+        for _ in range(steps // 2):
+            frozen, opt_state, loss = frozen_step(frozen, opt_state)
+            after.append(float(loss))
+    return frozen, search, after
+
+
+def check_sparsified(model, rules, x, replaced):
+    """Init, train, freeze; the frozen model equals the dense oracle; K*D values per layer."""
+    sparse = dd.nn.sparsify(model, rules)
+    y = jax.jit(model.init_with_output)(jax.random.key(2), x)[0]  # a dense teacher
+    frozen, search, after = train(sparse, x, y)
+    assert search[-1] < 0.9 * search[0] and after[-1] < after[0], (search, after)
+    layers = {layer.path: layer for layer in dd.nn.linear_layer_paths(model, x)}
+    assert set(replaced) <= set(layers)
+    for path in layers:
+        node = path_get(frozen["params"], path)
+        if path not in replaced:
+            assert set(node) == {"kernel", "bias"}, path
+            continue
+        assert set(node) == {"values", "bias"}, path
+        n_in, n_out = math.prod(layers[path].in_shape), math.prod(layers[path].out_shape)
+        k = dd.num_diagonals(n_in, n_out, SPARSE["sparsity"])
+        stack = node["values"].shape[:-2]
+        assert node["values"].shape == stack + (k, min(n_in, n_out)), path
+        assert path_get(frozen["diagonals"], path)["offsets"].shape == stack + (k,)
+    want = model.apply({"params": dense_oracle_params(model, frozen, x)}, x)
+    np.testing.assert_allclose(sparse.apply(frozen, x), want, rtol=1e-5, atol=1e-5)
+    return sparse, frozen
+
+
+# --- linen -------------------------------------------------------------------------------------
+
+
+def test_mlp_dense_and_dense_general():
+    x = jax.random.normal(jax.random.key(1), (32, 12))
+    rules = [("head", {"k": 2, "explore": "none"}), (r"Dense_0|split|merge", SPARSE)]
+    sparse = dd.nn.sparsify(Mlp(), rules)
+    v = jax.jit(sparse.init)(jax.random.key(0), x)
+    assert set(v["params"]["split"]) == {"alpha", "values", "bias"}
+    assert v["params"]["split"]["bias"].shape == (32,)  # prod(features): a DiagonalDense's bias
+    assert v["params"]["merge"]["values"].shape == (32, 16)  # [P, D] over 32 -> 16
+    assert v["params"]["head"]["values"].shape == (16, 4)
+    assert sparse.apply(v, x).shape == (32, 4)
+    check_sparsified(Mlp(), [(r"Dense_0|split|merge", SPARSE)], x, ["Dense_0", "split", "merge"])
+
+
+def test_attention_block():
+    x = jax.random.normal(jax.random.key(1), (8, 6, 16))
+    rules = [(r"MultiHeadDotProductAttention_0/(query|key|value|out)", SPARSE), ("Dense_.", SPARSE)]
+    attention = [f"MultiHeadDotProductAttention_0/{n}" for n in ("query", "key", "value", "out")]
+    check_sparsified(Attention(), rules, x, [*attention, "Dense_0", "Dense_1"])
+
+
+def test_sequential():
+    x = jax.random.normal(jax.random.key(1), (32, 12))
+    check_sparsified(sequential(), [("layers_[02]", SPARSE)], x, ["layers_0", "layers_2"])
+
+
+def test_shared_layers():
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    model = Shared()
+    assert [layer.path for layer in dd.nn.linear_layer_paths(model, x)] == ["shared", "proj"]
+    check_sparsified(model, [("shared|proj", SPARSE)], x, ["shared", "proj"])
+
+
+def test_scan_and_remat_blocks():
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    paths = ["layers/Dense_0", "layers/Dense_1", "last/Dense_0", "last/Dense_1"]
+    sparse, frozen = check_sparsified(Stacked(), [(".*", SPARSE)], x, paths)
+    assert frozen["params"]["layers"]["Dense_1"]["values"].shape[0] == 2  # one slice per block
