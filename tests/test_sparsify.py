@@ -12,8 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import dynadiag_jax as dd
+from dynadiag_jax.kernel_stats import model_paths
 
 # explore="none": one product per layer, so the search step compiles in a second or two
 SPARSE = {"sparsity": 0.75, "explore": "none"}
@@ -237,3 +239,109 @@ def test_scan_and_remat_blocks():
     paths = ["layers/Dense_0", "layers/Dense_1", "last/Dense_0", "last/Dense_1"]
     sparse, frozen = check_sparsified(Stacked(), [(".*", SPARSE)], x, paths)
     assert frozen["params"]["layers"]["Dense_1"]["values"].shape[0] == 2  # one slice per block
+
+
+def test_checkpoint_export_and_kernel_paths(tmp_path):
+    import orbax.checkpoint as ocp
+
+    x = jax.random.normal(jax.random.key(1), (4, 12))
+    sparse = dd.nn.sparsify(Mlp(), [("Dense_0|merge", SPARSE)])
+    init = jax.jit(sparse.init)
+    v = dd.nn.set_gate(init(jax.random.key(0), x), strength=0.3)
+    fv = dd.freeze_tree(v)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "search", v)
+    ckpt.save(tmp_path / "frozen", fv)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "search", init(jax.random.key(7), x))
+    np.testing.assert_array_equal(sparse.apply(restored, x), sparse.apply(v, x))
+    frozen_template = dd.freeze_tree(init(jax.random.key(8), x))
+    restored = ckpt.restore(tmp_path / "frozen", frozen_template)
+    np.testing.assert_array_equal(sparse.apply(restored, x), sparse.apply(fv, x))
+
+    exported = dd.export(jax.jit(sparse.apply))(fv, x)
+    y = jax.export.deserialize(exported.serialize()).call(fv, x)
+    np.testing.assert_allclose(y, sparse.apply(fv, x), rtol=1e-6, atol=1e-6)
+
+    paths = model_paths(sparse, jax.random.key(0), x)  # the start-up report sees them too
+    assert [p.path for p in paths] == ["Dense_0", "merge"]
+
+
+def test_rule_that_matches_nothing_lists_the_layers():
+    x = jnp.ones((2, 12))
+    sparse = dd.nn.sparsify(Mlp(), [("Dense_0", SPARSE), ("MlpBlock_0/.*", SPARSE)])
+    with pytest.raises(ValueError, match="'MlpBlock_0/.\\*' match no linear layer") as e:
+        jax.eval_shape(sparse.init, jax.random.key(0), x)
+    assert "\n  Dense_0\n  split\n  merge\n  head" in str(e.value)
+    # re.fullmatch: a pattern for part of a path matches nothing
+    with pytest.raises(ValueError, match="'Dense' match no linear layer"):
+        jax.eval_shape(dd.nn.sparsify(Mlp(), [("Dense", SPARSE)]).init, jax.random.key(0), x)
+
+
+def test_sizes_a_rule_cannot_take_name_the_layer():
+    x = jnp.ones((2, 12))
+    sparse = dd.nn.sparsify(Mlp(), [("Dense_0", {"sparsity": 0.9, "block_size": 16})])
+    with pytest.raises(ValueError, match="Dense_0: block_size=16 must divide in_features=12"):
+        jax.eval_shape(sparse.init, jax.random.key(0), x)
+
+
+class Unmappable(nn.Module):
+    axis: tuple = (-2, -1)
+    batch_dims: tuple = ()
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.DenseGeneral(8, axis=self.axis, batch_dims=self.batch_dims, name="proj")(x)
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        (Unmappable(axis=(0, 2)), "'proj' contracts axes \\(0, 2\\) of an input of shape"),
+        (Unmappable(axis=-1, batch_dims=(0,)), "'proj' has batch_dims=\\(0,\\)"),
+    ],
+)
+def test_dense_general_that_cannot_map_names_the_layer(model, match):
+    sparse = dd.nn.sparsify(model, [("proj", SPARSE)])
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(sparse.init, jax.random.key(0), jnp.ones((2, 3, 4)))
+
+
+class ParamsOnlyScan(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        scanned = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+        return scanned(name="layers")(x, None)[0]
+
+
+def test_scan_without_the_collections_says_how_to_carry_them():
+    x = jnp.ones((2, 16))
+    with pytest.raises(ValueError, match="'layers/Dense_.' sits in a lifted transform.*'dynadiag'"):
+        jax.eval_shape(
+            dd.nn.sparsify(ParamsOnlyScan(), [(".*", SPARSE)]).init, jax.random.key(0), x
+        )
+
+
+@pytest.mark.parametrize(
+    "rules, error, match",
+    [
+        ("Dense_0", TypeError, "sequence of \\(regex, kwargs\\) pairs"),
+        ([("Dense_0",)], TypeError, "rules\\[0\\] must be a \\(regex, kwargs\\) pair"),
+        ([("(", SPARSE)], ValueError, "pattern '\\(' is invalid"),
+        ([("Dense_0", {"sparsity": 0.9, "featurs": 3})], TypeError, "does not take: \\['featurs'"),
+        ([("Dense_0", {"features": 3, "sparsity": 0.9})], ValueError, "sets \\['features'\\]"),
+        ([("Dense_0", {"sparsity": 1.5})], ValueError, "rules\\[0\\] \\('Dense_0'\\): sparsity"),
+        ([("Dense_0", {})], ValueError, "exactly one of sparsity="),
+    ],
+)
+def test_malformed_rules_fail_at_once(rules, error, match):
+    with pytest.raises(error, match=match):
+        dd.nn.sparsify(Mlp(), rules)
+
+
+def test_module_must_be_unbound_and_sparsified_once():
+    sparse = dd.nn.sparsify(Mlp(), {"Dense_0": SPARSE})  # an ordered mapping works too
+    with pytest.raises(ValueError, match="already sparsified"):
+        dd.nn.sparsify(sparse, {"head": SPARSE})
+    with pytest.raises(TypeError, match="must be unbound"):
+        dd.nn.sparsify(Mlp().bind({}), {"head": SPARSE})
