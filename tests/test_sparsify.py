@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import dynadiag_jax as dd
 from dynadiag_jax.kernel_stats import model_paths
@@ -345,3 +346,111 @@ def test_module_must_be_unbound_and_sparsified_once():
         dd.nn.sparsify(sparse, {"head": SPARSE})
     with pytest.raises(TypeError, match="must be unbound"):
         dd.nn.sparsify(Mlp().bind({}), {"head": SPARSE})
+
+
+# --- NNX ---------------------------------------------------------------------------------------
+
+
+class NnxModel(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False, rngs=rngs)
+        self.mlp = nnx.Sequential(
+            nnx.Linear(16, 32, rngs=rngs), nnx.relu, nnx.Linear(32, 16, rngs=rngs)
+        )
+        self.shared = nnx.Linear(16, 16, rngs=rngs)
+        self.again = self.shared  # one layer, two paths ("again" comes first in nnx.state)
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(x)
+        x = x + self.mlp(x)
+        return self.head(nnx.relu(self.again(nnx.relu(self.shared(x)))))
+
+
+def nnx_dense_oracle(make, frozen):
+    """The unedited model holding the frozen model's params, diagonals written as kernels."""
+    params = nnx.to_pure_dict(nnx.state(frozen, nnx.Param))
+    for path, layer in nnx.iter_graph(frozen):
+        if isinstance(layer, dd.nnx.DiagonalDense):
+            spec = layer.spec
+            w = dd.diag_to_dense(
+                layer.values.get_value(),
+                layer.offsets.get_value(),
+                in_features=spec.in_features,
+                out_features=spec.out_features,
+            )
+            in_shape = getattr(layer, "in_shape", (spec.in_features,))
+            out_shape = getattr(layer, "out_shape", (spec.out_features,))
+            node = params
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = {
+                "kernel": w.T.reshape(in_shape + out_shape),
+                "bias": layer.bias.get_value().reshape(out_shape),
+            }
+    dense = make()
+    state = nnx.state(dense, nnx.Param)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(dense, state)
+    return dense
+
+
+def test_nnx_model_trains_freezes_and_equals_the_dense_oracle():
+    def make():
+        return NnxModel(nnx.Rngs(0))
+
+    x = jax.random.normal(jax.random.key(1), (8, 6, 16))
+    y = NnxModel(nnx.Rngs(2))(x)  # a dense teacher
+    model = make()
+    rules = [(r"attn/(query|key|value|out)", SPARSE), (r"mlp/layers/\d|shared", SPARSE)]
+    assert dd.nnx.sparsify(model, rules, rngs=nnx.Rngs(1)) is model
+    assert isinstance(model.attn.query, dd.nnx.DiagonalDenseGeneral)
+    assert isinstance(model.mlp.layers[2], dd.nnx.DiagonalDense)
+    assert model.again is model.shared and isinstance(model.shared, dd.nnx.DiagonalDense)
+    assert type(model.head) is nnx.Linear
+
+    strength = dd.schedules.exponential(1.0, 0.1, STEPS)
+    tx = dd.optim.diag_optimizer(1e-2, alpha_learning_rate=1e-2)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    def loss(model):
+        return jnp.mean((model(x) - y) ** 2)
+
+    @nnx.jit
+    def search_step(model, optimizer, i):
+        dd.nnx.set_gate(model, strength=strength(i))
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return value
+
+    @nnx.jit
+    def frozen_step(model, optimizer):
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return value
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes dtypes (see train)
+        search = [float(search_step(model, optimizer, i)) for i in range(STEPS)]
+        frozen = dd.nnx.freeze(model)
+        optimizer = dd.nnx.freeze_opt_state(optimizer, model, frozen)
+        after = [float(frozen_step(frozen, optimizer)) for _ in range(STEPS // 2)]
+    assert search[-1] < 0.9 * search[0] and after[-1] < after[0], (search, after)
+    assert frozen.again is frozen.shared
+    for layer in (frozen.attn.query, frozen.attn.out, frozen.mlp.layers[0], frozen.shared):
+        spec = layer.spec
+        k = dd.num_diagonals(spec.in_features, spec.out_features, SPARSE["sparsity"])
+        d = min(spec.in_features, spec.out_features)
+        assert layer.values.get_value().shape == (k, d)
+    np.testing.assert_allclose(frozen(x), nnx_dense_oracle(make, frozen)(x), rtol=1e-5, atol=1e-5)
+
+
+def test_nnx_errors_name_the_pattern_or_the_layer():
+    model = NnxModel(nnx.Rngs(0))
+    with pytest.raises(ValueError, match="'fc1' match no linear layer") as e:
+        dd.nnx.sparsify(model, [("head", SPARSE), ("fc1", SPARSE)], rngs=nnx.Rngs(1))
+    assert "\n  again = shared\n" in str(e.value) and "\n  attn/query\n" in str(e.value)
+    assert type(model.head) is nnx.Linear  # nothing replaced
+    with pytest.raises(ValueError, match="head: block_size=16 must divide in_features=16 and out"):
+        dd.nnx.sparsify(model, [("head", {"k": 1, "block_size": 16})], rngs=nnx.Rngs(1))
+    with pytest.raises(TypeError, match="does not take: \\['featurs'\\]"):
+        dd.nnx.sparsify(model, [("head", {"k": 1, "featurs": 2})], rngs=nnx.Rngs(1))
