@@ -268,6 +268,38 @@ def test_checkpoint_export_and_kernel_paths(tmp_path):
     assert [p.path for p in paths] == ["Dense_0", "merge"]
 
 
+class Encoder(nn.Module):
+    def setup(self):
+        self.embed = nn.Dense(16)
+        self.proj = nn.Dense(4)
+
+    def encode(self, x):
+        return self.embed(x)
+
+    def __call__(self, x):
+        return self.proj(nn.relu(self.encode(x)))
+
+
+class Classifier(nn.Module):
+    backbone: nn.Module
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2)(self.backbone(x))
+
+
+def test_other_methods_and_use_as_a_submodule():
+    x = jnp.ones((2, 12))
+    sparse = dd.nn.sparsify(Encoder(), [("embed", SPARSE)])
+    v = jax.jit(sparse.init)(jax.random.key(0), x)
+    assert sparse.apply(v, x, method="encode").shape == (2, 16)
+    assert sparse.apply(v, x, method=Encoder.encode).shape == (2, 16)
+    # rules match paths relative to the sparsified module, wherever it sits
+    shapes = jax.eval_shape(Classifier(sparse).init, jax.random.key(0), x)["params"]
+    assert set(shapes["backbone"]["embed"]) == {"alpha", "values", "bias"}
+    assert set(shapes["backbone"]["proj"]) == {"kernel", "bias"}
+
+
 def test_rule_that_matches_nothing_lists_the_layers():
     x = jnp.ones((2, 12))
     sparse = dd.nn.sparsify(Mlp(), [("Dense_0", SPARSE), ("MlpBlock_0/.*", SPARSE)])
