@@ -130,7 +130,7 @@ def dense_oracle_params(model, frozen, x):
         for _ in range(offsets.ndim - 1):  # stacked layers (nn.scan): one kernel per slice
             kernel = jax.vmap(kernel)
         lead = offsets.shape[:-1]
-        kernel = kernel(node["values"], offsets)
+        kernel = jax.jit(kernel)(node["values"], offsets)
         path_set(
             params,
             layer.path,
@@ -139,12 +139,11 @@ def dense_oracle_params(model, frozen, x):
     return params
 
 
-def train(model, x, y, steps=STEPS):
+def train(model, x, y, variables, steps=STEPS):
     """README's loop: search steps, the freeze with the optimizer state carried over, frozen
     steps. Returns the frozen variables and the losses of both phases."""
     strength = dd.schedules.exponential(1.0, 0.1, steps)  # a slow anneal: 8 steps is short
     tx = dd.optim.diag_optimizer(1e-2, alpha_learning_rate=1e-2)
-    variables = jax.jit(model.init)(jax.random.key(0), x)
     opt_state = tx.init(variables["params"])
 
     def step(variables, opt_state):
@@ -176,11 +175,13 @@ def train(model, x, y, steps=STEPS):
     return frozen, search, after
 
 
-def check_sparsified(model, rules, x, replaced):
+def check_sparsified(model, rules, x, replaced, variables=None):
     """Init, train, freeze; the frozen model equals the dense oracle; K*D values per layer."""
     sparse = dd.nn.sparsify(model, rules)
+    if variables is None:
+        variables = jax.jit(sparse.init)(jax.random.key(0), x)
     y = jax.jit(model.init_with_output)(jax.random.key(2), x)[0]  # a dense teacher
-    frozen, search, after = train(sparse, x, y)
+    frozen, search, after = train(sparse, x, y, variables)
     assert search[-1] < 0.9 * search[0] and after[-1] < after[0], (search, after)
     layers = {layer.path: layer for layer in dd.nn.linear_layer_paths(model, x)}
     assert set(replaced) <= set(layers)
@@ -195,8 +196,8 @@ def check_sparsified(model, rules, x, replaced):
         stack = node["values"].shape[:-2]
         assert node["values"].shape == stack + (k, min(n_in, n_out)), path
         assert path_get(frozen["diagonals"], path)["offsets"].shape == stack + (k,)
-    want = model.apply({"params": dense_oracle_params(model, frozen, x)}, x)
-    np.testing.assert_allclose(sparse.apply(frozen, x), want, rtol=1e-5, atol=1e-5)
+    want = jax.jit(model.apply)({"params": dense_oracle_params(model, frozen, x)}, x)
+    np.testing.assert_allclose(jax.jit(sparse.apply)(frozen, x), want, rtol=1e-5, atol=1e-5)
     return sparse, frozen
 
 
@@ -205,22 +206,20 @@ def check_sparsified(model, rules, x, replaced):
 
 def test_mlp_dense_and_dense_general():
     x = jax.random.normal(jax.random.key(1), (32, 12))
-    rules = [("head", {"k": 2, "explore": "none"}), (r"Dense_0|split|merge", SPARSE)]
-    sparse = dd.nn.sparsify(Mlp(), rules)
-    v = jax.jit(sparse.init)(jax.random.key(0), x)
+    rules = [(r"Dense_0|split|merge", SPARSE)]
+    v = jax.jit(dd.nn.sparsify(Mlp(), rules).init)(jax.random.key(0), x)
     assert set(v["params"]["split"]) == {"alpha", "values", "bias"}
     assert v["params"]["split"]["bias"].shape == (32,)  # prod(features): a DiagonalDense's bias
     assert v["params"]["merge"]["values"].shape == (32, 16)  # [P, D] over 32 -> 16
-    assert v["params"]["head"]["values"].shape == (16, 4)
-    assert sparse.apply(v, x).shape == (32, 4)
-    check_sparsified(Mlp(), [(r"Dense_0|split|merge", SPARSE)], x, ["Dense_0", "split", "merge"])
+    assert set(v["dynadiag"]["merge"]) == {"strength", "topk", "score"}
+    check_sparsified(Mlp(), rules, x, ["Dense_0", "split", "merge"], variables=v)
 
 
 def test_attention_block():
     x = jax.random.normal(jax.random.key(1), (8, 6, 16))
-    rules = [(r"MultiHeadDotProductAttention_0/(query|key|value|out)", SPARSE), ("Dense_.", SPARSE)]
+    rules = [(r".*/(query|key|value|out)", SPARSE)]  # the MLP's Dense layers stay dense
     attention = [f"MultiHeadDotProductAttention_0/{n}" for n in ("query", "key", "value", "out")]
-    check_sparsified(Attention(), rules, x, [*attention, "Dense_0", "Dense_1"])
+    check_sparsified(Attention(), rules, x, attention)
 
 
 def test_sequential():
