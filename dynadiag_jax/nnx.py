@@ -373,6 +373,16 @@ def _diagonal_layer(layer, path: str, kwargs: dict, rngs):
             f"{dict(layer.batch_axis)}: a diagonal layer has one weight for every batch entry; "
             f"leave this layer out of the rules"
         )
+    if (
+        general
+        and all(a < 0 for a in layer.axis)
+        and sorted(layer.axis) != list(range(-len(in_shape), 0))
+    ):  # positive axes depend on x's rank: DiagonalDenseGeneral checks them on every call
+        raise ValueError(
+            f"dd.nnx.sparsify: the nnx.LinearGeneral at {path!r} contracts axes {layer.axis} of "
+            f"x: a diagonal layer maps the trailing axes (axis=-1, or (-2, -1), ...) only; leave "
+            f"this layer out of the rules"
+        )
     kernel = layer.kernel.get_value()
     if kernel.ndim != len(in_shape) + len(out_shape):
         raise ValueError(

@@ -485,3 +485,29 @@ def test_nnx_errors_name_the_pattern_or_the_layer():
         dd.nnx.sparsify(model, [("head", {"k": 1, "block_size": 16})], rngs=nnx.Rngs(1))
     with pytest.raises(TypeError, match="does not take: \\['featurs'\\]"):
         dd.nnx.sparsify(model, [("head", {"k": 1, "featurs": 2})], rngs=nnx.Rngs(1))
+
+
+class NnxGeneral(nnx.Module):
+    def __init__(self, axis, batch_axis, rngs):
+        self.proj = nnx.LinearGeneral((3, 4), 8, axis=axis, batch_axis=batch_axis or {}, rngs=rngs)
+
+
+@pytest.mark.parametrize(
+    "axis, batch_axis, match",
+    [
+        ((-3, -1), None, "'proj' contracts axes \\(-3, -1\\) of x"),
+        ((-2, -1), {0: 2}, "'proj' has batch_axis=\\{0: 2\\}"),
+    ],
+)
+def test_nnx_linear_general_that_cannot_map_names_the_layer(axis, batch_axis, match):
+    model = NnxGeneral(axis, batch_axis, nnx.Rngs(0))
+    with pytest.raises(ValueError, match=match):
+        dd.nnx.sparsify(model, [("proj", SPARSE)], rngs=nnx.Rngs(1))
+    # positive axes depend on x's rank: checked on the call
+    model = NnxGeneral((1, 3), None, nnx.Rngs(0))
+    dd.nnx.sparsify(model, [("proj", SPARSE)], rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="proj: a diagonal layer maps the trailing axes"):
+        model.proj(jnp.ones((2, 3, 5, 4)))
+    model = NnxGeneral((2, 3), None, nnx.Rngs(0))
+    dd.nnx.sparsify(model, [("proj", SPARSE)], rngs=nnx.Rngs(1))
+    assert model.proj(jnp.ones((2, 5, 3, 4))).shape == (2, 5, 8)

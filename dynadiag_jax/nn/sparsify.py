@@ -225,8 +225,9 @@ def _call_wrapped_method(self, fun, args, kwargs):
     cls = type(self)
     base = functools.partial(cls._dynadiag_base._call_wrapped_method, self)
     stack = _sessions()
-    if any(s.owner is cls for s in stack) or getattr(fun, "__name__", "") == "setup":
-        return base(fun, args, kwargs)
+    nested = any(s.owner is cls for s in stack)
+    if nested or self.scope is None or getattr(fun, "__name__", "") == "setup":
+        return base(fun, args, kwargs)  # an unbound call gets Flax's own error
     session = _Session(cls, cls._dynadiag_rules, tuple(self.path))
     stack.append(session)
     try:
