@@ -1,5 +1,6 @@
-"""DynaDiag layers for Flax NNX: ``dd.nnx.DiagonalDense``, ``set_gate``, ``freeze`` and
-``freeze_opt_state``.
+"""DynaDiag layers for Flax NNX: ``dd.nnx.DiagonalDense``, ``set_gate``, ``freeze``,
+``freeze_opt_state``, and ``sparsify`` (diagonal layers in place of a model's ``nnx.Linear`` /
+``nnx.LinearGeneral`` by path rules).
 
 The same functional core as the linen layer (:mod:`dynadiag_jax.nn.functional`,
 :mod:`dynadiag_jax.nn.search`) with the same variable names, so ``nnx.state(model)`` holds what
@@ -19,6 +20,7 @@ statistics are not recorded.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax
@@ -31,9 +33,19 @@ from dynadiag_jax.freeze import freeze_opt_state as freeze_params_opt_state
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
 from dynadiag_jax.nn.search import gate_inputs, search_forward
+from dynadiag_jax.nn.sparsify import first_match, parse_rules, unmatched_message
 from dynadiag_jax.topk import check_gate_value, nan_if_nan
 
-__all__ = ["DiagonalDense", "Diagonals", "GateState", "freeze", "freeze_opt_state", "set_gate"]
+__all__ = [
+    "DiagonalDense",
+    "DiagonalDenseGeneral",
+    "Diagonals",
+    "GateState",
+    "freeze",
+    "freeze_opt_state",
+    "set_gate",
+    "sparsify",
+]
 
 BLOCK_SIZES = (1, *KERNEL_BLOCK_SIZES)
 
@@ -151,8 +163,17 @@ class DiagonalDense(nnx.Module):
         """Whether the layer holds its final ``K`` diagonals (``offsets``) instead of ``alpha``."""
         return hasattr(self, "offsets")
 
-    def __call__(self, x, *, strength=None, temperature=None):
-        """``x[..., in] -> [..., out]``; a call's gate value overrides the stored one."""
+    def __call__(self, x, *, strength=None, temperature=None, out_sharding=None):
+        """``x[..., in] -> [..., out]``; a call's gate value overrides the stored one.
+
+        ``out_sharding`` is accepted for the callers of ``nnx.Linear`` that pass it (such as
+        ``nnx.MultiHeadAttention``), and must be None: the product keeps its rows' sharding.
+        """
+        if out_sharding is not None:
+            raise ValueError(
+                f"DiagonalDense: out_sharding={out_sharding!r} is not supported (the product keeps "
+                f"the sharding of x's rows); pass None"
+            )
         spec = self.spec
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"x must be an array, got {type(x).__name__}")
@@ -189,6 +210,48 @@ class DiagonalDense(nnx.Module):
             bias = self.bias.get_value().astype(dtype)
             y = y + bias.reshape((1,) * (y.ndim - 1) + (spec.out_features,))
         return y
+
+
+class DiagonalDenseGeneral(DiagonalDense):
+    """A :class:`DiagonalDense` over flattened sizes, in place of an ``nnx.LinearGeneral``.
+
+    ``x[..., *in_shape] -> [..., *out_shape]`` is the diagonal layer ``prod(in_shape) ->
+    prod(out_shape)`` on ``x`` with its trailing axes flattened, reshaped back. The variables are
+    a ``DiagonalDense``'s (``bias[prod(out_shape)]``).
+
+    Args:
+      in_shape, out_shape: the contracted trailing axes of ``x`` and the output features.
+      axis: the axes of ``x`` that ``in_shape`` stands for (checked on every call: they must be
+        the trailing ones).
+      path: the layer's path in its model, for error messages.
+      **kwargs: as :class:`DiagonalDense` (``sparsity=``/``k=``, ``rngs=``, ...).
+    """
+
+    def __init__(self, in_shape, out_shape, *, axis=None, path: str = "", **kwargs):
+        super().__init__(math.prod(in_shape), math.prod(out_shape), **kwargs)
+        self.in_shape = tuple(int(n) for n in in_shape)
+        self.out_shape = tuple(int(n) for n in out_shape)
+        self.axis = tuple(range(-len(self.in_shape), 0)) if axis is None else tuple(axis)
+        self.path = path
+
+    def __call__(self, x, **kwargs):
+        """``x[..., *in_shape] -> [..., *out_shape]``; kwargs as :meth:`DiagonalDense.__call__`."""
+        n = len(self.in_shape)
+        if not hasattr(x, "ndim") or x.ndim < n:
+            raise ValueError(
+                f"{self.path or 'DiagonalDenseGeneral'}: x must be an array [..., "
+                f"{', '.join(map(str, self.in_shape))}], got {getattr(x, 'shape', type(x))}"
+            )
+        axes = sorted(a % x.ndim for a in self.axis)
+        if axes != list(range(x.ndim - n, x.ndim)) or tuple(x.shape[x.ndim - n :]) != self.in_shape:
+            raise ValueError(
+                f"{self.path or 'DiagonalDenseGeneral'}: a diagonal layer maps the trailing axes "
+                f"[..., {', '.join(map(str, self.in_shape))}] of x; got axis={self.axis} of x of "
+                f"shape {tuple(x.shape)}"
+            )
+        lead = x.shape[: x.ndim - n]
+        y = super().__call__(x.reshape((*lead, self.spec.in_features)), **kwargs)
+        return y.reshape((*lead, *self.out_shape))
 
 
 def _layers(model):
@@ -283,3 +346,139 @@ def freeze_opt_state(optimizer: nnx.Optimizer, model, frozen) -> nnx.Optimizer:
     nnx.replace_by_pure_dict(template, state)
     nnx.update(continued, template)
     return continued
+
+
+# Exactly these classes: a subclass may compute something else in its own __call__.
+_LINEAR_TYPES = (nnx.Linear, nnx.LinearGeneral)
+
+
+def _as_initializer(array):
+    """An initializer returning ``array`` (the replaced layer's own draw) reshaped to ``shape``."""
+
+    def init(key, shape, dtype=jnp.float32):
+        del key
+        return jnp.reshape(array, shape).astype(dtype)
+
+    return init
+
+
+def _diagonal_layer(layer, path: str, kwargs: dict, rngs):
+    """The diagonal layer that takes ``layer``'s place."""
+    general = isinstance(layer, nnx.LinearGeneral)
+    in_shape = layer.in_features if general else (layer.in_features,)
+    out_shape = layer.out_features if general else (layer.out_features,)
+    if general and layer.batch_axis:
+        raise ValueError(
+            f"dd.nnx.sparsify: the nnx.LinearGeneral at {path!r} has batch_axis="
+            f"{dict(layer.batch_axis)}: a diagonal layer has one weight for every batch entry; "
+            f"leave this layer out of the rules"
+        )
+    if (
+        general
+        and all(a < 0 for a in layer.axis)
+        and sorted(layer.axis) != list(range(-len(in_shape), 0))
+    ):  # positive axes depend on x's rank: DiagonalDenseGeneral checks them on every call
+        raise ValueError(
+            f"dd.nnx.sparsify: the nnx.LinearGeneral at {path!r} contracts axes {layer.axis} of "
+            f"x: a diagonal layer maps the trailing axes (axis=-1, or (-2, -1), ...) only; leave "
+            f"this layer out of the rules"
+        )
+    kernel = layer.kernel.get_value()
+    if kernel.ndim != len(in_shape) + len(out_shape):
+        raise ValueError(
+            f"dd.nnx.sparsify: the layer at {path!r} has a stacked kernel of shape "
+            f"{kernel.shape} (nnx.vmap/nnx.scan): stacked layers cannot be replaced one by one; "
+            f"leave this layer out of the rules"
+        )
+    # The values start from the layer's own kernel (its kernel_init's draw, which NNX does not
+    # keep): the start a DiagonalDense made with that initializer would have.
+    kwargs = {
+        "use_bias": layer.use_bias,
+        "dtype": layer.dtype,
+        "param_dtype": layer.param_dtype,
+        "kernel_init": _as_initializer(kernel),
+        **({"bias_init": _as_initializer(layer.bias.get_value())} if layer.use_bias else {}),
+        **kwargs,
+    }
+    try:
+        if general:
+            return DiagonalDenseGeneral(
+                in_shape, out_shape, axis=layer.axis, path=path, rngs=rngs, **kwargs
+            )
+        return DiagonalDense(in_shape[0], out_shape[0], rngs=rngs, **kwargs)
+    except ValueError as e:  # e.g. a block size that does not divide this layer's widths
+        raise ValueError(f"dd.nnx.sparsify: {path}: {e}") from None
+
+
+def _references(nodes):
+    """Every ``(container, key, value)`` attribute or item of the graph ``nodes``."""
+    out = []
+    for _, node in nodes:
+        if isinstance(node, nnx.Module):
+            out.extend((node, name, value) for name, value in vars(node).items())
+        elif isinstance(node, (list, tuple)):
+            out.extend((node, i, value) for i, value in enumerate(node))
+        elif isinstance(node, dict):
+            out.extend((node, key, value) for key, value in node.items())
+    return out
+
+
+def sparsify(model, rules, *, rngs: nnx.Rngs):
+    """Replaces, in place, the ``nnx.Linear``/``nnx.LinearGeneral`` layers of ``model`` that
+    ``rules`` match with diagonal layers; returns ``model``.
+
+    Args:
+      model: an NNX module, freshly built: a replaced layer's values start from its own kernel's
+        entries on the diagonals (its ``kernel_init``'s draw, times ``1 / sqrt(density)`` as
+        :class:`DiagonalDense` does with ``fan_in="sparse"``) and its bias.
+      rules: ``(regex, kwargs)`` pairs in order (or an ordered mapping), as
+        :func:`dynadiag_jax.nn.sparsify`: a layer whose path (attribute names and list indices
+        joined by ``"/"`` as in ``nnx.state(model)``, e.g. ``"blocks/0/mlp/fc1"``)
+        ``re.fullmatch``-es a regex becomes a :class:`DiagonalDense` (an ``nnx.Linear``) or a
+        :class:`DiagonalDenseGeneral` (an ``nnx.LinearGeneral``) with that rule's keyword
+        arguments; the first matching rule wins; the rest stay dense. A layer referenced from
+        several places is matched by any of its paths and replaced everywhere.
+      rngs: ``nnx.Rngs`` with a ``params`` stream, for the diagonal layers' ``alpha``.
+
+    Raises:
+      TypeError, ValueError: malformed rules; a rule that matches no layer (the message lists
+        the model's linear layers); a layer whose sizes cannot take its rule, a
+        ``LinearGeneral`` with ``batch_axis``, a stacked layer, or one held in a tuple, each
+        naming the layer's path. Nothing is replaced when anything fails.
+    """
+    parsed = parse_rules(rules, "dd.nnx.sparsify")
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"dd.nnx.sparsify: model must be an nnx.Module, got {type(model).__name__}")
+    nodes = list(nnx.iter_graph(model))
+    where = {id(node): path for path, node in nodes}  # each node's first path
+    references = _references(nodes)
+    found = {}  # id -> (every path of the layer, layer)
+    for container, key, value in references:
+        if type(value) in _LINEAR_TYPES:
+            path = "/".join(map(str, (*where[id(container)], key)))
+            found.setdefault(id(value), ([], value))[0].append(path)
+    matched, new = set(), {}
+    for key, (paths, layer) in found.items():
+        paths.sort()
+        hits = [i for i in (first_match(parsed, p) for p in paths) if i is not None]
+        if hits:
+            matched.add(min(hits))
+            new[key] = _diagonal_layer(layer, paths[0], parsed[min(hits)].kwargs, rngs)
+    if len(matched) < len(parsed):
+        listed = [" = ".join(paths) for paths, _ in found.values()]
+        raise ValueError(
+            unmatched_message("dd.nnx.sparsify", parsed, matched, listed, type(model).__name__)
+        )
+    references = [(c, k, v) for c, k, v in references if id(v) in new]
+    for container, _, value in references:
+        if isinstance(container, tuple):
+            raise ValueError(
+                f"dd.nnx.sparsify: the layer at {found[id(value)][0][0]!r} is held in a tuple, "
+                f"which cannot be changed in place; hold it in an attribute, a list or nnx.List"
+            )
+    for container, key, value in references:
+        if isinstance(container, nnx.Module):
+            setattr(container, key, new[id(value)])
+        else:
+            container[key] = new[id(value)]
+    return model

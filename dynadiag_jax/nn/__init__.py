@@ -1,8 +1,18 @@
-"""Flax layers: ``DiagonalDense``, the helper that sets every layer's gate hyper-parameter, and the
+"""Flax layers: ``DiagonalDense``, the helper that sets every layer's gate hyper-parameter,
+``sparsify`` (diagonal layers in any linen model by module path, without editing it), and the
 functional core that layers of any framework wrap (:mod:`dynadiag_jax.nn.functional`)."""
 
 from dynadiag_jax.nn import functional
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
 from dynadiag_jax.nn.gate_state import alpha_from_values, set_gate
+from dynadiag_jax.nn.sparsify import LinearLayer, linear_layer_paths, sparsify
 
-__all__ = ["DiagonalDense", "alpha_from_values", "functional", "set_gate"]
+__all__ = [
+    "DiagonalDense",
+    "LinearLayer",
+    "alpha_from_values",
+    "functional",
+    "linear_layer_paths",
+    "set_gate",
+    "sparsify",
+]
