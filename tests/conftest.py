@@ -21,6 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
+CUDA_ARCHS = ("80", "90")  # the architectures the CUDA extension is built and checked for
+
 _spec = importlib.util.spec_from_file_location("sass_counts", ROOT / "scripts" / "sass_counts.py")
 sass_counts = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sass_counts)
@@ -63,11 +65,11 @@ def run_python(tmp_path):
 
 @pytest.fixture(scope="session")
 def cuda_device_build(tmp_path_factory):
-    """``(ptxas -v log, folder)`` of the shipped CUDA source's device code for sm_80 and sm_90,
+    """``(ptxas -v log, folder)`` of the shipped CUDA source's device code for ``CUDA_ARCHS``,
     compiled once per session (minutes on two cores); the folder keeps each architecture's cubin
     and PTX (``sass_counts.cubin_path``). Skips without nvcc."""
     nvcc = sass_counts.find_tool("nvcc")
     if nvcc is None or not sass_counts.SOURCE.exists():
         pytest.skip("needs nvcc and the xla_ext sources")
     out = tmp_path_factory.mktemp("nvcc")
-    return sass_counts.compile_device_code(nvcc, jax.ffi.include_dir(), out, ("80", "90")), out
+    return sass_counts.compile_device_code(nvcc, jax.ffi.include_dir(), out, CUDA_ARCHS), out

@@ -41,7 +41,7 @@ def test_platforms_without_kernels_build_w_and_call_the_dot(platform):
 
 
 def test_cuda_takes_dense_on_the_headline_shapes():
-    # issue 27: the compiled kernels are predicted slower than dense; element diagonals always are
+    # the compiled kernels are predicted slower than dense; element diagonals always are
     for in_f, out_f in [(768, 3072), (3072, 768), (768, 2304), (768, 768)]:
         for b in (1, 16, 32, 64):
             d = decide("cuda", in_f, out_f, b=b)

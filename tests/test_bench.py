@@ -74,7 +74,7 @@ def test_diag_matmul_benchmark_writes_the_csv_without_matplotlib(run_python, tmp
 
 
 def test_quick_benchmark_keeps_the_options_given_beside_it(run_python, tmp_path):
-    """``--quick --sparsities 0.9`` (issue 23: --quick replaced the typed sparsities): the quick
+    """``--quick --sparsities 0.9`` (--quick once replaced the typed sparsities): the quick
     case's block sizes and implementations, the typed sparsity, shape, batch, repeats and dtype."""
     out = tmp_path / "bench.csv"
     tiny = ["--shapes", "16:32", "--sparsities", "0.9", "--batch", "4", "--repeats", "1"]

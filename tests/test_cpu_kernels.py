@@ -446,7 +446,7 @@ def test_block_handlers_reject_bad_operands(target, results, operands, message):
 
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_float16_auto_runs_the_kernels_in_float32(block_size, rng):
-    """A float16 model on CPU (issue 23: it took the pure-JAX path, slower than dense): impl="auto"
+    """A float16 model on CPU (it once took the pure-JAX path, slower than dense): impl="auto"
     lowers every product to the kernels on float32 copies and rounds each result to float16 once,
     so it agrees with the float32 kernels on the same (float16) inputs."""
     in_f, out_f, rows = 96, 320, 40

@@ -16,6 +16,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import CUDA_ARCHS
 
 import dynadiag_jax as dd
 from dynadiag_jax.ops import cuda
@@ -23,7 +24,7 @@ from dynadiag_jax.ops import cuda
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GUARD = ROOT / "xla_ext" / "cuda" / "cuda_plugin_guard.cmake"
 PLUGIN_LISTER = ROOT / "xla_ext" / "cuda" / "jax_cuda_plugin.py"
-ARCHS = ("80", "90")
+ARCHS = CUDA_ARCHS
 SMEM_LIMIT = 48 * 1024  # static shared memory per block
 MAX_REGISTERS = 255
 

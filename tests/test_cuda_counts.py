@@ -1,4 +1,4 @@
-"""The cost model counts exactly what the kernels do (issue 12 item 1, without a GPU).
+"""The cost model counts exactly what the kernels do (without a GPU).
 
 Each emulated launch sequence tallies, per kernel, the thread blocks it ran, the warp-level MMAs and
 float32 FMAs it issued and the global bytes it loaded and stored (cuda/kernel_common.cuh; the

@@ -1,4 +1,4 @@
-"""Every autodiff mode and order of diag_matmul runs through the sparse products (issue 13).
+"""Every autodiff mode and order of diag_matmul runs through the sparse products.
 
 diag_matmul is bilinear in x and values; its primitives carry JVP and transpose rules, so jvp,
 jacfwd, jacrev, hessian and grad of grad work for every impl, element and block diagonals, and

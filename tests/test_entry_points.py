@@ -58,7 +58,7 @@ def test_a_checkout_that_shadows_the_kernels_warns(tmp_path):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_prints_the_docstring_as_written_and_the_config_flag(script):
-    """``--help`` (issue 23): absl formats the docstring with ``%``, which turned "90% sparse" into
+    """``--help``: absl formats the docstring with ``%``, which turned "90% sparse" into
     "90train/fashion_mnist.pyparse"; ``--config`` was listed only by ``--helpfull``."""
     doc = ast.get_docstring(ast.parse((ROOT / "train" / script).read_text()), clean=False)
     proc = subprocess.run(

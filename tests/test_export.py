@@ -1,4 +1,4 @@
-"""dd.export: frozen models serialize with jax.export and run in a fresh process (issue 13).
+"""dd.export: frozen models serialize with jax.export and run in a fresh process.
 
 The custom-call targets carry an ABI version in their names; dd.export allows exactly those.
 """

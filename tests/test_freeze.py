@@ -265,7 +265,7 @@ def test_freeze_refuses_non_finite_alpha():
         match="alpha of the DiagonalDense at params path Block_0/inner holds 1 non-finite",
     ):
         dd.freeze_tree(bad)
-    # Inside jit alpha cannot be read (issue 23: a host callback failed with "INTERNAL:
+    # Inside jit alpha cannot be read (a host callback once failed with "INTERNAL:
     # CpuCallback error"): that layer's frozen values are NaN, so the model's outputs are.
     frozen = jax.jit(dd.freeze_tree)(bad)
     assert np.all(np.isnan(frozen["params"]["Block_0"]["inner"]["values"]))
@@ -294,7 +294,7 @@ def test_freeze_refuses_non_finite_alpha():
     ids=["cosine", "linear", "optax_cosine", "negative"],
 )
 def test_gate_schedule_reaching_zero_inside_jit(schedule):
-    """Issue 13 item 1: a strength schedule that reaches 0 used to turn the whole model NaN."""
+    """A strength schedule that reaches 0 used to turn the whole model NaN."""
     model = Model()
     steps = 8
     x = jax.random.normal(jax.random.key(1), (6, 16))

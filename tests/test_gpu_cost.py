@@ -40,7 +40,7 @@ def test_scattered_element_diagonals_lose_to_dense_at_90_percent():
 
 @pytest.mark.parametrize("b", [16, 32])
 def test_block_kernels_as_compiled_are_issue_bound_and_slower_than_dense(b):
-    # issue 27: the compiled block kernels issue far more instructions than their bytes need
+    # the compiled block kernels issue far more instructions than their bytes need
     k = dd.num_diagonals(768, 3072, 0.9, block_size=b)
     p = gpu_cost.predict(VIT_ROWS, 768, 3072, BF16, k, block_size=b)
     (launch,) = p.paths["kernel"].fwd

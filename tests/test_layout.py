@@ -236,7 +236,7 @@ def test_coverage_of_a_tall_layer_can_leave_rows_empty_and_checks_offsets():
 
 
 def test_the_block_size_hint_names_sizes_the_layer_takes():
-    """Issue 23 item 4: the hint said "the pure-JAX path takes any common divisor >= 2", yet the
+    """The hint once said "the pure-JAX path takes any common divisor >= 2", yet the
     layer refuses block_size=4; it now lists the sizes DiagonalDense takes, and one works."""
     x = jax.ShapeDtypeStruct((2, 784), jnp.float32)
 

@@ -528,7 +528,7 @@ def test_gate_value_zero_is_the_hard_topk(rng):
 
 
 def test_frozen_wide_layer_checks_its_input_width():
-    """Issue 13 item 4: DiagonalDense(32, sparsity=0.8) on 64 inputs, frozen, run on 63."""
+    """DiagonalDense(32, sparsity=0.8) on 64 inputs, frozen, run on 63."""
     layer = DiagonalDense(32, sparsity=0.8, impl="jax")
     x = jax.random.normal(jax.random.key(0), (4, 64))
     init = jax.jit(layer.init)
@@ -579,7 +579,7 @@ def test_old_frozen_variables_without_width_still_run():
 
 
 def test_frozen_params_without_offsets_say_where_they_live():
-    """Issue 13 item 5: only "params" saved after the freeze."""
+    """Only "params" saved after the freeze."""
     layer = DiagonalDense(32, sparsity=0.8, impl="jax")
     x = jnp.ones((2, 64))
     _, fv = dd.freeze(layer, layer.init(jax.random.key(0), x))
@@ -589,7 +589,7 @@ def test_frozen_params_without_offsets_say_where_they_live():
 
 
 def test_set_gate_refuses_arguments_no_layer_takes():
-    """Issue 13 item 9: set_gate used to return the variables unchanged."""
+    """set_gate used to return the variables unchanged."""
     x = jnp.ones((2, 8))
     sparse = DiagonalDense(8, sparsity=0.5).init(jax.random.key(0), x)
     soft = DiagonalDense(8, sparsity=0.5, gate="softmax").init(jax.random.key(0), x)
@@ -609,7 +609,7 @@ def test_set_gate_refuses_arguments_no_layer_takes():
 
 
 def test_frozen_layer_and_phase_mix_ups_are_errors_under_jit_too():
-    """Issue 23 item 5, as the user ran it: ``DiagonalDense(32, k=4)`` frozen at width 64 and run
+    """As a user ran it: ``DiagonalDense(32, k=4)`` frozen at width 64 and run
     under jit on width 48 gave all-NaN; the frozen layer silently ran the search product on
     search-phase variables; search params beside frozen offsets gave Flax's shape error."""
     layer = DiagonalDense(32, k=4, impl="jax")
@@ -633,7 +633,7 @@ def test_frozen_layer_and_phase_mix_ups_are_errors_under_jit_too():
 
 @pytest.mark.parametrize("gate", ["sparse_topk", "softmax"])
 def test_a_nan_gate_value_raises_eagerly_and_gives_nan_outputs_under_jit(gate):
-    """Issue 23 item 6: a NaN strength/temperature raises where it can be read (the call,
+    """A NaN strength/temperature raises where it can be read (the call,
     set_gate, eagerly); traced, the layer cannot raise, and its outputs are NaN rather than the
     finite product of some other gate. A traced negative value still acts as 0."""
     layer = DiagonalDense(8, sparsity=0.5, gate=gate, impl="jax")

@@ -131,7 +131,7 @@ def test_orbax_round_trip_of_nnx_state(tmp_path, phase):
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "ckpt", nnx.state(model))
     abstract = nnx.eval_shape(lambda: MLP(block_size=16, rngs=nnx.Rngs(9)))
-    if phase == "frozen":  # the README's form (issue 23: freezing abstract state raised)
+    if phase == "frozen":  # the README's form (freezing abstract state used to raise)
         abstract = dd.nnx.freeze(abstract)
     graphdef, abstract_state = nnx.split(abstract)
     with ocp.StandardCheckpointer() as ckpt:
@@ -174,14 +174,14 @@ def test_errors_name_the_argument():
     model.fc1.alpha.set_value(model.fc1.alpha.get_value().at[3].set(jnp.nan))
     with pytest.raises(ValueError, match="fc1.*non-finite"):
         dd.nnx.freeze(model)
-    # Inside nnx.jit alpha cannot be read: the layer's frozen values are NaN (issue 23 item 6).
+    # Inside nnx.jit alpha cannot be read: the layer's frozen values are NaN.
     frozen = nnx.jit(dd.nnx.freeze)(model)
     assert np.all(np.isnan(frozen.fc1.values.get_value()))
     assert np.all(np.isnan(frozen(jnp.ones((2, 64)))))
 
 
 def test_a_traced_nan_strength_gives_nan_outputs():
-    """Issue 23 item 6: eagerly a NaN strength raises; inside nnx.jit the outputs are NaN."""
+    """Eagerly a NaN strength raises; inside nnx.jit the outputs are NaN."""
     model = MLP(rngs=nnx.Rngs(0))
     x = jnp.ones((2, 64))
     with pytest.raises(ValueError, match="strength must be >= 0"):
@@ -198,7 +198,7 @@ def test_a_traced_nan_strength_gives_nan_outputs():
 
 
 def test_freeze_opt_state_carries_the_optimizer_over(standard_promotion):
-    """Issue 23 item 3: the README made a fresh optimizer after dd.nnx.freeze and lost Adam's
+    """The README once made a fresh optimizer after dd.nnx.freeze and lost Adam's
     moments; dd.nnx.freeze_opt_state keeps them (the kept diagonals' rows) and the step count."""
     model = MLP(rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(2), (16, 64))

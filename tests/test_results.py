@@ -299,12 +299,12 @@ def test_report_tables_goals_plots_and_kept_notes(tmp_path):
         in text
     )
     assert "| 90% | Block diagonals 16x16 (DynaDiag frozen) | 0.500 | 0.25 | 0.040 | 0.20 |" in text
-    # Issue 11: b = 16 misses by 0.6 points; b = 8 is not a goal.
+    # Blocks of 16 trail element diagonals by 0.6 points (goal: 0.5); b = 8 has no goal line.
     assert "mlp: blocks 16x16 within 0.5 points of element diagonals: **missed**" in text
     assert "(88.00 ± 0.10% against 88.60 ± 0.10%, -0.60 points)" in text
     assert "mlp: blocks 8x8 within" not in text
     assert "| mlp | DynaDiag, blocks 16x16 | 88.00 ± 0.10 (3) | 12.50% | 0.25× | 0.20× |" in text
-    # Issue 14.
+    # The ViT goals: against RigL/SET and against static diagonals.
     assert "ViT: DynaDiag at least max(RigL, SET) - 0.2 points: **met**" in text
     assert "better than static random diagonals by more than the seed spread: **met**" in text
     assert "+0.50 points against a spread of 0.10" in text

@@ -252,7 +252,7 @@ def test_imagenet_runs_on_mock_data(tmp_path, sparsity):
 
 @pytest.mark.slow
 def test_imagenet_smoke_run_needs_no_data(run_python, tmp_path):
-    """The documented smoke run on a machine without ImageNet (issue 23: it stopped with
+    """The documented smoke run on a machine without ImageNet (it once stopped with
     "ImageNet needs data_dir"): runlocal trains on random images."""
     proc = run_python(
         [
@@ -417,7 +417,7 @@ def test_eval_batch_not_divisible_by_devices_is_reported(run_python, tmp_path, s
             "unknown config argument 'quik' (did you mean 'quick'?)",
         ),
         ("lm.py", ["--wrkdir=runs"], "Unknown command line flag 'wrkdir'"),
-        # issue 23: found only after the dense comparison had trained, with a traceback
+        # once found only after the dense comparison had trained, with a traceback
         (
             "fashion_mnist.py",
             ["--config.dynadiag.block_size=64"],
@@ -481,7 +481,7 @@ def test_fashion_mnist_script_end_to_end(run_python, tmp_path):
 
 
 def test_results_smoke_run_reports_in_its_workdir_and_never_writes_docs(run_python, tmp_path):
-    """A smoke run as a user types it, from a checkout (issue 23: it rewrote docs/RESULTS.md and
+    """A smoke run as a user types it, from a checkout (it once rewrote docs/RESULTS.md and
     the plots): its report goes under --workdir, and --docs, the explicit way to write the
     shipped report, refuses anything but the full campaign before training."""
     docs = tmp_path / "docs"  # the child runs in tmp_path: where a checkout keeps docs/
@@ -544,7 +544,7 @@ def test_only_the_full_campaign_may_write_docs(tmp_path):
 
 def test_sigterm_saves_and_exits_with_sigterms_status(tmp_path):
     """``kill <pid>`` (SIGTERM) stops after the current step, saves it and exits 143 (128 + 15),
-    not SIGINT's 130 (issue 23)."""
+    not SIGINT's 130."""
     workdir = tmp_path / "run"
     command = [
         sys.executable,

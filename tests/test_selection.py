@@ -1,4 +1,4 @@
-"""Selection learns: a student recovers planted diagonals (docs/design.md section 4, issue 3).
+"""Selection learns: a student recovers planted diagonals (docs/design.md section 4).
 
 Element diagonals (64 -> 96, K = 5 of 96) and block diagonals (128 -> 256 with b = 8, K = 3 of 16
 candidate chains of 32 blocks), each with the default gate and exploration, and the training
