@@ -6,7 +6,9 @@ the block kernels' AVX-512 tiling, stands in for it on machines without. The siz
 kernels' block boundaries: rows not a multiple of 8 or of the 32-row chunks, widths not a multiple
 of the 16-column tiles, wrapped diagonals split inside a tile, several workers adding partial sums;
 for block diagonals, rows not a multiple of the register tiles or beyond one chunk, every block
-size, K = 1, K = P_b, repeated offsets, K = 0 and no rows.
+size, K = 1, K = P_b, repeated offsets, K = 0 and no rows. Batches of a few rows (up to 8 for
+element diagonals, 16 for blocks) take the few-row kernels, which read the values in place; the
+cases include such batches with enough work to split over several tasks.
 """
 
 import jax
@@ -41,6 +43,8 @@ CASES = [  # (in, out, rows, k, duplicate offsets)
     (700, 300, 70, 400, False),
     (64, 48, 3, 0, False),  # K = 0
     (17, 9, 0, 4, False),  # no rows
+    (300, 700, 5, 400, False),  # a few rows, split over several tasks
+    (700, 300, 8, 400, True),
 ]
 
 
@@ -136,6 +140,31 @@ def test_fused_backward_matches_dense(isa, case, bf16, workers, rng):
     _assert_close(_as_f64(dx, bf16), dy.astype(np.float64) @ w, bf16, f"{isa} dx")
     dw = dy.astype(np.float64).T @ x.astype(np.float64)
     _assert_close(_as_f64(dvalues, bf16), dw[wr, wc], bf16, f"{isa} dvalues")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(
+    "in_f,out_f,block,rows",
+    [(300, 700, 1, 8), (700, 300, 1, 5), (256, 512, 16, 16), (512, 256, 32, 4)],
+)
+def test_few_row_results_do_not_depend_on_the_task_split(isa, in_f, out_f, block, rows, rng):
+    """The few-row kernels split the outputs (and dvalues) between tasks, never a sum: one task or
+    three give the same bits."""
+    if block == 1:
+        x, dy, values, offsets = _case(rng, in_f, out_f, rows, 400, False)
+    else:
+        x, dy, values, offsets = _block_case(rng, in_f, out_f, block, rows, "all")
+    for op, a, b, shape in (
+        ("fwd", x, values, (rows, out_f)),
+        ("dx", dy, values, (rows, in_f)),
+        ("dvalues", dy, x, values.shape),
+    ):
+        for bf16 in (False, True):
+            one, three = (
+                _run(op, isa, a, b, offsets, shape, in_f, out_f, workers, bf16)
+                for workers in (1, 3)
+            )
+            np.testing.assert_array_equal(one, three, err_msg=f"{op} bf16={bf16}")
 
 
 @pytest.mark.parametrize("in_f,out_f", [(96, 320), (320, 96), (256, 256)])
@@ -261,6 +290,8 @@ BLOCK_CASES = [  # (in, out, b, rows, offsets: "one" | "all" (K = P_b) | "duplic
     (128, 256, 32, 600, "all"),  # enough work for several tasks
     (64, 128, 16, 3, "none"),  # K = 0
     (64, 128, 16, 0, "all"),  # no rows
+    (256, 512, 16, 16, "all"),  # a few rows, split over several tasks
+    (512, 256, 32, 9, "duplicates"),
 ]
 
 

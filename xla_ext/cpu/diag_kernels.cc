@@ -714,6 +714,291 @@ class BlockDvaluesJob : public Job {
   std::atomic<int64_t> next_slot_{0};
 };
 
+// --- A few rows (online inference) -------------------------------------------------------------
+
+// Up to this many rows, a product reads W in place, one diagonal or block at a time, with every
+// row of the batch passing over it while it is in L1 (FewRowsJob). The jobs above first build a
+// plan and pack the values, a pass over W that costs about as much as the whole product at batch
+// 1 (element diagonals: about 250 us single-threaded at 768 -> 3072 and 90%, then 12 us a row;
+// blocks of 16: 100 us, then 6 us a row). The few-row loops cost nothing up front but more per
+// row (element diagonals: about 35 us a row, three memory operations per FMA; blocks: 10 us), so
+// each path takes the rows where it is faster (docs/cpu_kernels.md, "A few rows").
+constexpr int64_t kFewRowsElement = 8;
+constexpr int64_t kFewRowsBlock = 16;
+
+bool FewRows(int64_t rows, const DiagMatrix& w) {
+  return rows <= (w.block > 1 ? kFewRowsBlock : kFewRowsElement);
+}
+
+// Multiply-adds per task below which a few-row job runs in one task, inline: handing a task to
+// another thread costs about as much as this many FMAs of the one-row loops.
+constexpr int64_t kFewMacsPerTask = int64_t{1} << 18;
+// Output floats of all rows an element product keeps in L1 while the diagonals pass.
+constexpr int64_t kFewTileFloats = 4096;
+
+// A row stride of at least `width` floats, a multiple of 16, and not a multiple of 256 (1 KiB):
+// rows a multiple of 4 KiB apart fall in one L1 set, and a store to one row delays loads from the
+// same offset of the next.
+int64_t PaddedStride(int64_t width) {
+  const int64_t stride = (width + 15) / 16 * 16;
+  return stride % 256 == 0 ? stride + 16 : stride;
+}
+
+// What a FewRowsJob computes: the product `out = in (x) W` (forward: in = x, W as is; dx: in =
+// dy, W transposed), dvalues from dy and x, or both (the backward: in = dy).
+struct FewRowsWork {
+  bool product = false;
+  bool forward = false;
+  const void* in = nullptr;
+  void* out = nullptr;
+  bool dvalues = false;
+  const void* dy = nullptr;
+  const void* x = nullptr;
+  void* dvalues_out = nullptr;
+
+  static FewRowsWork Product(bool forward, const void* in, void* out) {
+    FewRowsWork work;
+    work.product = true;
+    work.forward = forward;
+    work.in = in;
+    work.out = out;
+    return work;
+  }
+
+  FewRowsWork WithDvalues(const void* dy_rows, const void* x_rows, void* result) const {
+    FewRowsWork work = *this;
+    work.dvalues = true;
+    work.dy = dy_rows;
+    work.x = x_rows;
+    work.dvalues_out = result;
+    return work;
+  }
+};
+
+// The products of a few rows (FewRows), element or block diagonals, from `values` in place.
+// bfloat16 rows are widened once into float32 copies; sums run in float32, into the output itself
+// for float32 and into a float32 copy for bfloat16 (rounded once at the end). Tasks split the
+// product by output columns (blocks) and dvalues by diagonals (blocks): every output element is
+// summed by one task, over the diagonals in order, so the result does not depend on the split.
+template <typename T>
+class FewRowsJob : public Job {
+ public:
+  FewRowsJob(int64_t rows, const DiagMatrix& w, const FewRowsWork& work, int64_t workers,
+             const Kernels& kernels)
+      : rows_(rows), w_(w), work_(work), f32_(kernels.f32_few), table_(FewTableFor<T>(kernels)),
+        block_sddmm_(kernels.block_sddmm) {
+    tall_ = w.out >= w.in;
+    if (w.block > 1) {
+      len_ = std::max(w.in, w.out) / w.block;
+      units_ = w.k * len_;
+    } else {
+      len_ = std::min(w.in, w.out);
+      units_ = w.k;
+    }
+    const int64_t macs_per_row = w.k * len_ * (w.block > 1 ? w.block * w.block : 1);
+    if (work.product) {
+      src_width_ = work.forward ? w.in : w.out;
+      dst_width_ = work.forward ? w.out : w.in;
+      src_ = Widened(work.in, src_width_, src_copy_);
+      // Sums go straight to a float32 output row; several rows to a copy (PaddedStride).
+      if (std::is_same_v<T, float> && rows <= 1) {
+        dst_ = static_cast<float*>(work.out);
+        dst_stride_ = dst_width_;
+      } else {
+        dst_stride_ = PaddedStride(dst_width_);
+        dst_copy_ = Scratch<float>(std::max<int64_t>(rows * dst_stride_, 1));
+        dst_ = dst_copy_.get();
+      }
+    }
+    if (work.dvalues) {
+      dy_ = work.product && !work.forward ? src_ : Widened(work.dy, w.out, dy_copy_);
+      x_ = Widened(work.x, w.in, x_copy_);
+    }
+    const int64_t macs = rows * macs_per_row * (int64_t{work.product} + int64_t{work.dvalues});
+    tasks_ = std::clamp<int64_t>(macs / kFewMacsPerTask, 1, std::max<int64_t>(workers, 1));
+    // Product columns are split in steps of 16 (element) or whole blocks; dvalues by units.
+    if (work.product) {
+      const int64_t step = w.block > 1 ? w.block : kLanes;
+      tasks_ = std::min(tasks_, (dst_width_ + step - 1) / step);
+    }
+    if (!std::is_same_v<T, float> && work.dvalues) {
+      sums_ = Scratch<float>(tasks_ * (w.block > 1 ? w.block * w.block : len_));
+    }
+  }
+
+  int64_t num_tasks() const override { return tasks_; }
+
+  void RunTask(int64_t task) override {
+    if (work_.product) {
+      const int64_t step = w_.block > 1 ? w_.block : kLanes;
+      const int64_t steps = (dst_width_ + step - 1) / step;
+      const int64_t lo = std::min(dst_width_, steps * task / tasks_ * step);
+      const int64_t hi = std::min(dst_width_, steps * (task + 1) / tasks_ * step);
+      for (int64_t r = 0; r < rows_; ++r) {
+        std::memset(dst_ + r * dst_stride_ + lo, 0, sizeof(float) * (hi - lo));
+      }
+      if (w_.block > 1) {
+        BlockProduct(lo / w_.block, hi / w_.block);
+      } else {
+        ElementProduct(lo, hi);
+      }
+      if (dst_ != work_.out) {
+        T* out = static_cast<T*>(work_.out);
+        for (int64_t r = 0; r < rows_; ++r) {
+          const float* sums = dst_ + r * dst_stride_;
+          for (int64_t c = lo; c < hi; ++c) FromFloat(sums[c], out + r * dst_width_ + c);
+        }
+      }
+    }
+    if (work_.dvalues) {
+      const int64_t lo = units_ * task / tasks_, hi = units_ * (task + 1) / tasks_;
+      if (w_.block > 1) {
+        BlockDvalues(lo, hi, task);
+      } else {
+        ElementDvalues(lo, hi, task);
+      }
+    }
+  }
+
+ private:
+  struct Rows {
+    const float* data = nullptr;
+    int64_t stride = 0;
+  };
+
+  // rows x width of p as float32 rows: p itself for one float32 row, else a copy (bfloat16
+  // widened) with rows PaddedStride apart.
+  Rows Widened(const void* p, int64_t width, Scratch<float>& copy) {
+    if (std::is_same_v<T, float> && rows_ <= 1) return {static_cast<const float*>(p), width};
+    const int64_t stride = PaddedStride(width);
+    copy = Scratch<float>(std::max<int64_t>(rows_ * stride, 1));
+    CopyRows(static_cast<const T*>(p), width, rows_, width, copy.get(), stride);
+    return {copy.get(), stride};
+  }
+
+  // Diagonal k pairs short-side index j in [0, len) with long-side index j + d for j < P - d and
+  // j + d - P after: calls run(j0, j1, shift) for the two straight pieces.
+  template <typename Run>
+  void Pieces(int64_t k, Run&& run) const {
+    const int64_t p = std::max(w_.in, w_.out), d = w_.offsets[k];
+    const int64_t split = std::min(len_, p - d);
+    run(int64_t{0}, split, d);
+    run(split, len_, d - p);
+  }
+
+  // dst columns [lo, hi) of the element-diagonal product, a tile of columns at a time: the
+  // tile of every row stays in L1 while the diagonals pass (each adds one or two runs to it).
+  void ElementProduct(int64_t lo, int64_t hi) {
+    // The forward of a tall W and dx of a wide one write the long side.
+    const bool long_dst = work_.forward == tall_;
+    const T* values = static_cast<const T*>(w_.values);
+    const int64_t tile = std::max<int64_t>(kLanes, kFewTileFloats / std::max<int64_t>(rows_, 1));
+    for (int64_t t0 = lo; t0 < hi; t0 += tile) {
+      const int64_t t1 = std::min(hi, t0 + tile);
+      for (int64_t k = 0; k < w_.k; ++k) {
+        Pieces(k, [&](int64_t j0, int64_t j1, int64_t shift) {
+          const int64_t dst_shift = long_dst ? shift : 0, src_shift = long_dst ? 0 : shift;
+          const int64_t a = std::max(j0, t0 - dst_shift), e = std::min(j1, t1 - dst_shift);
+          if (a >= e) return;
+          table_.triad(values + k * len_ + a, src_.data + a + src_shift, src_.stride,
+                       dst_ + a + dst_shift, dst_stride_, rows_, e - a);
+        });
+      }
+    }
+  }
+
+  // Block row and block column of block t of diagonal k.
+  std::pair<int64_t, int64_t> BlockAt(int64_t k, int64_t t) const {
+    const int64_t d = w_.offsets[k];
+    if (tall_) return {t, (t + d) % (w_.in / w_.block)};
+    return {(t + d) % (w_.out / w_.block), t};
+  }
+
+  // dst blocks [lo, hi) of the block-diagonal product.
+  void BlockProduct(int64_t lo, int64_t hi) {
+    const int64_t b = w_.block, bb = b * b;
+    const T* values = static_cast<const T*>(w_.values);
+    for (int64_t k = 0; k < w_.k; ++k) {
+      for (int64_t t = 0; t < len_; ++t) {
+        const auto [row, col] = BlockAt(k, t);
+        const int64_t dst = work_.forward ? row : col, src = work_.forward ? col : row;
+        if (dst < lo || dst >= hi) continue;
+        const T* v = values + (k * len_ + t) * bb;
+        const float* in = src_.data + src * b;
+        float* out = dst_ + dst * b;
+        if (work_.forward) {
+          table_.block_fwd(v, b, in, src_.stride, out, dst_stride_, rows_);
+        } else {
+          table_.block_dx(v, b, in, src_.stride, out, dst_stride_, rows_);
+        }
+      }
+    }
+  }
+
+  // dvalues[k, j] = sum_r short[r, j] * long[r, j + shift] for diagonals [k0, k1).
+  void ElementDvalues(int64_t k0, int64_t k1, int64_t task) {
+    const Rows shorts = tall_ ? x_ : dy_, longs = tall_ ? dy_ : x_;
+    for (int64_t k = k0; k < k1; ++k) {
+      float* acc = Sums(task, k * len_, len_);
+      std::memset(acc, 0, sizeof(float) * len_);
+      Pieces(k, [&](int64_t j0, int64_t j1, int64_t shift) {
+        f32_.dot(shorts.data + j0, shorts.stride, longs.data + j0 + shift, longs.stride, acc + j0,
+                 rows_, j1 - j0);
+      });
+      Store(acc, k * len_, len_);
+    }
+  }
+
+  // dvalues of blocks [e0, e1) in [K, L_b] order.
+  void BlockDvalues(int64_t e0, int64_t e1, int64_t task) {
+    const int64_t b = w_.block, bb = b * b;
+    for (int64_t e = e0; e < e1; ++e) {
+      const auto [row, col] = BlockAt(e / len_, e % len_);
+      float* acc = Sums(task, e * bb, bb);
+      block_sddmm_(b, dy_.data + row * b, dy_.stride, x_.data + col * b, x_.stride, rows_, acc,
+                   false);
+      Store(acc, e * bb, bb);
+    }
+  }
+
+  // Where dvalues[first, first + n) are summed: in place for float32, else the task's sums.
+  float* Sums(int64_t task, int64_t first, int64_t n) {
+    if constexpr (std::is_same_v<T, float>) {
+      return static_cast<float*>(work_.dvalues_out) + first;
+    } else {
+      return sums_.get() + task * n;
+    }
+  }
+
+  void Store(const float* acc, int64_t first, int64_t n) {
+    if constexpr (!std::is_same_v<T, float>) {
+      T* out = static_cast<T*>(work_.dvalues_out) + first;
+      for (int64_t i = 0; i < n; ++i) FromFloat(acc[i], out + i);
+    }
+  }
+
+  template <typename U>
+  static const FewRowTable<U>& FewTableFor(const Kernels& kernels) {
+    if constexpr (std::is_same_v<U, float>) {
+      return kernels.f32_few;
+    } else {
+      return kernels.bf16_few;
+    }
+  }
+
+  int64_t rows_;
+  DiagMatrix w_;
+  FewRowsWork work_;
+  const FewRowTable<float>& f32_;
+  const FewRowTable<T>& table_;
+  decltype(Kernels::block_sddmm) block_sddmm_;
+  bool tall_ = true;
+  int64_t len_ = 0, units_ = 0, tasks_ = 1, src_width_ = 0, dst_width_ = 0, dst_stride_ = 0;
+  Rows src_, dy_, x_;
+  float* dst_ = nullptr;
+  Scratch<float> src_copy_, dy_copy_, x_copy_, dst_copy_, sums_;
+};
+
 template <template <typename> class J, typename... Args>
 std::unique_ptr<Job> MakeTyped(ElemType type, Args&&... args) {
   if (type == ElemType::kF32) return std::make_unique<J<float>>(std::forward<Args>(args)...);
@@ -738,6 +1023,10 @@ Isa BestIsa() {
 const char* IsaName(Isa isa) { return KernelsFor(isa).name; }
 
 std::unique_ptr<Job> MakeFwdJob(const FwdArgs& a, int64_t workers, Isa isa) {
+  if (FewRows(a.rows, a.w)) {
+    return MakeTyped<FewRowsJob>(a.type, a.rows, a.w, FewRowsWork::Product(true, a.x, a.y),
+                                 workers, KernelsFor(isa));
+  }
   if (a.w.block > 1) {
     return MakeTyped<BlockProductJob>(a.type, a.rows, a.w, /*forward=*/true, a.x, a.y, workers,
                                       KernelsFor(isa));
@@ -748,6 +1037,10 @@ std::unique_ptr<Job> MakeFwdJob(const FwdArgs& a, int64_t workers, Isa isa) {
 }
 
 std::unique_ptr<Job> MakeDxJob(const DxArgs& a, int64_t workers, Isa isa) {
+  if (FewRows(a.rows, a.w)) {
+    return MakeTyped<FewRowsJob>(a.type, a.rows, a.w, FewRowsWork::Product(false, a.dy, a.dx),
+                                 workers, KernelsFor(isa));
+  }
   if (a.w.block > 1) {
     return MakeTyped<BlockProductJob>(a.type, a.rows, a.w, /*forward=*/false, a.dy, a.dx, workers,
                                       KernelsFor(isa));
@@ -758,11 +1051,21 @@ std::unique_ptr<Job> MakeDxJob(const DxArgs& a, int64_t workers, Isa isa) {
 }
 
 std::unique_ptr<Job> MakeDvaluesJob(const DvaluesArgs& a, int64_t workers, Isa isa) {
+  if (FewRows(a.rows, a.w)) {
+    return MakeTyped<FewRowsJob>(a.type, a.rows, a.w,
+                                 FewRowsWork().WithDvalues(a.dy, a.x, a.dvalues), workers,
+                                 KernelsFor(isa));
+  }
   if (a.w.block > 1) return MakeTyped<BlockDvaluesJob>(a.type, a, workers, KernelsFor(isa));
   return MakeTyped<DvaluesJob>(a.type, a, workers, KernelsFor(isa));
 }
 
 std::unique_ptr<Job> MakeBwdJob(const BwdArgs& a, int64_t workers, Isa isa) {
+  if (FewRows(a.rows, a.w)) {
+    const FewRowsWork work =
+        FewRowsWork::Product(false, a.dy, a.dx).WithDvalues(a.dy, a.x, a.dvalues);
+    return MakeTyped<FewRowsJob>(a.type, a.rows, a.w, work, workers, KernelsFor(isa));
+  }
   const Kernels& kernels = KernelsFor(isa);
   const bool fused = a.type == ElemType::kF32 ? kernels.f32.backward != nullptr
                                               : kernels.bf16.backward != nullptr;

@@ -107,6 +107,25 @@ struct BlockKernelTable {
                   int64_t in_width, T* out, int64_t out_width, int64_t rows);
 };
 
+// The few-row kernels (few_rows_body.h): W read in place, one diagonal or block at a time.
+template <typename T>
+struct FewRowTable {
+  // dst[r, j] += v[j] * src[r, j] for r < rows, j < n, rows src_stride and dst_stride apart
+  // (one straight run of an element diagonal).
+  void (*triad)(const T* v, const float* src, int64_t src_stride, float* dst, int64_t dst_stride,
+                int64_t rows, int64_t n);
+  // dst[j] += sum_{r < rows} a[r, j] * b[r, j] for j < n (dvalues of one run; float32 rows).
+  void (*dot)(const float* a, int64_t a_stride, const float* b, int64_t b_stride, float* dst,
+              int64_t rows, int64_t n);
+  // y[r, i] += sum_j v[i * b + j] * x[r, j] for i, j < b and r < rows (one b x b block, b one
+  // of the kernel block sizes).
+  void (*block_fwd)(const T* v, int64_t b, const float* x, int64_t x_stride, float* y,
+                    int64_t y_stride, int64_t rows);
+  // dx[r, j] += sum_i dy[r, i] * v[i * b + j].
+  void (*block_dx)(const T* v, int64_t b, const float* dy, int64_t dy_stride, float* dx,
+                   int64_t dx_stride, int64_t rows);
+};
+
 struct Kernels {
   const char* name;
   KernelTable<float> f32;
@@ -118,6 +137,8 @@ struct Kernels {
   // overwrites acc.
   void (*block_sddmm)(int64_t b, const float* dy, int64_t dy_stride, const float* x,
                       int64_t x_stride, int64_t rows, float* acc, bool accumulate);
+  FewRowTable<float> f32_few;
+  FewRowTable<Bf16> bf16_few;
 };
 
 const Kernels& Avx512Kernels();

@@ -16,6 +16,7 @@ namespace {
 
 #include "vec_ymm.h"
 #include "block_kernels_body.h"
+#include "few_rows_body.h"
 
 using Vec = Ymm<16>;
 
@@ -222,6 +223,8 @@ const Kernels& Avx2Kernels() {
       kBlockTableF32<Vec>,
       kBlockTableBf16<Vec>,
       BlockSddmm<Vec>,
+      kFewRowTable<Vec, float>,
+      kFewRowTable<Vec, Bf16>,
   };
   return kernels;
 }

@@ -48,6 +48,7 @@ DYNADIAG_TARGET inline void Store(Bf16* p, __m512 v, __mmask16 m) {
 
 #include "vec_ymm.h"
 #include "block_kernels_body.h"
+#include "few_rows_body.h"
 
 // Sixteen float32 lanes in a zmm register (block_kernels_body.h).
 struct Zmm {
@@ -206,6 +207,8 @@ const Kernels& Avx512Kernels() {
       kBlockTableF32<Zmm>,
       kBlockTableBf16<Zmm>,
       BlockSddmm<Zmm>,
+      kFewRowTable<Ymm<32>, float>,
+      kFewRowTable<Ymm<32>, Bf16>,
   };
   return kernels;
 }

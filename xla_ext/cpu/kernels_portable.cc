@@ -25,6 +25,7 @@ inline void Load(const T* p, uint32_t mask, float* v) {
 
 #define DYNADIAG_TARGET
 #include "block_kernels_body.h"
+#include "few_rows_body.h"
 
 // W float32 lanes in a plain array; kRegisters only sizes the tiles (as the AVX-512 family's).
 template <int W>
@@ -37,9 +38,22 @@ struct Lanes {
   static constexpr int kRegisters = 32;
 
   static Reg Zero() { return Reg{}; }
-  static Reg Load(const float* p) {
+  template <typename T>
+  static Reg Load(const T* p) {
     Reg r;
-    for (int l = 0; l < W; ++l) r.v[l] = p[l];
+    for (int l = 0; l < W; ++l) r.v[l] = ToFloat(p[l]);
+    return r;
+  }
+  static Reg Add(Reg a, const Reg& b) {
+    for (int l = 0; l < W; ++l) a.v[l] += b.v[l];
+    return a;
+  }
+  // Lane i: the sum of the lanes of acc[i].
+  static Reg SumLanes(const Reg* acc) {
+    Reg r{};
+    for (int i = 0; i < W; ++i) {
+      for (int l = 0; l < W; ++l) r.v[i] += acc[i].v[l];
+    }
     return r;
   }
   static Reg Broadcast(const float* p) {
@@ -131,6 +145,8 @@ const Kernels& PortableKernels() {
       kBlockTableF32<Vec>,
       kBlockTableBf16<Vec>,
       BlockSddmm<Vec>,
+      kFewRowTable<Lanes<8>, float>,
+      kFewRowTable<Lanes<8>, Bf16>,
   };
   return kernels;
 }

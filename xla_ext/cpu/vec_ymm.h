@@ -25,6 +25,21 @@ struct Ymm {
 
   DYNADIAG_TARGET static Reg Zero() { return _mm256_setzero_ps(); }
   DYNADIAG_TARGET static Reg Load(const float* p) { return _mm256_loadu_ps(p); }
+  DYNADIAG_TARGET static Reg Load(const Bf16* p) {  // widened: bfloat16 is a float's top half
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  DYNADIAG_TARGET static Reg Add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  // Lane i: the sum of the 8 lanes of acc[i] (a transpose and add in three steps).
+  DYNADIAG_TARGET static Reg SumLanes(const Reg* acc) {
+    // Per 128-bit half: s0 holds the partial sums of acc[0..3], s1 those of acc[4..7].
+    const __m256 s0 =
+        _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 s1 =
+        _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20),
+                         _mm256_permute2f128_ps(s0, s1, 0x31));
+  }
   DYNADIAG_TARGET static Reg Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   DYNADIAG_TARGET static Reg Fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
   DYNADIAG_TARGET static void Store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
