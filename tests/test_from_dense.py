@@ -40,7 +40,7 @@ class Block(nn.Module):
 
 
 def random_dense(model, x, seed=0):
-    """Dense variables with non-zero biases (so that a bias copied wrongly shows), all N(0, 0.3^2)."""
+    """Dense variables, every leaf N(0, 0.3^2): non-zero biases show a bias copied wrongly."""
     variables = model.init(jax.random.key(seed), x)
     leaves, tree = jax.tree.flatten(variables)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
