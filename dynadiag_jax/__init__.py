@@ -11,6 +11,7 @@ from dynadiag_jax import nn, optim, schedules
 from dynadiag_jax._extension import has_cpu_kernels, has_cuda_kernels
 from dynadiag_jax.export import export
 from dynadiag_jax.freeze import freeze, freeze_opt_state, freeze_tree, select_diagonals
+from dynadiag_jax.from_dense import from_dense
 from dynadiag_jax.kernel_stats import kernel_stats
 from dynadiag_jax.layout import num_diagonals
 from dynadiag_jax.ops import available_impls, diag_matmul, diag_to_dense
@@ -25,6 +26,7 @@ __all__ = [
     "freeze",
     "freeze_opt_state",
     "freeze_tree",
+    "from_dense",
     "has_cpu_kernels",
     "has_cuda_kernels",
     "kernel_stats",

@@ -577,3 +577,45 @@ def test_sigterm_saves_and_exits_with_sigterms_status(tmp_path):
     assert "run the same command to resume" in stderr and "Traceback" not in stderr
     stopped = int(stderr.split("stopped at step ")[1].split()[0])
     assert (checkpoints / str(stopped)).is_dir()  # the step it stopped at was saved
+
+
+def test_sparsify_script_one_shot_and_fine_tune_from_a_dense_run(run_python, tmp_path):
+    """train/sparsify.py on a dense run of the mnist5k MLP: the table, the frozen checkpoint, and
+    a dense checkpoint of another size refused with the layer and the shapes."""
+    small = "--config.model.hidden=(64, 64)"
+    dense_run = tmp_path / "dense"
+    run_python(
+        [
+            str(ROOT / "train" / "fashion_mnist.py"),
+            f"--config={CONFIGS / 'fashion_mnist.py'}:sparsity=0,epochs=1",
+            "--config.data.source=mnist5k",
+            small,
+            f"--workdir={dense_run}",
+            "--noprogress",
+        ],
+        timeout=600,
+    )
+    args = [
+        str(ROOT / "train" / "sparsify.py"),
+        f"--config={CONFIGS / 'sparsify.py'}:runlocal,checkpoint={dense_run / 'dense'}",
+        small,
+        "--noprogress",
+    ]
+    proc = run_python([*args, f"--workdir={tmp_path / 'tuned'}"], timeout=600)
+    table = json.loads((tmp_path / "tuned" / "sparsify.json").read_text())
+    assert [row["model"] for row in table] == [
+        "dense (checkpoint)",
+        "dynadiag_s90 one-shot",
+        "dynadiag_s90 fine-tuned",
+    ], proc.stdout
+    assert table[0]["accuracy"] > 0.7 and table[2]["steps"] == 3  # 10% of 31 steps
+    assert (tmp_path / "tuned" / "checkpoints" / "3").is_dir()
+    run_python([*args, "--config.train.finetune_fraction=0", f"--workdir={tmp_path / 'once'}"])
+    variables = T.Checkpointer(tmp_path / "once" / "checkpoints").restore_variables()
+    assert variables["params"]["hidden_0"]["values"].shape == (79, 64)  # frozen: K of 784
+    assert variables["diagonals"]["hidden_0"]["offsets"].shape == (79,)
+    bad = [a for a in args if a != small]  # the config's 256-wide MLP
+    proc = run_python([*bad, f"--workdir={tmp_path / 'bad'}"], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: from_dense") and "(64, 10) in the dense model" in last, last

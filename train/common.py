@@ -323,9 +323,11 @@ def train_from_config(
     example_input,
     workdir,
     progress: bool,
+    initial_variables=None,
 ) -> T.TrainResult:
     """:func:`dynadiag_jax.training.train` of ``method`` (a :class:`train.baselines.Method`: the
-    model, optimizer, freeze step and gate schedule) with the ``train`` section of ``config``.
+    model, optimizer, freeze step and gate schedule) with the ``train`` section of ``config``,
+    from the model's init or from ``initial_variables``.
 
     Raises:
       ConfigError: ``workdir`` holds a checkpoint of another recipe (:func:`recipe`) or seed.
@@ -355,6 +357,7 @@ def train_from_config(
             learning_rate=method.learning_rate,
             run_info=recipe(config, method),
             progress=progress,
+            initial_variables=initial_variables,
         )
     except T.CheckpointMismatch as e:
         raise ConfigError(f"{e} (--workdir)") from None

@@ -129,6 +129,26 @@ class Checkpointer:
         )
         return restored["state"]
 
+    def restore_variables(self, step: int | None = None) -> dict:
+        """The model variables (``{"params": ..., **collections}``) stored at ``step`` (default:
+        the newest), read as they were saved, without a target: to start another model from
+        them (:func:`dynadiag_jax.from_dense`), which checks their shapes itself.
+
+        Raises:
+          FileNotFoundError: no committed checkpoint (at ``step``) in the directory.
+        """
+        steps = self.all_steps()
+        step = max(steps, default=None) if step is None else step
+        if step is None or step not in steps:
+            raise FileNotFoundError(
+                f"no checkpoint{'' if step is None else f' of step {step}'} in {self.directory}"
+                + (f" (steps: {steps})" if steps else "")
+            )
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore())
+        )["state"]
+        return {"params": restored["params"], **restored["collections"]}
+
     def wait(self) -> None:
         """Block until every pending asynchronous save is committed."""
         self._manager.wait_until_finished()

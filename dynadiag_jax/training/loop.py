@@ -192,6 +192,7 @@ def train(
     progress: bool = True,
     tensorboard: bool = True,
     hooks: Sequence[Callable[[int, TrainState], None]] = (),
+    initial_variables=None,
 ) -> TrainResult:
     """Train ``model`` for ``num_steps`` optimizer steps (resuming from ``workdir`` if possible).
 
@@ -223,6 +224,9 @@ def train(
       progress: show a tqdm progress bar (on the first process).
       tensorboard: also write TensorBoard events.
       hooks: ``hook(step, state)`` called after every completed step.
+      initial_variables: the model's variables to start from instead of its init (e.g.
+        :func:`dynadiag_jax.from_dense`'s, to fine-tune); a checkpoint in ``workdir`` still
+        wins, so an interrupted fine-tune resumes.
 
     Returns:
       A :class:`TrainResult`.
@@ -240,8 +244,11 @@ def train(
     mesh = data_mesh() if mesh is None else mesh
     check_batch_size(train_data.global_batch_size, mesh, name="batch_size")
     rep, data_sharding = replicated(mesh), batch_sharded(mesh)
-    init = lambda: create_train_state(model, optimizer, example_input, seed=seed)  # noqa: E731
-    abstract = jax.eval_shape(init)
+
+    def init(variables):
+        return create_train_state(model, optimizer, example_input, seed=seed, variables=variables)
+
+    abstract = jax.eval_shape(init, initial_variables)
     sparse = is_searching(abstract.params)
     if sparse and gate is None:
         raise ValueError(
@@ -263,7 +270,9 @@ def train(
         # The metrics since the last training record: `pending` (device arrays, fetched at once
         # at the next record or save) folded into `interval`, host sums that a checkpoint keeps
         # so that the first record after a resume averages the same steps as without the resume.
-        state, resumed_step, interval = _initial_state(ckpt, init, abstract, rep, sparse, run_info)
+        state, resumed_step, interval = _initial_state(
+            ckpt, init, initial_variables, abstract, rep, sparse, run_info
+        )
         pending = []
         start = resumed_step or 0
         if workdir is not None:
@@ -385,12 +394,14 @@ def train(
             ckpt.close()
 
 
-def _initial_state(ckpt, init, abstract, rep, sparse, run_info):
+def _initial_state(ckpt, init, initial_variables, abstract, rep, sparse, run_info):
     """``(state, step, interval sums)``: the newest checkpoint restored into the right phase's
-    structure, its step and the metric sums it holds; or a fresh state, None and {}."""
+    structure, its step and the metric sums it holds; or a fresh state (from
+    ``initial_variables`` if given: an argument, not a constant of the compiled init), None and
+    {}."""
     latest = None if ckpt is None else ckpt.latest_step()
     if latest is None:
-        return jax.jit(init, out_shardings=rep)(), None, {}
+        return jax.jit(init, out_shardings=rep)(initial_variables), None, {}
     meta = ckpt.read_meta(latest)
     differences = _differences(meta.get("run", {}), run_info)
     if differences:

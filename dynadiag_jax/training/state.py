@@ -40,9 +40,14 @@ def variables_of(state: TrainState) -> dict:
 
 
 def create_train_state(
-    model: nn.Module, optimizer: optax.GradientTransformation, example_input, *, seed: int
+    model: nn.Module,
+    optimizer: optax.GradientTransformation,
+    example_input,
+    *,
+    seed: int,
+    variables=None,
 ) -> TrainState:
-    """Initialise parameters from ``seed`` and the optimizer state for them.
+    """Initialise parameters from ``seed`` (or take ``variables``) and the optimizer state.
 
     Args:
       model: a flax.linen model called as ``model(x, train=...)``.
@@ -50,14 +55,20 @@ def create_train_state(
       example_input: an input batch (or ``jax.ShapeDtypeStruct``) with the training shapes.
       seed: the run's seed; the initialisation key and the per-step base key are both split
         from ``jax.random.key(seed)``.
+      variables: the model's variables to start from instead of its init (e.g.
+        :func:`dynadiag_jax.from_dense`'s); they must have the init's structure and shapes.
 
     Works under ``jax.eval_shape`` (for abstract checkpoint targets).
     """
     key = jax.random.key(seed)
     init_key, run_key = jax.random.split(key)
     x = jnp.zeros(example_input.shape, example_input.dtype)
-    variables = model.init({"params": init_key, "dropout": init_key}, x, train=False)
-    variables = {k: v for k, v in variables.items() if k != "intermediates"}
+    initial = model.init({"params": init_key, "dropout": init_key}, x, train=False)
+    initial = {k: v for k, v in initial.items() if k != "intermediates"}
+    if variables is not None:
+        _check_like(variables, initial)
+        initial = variables
+    variables = dict(initial)
     params = variables.pop("params")
     opt_state = optimizer.init(params)
     if isinstance(opt_state, SparseState):  # unstructured baselines: train from the masked weights
@@ -69,3 +80,23 @@ def create_train_state(
         collections=variables,
         rng=jax.random.key_data(run_key),
     )
+
+
+def _check_like(variables, initial) -> None:
+    """Raises naming the paths where ``variables`` differ from the model's init in shape."""
+    shapes = lambda tree: {  # noqa: E731
+        jax.tree_util.keystr(path): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    given, expected = shapes(variables), shapes(initial)
+    problems = [
+        f"{path}: given {given.get(path, 'nothing')}, the model has {expected.get(path, 'nothing')}"
+        for path in sorted(set(given) | set(expected))
+        if given.get(path) != expected.get(path)
+    ]
+    if problems:
+        raise ValueError(
+            "the initial variables do not fit the model: "
+            + "; ".join(problems[:6])
+            + ("; ..." if len(problems) > 6 else "")
+        )

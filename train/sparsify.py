@@ -1,0 +1,164 @@
+"""DynaDiag from a dense run: the dense checkpoint's kernels become diagonal layers.
+
+Reads a dense run's Orbax checkpoint (``--config`` ``checkpoint``: its workdir, e.g. a dense run of
+``train/results.py``), starts the suite's model with DiagonalDense layers from it
+(``dd.from_dense``: values from each diagonal's weights, alpha from its energy), evaluates the
+one-shot model (the K highest-energy diagonals of every layer, frozen at once), then fine-tunes
+for ``train.finetune_fraction`` of the from-scratch steps (a short search, the freeze, training
+of the frozen diagonals), and writes the frozen DynaDiag checkpoint (``--workdir/checkpoints``)
+and a before/after accuracy table (printed, and ``--workdir/sparsify.json``).
+
+  python train/sparsify.py --workdir=runs/sparsify_mlp \\
+      --config=train/configs/sparsify.py:checkpoint=runs/results/mlp/<dense run>
+  python train/sparsify.py --workdir=runs/sparsify_mlp_oneshot \\
+      --config=train/configs/sparsify.py:checkpoint=<dense run>,finetune_fraction=0
+
+A checkpoint of another model, size or method is refused with the layer and shapes that differ.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+if __package__ in (None, ""):  # run as a file: make `train` importable from the repository root
+    # Appended: the installed dynadiag_jax (with the compiled kernels) must win over the checkout.
+    sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+import dynadiag_jax as dd
+from dynadiag_jax import data as D
+from dynadiag_jax import training as T
+from train import baselines, cli, common
+from train.configs import sparsify as default_config
+
+FLAGS = flags.FLAGS
+
+
+@common.reports_config_errors
+def prepare(config):
+    """Check the config, load the data and the dense variables, build both models: every input
+    problem (a checkpoint of another model included) surfaces here, before training.
+
+    Returns ``(data, dense model, dense variables, search-phase variables from them,
+    baselines.Method, fine-tune steps, example)``.
+    """
+    common.check_config(config, default_config.get_config())
+    common.check_train_section(config.train)
+    if not config.checkpoint:
+        raise common.ConfigError("checkpoint= (the dense run's workdir) is required")
+    fraction = float(config.train.finetune_fraction)
+    if not 0.0 <= fraction <= 1.0:
+        raise common.ConfigError(f"train.finetune_fraction must be in [0, 1], got {fraction}")
+    sparsity = common.sparsity_of(config.dynadiag)
+    if not sparsity:
+        raise common.ConfigError("dynadiag.sparsity must be in (0, 1): the model to make")
+    data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
+    batch, mesh = int(config.train.batch_size), T.data_mesh()
+    T.check_batch_size(batch, mesh)
+    T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
+    scratch = int(config.train.epochs) * (len(data.train["label"]) // batch)
+    steps = round(fraction * scratch)
+    built = baselines.build(
+        "dynadiag",
+        model_cfg=config.model,
+        dynadiag_cfg=config.dynadiag,
+        unstructured_cfg=baselines.unstructured_defaults(),
+        optimizer_cfg=config.optimizer,
+        sparsity=sparsity,
+        num_steps=max(1, steps),
+        warmup_steps=int(config.optimizer.warmup_steps) if steps else 0,
+        seed=int(config.seed),
+        num_classes=data.num_classes,
+    )
+    example = jax.ShapeDtypeStruct((batch, *data.train["image"].shape[1:]), jnp.float32)
+    common.check_layer_patterns(
+        built.model, example, config.dynadiag, block_size=int(config.dynadiag.block_size)
+    )
+    dense_model = common.build_model(
+        config.model, baselines.with_sparsity(config.dynadiag, 0.0), num_classes=data.num_classes
+    )
+    directory = pathlib.Path(config.checkpoint)
+    if directory.name != "checkpoints":
+        directory = directory / "checkpoints"
+    if not directory.is_dir():
+        raise common.ConfigError(f"checkpoint: no directory {directory}")
+    reader = T.Checkpointer(directory, async_save=False)
+    try:
+        dense = reader.restore_variables(int(config.step) or None)
+    finally:
+        reader.close()
+    template = built.model.init(jax.random.key(int(config.seed)), jnp.zeros(example.shape))
+    template = {k: v for k, v in template.items() if k != "intermediates"}
+    search = dd.from_dense(dense, template)  # a checkpoint of another model fails here
+    return data, dense_model, dense, search, built, steps, example
+
+
+def _accuracy(model, variables, data, config, task) -> float:
+    collections = {k: v for k, v in variables.items() if k != "params"}
+    state = T.TrainState(jnp.zeros((), jnp.int32), variables["params"], None, collections, None)
+    eval_step = jax.jit(T.make_eval_step(model, task))
+    batches = D.EvalBatches(data.test, int(config.train.eval_batch_size))
+    return float(T.evaluate(eval_step, state, batches, T.data_mesh(), task)["accuracy"])
+
+
+def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int]]:
+    """One-shot and fine-tuned DynaDiag from the dense checkpoint; returns the table's rows
+    ``(name, test accuracy, steps trained after the dense run)``."""
+    data, dense_model, dense, search, built, steps, example = prepare(config)
+    workdir = pathlib.Path(workdir)
+    task = T.Classification(data.num_classes, float(config.optimizer.label_smoothing))
+    seed = int(config.seed)
+    one_shot = dd.freeze_tree(search)
+    s = round(100 * float(config.dynadiag.sparsity))
+    rows = [
+        ("dense (checkpoint)", _accuracy(dense_model, dense, data, config, task), 0),
+        (f"dynadiag_s{s} one-shot", _accuracy(built.model, one_shot, data, config, task), 0),
+    ]
+    if steps:
+        result = common.train_from_config(
+            config,
+            method=built,
+            task=task,
+            train_data=D.ArrayBatches(data.train, int(config.train.batch_size), seed=seed),
+            eval_data=D.EvalBatches(data.test, int(config.train.eval_batch_size)),
+            num_steps=steps,
+            example_input=example,
+            workdir=workdir,
+            progress=progress,
+            initial_variables=search,
+        )
+        rows.append((f"dynadiag_s{s} fine-tuned", result.eval_metrics["accuracy"], steps))
+    else:  # the one-shot model is the frozen checkpoint, with a fresh optimizer state
+        state = T.create_train_state(
+            built.model, built.optimizer, example, seed=seed, variables=search
+        )
+        ckpt = T.Checkpointer(workdir / "checkpoints", async_save=False)
+        ckpt.save(
+            T.freeze_state(state),
+            meta={"run": common.recipe(config, built), "frozen": True, "interval": {}},
+        )
+        ckpt.close()
+    print("\nmodel                          test accuracy   steps")
+    for name, acc, n in rows:
+        print(f"{name:<30} {acc:>13.4f} {n:>7}")
+    table = [{"model": name, "accuracy": acc, "steps": n} for name, acc, n in rows]
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "sparsify.json").write_text(json.dumps(table, indent=1) + "\n")
+    return rows
+
+
+def main(argv):
+    del argv
+    common.run_script(lambda: run(FLAGS.config, FLAGS.workdir, progress=FLAGS.progress))
+
+
+if __name__ == "__main__":  # flags exist only when run as a script (tests import this module)
+    cli.define_config_flag(str(pathlib.Path(default_config.__file__)))
+    flags.DEFINE_string("workdir", "runs/sparsify", "the frozen checkpoint and the table go here")
+    flags.DEFINE_bool("progress", True, "show progress bars")
+    app.run(main, flags_parser=cli.parse_flags)
