@@ -2,8 +2,8 @@
 
 For every shape ``in->out``, sparsity and block size ``b`` (``--blocks``; ``1`` = element diagonals
 ``values[K, D]``, ``b >= 2`` = block diagonals ``values[K, L_b, b, b]`` with ``K`` from
-``dd.num_diagonals(..., block_size=b)``), times three phases of a diagonal-sparse layer
-``y = x @ W.T`` with ``x[batch, in]``:
+``dd.num_diagonals(..., block_size=b)``) and batch size (``--batch``, a comma list), times three
+phases of a diagonal-sparse layer ``y = x @ W.T`` with ``x[batch, in]``:
 
 * ``fwd``: ``y``;
 * ``bwd``: the VJP alone, ``(dx, dvalues)`` from ``dy`` (``(dx, dW)`` for the dense layer);
@@ -14,13 +14,21 @@ Implementations: ``ffi`` (our XLA FFI kernels), ``jax`` (the pure-JAX path), ``d
 ``bcoo`` (``jax.experimental.sparse`` with the same ``K * D`` non-zeros). All calls of one case
 run interleaved in one process, each time is the median of ``--repeats`` calls, and every time is
 reported as a speed-up over ``dense`` measured in the same loop (``dense_ms / ms``); the block
-sizes of one shape and sparsity share that loop and its dense timing. BCOO is the exception: it
-runs in its own loop with dense, and is skipped (with the reason printed under the table and written
-to the CSV) where one call would exhaust memory or take over a minute. The header names the CPU
-kernel family that ran (AVX-512, AVX2 or portable).
+sizes of one shape, sparsity and batch size share that loop and its dense timing. BCOO is the
+exception: it runs in its own loop with dense, and is skipped (with the reason printed under the
+table and written to the CSV) where one call would exhaust memory or take over a minute. The header
+names the CPU kernel family that ran (AVX-512, AVX2 or portable). The table prints one block per
+batch size, times in microseconds.
 
-Writes ``bench/results/diag_matmul_<time>.csv`` (one row per case, block size, implementation and
-phase, flushed as it goes) and, where matplotlib is installed, a PNG of the speed-ups beside it.
+Writes ``bench/results/diag_matmul_<time>.csv`` (one row per case, block size, batch size,
+implementation and phase, flushed as it goes) and, where matplotlib is installed, a PNG of the
+speed-ups beside it.
+
+``--processes N`` runs all of that in N fresh processes, one after another, and prints per row the
+min / median / max over processes of the time and of the speed-up, and max / min of the time: a
+kernel whose speed is set once per process (say by memory placement) shows up as a wide spread
+that repeats within one process cannot reveal. The CSV then holds that summary, and
+``<name>_runs.csv`` beside it every process's rows.
 
 Examples::
 
@@ -30,6 +38,10 @@ Examples::
     python bench/diag_matmul.py --shapes 768:3072 --sparsities 0.9 --repeats 15 --impls ffi,dense
     python bench/diag_matmul.py --blocks 1,16,32,64 --shapes 768:3072,768:768,3072:768 \
         --sparsities 0.5,0.9 --impls ffi,dense      # the block-diagonal goal table
+    python bench/diag_matmul.py --shapes 768:3072,3072:768 --sparsities 0.9 --blocks 1,16 \
+        --impls ffi,jax,dense --batch 1,2,4,8,16 --repeats 101   # small batches (inference)
+    python bench/diag_matmul.py --shapes 768:3072 --sparsities 0.9 --blocks 1,16,32 \
+        --impls ffi,dense --repeats 15 --processes 10          # spread over 10 fresh processes
 """
 
 from __future__ import annotations
@@ -37,9 +49,12 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import os
 import pathlib
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -91,15 +106,16 @@ class Case(NamedTuple):
 
 def make_case(in_features, out_features, sparsity, block, batch, dtype, seed) -> Case:
     """Random inputs and ``K = num_diagonals(..., block_size=block)`` distinct random offsets;
-    ``x`` and ``dy`` depend on the shape and seed only, so all block sizes see the same ones."""
-    rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((batch, in_features)), dtype)
-    dy = jnp.asarray(rng.standard_normal((batch, out_features)), dtype)
+    ``x`` and ``dy`` depend on the shape, batch and seed only, so all block sizes see the same
+    ones, and the offsets and values not on the batch, so all batch sizes time the same layer."""
+    x_rng, w_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
+    x = jnp.asarray(x_rng.standard_normal((batch, in_features)), dtype)
+    dy = jnp.asarray(x_rng.standard_normal((batch, out_features)), dtype)
     geo = geometry(in_features, out_features, block)
     k = dd.num_diagonals(in_features, out_features, sparsity, block_size=block)
-    offsets = jnp.asarray(rng.choice(geo.num_candidates, size=k, replace=False), jnp.int32)
+    offsets = jnp.asarray(w_rng.choice(geo.num_candidates, size=k, replace=False), jnp.int32)
     fan_in = k * block * block if block > 1 else k
-    values = jnp.asarray(rng.standard_normal((k, *geo.values_shape)) / np.sqrt(fan_in), dtype)
+    values = jnp.asarray(w_rng.standard_normal((k, *geo.values_shape)) / np.sqrt(fan_in), dtype)
     return Case(in_features, out_features, sparsity, block, k, x, dy, values, offsets)
 
 
@@ -221,14 +237,33 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(s) for s in text.split(","))
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def _sizes(what: str, example: str) -> Callable[[str], tuple[int, ...]]:
+    """A parser of comma separated integers >= 1, e.g. block or batch sizes."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            sizes = tuple(int(n) for n in text.split(","))
+        except ValueError:
+            sizes = ()
+        if not sizes or min(sizes) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{what} must be integers >= 1 like {example}; got {text!r}"
+            )
+        return sizes
+
+    return parse
+
+
+def _count(text: str) -> int:
     try:
-        sizes = tuple(int(n) for n in text.split(","))
+        n = int(text)
     except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"block sizes must look like 1,16,32; got {text!r}")
-    return sizes
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(
+            f"the number of processes must be an integer >= 1; got {text!r}"
+        )
+    return n
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -258,7 +293,7 @@ def parse_args(argv):
     parser.add_argument("--sparsities", type=_floats, default=SPARSITIES)
     parser.add_argument(
         "--blocks",
-        type=_ints,
+        type=_sizes("block sizes", "1,16,32"),
         default=BLOCKS,
         help="block sizes, comma separated: 1 = element diagonals, b >= 2 = block diagonals "
         "(skipped where b does not divide the shape)",
@@ -269,10 +304,22 @@ def parse_args(argv):
         default=IMPLS,
         help=f"comma separated subset of {','.join(IMPLS)} (dense always runs)",
     )
-    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument(
+        "--batch",
+        type=_sizes("batch sizes", "1,2,4,8,16"),
+        default=(2048,),
+        help="batch sizes, comma separated: one timing loop and table block each (default 2048)",
+    )
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per function (median)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--processes",
+        type=_count,
+        default=None,
+        help="run the benchmark in this many fresh processes and report min / median / max of "
+        "every row over them",
+    )
     parser.add_argument(
         "--out",
         type=pathlib.Path,
@@ -288,8 +335,8 @@ def parse_args(argv):
     if "ffi" in args.impls and "ffi" not in dd.available_impls():
         print("note: the C++ extension is not built; skipping impl=ffi", file=sys.stderr)
         args.impls = tuple(i for i in args.impls if i != "ffi")
-    if args.repeats < 1 or args.batch < 1:
-        parser.error("--repeats and --batch must be >= 1")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     return args
 
 
@@ -303,18 +350,21 @@ def plot(rows: list[dict], path: pathlib.Path) -> bool:
     import matplotlib.pyplot as plt
 
     shapes = sorted({(r["in"], r["out"]) for r in rows}, key=lambda s: (s[0], s[1]))
+    several_batches = len({r["batch"] for r in rows}) > 1
     fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 4), squeeze=False)
     styles = {"fwd": "-", "bwd": ":", "fwd+bwd": "--"}
-    series = sorted({(r["impl"], r["block"]) for r in rows if r["impl"] != "dense"})
+    series = sorted({(r["impl"], r["block"], r["batch"]) for r in rows if r["impl"] != "dense"})
     for ax, (in_f, out_f) in zip(axes[0], shapes):
-        for n, (impl, block) in enumerate(series):
+        for n, (impl, block, batch) in enumerate(series):
             name = impl if block == 1 else f"{impl} b={block}"
+            if several_batches:
+                name += f" batch {batch}"
             for phase, style in styles.items():
                 pts = sorted(
                     (r["sparsity"], r["speedup_vs_dense"])
                     for r in rows
-                    if (r["in"], r["out"], r["impl"], r["block"], r["phase"])
-                    == (in_f, out_f, impl, block, phase)
+                    if (r["in"], r["out"], r["impl"], r["block"], r["batch"], r["phase"])
+                    == (in_f, out_f, impl, block, batch, phase)
                 )
                 if pts:
                     ax.plot(*zip(*pts), style, color=f"C{n}", marker="o", label=f"{name} {phase}")
@@ -337,99 +387,139 @@ def kernel_family() -> str:
     return _cpu_ext.kernel_isa() if _cpu_ext is not None else "not built"
 
 
+FIELDS = [
+    "in",
+    "out",
+    "sparsity",
+    "block",
+    "k",
+    "density",
+    "batch",
+    "dtype",
+    "impl",
+    "phase",
+    "ms",
+    "speedup_vs_dense",
+    "repeats",
+    "note",
+]
+# What identifies a row across processes.
+ROW_KEY = ("in", "out", "sparsity", "block", "batch", "impl", "phase")
+STATS = (
+    "ms_min",
+    "ms_median",
+    "ms_max",
+    "max_over_min",
+    "speedup_min",
+    "speedup_median",
+    "speedup_max",
+)
+SUMMARY_FIELDS = [*FIELDS[:10], "processes", "repeats", *STATS, "note"]
+
+
+def _round(x: float) -> float:
+    """Four significant digits: whole microseconds lose all precision at batch 1."""
+    return float(f"{x:.4g}")
+
+
+def _us(ms: float) -> str:
+    """Microseconds with at least three significant digits."""
+    us = ms * 1e3
+    return f"{us:.0f}" if us >= 100 else f"{us:.3g}"
+
+
+def _join(values) -> str:
+    return ",".join(map(str, values))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    dtype = jnp.dtype(args.dtype)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     csv_path = args.out or RESULTS / f"diag_matmul_{stamp}.csv"
     csv_path.parent.mkdir(parents=True, exist_ok=True)
-    fields = [
-        "in",
-        "out",
-        "sparsity",
-        "block",
-        "k",
-        "density",
-        "batch",
-        "dtype",
-        "impl",
-        "phase",
-        "ms",
-        "speedup_vs_dense",
-        "repeats",
-        "note",
-    ]
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, "
+        f"{jax.device_count()} device(s), CPU kernels {kernel_family()}, "
+        f"batch {_join(args.batch)}, {args.dtype}, median of {args.repeats}"
+    )
+    if args.processes:
+        run_processes(args, csv_path)
+    else:
+        run(args, csv_path)
+
+
+def run(args, csv_path: pathlib.Path) -> None:
+    """Time every case in this process; print the table, write the CSV and the plot."""
+    dtype = jnp.dtype(args.dtype)
     cases = [(s, sp) for s in args.shapes for sp in args.sparsities]
     blocks_of = {
         s: [b for b in args.blocks if s[0] % b == 0 and s[1] % b == 0] for s in args.shapes
     }
     others = [i for i in args.impls if i != "dense"]
-    total = sum(1 + len(others) * len(blocks_of[s]) for s, _ in cases) * len(PHASES) * args.repeats
+    calls = sum(1 + len(others) * len(blocks_of[s]) for s, _ in cases) * len(PHASES)
+    total = calls * args.repeats * len(args.batch)
     rows, skips = [], []
-    print(
-        f"jax {jax.__version__}, backend {jax.default_backend()}, "
-        f"{jax.device_count()} device(s), CPU kernels {kernel_family()}, batch {args.batch}, "
-        f"{args.dtype}, median of {args.repeats}"
-    )
     for shape in args.shapes:
         if left := sorted(set(args.blocks) - set(blocks_of[shape])):
             skips.append(
                 f"block sizes {left} skipped at {shape[0]}->{shape[1]}: they do not divide it"
             )
     with open(csv_path, "w", newline="") as f, tqdm(total=total, unit="call") as progress:
-        writer = csv.DictWriter(f, fieldnames=fields)
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
-        for (in_f, out_f), sparsity in cases:
-            progress.set_description(f"{in_f}->{out_f} s={sparsity}")
-            by_block = {
-                b: make_case(in_f, out_f, sparsity, b, args.batch, dtype, args.seed)
-                for b in blocks_of[(in_f, out_f)]
-            }
-            if not by_block:
-                continue
-            first = next(iter(by_block.values()))
-            fns = {("dense", DENSE, phase): fp for phase, fp in build("dense", first).items()}
-            skipped = []
-            for b, case in by_block.items():
-                gather = case.values.size * args.batch
-                for impl in others:
-                    if impl == "bcoo" and gather > BCOO_MAX_GATHER:
-                        skipped.append(
-                            (b, f"its [nnz, batch] gather holds {gather:.2g} elements (> 2^29)")
-                        )
-                        progress.total -= len(PHASES) * args.repeats
-                        continue
-                    fns.update({(impl, b, ph): fp for ph, fp in build(impl, case).items()})
-            progress.refresh()
-            med, slow = time_case(fns, args.repeats, progress)
-            if slow:
-                done = {b for b, _ in skipped}
-                skipped += [(b, slow) for b in by_block if b not in done and "bcoo" in others]
-            for b, why in skipped:
-                skips.append(f"bcoo skipped at {in_f}->{out_f} s={sparsity} b={b}: {why}")
-                row = dict.fromkeys(fields, "")
-                row.update({"in": in_f, "out": out_f, "sparsity": sparsity, "block": b})
-                row.update(k=by_block[b].k, batch=args.batch, dtype=args.dtype, impl="bcoo")
-                row.update(density=round(by_block[b].values.size / (in_f * out_f), 4))
-                row.update(note=why)
-                writer.writerow(row)
-            for b, case in by_block.items():
-                for impl in ("dense", *others):
-                    for phase in PHASES:
-                        key = ("dense", DENSE, phase) if impl == "dense" else (impl, b, phase)
-                        if key not in med:
+        for batch in args.batch:
+            for (in_f, out_f), sparsity in cases:
+                progress.set_description(f"{in_f}->{out_f} s={sparsity} batch {batch}")
+                by_block = {
+                    b: make_case(in_f, out_f, sparsity, b, batch, dtype, args.seed)
+                    for b in blocks_of[(in_f, out_f)]
+                }
+                if not by_block:
+                    continue
+                first = next(iter(by_block.values()))
+                fns = {("dense", DENSE, phase): fp for phase, fp in build("dense", first).items()}
+                skipped = []
+                for b, case in by_block.items():
+                    gather = case.values.size * batch
+                    for impl in others:
+                        if impl == "bcoo" and gather > BCOO_MAX_GATHER:
+                            skipped.append(
+                                (b, f"its [nnz, batch] gather holds {gather:.2g} elements (> 2^29)")
+                            )
+                            progress.total -= len(PHASES) * args.repeats
                             continue
-                        seconds, dense = med[key]
-                        row = dict(zip(fields, (in_f, out_f, sparsity, b, case.k)))
-                        row.update(density=round(case.values.size / (in_f * out_f), 4))
-                        row.update(batch=args.batch)
-                        row.update(dtype=args.dtype, impl=impl, phase=phase)
-                        row.update(ms=round(seconds * 1e3, 3))
-                        row.update(speedup_vs_dense=round(dense / seconds, 3))
-                        row.update(repeats=args.repeats, note="")
-                        rows.append(row)
-                        writer.writerow(row)
-            f.flush()
+                        fns.update({(impl, b, ph): fp for ph, fp in build(impl, case).items()})
+                progress.refresh()
+                med, slow = time_case(fns, args.repeats, progress)
+                if slow:
+                    done = {b for b, _ in skipped}
+                    skipped += [(b, slow) for b in by_block if b not in done and "bcoo" in others]
+                for b, why in skipped:
+                    skips.append(
+                        f"bcoo skipped at {in_f}->{out_f} s={sparsity} b={b} batch {batch}: {why}"
+                    )
+                    row = dict.fromkeys(FIELDS, "")
+                    row.update({"in": in_f, "out": out_f, "sparsity": sparsity, "block": b})
+                    row.update(k=by_block[b].k, batch=batch, dtype=args.dtype, impl="bcoo")
+                    row.update(density=round(by_block[b].values.size / (in_f * out_f), 4))
+                    row.update(note=why)
+                    writer.writerow(row)
+                for b, case in by_block.items():
+                    for impl in ("dense", *others):
+                        for phase in PHASES:
+                            key = ("dense", DENSE, phase) if impl == "dense" else (impl, b, phase)
+                            if key not in med:
+                                continue
+                            seconds, dense = med[key]
+                            row = dict(zip(FIELDS, (in_f, out_f, sparsity, b, case.k)))
+                            row.update(density=round(case.values.size / (in_f * out_f), 4))
+                            row.update(batch=batch, dtype=args.dtype, impl=impl, phase=phase)
+                            row.update(ms=_round(seconds * 1e3))
+                            row.update(speedup_vs_dense=round(dense / seconds, 3))
+                            row.update(repeats=args.repeats, note="")
+                            rows.append(row)
+                            writer.writerow(row)
+                f.flush()
     print_table(rows, args.impls)
     for line in skips:
         print(line)
@@ -441,32 +531,146 @@ def main(argv=None) -> None:
 
 
 def print_table(rows: list[dict], impls) -> None:
-    """One line per case and block size: ms and speed-up over dense of every implementation.
+    """Per batch size, one line per case and block size: microseconds and speed-up over dense of
+    every implementation.
 
     ``density`` is the share of ``W`` the K diagonals hold (block diagonals round K up to whole
     diagonals, so it can exceed ``1 - sparsity``)."""
     others = [i for i in impls if i != "dense"]
     head = f"{'shape':>10} {'sparsity':>8} {'b':>3} {'K':>5} {'density':>7} {'phase':>7}"
-    head += f" {'dense ms':>9}"
-    head += "".join(f" {i + ' ms':>10} {'x dense':>8}" for i in others)
+    head += f" {'dense us':>9}"
+    head += "".join(f" {i + ' us':>10} {'x dense':>8}" for i in others)
+    index = {tuple(r[k] for k in ROW_KEY): r for r in rows}
+    for batch in dict.fromkeys(r["batch"] for r in rows):
+        print(f"\nbatch {batch}")
+        print(head)
+        print("-" * len(head))
+        for r in rows:
+            if r["impl"] != "dense" or r["batch"] != batch:
+                continue
+            key = (r["in"], r["out"], r["sparsity"], r["block"], batch)
+            line = (
+                f"{r['in']}->{r['out']:<5} {r['sparsity']:>8} {r['block']:>3} {r['k']:>5} "
+                f"{r['density']:>7.1%} {r['phase']:>7} {_us(r['ms']):>9}"
+            )
+            for impl in others:
+                o = index.get((*key, impl, r["phase"]))
+                line += (
+                    f" {_us(o['ms']):>10} {o['speedup_vs_dense']:>7.2f}x"
+                    if o
+                    else f" {'skipped':>10} {'':>8}"
+                )
+            print(line)
+
+
+def _child_argv(args) -> list[str]:
+    """The options of this run less ``--processes`` and ``--out``.
+
+    Rebuilt from ``args`` rather than edited from the command line, which may abbreviate options
+    or come with ``--quick`` (whose values ``args`` already holds)."""
+    return [
+        *("--shapes", ",".join(f"{i}:{o}" for i, o in args.shapes)),
+        *("--sparsities", _join(args.sparsities)),
+        *("--blocks", _join(args.blocks)),
+        *("--impls", _join(args.impls)),
+        *("--batch", _join(args.batch)),
+        *("--repeats", str(args.repeats)),
+        *("--dtype", args.dtype),
+        *("--seed", str(args.seed)),
+    ]
+
+
+def run_processes(args, csv_path: pathlib.Path) -> None:
+    """Run the benchmark in ``args.processes`` fresh processes, one at a time; print and write
+    min / median / max over them of every row, and every process's rows beside."""
+    script = pathlib.Path(__file__).resolve()
+    env = dict(os.environ)
+    # the children import the dynadiag_jax this process runs (a source tree's, say), not another
+    root = str(pathlib.Path(dd.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    print(f"{args.processes} fresh processes of: {script.name} {' '.join(_child_argv(args))}")
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in tqdm(range(args.processes), unit="process"):
+            out = pathlib.Path(tmp) / f"{n}.csv"
+            cmd = [sys.executable, str(script), *_child_argv(args), "--out", str(out)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            if proc.returncode:
+                raise SystemExit(
+                    f"process {n + 1} of {args.processes} failed ({proc.returncode}):\n"
+                    f"{proc.stderr[-4000:]}"
+                )
+            with open(out, newline="") as f:
+                runs.append(list(csv.DictReader(f)))
+    runs_path = csv_path.with_name(f"{csv_path.stem}_runs.csv")
+    with open(runs_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["process", *FIELDS])
+        writer.writeheader()
+        writer.writerows({"process": n, **r} for n, rows in enumerate(runs) for r in rows)
+    summary = summarise(runs)
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
+        writer.writeheader()
+        writer.writerows(summary)
+    print_summary(summary, args.processes)
+    print(f"wrote {csv_path} and {runs_path}")
+
+
+def summarise(runs: list[list[dict]]) -> list[dict]:
+    """One row per ``ROW_KEY`` (in the order the processes wrote them): min / median / max over
+    the processes that timed it of the milliseconds and of the speed-up, and max / min of the
+    milliseconds; ``processes`` counts them, ``note`` says why the others skipped it."""
+    groups: dict[tuple, list[dict]] = {}
+    for rows in runs:
+        for r in rows:
+            groups.setdefault(tuple(r[k] for k in ROW_KEY), []).append(r)
+    summary = []
+    for rs in groups.values():
+        row = {k: rs[0][k] for k in ("in", "out", "sparsity", "block", "k", "density", "batch")}
+        row.update(dtype=rs[0]["dtype"], impl=rs[0]["impl"], phase=rs[0]["phase"])
+        timed = [r for r in rs if r["ms"]]
+        row.update(processes=len(timed), repeats=rs[0]["repeats"])
+        stats = dict.fromkeys(STATS, "")
+        if timed:
+            ms = [float(r["ms"]) for r in timed]
+            up = [float(r["speedup_vs_dense"]) for r in timed]
+            stats.update(ms_min=min(ms), ms_median=_round(statistics.median(ms)), ms_max=max(ms))
+            stats.update(max_over_min=round(max(ms) / min(ms), 3))
+            stats.update(speedup_min=min(up), speedup_median=round(statistics.median(up), 3))
+            stats.update(speedup_max=max(up))
+        row.update(stats)
+        notes = sorted({r["note"] for r in rs if r["note"]})
+        row["note"] = (
+            f"skipped in {len(rs) - len(timed)} process(es): {'; '.join(notes)}" if notes else ""
+        )
+        summary.append(row)
+    return summary
+
+
+def print_summary(summary: list[dict], processes: int) -> None:
+    """One line per row of the summary: microseconds and speed-up over dense, min / median / max
+    over the processes, and max / min of the time (near 1 unless the speed varies by process)."""
+    head = (
+        f"{'shape':>10} {'sparsity':>8} {'b':>3} {'batch':>5} {'impl':>5} {'phase':>7} "
+        f"{'us min':>8} {'median':>8} {'max':>8} {'max/min':>7} "
+        f"{'x dense min':>11} {'median':>7} {'max':>7}"
+    )
+    print(f"\nover {processes} processes")
     print(head)
     print("-" * len(head))
-    index = {(r["in"], r["out"], r["sparsity"], r["block"], r["impl"], r["phase"]): r for r in rows}
-    for r in rows:
-        if r["impl"] != "dense":
-            continue
-        key = (r["in"], r["out"], r["sparsity"], r["block"])
+    for r in summary:
         line = (
-            f"{r['in']}->{r['out']:<5} {r['sparsity']:>8} {r['block']:>3} {r['k']:>5} "
-            f"{r['density']:>7.1%} {r['phase']:>7} {r['ms']:>9.1f}"
+            f"{r['in']}->{r['out']:<5} {r['sparsity']:>8} {r['block']:>3} {r['batch']:>5} "
+            f"{r['impl']:>5} {r['phase']:>7}"
         )
-        for impl in others:
-            o = index.get((*key, impl, r["phase"]))
+        if r["processes"]:
             line += (
-                f" {o['ms']:>10.1f} {o['speedup_vs_dense']:>7.2f}x"
-                if o
-                else f" {'skipped':>10} {'':>8}"
+                f" {_us(r['ms_min']):>8} {_us(r['ms_median']):>8} {_us(r['ms_max']):>8}"
+                f" {r['max_over_min']:>7.2f} {r['speedup_min']:>10.2f}x"
+                f" {r['speedup_median']:>6.2f}x {r['speedup_max']:>6.2f}x"
             )
+        if r["note"]:
+            line += f"  {r['note']}"
         print(line)
 
 

@@ -40,7 +40,7 @@ def test_diag_matmul_benchmark_writes_its_table_and_csv(run_python, tmp_path):
             str(out),
         ]
     )
-    assert "dense ms" in proc.stdout and "16->32" in proc.stdout, proc.stdout
+    assert "dense us" in proc.stdout and "16->32" in proc.stdout, proc.stdout
     assert "CPU kernels " in proc.stdout.splitlines()[0], proc.stdout
     assert "block sizes [32] skipped at 16->32" in proc.stdout, proc.stdout
     fields, rows = read_rows(out)
@@ -88,6 +88,86 @@ def test_quick_benchmark_keeps_the_options_given_beside_it(run_python, tmp_path)
         ("16", "32", "0.9", b, i, "float16") for b in ("1", "16") for i in ("dense", "ffi")
     }
     assert_timings(rows)
+
+
+SMALL = ["--shapes", "64:128", "--sparsities", "0.5", "--blocks", "1", "--impls", "ffi,dense"]
+PHASES = ("fwd", "bwd", "fwd+bwd")
+
+
+def test_diag_matmul_benchmark_times_a_list_of_batch_sizes(run_python, tmp_path):
+    """``--batch 1,3``: one table block and one set of CSV rows per batch size, the table in
+    microseconds with three significant digits (0.1 ms steps said nothing at batch 1)."""
+    out = tmp_path / "bench.csv"
+    script = str(ROOT / "bench" / "diag_matmul.py")
+    proc = run_python([script, *SMALL, "--batch", "1,3", "--repeats", "2", "--out", str(out)])
+    _, rows = read_rows(out)
+    got = {(r["batch"], r["impl"], r["phase"]) for r in rows}
+    assert got == {(b, i, p) for b in ("1", "3") for i in ("dense", "ffi") for p in PHASES}
+    assert len(rows) == len(got)
+    assert_timings(rows)
+    lines = proc.stdout.splitlines()
+    blocks = [n for n, line in enumerate(lines) if line.startswith("batch ")]
+    assert [lines[n] for n in blocks] == ["batch 1", "batch 3"], proc.stdout
+    assert "dense us" in lines[blocks[0] + 1] and "ffi us" in lines[blocks[0] + 1], proc.stdout
+    for batch, start in zip(("1", "3"), blocks):
+        table = [line.split() for line in lines[start + 3 : start + 6]]
+        assert [t[0] for t in table] == ["64->128"] * 3, proc.stdout
+        for t in table:
+            dense = next(
+                r for r in rows if (r["batch"], r["impl"], r["phase"]) == (batch, "dense", t[5])
+            )
+            us = float(dense["ms"]) * 1e3
+            assert t[6] == (f"{us:.0f}" if us >= 100 else f"{us:.3g}"), (t, dense)
+
+
+def test_diag_matmul_benchmark_summarises_fresh_processes(run_python, tmp_path):
+    """``--processes 2`` runs the benchmark twice in fresh processes and writes min / median /
+    max over them of every row (and every process's rows beside)."""
+    out = tmp_path / "spread.csv"
+    script = str(ROOT / "bench" / "diag_matmul.py")
+    argv = [script, *SMALL, "--batch", "1,3", "--repeats", "1", "--processes", "2"]
+    proc = run_python([*argv, "--out", str(out)])
+    assert "2 fresh processes of: diag_matmul.py --shapes 64:128" in proc.stdout, proc.stdout
+    assert "over 2 processes" in proc.stdout and f"wrote {out}" in proc.stdout, proc.stdout
+    fields, rows = read_rows(out)
+    stats = ("ms_min", "ms_median", "ms_max", "speedup_min", "speedup_median", "speedup_max")
+    assert {"batch", "processes", "max_over_min", *stats} <= set(fields)
+    got = {(r["batch"], r["impl"], r["phase"]) for r in rows}
+    assert got == {(b, i, p) for b in ("1", "3") for i in ("dense", "ffi") for p in PHASES}
+    assert len(rows) == len(got)
+    _, runs = read_rows(out.with_name("spread_runs.csv"))
+    assert sorted({r["process"] for r in runs}) == ["0", "1"] and len(runs) == 2 * len(rows)
+    for r in rows:
+        assert r["processes"] == "2", r
+        ms = sorted(
+            float(p["ms"])
+            for p in runs
+            if (p["batch"], p["impl"], p["phase"]) == (r["batch"], r["impl"], r["phase"])
+        )
+        assert [float(r["ms_min"]), float(r["ms_max"])] == ms, r
+        assert float(r["ms_min"]) <= float(r["ms_median"]) <= float(r["ms_max"]), r
+        assert float(r["max_over_min"]) == pytest.approx(ms[1] / ms[0], rel=1e-2), r
+        up = [float(r[k]) for k in ("speedup_min", "speedup_median", "speedup_max")]
+        assert up == sorted(up) and up[0] > 0, r
+        if r["impl"] == "dense":
+            assert up == [1.0, 1.0, 1.0], r
+    # one summary line per row
+    assert sum(line.startswith("64->128") for line in proc.stdout.splitlines()) == len(rows)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--batch", "1,0"], "batch sizes must be integers >= 1"),
+        (["--processes", "0"], "the number of processes must be an integer >= 1"),
+    ],
+)
+def test_diag_matmul_benchmark_refuses_bad_sizes(run_python, tmp_path, option, message):
+    out = tmp_path / "bench.csv"
+    script = str(ROOT / "bench" / "diag_matmul.py")
+    proc = run_python([script, *SMALL, *option, "--out", str(out)], check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not out.exists()
 
 
 def test_gpu_benchmark_runs_on_the_cpu_when_allowed(run_python, tmp_path):
