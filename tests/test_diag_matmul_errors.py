@@ -137,8 +137,9 @@ def test_unsupported_dtype_for_the_kernel_names_the_alternative():
 
 
 # (in, out, values shape, P): element tall and wide (P = 12), block with b = 8 (P_b = 2). The
-# products poison y or dx by an extra pass, or through NaN values rows where every diagonal
-# reaches every output (element y of wide W, dx of tall W; block always): both ways are covered.
+# products poison y or dx by an extra pass (element y of tall W), through NaN values rows (element
+# y of wide W, dx of tall W: values are the smaller operand) or through a NaN x or dy (block: the
+# rows are smaller than the values): all three ways are covered.
 FORMS = {
     "element tall": (8, 12, (3, 8), 12),
     "element wide": (12, 8, (3, 8), 12),

@@ -187,8 +187,13 @@ def _shape(a):
 # order obey the same rule; the kernels never read through a bad offset.
 #
 # Where every diagonal reaches every output of a product (block diagonals always; element
-# diagonals for y of a wide or square W and dx of a tall or square one), a NaN row of values
-# poisons the whole output inside the kernel, so the extra pass over the output is skipped.
+# diagonals for y of a wide or square W and dx of a tall or square one), NaN in what the kernel
+# reads poisons the whole output inside the kernel, so no pass over the output is needed: the
+# guard poisons whichever operand is smallest - the rows of values that belong to a bad offset,
+# or, for a product whose only results are y or dx, the whole moving operand (x, dy) when any
+# offset is bad - and falls back to a pass over the output when that is smaller still. At a few
+# rows the values (K * D entries) are the largest array of the call: a pass over them cost as
+# much as the whole batch-1 product, a pass over x costs nothing.
 
 
 def _reaches_every_output(output: str, geo) -> bool:
@@ -199,13 +204,17 @@ def _reaches_every_output(output: str, geo) -> bool:
     return geo.out_features >= geo.in_features  # dx
 
 
-def _guarded(lower: Callable, widths: Callable, values_at: tuple, outputs: tuple) -> Callable:
+def _guarded(
+    lower: Callable, widths: Callable, values_at: tuple, outputs: tuple, moving_at: tuple = ()
+) -> Callable:
     """``lower`` on clamped offsets, its results poisoned where an offset is out of range.
 
     Args:
       widths: ``(*arrays, **params) -> (in_features, out_features, block_size)``.
       values_at: positions of the ``values``-like operands.
       outputs: per result, ``"y"``, ``"dx"`` or ``"dvalues"``.
+      moving_at: positions of the row operands whose NaN reaches every result (empty when a
+        result, such as dvalues, must stay finite in the rows of good offsets).
     """
 
     def guarded(impl, *operands, guard, platform, **params):
@@ -216,6 +225,7 @@ def _guarded(lower: Callable, widths: Callable, values_at: tuple, outputs: tuple
         if not guard:
             return lower(impl, *arrays, offsets, **params)
         valid = (offsets >= 0) & (offsets < geo.num_candidates)
+        all_valid = jnp.all(valid)
 
         def poison(a, ok):
             return jnp.where(ok, a, jnp.asarray(jnp.nan, a.dtype))
@@ -223,13 +233,28 @@ def _guarded(lower: Callable, widths: Callable, values_at: tuple, outputs: tuple
         def rows(a):
             return valid.reshape(valid.shape + (1,) * (a.ndim - 1))
 
-        inside = {o: o != "dvalues" and _reaches_every_output(o, geo) for o in outputs}
-        if any(inside.values()):
+        def size(at):
+            return sum(arrays[i].size for i in at)
+
+        n_rows = int(np.prod(arrays[0].shape[:-1], dtype=np.int64))
+        # Results a NaN operand poisons in the kernel; the others get a pass of their own.
+        reached = {o for o in outputs if o != "dvalues" and _reaches_every_output(o, geo)}
+        passes = sum(n_rows * (geo.out_features if o == "y" else geo.in_features) for o in reached)
+        route = min(
+            (passes, "outputs"),
+            (size(values_at), "values"),
+            (size(moving_at) if moving_at and len(reached) == len(outputs) else np.inf, "moving"),
+        )[1]
+        if route == "moving":
+            arrays = [poison(a, all_valid) if i in moving_at else a for i, a in enumerate(arrays)]
+        elif route == "values":
             arrays = [poison(a, rows(a)) if i in values_at else a for i, a in enumerate(arrays)]
         out = lower(impl, *arrays, jnp.where(valid, offsets, 0), **params)
         outs = out if len(outputs) > 1 else (out,)
         outs = tuple(
-            o if inside[kind] else poison(o, rows(o) if kind == "dvalues" else jnp.all(valid))
+            o
+            if kind in reached and route != "outputs"
+            else poison(o, rows(o) if kind == "dvalues" else all_valid)
             for o, kind in zip(outs, outputs)
         )
         return outs if len(outputs) > 1 else outs[0]
@@ -320,7 +345,7 @@ def _fwd_widths(x, values, *, width):
     return x.shape[-1], width, _block_size(values.shape)
 
 
-fwd_p = _primitive("fwd", "fwd", _guarded(_lower_fwd, _fwd_widths, (1,), ("y",)))
+fwd_p = _primitive("fwd", "fwd", _guarded(_lower_fwd, _fwd_widths, (1,), ("y",), (0,)))
 dx_p = _primitive(
     "dx",
     "dx",
@@ -329,6 +354,7 @@ dx_p = _primitive(
         lambda dy, v, *, width: (width, dy.shape[-1], _block_size(v.shape)),
         (1,),
         ("dx",),
+        (0,),
     ),
 )
 dvalues_p = _primitive(
@@ -359,6 +385,7 @@ fwd_tangent_p = _primitive(
         lambda x_dot, values_dot, x, values, *, width: _fwd_widths(x, values, width=width),
         (1, 3),
         ("y",),
+        (0, 2),
     ),
 )
 
