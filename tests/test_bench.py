@@ -120,6 +120,33 @@ def test_diag_matmul_benchmark_times_a_list_of_batch_sizes(run_python, tmp_path)
             assert t[6] == (f"{us:.0f}" if us >= 100 else f"{us:.3g}"), (t, dense)
 
 
+def test_call_overhead_benchmark_times_every_variant_per_shape_and_batch(run_python, tmp_path):
+    """One row per (shape, block, batch, variant); dense is the 1.0x reference of its group; a
+    block size that does not divide a shape is skipped with a message."""
+    out = tmp_path / "calls.csv"
+    script = str(ROOT / "bench" / "call_overhead.py")
+    args = ["--shapes", "64:128,48:96", "--blocks", "1,32", "--batch", "1,3", "--repeats", "2"]
+    proc = run_python([script, *args, "--out", str(out)])
+    assert "skipped 48->96 b=32" in proc.stdout, proc.stdout
+    _, rows = read_rows(out)
+    variants = ["dense", "dense+bias", "ffi", "ffi in range", "ffi in range+bias", "jax"]
+    groups = [("64->128", "1"), ("64->128", "32"), ("48->96", "1")]
+    got = [(r["shape"], r["block"], r["batch"], r["variant"]) for r in rows]
+    assert got == [(s, b, n, v) for s, b in groups for n in ("1", "3") for v in variants]
+    for r in rows:
+        us, ratio = float(r["us"]), float(r["speedup_vs_dense"])
+        assert math.isfinite(us) and us > 0 and math.isfinite(ratio) and ratio > 0, r
+        if r["variant"] == "dense":
+            assert ratio == 1.0, r
+
+
+@pytest.mark.parametrize("option", [["--shapes", "64"], ["--batch", "0"], ["--sparsity", "1"]])
+def test_call_overhead_benchmark_refuses_bad_options(run_python, tmp_path, option):
+    script = str(ROOT / "bench" / "call_overhead.py")
+    proc = run_python([script, *option], check=False)
+    assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr
+
+
 def test_diag_matmul_benchmark_summarises_fresh_processes(run_python, tmp_path):
     """``--processes 2`` runs the benchmark twice in fresh processes and writes min / median /
     max over them of every row (and every process's rows beside)."""

@@ -1,0 +1,167 @@
+"""Where the time of a small-batch ``dd.diag_matmul`` call goes, beside XLA's dense dot.
+
+At a few rows a product is tens of microseconds, so what XLA runs around the kernel counts as much
+as the kernel. For every shape, block size and batch size this times, warm (each function called
+back to back, median of ``--repeats``), one jitted forward ``y = x @ W.T`` of:
+
+* ``dense``: XLA's dot on a dense kernel ``[in, out]`` (the ``nn.Dense`` being replaced), and
+  ``dense+bias``;
+* ``ffi``: ``dd.diag_matmul(impl="ffi")``, with the out-of-range guard of traced offsets;
+* ``ffi in range``: ``dynadiag_jax.ops.diag_matmul.diag_matmul_in_range`` (no guard: the kernel
+  call alone), and ``ffi in range+bias``: the same followed by one element-wise op, as in a layer;
+* ``jax``: ``dd.diag_matmul(impl="jax")``, the pure-JAX path with the guard.
+
+Each time is also printed as a speed-up over ``dense`` of the same shape and batch. Writes a CSV
+(``--out``, default ``bench/results/call_overhead_<time>.csv``).
+
+Example::
+
+    python bench/call_overhead.py --shapes 768:3072,3072:768 --blocks 1,16 --batch 1,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dynadiag_jax as dd
+from dynadiag_jax.layout import geometry
+from dynadiag_jax.ops.diag_matmul import diag_matmul_in_range
+
+VARIANTS = ("dense", "dense+bias", "ffi", "ffi in range", "ffi in range+bias", "jax")
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    try:
+        pairs = [tuple(int(v) for v in item.split(":")) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected IN:OUT pairs like 768:3072, got {text!r}"
+        ) from None
+    if any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected positive IN:OUT pairs, got {text!r}")
+    return pairs
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _median_us(fn, args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def _functions(out_features: int):
+    def bias(y, b):
+        return y + b
+
+    return {
+        "dense": lambda x, w, v, o, b: x @ w,
+        "dense+bias": lambda x, w, v, o, b: bias(x @ w, b),
+        "ffi": lambda x, w, v, o, b: dd.diag_matmul(x, v, o, out_features=out_features, impl="ffi"),
+        "ffi in range": lambda x, w, v, o, b: diag_matmul_in_range(
+            x, v, o, out_features=out_features, impl="ffi"
+        ),
+        "ffi in range+bias": lambda x, w, v, o, b: bias(
+            diag_matmul_in_range(x, v, o, out_features=out_features, impl="ffi"), b
+        ),
+        "jax": lambda x, w, v, o, b: dd.diag_matmul(x, v, o, out_features=out_features, impl="jax"),
+    }
+
+
+def run(args) -> list[dict]:
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for in_f, out_f in args.shapes:
+        for b in args.blocks:
+            if b > 1 and (in_f % b or out_f % b):
+                print(f"skipped {in_f}->{out_f} b={b}: b does not divide the shape")
+                continue
+            geo = geometry(in_f, out_f, b)
+            k = dd.num_diagonals(in_f, out_f, args.sparsity, block_size=b)
+            offsets = jnp.asarray(rng.choice(geo.num_candidates, k, replace=False), jnp.int32)
+            shape = (k, geo.length, b, b) if b > 1 else (k, geo.length)
+            values = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+            w = jnp.asarray(rng.standard_normal((in_f, out_f)), jnp.float32)  # as nn.Dense
+            bias = jnp.zeros((out_f,), jnp.float32)
+            for batch in args.batch:
+                x = jnp.asarray(rng.standard_normal((batch, in_f)), jnp.float32)
+                times = {
+                    name: _median_us(jax.jit(fn), (x, w, values, offsets, bias), args.repeats)
+                    for name, fn in _functions(out_f).items()
+                }
+                for name in VARIANTS:
+                    rows.append(
+                        dict(
+                            shape=f"{in_f}->{out_f}",
+                            block=b,
+                            k=k,
+                            batch=batch,
+                            variant=name,
+                            us=round(times[name], 2),
+                            speedup_vs_dense=round(times["dense"] / times[name], 3),
+                        )
+                    )
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", type=_pairs, default=_pairs("768:3072,3072:768"))
+    parser.add_argument("--blocks", type=_ints, default=[1, 16])
+    parser.add_argument("--batch", type=_ints, default=[1])
+    parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--repeats", type=int, default=201)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.sparsity < 1.0:
+        parser.error(f"--sparsity must be in [0, 1), got {args.sparsity}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or pathlib.Path(__file__).parent / "results" / f"call_overhead_{stamp}.csv"
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, sparsity {args.sparsity}, "
+        f"warm, median of {args.repeats} (us, and speed-up over dense)"
+    )
+    rows = run(args)
+    header = f"{'shape':>10} {'b':>3} {'batch':>5} " + " ".join(f"{v:>18}" for v in VARIANTS)
+    print(header)
+    print("-" * len(header))
+    for i in range(0, len(rows), len(VARIANTS)):
+        group = rows[i : i + len(VARIANTS)]
+        cells = " ".join(f"{r['us']:>9.1f} {r['speedup_vs_dense']:>7.2f}x" for r in group)
+        print(f"{group[0]['shape']:>10} {group[0]['block']:>3} {group[0]['batch']:>5} {cells}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["shape"])
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
