@@ -147,6 +147,32 @@ def test_call_overhead_benchmark_refuses_bad_options(run_python, tmp_path, optio
     assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr
 
 
+def test_page_fault_benchmark_counts_faults_per_call_in_fresh_processes(run_python, tmp_path):
+    """Every call of both implementations in every process is a CSV row with its time and a
+    non-negative fault count; the table has a line per process and implementation."""
+    out = tmp_path / "faults.csv"
+    script = str(ROOT / "bench" / "page_faults.py")
+    args = ["--shape", "64:128", "--block", "16", "--batch", "8", "--calls", "3"]
+    proc = run_python([script, *args, "--processes", "2", "--out", str(out)])
+    _, rows = read_rows(out)
+    got = [(r["process"], r["impl"], r["call"]) for r in rows]
+    assert got == [(p, i, c) for p in "01" for i in ("ffi", "dense") for c in "012"]
+    assert all(float(r["ms"]) > 0 and int(r["faults"]) >= 0 for r in rows), rows
+    table = [
+        line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])
+    ]
+    assert [t[:2] for t in table] == [[p, i] for p in "01" for i in ("ffi", "dense")], proc.stdout
+
+
+@pytest.mark.parametrize(
+    "option", [["--shape", "768"], ["--block", "7"], ["--processes", "0"], ["--sparsity", "1"]]
+)
+def test_page_fault_benchmark_refuses_bad_options(run_python, tmp_path, option):
+    script = str(ROOT / "bench" / "page_faults.py")
+    proc = run_python([script, *option], check=False)
+    assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr
+
+
 def test_diag_matmul_benchmark_summarises_fresh_processes(run_python, tmp_path):
     """``--processes 2`` runs the benchmark twice in fresh processes and writes min / median /
     max over them of every row (and every process's rows beside)."""

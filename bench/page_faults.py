@@ -1,0 +1,145 @@
+"""Time a forward product in fresh processes, with the page faults each call takes.
+
+A product that runs in one of two speeds per process (docs/cpu_kernels.md, "The same speed in
+every process") can be told apart from noise by what the slow calls do: the operating system's
+count of minor page faults (``getrusage``) taken by each call. A call whose output lands in fresh
+memory faults in every page of it.
+
+For one shape, block size, sparsity and batch size, each of ``--processes`` fresh processes times
+``--calls`` jitted forwards of ``dd.diag_matmul(impl="ffi")`` and of XLA's dense dot, one after the
+other, and reports per process and implementation the median time, how many calls faulted, and the
+median faults of a faulting call. Writes a CSV (``--out``, default
+``bench/results/page_faults_<time>.csv``) with one row per process, implementation and call.
+
+Example::
+
+    python bench/page_faults.py --shape 768:3072 --block 16 --processes 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+IMPLS = ("ffi", "dense")
+
+
+def _child(args) -> None:
+    """Times the calls in this process; prints one JSON line per call."""
+    import jax  # noqa: PLC0415 - the parent process never imports JAX
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    import dynadiag_jax as dd  # noqa: PLC0415
+    from dynadiag_jax.layout import geometry  # noqa: PLC0415
+
+    in_f, out_f = args.shape
+    rng = np.random.default_rng(args.seed)
+    geo = geometry(in_f, out_f, args.block)
+    k = dd.num_diagonals(in_f, out_f, args.sparsity, block_size=args.block)
+    offsets = jnp.asarray(rng.choice(geo.num_candidates, k, replace=False), jnp.int32)
+    shape = (k, geo.length, args.block, args.block) if args.block > 1 else (k, geo.length)
+    values = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    kernel = jnp.asarray(rng.standard_normal((in_f, out_f)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((args.batch, in_f)), jnp.float32)
+    fns = {
+        "ffi": (
+            jax.jit(lambda x, v, o: dd.diag_matmul(x, v, o, out_features=out_f, impl="ffi")),
+            (x, values, offsets),
+        ),
+        "dense": (jax.jit(lambda x, w: x @ w), (x, kernel)),
+    }
+    for impl, (f, operands) in fns.items():
+        jax.block_until_ready(f(*operands))
+        for call in range(args.calls):
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start = time.perf_counter()
+            jax.block_until_ready(f(*operands))
+            seconds = time.perf_counter() - start
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            print(json.dumps(dict(impl=impl, call=call, ms=seconds * 1e3, faults=faults)))
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        shape = tuple(int(v) for v in text.split(":"))
+    except ValueError:
+        shape = ()
+    if len(shape) != 2 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected IN:OUT like 768:3072, got {text!r}")
+    return shape
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", type=_shape, default=(768, 3072))
+    parser.add_argument("--block", type=_positive, default=16)
+    parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--batch", type=_positive, default=2048)
+    parser.add_argument("--calls", type=_positive, default=15)
+    parser.add_argument("--processes", type=_positive, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.sparsity < 1.0:
+        parser.error(f"--sparsity must be in [0, 1), got {args.sparsity}")
+    in_f, out_f = args.shape
+    if args.block > 1 and (in_f % args.block or out_f % args.block):
+        parser.error(f"--block {args.block} does not divide the shape {in_f}:{out_f}")
+    if args.child:
+        _child(args)
+        return
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or pathlib.Path(__file__).parent / "results" / f"page_faults_{stamp}.csv"
+    child = [sys.executable, __file__, "--child", *(argv if argv is not None else sys.argv[1:])]
+    print(
+        f"{in_f}->{out_f}, b={args.block}, sparsity {args.sparsity}, batch {args.batch}: "
+        f"{args.calls} calls per implementation in each of {args.processes} fresh processes"
+    )
+    header = ("process", "impl", "median ms", "calls faulting", "faults/call")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (7, 5, 10, 15, 12))))
+    rows = []
+    for process in range(args.processes):
+        proc = subprocess.run(child, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            sys.exit(f"error: process {process} failed:\n{proc.stderr[-2000:]}")
+        calls = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        for impl in IMPLS:
+            mine = [c for c in calls if c["impl"] == impl]
+            faulting = [c["faults"] for c in mine if c["faults"] > 0]
+            per_call = int(statistics.median(faulting)) if faulting else 0
+            median = statistics.median(c["ms"] for c in mine)
+            print(
+                f"{process:>7} {impl:>5} {median:>10.2f} {len(faulting):>9} of {len(mine):<3}"
+                f" {per_call:>12}"
+            )
+            rows += [dict(process=process, **c) for c in mine]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=["process", "impl", "call", "ms", "faults"])
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
