@@ -146,7 +146,20 @@ def _copy_collection(name: str, template, dense, skip: set) -> dict:
     return out
 
 
-def from_dense(dense_variables, template, *, gate_value=None, freeze: bool = False):
+def _with_kept_norm(values, kept):
+    """``values[*lead, P, *V]`` scaled per layer (per slice of a stack) so that the diagonals
+    ``kept[*lead, K]`` carry the Frobenius norm of all ``P``."""
+    lead = kept.ndim - 1
+    flat = values.astype(jnp.float32).reshape(values.shape[: lead + 1] + (-1,))
+    energy = jnp.sum(jnp.square(flat), axis=-1)
+    kept_energy = jnp.take_along_axis(energy, kept, axis=-1).sum(-1)
+    scale = jnp.sqrt(energy.sum(-1) / jnp.maximum(kept_energy, jnp.finfo(jnp.float32).tiny))
+    return (values * scale.reshape(scale.shape + (1,) * (values.ndim - lead))).astype(values.dtype)
+
+
+def from_dense(
+    dense_variables, template, *, gate_value=None, keep_norm: bool = False, freeze: bool = False
+):
     """The variables of a diagonal model started from a trained dense model's (not jit-able).
 
     Every search-phase ``DiagonalDense`` of ``template`` takes the dense layer at its own params
@@ -169,6 +182,10 @@ def from_dense(dense_variables, template, *, gate_value=None, freeze: bool = Fal
       gate_value: the strength (``gate="sparse_topk"``) or temperature (``"softmax"``) that
         scales the scores; default: each layer's value in ``template["dynadiag"]`` (its
         ``gate_init``), the value a search continued with ``dd.nn.set_gate`` should start at.
+      keep_norm: scale each layer's values by ``sqrt(E / E_K)``, with ``E`` the energy of all
+        its diagonals and ``E_K`` that of the K it keeps, so that the kept diagonals carry the
+        dense kernel's whole Frobenius norm (otherwise, at 90% sparsity, the one-shot layer's
+        outputs shrink by about ``sqrt(E_K / E)``, a third on the suites' MLP).
       freeze: also freeze (``dd.freeze_tree``): the one-shot model, whose layers compute the
         dense layers' products restricted to their K highest-energy diagonals.
 
@@ -215,6 +232,14 @@ def from_dense(dense_variables, template, *, gate_value=None, freeze: bool = Fal
         if path + ("topk",) in gates:
             k = _shape(gates[path + ("topk",)])[-1]
             topk[path + ("topk",)] = select_diagonals(params[path + ("alpha",)], k)
+            if keep_norm:
+                kept = topk[path + ("topk",)]
+                params[path + ("values",)] = _with_kept_norm(params[path + ("values",)], kept)
+        elif keep_norm:
+            raise ValueError(
+                f"from_dense: keep_norm needs the layer's budget, but the template lacks "
+                f"dynadiag/{_name(path)}/topk; pass every collection of model.init"
+            )
     out = {}
     for name, collection in template.items():
         if name == "params":

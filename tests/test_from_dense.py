@@ -218,6 +218,45 @@ def test_stacked_layers_take_their_own_slices():
     np.testing.assert_allclose(model.apply(frozen, x), y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("b", [1, 8])
+def test_keep_norm_gives_the_kept_diagonals_the_kernels_whole_norm(b):
+    """keep_norm: every diagonal of a layer scaled by one factor, sqrt(E / E_K), so that the K
+    kept ones hold the dense kernel's Frobenius norm; the kept set and alpha do not change."""
+    x = jax.random.normal(jax.random.key(2), (4, 32))
+    dense = random_dense(Single(64), x)
+    model = dd.nn.sparsify(Single(64), [("layer", {"sparsity": 0.8, "block_size": b})])
+    template = model.init(jax.random.key(1), x)
+    plain = dd.from_dense(dense, template)
+    kept = dd.from_dense(dense, template, keep_norm=True)
+    np.testing.assert_array_equal(
+        kept["params"]["layer"]["alpha"], plain["params"]["layer"]["alpha"]
+    )
+    frozen = dd.freeze_tree(kept)
+    np.testing.assert_array_equal(
+        frozen["diagonals"]["layer"]["offsets"],
+        dd.freeze_tree(plain)["diagonals"]["layer"]["offsets"],
+    )
+    total = np.sum(np.square(dense["params"]["layer"]["kernel"]))
+    np.testing.assert_allclose(
+        np.sum(np.square(frozen["params"]["layer"]["values"])), total, rtol=1e-5
+    )
+    ratio = np.asarray(kept["params"]["layer"]["values"]) / np.asarray(
+        plain["params"]["layer"]["values"]
+    )
+    np.testing.assert_allclose(ratio, ratio.flat[0], rtol=1e-5)
+    assert ratio.flat[0] > 1
+
+
+def test_keep_norm_scales_each_slice_of_a_stack_on_its_own():
+    x = jax.random.normal(jax.random.key(2), (4, 16))
+    dense = random_dense(Stacked(), x)
+    model = dd.nn.sparsify(Stacked(), [("fc", {"sparsity": 0.75})])
+    frozen = dd.from_dense(dense, model.init(jax.random.key(1), x), keep_norm=True, freeze=True)
+    kept = np.sum(np.square(frozen["params"]["fc"]["values"]), axis=(1, 2))
+    total = np.sum(np.square(dense["params"]["fc"]["kernel"]), axis=(1, 2))
+    np.testing.assert_allclose(kept, total, rtol=1e-5)
+
+
 # --- a checkpoint of another model -------------------------------------------------------------
 
 
