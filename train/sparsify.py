@@ -94,7 +94,8 @@ def prepare(config):
         reader.close()
     template = built.model.init(jax.random.key(int(config.seed)), jnp.zeros(example.shape))
     template = {k: v for k, v in template.items() if k != "intermediates"}
-    search = dd.from_dense(dense, template)  # a checkpoint of another model fails here
+    # a checkpoint of another model fails here
+    search = dd.from_dense(dense, template, keep_norm=bool(config.keep_norm))
     return data, dense_model, dense, search, built, steps, example
 
 
