@@ -26,51 +26,21 @@ import csv
 import datetime
 import pathlib
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from diag_matmul import make_case, parse_shapes, parse_sizes, time_call  # bench/, beside this
 
 import dynadiag_jax as dd
-from dynadiag_jax.layout import geometry
 from dynadiag_jax.ops.diag_matmul import diag_matmul_in_range
 
 VARIANTS = ("dense", "dense+bias", "ffi", "ffi in range", "ffi in range+bias", "jax")
 
 
-def _pairs(text: str) -> list[tuple[int, int]]:
-    try:
-        pairs = [tuple(int(v) for v in item.split(":")) for item in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected IN:OUT pairs like 768:3072, got {text!r}"
-        ) from None
-    if any(len(p) != 2 or min(p) < 1 for p in pairs):
-        raise argparse.ArgumentTypeError(f"expected positive IN:OUT pairs, got {text!r}")
-    return pairs
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _median_us(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    time_call(fn, args)
+    return statistics.median(time_call(fn, args) for _ in range(repeats)) * 1e6
 
 
 def _functions(out_features: int):
@@ -99,15 +69,11 @@ def run(args) -> list[dict]:
             if b > 1 and (in_f % b or out_f % b):
                 print(f"skipped {in_f}->{out_f} b={b}: b does not divide the shape")
                 continue
-            geo = geometry(in_f, out_f, b)
-            k = dd.num_diagonals(in_f, out_f, args.sparsity, block_size=b)
-            offsets = jnp.asarray(rng.choice(geo.num_candidates, k, replace=False), jnp.int32)
-            shape = (k, geo.length, b, b) if b > 1 else (k, geo.length)
-            values = jnp.asarray(rng.standard_normal(shape), jnp.float32)
             w = jnp.asarray(rng.standard_normal((in_f, out_f)), jnp.float32)  # as nn.Dense
             bias = jnp.zeros((out_f,), jnp.float32)
             for batch in args.batch:
-                x = jnp.asarray(rng.standard_normal((batch, in_f)), jnp.float32)
+                case = make_case(in_f, out_f, args.sparsity, b, batch, jnp.float32, args.seed)
+                x, values, offsets, k = case.x, case.values, case.offsets, case.k
                 times = {
                     name: _median_us(jax.jit(fn), (x, w, values, offsets, bias), args.repeats)
                     for name, fn in _functions(out_f).items()
@@ -129,9 +95,9 @@ def run(args) -> list[dict]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", type=_pairs, default=_pairs("768:3072,3072:768"))
-    parser.add_argument("--blocks", type=_ints, default=[1, 16])
-    parser.add_argument("--batch", type=_ints, default=[1])
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("768:3072,3072:768"))
+    parser.add_argument("--blocks", type=parse_sizes("block sizes", "1,16"), default=(1, 16))
+    parser.add_argument("--batch", type=parse_sizes("batch sizes", "1,4,16"), default=(1,))
     parser.add_argument("--sparsity", type=float, default=0.9)
     parser.add_argument("--repeats", type=int, default=201)
     parser.add_argument("--seed", type=int, default=0)

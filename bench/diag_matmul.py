@@ -176,7 +176,8 @@ def _entry_coordinates(case: Case):
     return jnp.broadcast_to(rows, case.values.shape), jnp.broadcast_to(cols, case.values.shape)
 
 
-def _call(f, args) -> float:
+def time_call(f, args) -> float:
+    """Seconds of one call of ``f(*args)``, results ready."""
     start = time.perf_counter()
     jax.block_until_ready(f(*args))
     return time.perf_counter() - start
@@ -185,11 +186,11 @@ def _call(f, args) -> float:
 def time_interleaved(fns: dict, repeats: int, progress) -> dict[tuple[str, str], float]:
     """Median seconds per (impl, phase); all calls interleaved, after one warm-up call each."""
     for f, args in fns.values():
-        _call(f, args)
+        time_call(f, args)
     times = {key: [] for key in fns}
     for _ in range(repeats):
         for key, (f, args) in fns.items():
-            times[key].append(_call(f, args))
+            times[key].append(time_call(f, args))
             progress.update(1)
     return {key: statistics.median(t) for key, t in times.items()}
 
@@ -206,7 +207,7 @@ def time_case(fns: dict, repeats: int, progress) -> tuple[dict, str | None]:
         return out, None
     skipped = None
     try:
-        first = max(_call(f, args) for f, args in bcoo.values())  # includes compilation
+        first = max(time_call(f, args) for f, args in bcoo.values())  # includes compilation
         if first > BCOO_SKIP_SECONDS:
             skipped = f"one call took {first:.0f} s (> {BCOO_SKIP_SECONDS:.0f} s)"
     except jax.errors.JaxRuntimeError as err:  # out of memory
@@ -224,20 +225,22 @@ def time_case(fns: dict, repeats: int, progress) -> tuple[dict, str | None]:
     return out, None
 
 
-def _pairs(text: str) -> tuple[tuple[int, int], ...]:
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """``"768:3072,3072:768"`` -> ``((768, 3072), (3072, 768))``: IN:OUT pairs of sizes >= 1."""
     try:
-        return tuple(tuple(int(n) for n in item.split(":")) for item in text.split(","))
+        pairs = tuple(tuple(int(n) for n in item.split(":")) for item in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"shapes must look like 768:3072,3072:768; got {text!r}"
-        ) from None
+        pairs = ()
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"shapes must look like 768:3072,3072:768; got {text!r}")
+    return pairs
 
 
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(s) for s in text.split(","))
 
 
-def _sizes(what: str, example: str) -> Callable[[str], tuple[int, ...]]:
+def parse_sizes(what: str, example: str) -> Callable[[str], tuple[int, ...]]:
     """A parser of comma separated integers >= 1, e.g. block or batch sizes."""
 
     def parse(text: str) -> tuple[int, ...]:
@@ -286,14 +289,14 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--shapes",
-        type=_pairs,
+        type=parse_shapes,
         default=VIT_B_SHAPES,
         help="IN:OUT pairs, comma separated (default: ViT-B MLP/attention shapes)",
     )
     parser.add_argument("--sparsities", type=_floats, default=SPARSITIES)
     parser.add_argument(
         "--blocks",
-        type=_sizes("block sizes", "1,16,32"),
+        type=parse_sizes("block sizes", "1,16,32"),
         default=BLOCKS,
         help="block sizes, comma separated: 1 = element diagonals, b >= 2 = block diagonals "
         "(skipped where b does not divide the shape)",
@@ -306,7 +309,7 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--batch",
-        type=_sizes("batch sizes", "1,2,4,8,16"),
+        type=parse_sizes("batch sizes", "1,2,4,8,16"),
         default=(2048,),
         help="batch sizes, comma separated: one timing loop and table block each (default 2048)",
     )

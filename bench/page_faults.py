@@ -37,19 +37,15 @@ def _child(args) -> None:
     import jax  # noqa: PLC0415 - the parent process never imports JAX
     import jax.numpy as jnp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
+    from diag_matmul import make_case  # noqa: PLC0415 - bench/, beside this script
 
     import dynadiag_jax as dd  # noqa: PLC0415
-    from dynadiag_jax.layout import geometry  # noqa: PLC0415
 
     in_f, out_f = args.shape
+    case = make_case(in_f, out_f, args.sparsity, args.block, args.batch, jnp.float32, args.seed)
+    x, values, offsets = case.x, case.values, case.offsets
     rng = np.random.default_rng(args.seed)
-    geo = geometry(in_f, out_f, args.block)
-    k = dd.num_diagonals(in_f, out_f, args.sparsity, block_size=args.block)
-    offsets = jnp.asarray(rng.choice(geo.num_candidates, k, replace=False), jnp.int32)
-    shape = (k, geo.length, args.block, args.block) if args.block > 1 else (k, geo.length)
-    values = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     kernel = jnp.asarray(rng.standard_normal((in_f, out_f)), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((args.batch, in_f)), jnp.float32)
     fns = {
         "ffi": (
             jax.jit(lambda x, v, o: dd.diag_matmul(x, v, o, out_features=out_f, impl="ffi")),
