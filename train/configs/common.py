@@ -81,7 +81,8 @@ def dynadiag(sparsity: float, layers, gate: str = "sparse_topk", block_size: int
         alpha_lr_scale=1.0,
         fan_in="sparse",  # initial values at the dense layer's output scale (DiagonalDense)
         scale="rms",  # the search product at the frozen layer's output scale (DiagonalDense)
-        # alpha restarts from the values' norms this far into the search (0: never)
-        rescore_fraction=0.2,
+        # alpha restarts from the values' norms this far into the search (0: never); early, so
+        # the all-diagonal warm-up is short (docs/selection.md: 0.05 beat 0.2 for less compute)
+        rescore_fraction=0.05,
         impl="auto",  # dd.diag_matmul backend: "auto" (compiled kernel if built), "jax", "dense"
     )
