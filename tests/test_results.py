@@ -294,6 +294,11 @@ def test_report_tables_goals_plots_and_kept_notes(tmp_path):
     assert "at least as accurate as SET and RigL: **met**" in text
     assert "Faster training step than dense" in text and "**met** (0.50×" in text
     assert "over whole runs, search phase included, 1.00×" in text
+    # The whole-run goal shows static diagonals' run beside it: the floor of any search.
+    assert (
+        "mlp: whole DynaDiag run at most 0.6x dense (wall time, compilation included): "
+        "**missed** (1.00x; logged steps 1.00x; static diagonals, no search: 1.00x)" in text
+    )
     assert (
         "| 90% | Diagonal (DynaDiag frozen, static diagonals) | 1.000 | 0.50 | 0.100 | 0.50 |"
         in text

@@ -2,7 +2,8 @@
 
 Element diagonals (64 -> 96, K = 5 of 96) and block diagonals (128 -> 256 with b = 8, K = 3 of 16
 candidate chains of 32 blocks), each with the default gate and exploration, and the training
-recipe's restart of alpha from the values at 20% of the search (``dynadiag.rescore_fraction``).
+recipe's restart of alpha from the values early in the search (``dynadiag.rescore_fraction``; this
+problem restarts at 20% of its 400 steps).
 Without the restart, the default ``fan_in="sparse"`` start misses planted element diagonals here
 (its large starting values push every score down first); ``fan_in="dense"`` finds them either way.
 """

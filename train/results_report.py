@@ -409,6 +409,11 @@ def search_goals(config, stats, ppl_stats, records, sparsity=0.9) -> list[str]:
         if wall and dense:
             logged = _whole_run_ratio(records, model, "dynadiag", sparsity)
             logged_text = f"; logged steps {logged:.2f}x" if logged is not None else ""
+            # Static diagonals run the frozen product from the first step with no search: their
+            # whole run is the floor any search can reach, so the reader sees what is left.
+            static_wall = _mean_of(records, "seconds", model, "static_diagonals", sparsity)
+            if static_wall:
+                logged_text += f"; static diagonals, no search: {static_wall / dense:.2f}x"
             ok = wall <= limit * dense if limit < 1.0 else wall < dense
             bound = f"at most {limit:g}x" if limit < 1.0 else "below"
             out.append(
