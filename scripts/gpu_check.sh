@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check in one command (issue 12 item 6), for a machine with an NVIDIA GPU and nvcc:
+# The GPU check in one command, for a machine with an NVIDIA GPU and nvcc:
 #   1. a virtual environment with JAX's CUDA build from pip (jax[cuda13] or jax[cuda12], matching
 #      nvcc's major version) and dynadiag-jax installed with the CUDA kernels (DYNADIAG_CUDA=ON);
 #   2. the GPU tests (pytest -m gpu: tests/test_gpu.py);
