@@ -163,7 +163,7 @@ def search_forward(spec, values, x, inputs: GateInputs, *, score=False):
             support = inputs.gate_nonzero
             branch = jnp.sum(support > jnp.asarray(sizes[:-1], support.dtype), dtype=jnp.int32)
             product = _ranked_product(sizes, spec.out_features, spec.impl)
-            y = product(x, values, gate, order, rank, branch)
+            y = product(x, values, gate, order, branch)
         # every non-zero gate is computed
         outside = jnp.zeros((), jnp.float32)
     else:
@@ -173,10 +173,10 @@ def search_forward(spec, values, x, inputs: GateInputs, *, score=False):
             y = jax.lax.cond(
                 jnp.asarray(score, jnp.bool_),
                 lambda: _scored_vjp(spec.out_features, spec.impl)(x, gate, values, order[:k_cap]),
-                lambda: product(x, values, gate, order, rank, branch),
+                lambda: product(x, values, gate, order, branch),
             )
         else:
-            y = product(x, values, gate, order, rank, branch)
+            y = product(x, values, gate, order, branch)
         outside = jnp.sum(jnp.where(rank >= k_cap, jax.lax.stop_gradient(gate), 0))
     c = rms_scale(gate, spec.k) if spec.scale == "rms" else jnp.ones((), gate.dtype)
     if spec.scale == "rms":
@@ -230,11 +230,12 @@ def _selected_weights(gate, values, idx, dtype):
 def _ranked_product(sizes: tuple, out_features: int, impl: str):
     """``y = x @ W.T`` over the first ``sizes[branch]`` diagonals of ``order`` (``lax.switch``).
 
-    ``(x, values, gate, order, rank, branch) -> y``. The VJP is written out, so the branches keep
-    no residuals (autodiff of a switch returns every branch's residuals from every branch) and
-    each branch returns the SDDMM of its diagonals in rank order, padded to ``P`` rows; one gather
-    by ``rank`` brings it back to diagonal order, where ``dvalues = gate * G`` and
-    ``dgate = <values, G>`` row by row (zero for the diagonals not computed).
+    ``(x, values, gate, order, branch) -> y``. Each branch gathers and gates only the ``s`` rows
+    it computes, so a narrow search step reads ``s`` rows of ``values``, not all ``P`` (on a small
+    layer those passes over ``values[P, ...]`` cost as much as the product). The VJP is written
+    out, so the branches keep no residuals (autodiff of a switch returns every branch's residuals
+    from every branch); each branch scatters ``dvalues = gate * G`` and ``dgate = <values, G>``
+    of its diagonals into zeros of the full shapes (``order`` is a permutation: no index repeats).
     """
 
     def switch(fn, branch, *args):
@@ -243,40 +244,41 @@ def _ranked_product(sizes: tuple, out_features: int, impl: str):
             return branches[0](*args)
         return jax.lax.switch(branch, branches, *args)
 
-    def product(s, x, w, order):
-        return diag_matmul_in_range(x, w[:s], order[:s], out_features=out_features, impl=impl)
+    def product(s, x, values, gate, order):
+        idx = order[:s]
+        w = _selected_weights(gate, values, idx, x.dtype)
+        return diag_matmul_in_range(x, w, idx, out_features=out_features, impl=impl)
 
-    def backward(s, x, w, order, dy):
+    def backward(s, x, values, gate, order, dy):
+        idx = order[:s]
         _, pull = jax.vjp(
-            lambda a, v: diag_matmul_in_range(
-                a, v, order[:s], out_features=out_features, impl=impl
-            ),
+            lambda a, v: diag_matmul_in_range(a, v, idx, out_features=out_features, impl=impl),
             x,
-            w[:s],
+            _selected_weights(gate, values, idx, x.dtype),
         )
         dx, g = pull(dy)
-        return dx, jnp.pad(g, [(0, w.shape[0] - s)] + [(0, 0)] * (g.ndim - 1))
-
-    def ranked_weights(x, values, gate, order):
-        # one gather for every branch; the backward's recomputation is the same expression
-        return _weights(gate, values, x.dtype)[order]
+        g = g.astype(gate.dtype)
+        rows = values[idx].astype(gate.dtype)
+        dgate = jnp.sum(rows * g, axis=tuple(range(1, values.ndim)))
+        dvalues = (_per_row(gate[idx], values.ndim) * g).astype(values.dtype)
+        scatter = dict(unique_indices=True, mode="promise_in_bounds")
+        return (
+            dx,
+            jnp.zeros_like(values).at[idx].set(dvalues, **scatter),
+            jnp.zeros_like(gate).at[idx].set(dgate, **scatter),
+        )
 
     @jax.custom_vjp
-    def f(x, values, gate, order, rank, branch):
-        del rank
-        return switch(product, branch, x, ranked_weights(x, values, gate, order), order)
+    def f(x, values, gate, order, branch):
+        return switch(product, branch, x, values, gate, order)
 
-    def f_fwd(x, values, gate, order, rank, branch):
-        return f(x, values, gate, order, rank, branch), (x, values, gate, order, rank, branch)
+    def f_fwd(x, values, gate, order, branch):
+        return f(x, values, gate, order, branch), (x, values, gate, order, branch)
 
     def f_bwd(res, dy):
-        x, values, gate, order, rank, branch = res
-        w = ranked_weights(x, values, gate, order)
-        dx, g = switch(backward, branch, x, w, order, dy)
-        g = g[rank].astype(gate.dtype)
-        dgate = jnp.sum(values.astype(gate.dtype) * g, axis=tuple(range(1, values.ndim)))
-        dvalues = (_per_row(gate, values.ndim) * g).astype(values.dtype)
-        return dx, dvalues, dgate, None, None, None
+        x, values, gate, order, branch = res
+        dx, dvalues, dgate = switch(backward, branch, x, values, gate, order, dy)
+        return dx, dvalues, dgate, None, None
 
     f.defvjp(f_fwd, f_bwd)
     return f
