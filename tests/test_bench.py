@@ -147,6 +147,29 @@ def test_call_overhead_benchmark_refuses_bad_options(run_python, tmp_path, optio
     assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr
 
 
+def test_search_step_benchmark_times_every_variant_against_the_frozen_layer(run_python, tmp_path):
+    """One row per (shape, sparsity, batch, variant); the frozen layer is the 1.0x reference."""
+    out = tmp_path / "search.csv"
+    script = str(ROOT / "bench" / "search_step.py")
+    args = ["--shapes", "64:96", "--sparsity", "0.9,0.8", "--batch", "4", "--repeats", "2"]
+    run_python([script, *args, "--out", str(out)])
+    _, rows = read_rows(out)
+    got = [(r["shape"], r["sparsity"], r["batch"], r["variant"]) for r in rows]
+    variants = ["dense", "frozen", "narrow", "flat"]
+    assert got == [("64->96", s, "4", v) for s in ("0.9", "0.8") for v in variants]
+    for r in rows:
+        us, ratio = float(r["us"]), float(r["vs_frozen"])
+        assert math.isfinite(us) and us > 0 and math.isfinite(ratio) and ratio > 0, r
+        if r["variant"] == "frozen":
+            assert ratio == 1.0, r
+
+
+@pytest.mark.parametrize("option", [["--shapes", "64"], ["--sparsity", "1"], ["--repeats", "0"]])
+def test_search_step_benchmark_refuses_bad_options(run_python, option):
+    proc = run_python([str(ROOT / "bench" / "search_step.py"), *option], check=False)
+    assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr
+
+
 def test_page_fault_benchmark_counts_faults_per_call_in_fresh_processes(run_python, tmp_path):
     """Every call of both implementations in every process is a CSV row with its time and a
     non-negative fault count; the table has a line per process and implementation."""

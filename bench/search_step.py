@@ -1,0 +1,159 @@
+"""What a search-phase ``DiagonalDense`` step costs against the same layer after its freeze.
+
+For every shape, sparsity and batch size this times, interleaved (median of ``--repeats``), the
+jitted forward + backward (gradients of ``sum(y^2)`` for the layer's params and ``x``) of:
+
+* ``dense``: ``nn.Dense`` of the same shape (XLA's dot);
+* ``frozen``: the layer after ``dd.freeze_tree``: ``K`` diagonals, no gate;
+* ``narrow``: the search phase once the gate has narrowed (random scores at strength 1e-3, so
+  about ``K`` gates are non-zero and the smallest bucket, ``K_cap`` diagonals, is computed): the
+  ranking, the gate, the product and the gradients of all ``P`` scores and values;
+* ``flat``: the search phase at its start (every gate ``K / P``): all ``P`` diagonals computed.
+
+Each time is printed with its ratio to ``frozen``; the training goal is a search step at most 1.3x
+the frozen one. Writes a CSV (``--out``, default ``bench/results/search_step_<time>.csv``).
+
+Example::
+
+    python bench/search_step.py --shapes 784:256,160:640 --batch 128,1024 --sparsity 0.9,0.95
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from diag_matmul import parse_shapes, parse_sizes, time_call  # bench/, beside this
+from flax import traverse_util
+
+import dynadiag_jax as dd
+
+VARIANTS = ("dense", "frozen", "narrow", "flat")
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected sparsities like 0.9,0.95, got {text!r}"
+        ) from None
+    if not all(0.0 < v < 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"sparsities must lie in (0, 1), got {text!r}")
+    return values
+
+
+def _loss_grad(module, collections):
+    """Jitted ``(params, x) -> grads of sum(y^2)`` for params and x (gate state not mutated)."""
+
+    def loss(params, x):
+        y = module.apply({**collections, "params": params}, x, mutable=["dynadiag"])[0]
+        return jnp.sum(jnp.square(y))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def _with_scores(params, key):
+    """``params`` with every ``alpha`` replaced by standard normal scores (distinct ranks)."""
+    flat = traverse_util.flatten_dict(params)
+    for path, leaf in flat.items():
+        if path[-1] == "alpha":
+            flat[path] = jax.random.normal(key, leaf.shape, leaf.dtype)
+    return traverse_util.unflatten_dict(flat)
+
+
+def functions(in_f: int, out_f: int, sparsity: float, batch: int, seed: int) -> dict:
+    """``{variant: (fn, args)}`` for one layer shape, sparsity and batch."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(keys[0], (batch, in_f), jnp.float32)
+    layer = dd.nn.DiagonalDense(out_f, sparsity=sparsity)
+    variables = layer.init(keys[1], x)
+    rest = {k: v for k, v in variables.items() if k != "params"}
+    narrow = dd.nn.set_gate(
+        {**variables, "params": _with_scores(variables["params"], keys[2])}, strength=1e-3
+    )
+    frozen = dd.freeze_tree(narrow)
+    dense = nn.Dense(out_f)
+    dense_params = dense.init(keys[3], x)["params"]
+    return {
+        "dense": (_loss_grad(dense, {}), (dense_params, x)),
+        "frozen": (
+            _loss_grad(layer, {k: v for k, v in frozen.items() if k != "params"}),
+            (frozen["params"], x),
+        ),
+        "narrow": (
+            _loss_grad(layer, {k: v for k, v in narrow.items() if k != "params"}),
+            (narrow["params"], x),
+        ),
+        "flat": (_loss_grad(layer, dd.nn.set_gate(rest, strength=1.0)), (variables["params"], x)),
+    }
+
+
+def run(args) -> list[dict]:
+    rows = []
+    for in_f, out_f in args.shapes:
+        for sparsity in args.sparsity:
+            for batch in args.batch:
+                fns = functions(in_f, out_f, sparsity, batch, args.seed)
+                for f, a in fns.values():
+                    time_call(f, a)
+                times = {name: [] for name in fns}
+                for _ in range(args.repeats):
+                    for name, (f, a) in fns.items():
+                        times[name].append(time_call(f, a))
+                median = {name: sorted(t)[len(t) // 2] * 1e6 for name, t in times.items()}
+                for name in VARIANTS:
+                    rows.append(
+                        dict(
+                            shape=f"{in_f}->{out_f}",
+                            sparsity=sparsity,
+                            batch=batch,
+                            variant=name,
+                            us=round(median[name], 1),
+                            vs_frozen=round(median[name] / median["frozen"], 3),
+                        )
+                    )
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("784:256,160:640"))
+    parser.add_argument("--sparsity", type=_fractions, default=(0.9, 0.95))
+    parser.add_argument("--batch", type=parse_sizes("batch sizes", "128,1024"), default=(128, 1024))
+    parser.add_argument("--repeats", type=int, default=101)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or pathlib.Path(__file__).parent / "results" / f"search_step_{stamp}.csv"
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, forward + backward, "
+        f"interleaved, median of {args.repeats} (us, and ratio to the frozen layer)"
+    )
+    rows = run(args)
+    header = f"{'shape':>10} {'sparsity':>8} {'batch':>5} " + " ".join(f"{v:>17}" for v in VARIANTS)
+    print(header)
+    print("-" * len(header))
+    for i in range(0, len(rows), len(VARIANTS)):
+        group = rows[i : i + len(VARIANTS)]
+        cells = " ".join(f"{r['us']:>9.1f} {r['vs_frozen']:>6.2f}x" for r in group)
+        first = group[0]
+        print(f"{first['shape']:>10} {first['sparsity']:>8g} {first['batch']:>5} {cells}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
