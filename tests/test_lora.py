@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import dynadiag_jax as dd
 from dynadiag_jax import training as T
@@ -211,3 +212,74 @@ def test_missing_frozen_collection_is_a_clear_error():
     variables = model.init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="'lora_frozen' collection"):
         model.apply({"params": variables["params"]}, x)
+
+
+# --- NNX ---------------------------------------------------------------------------------------
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, layer, *, block_size=1, rngs):
+        if layer == "dense":
+            self.hidden = nnx.Linear(IN, HIDDEN, rngs=rngs)
+        else:
+            self.hidden = dd.nnx.DiagonalDense(
+                IN, HIDDEN, block_size=block_size, **SPARSE, rngs=rngs
+            )
+        self.head = nnx.Linear(HIDDEN, OUT, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.hidden(x)))
+
+
+def _nnx_model(name):
+    layer = "dense" if name == "dense" else "diag"
+    model = NnxNet(layer, block_size=16 if name == "block16" else 1, rngs=nnx.Rngs(0))
+    return dd.nnx.freeze(model) if CASES[name][1] else model
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_nnx_zero_init_equals_the_base_and_only_b_trains(name):
+    model = _nnx_model(name)
+    x = jax.random.normal(jax.random.key(1), (4, IN), jnp.float32)
+    want = model(x)
+    assert dd.nnx.lora_fa(model, ["hidden", "head"], rank=4, rngs=nnx.Rngs(5)) is model
+    assert isinstance(model.hidden, dd.nnx.LoRAFA) and model.hidden.lora_b.shape == (HIDDEN, 4)
+    assert model.hidden.lora_a.shape == (4, IN)
+    np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m: m(x))(model)), np.asarray(want))
+
+    wrt = nnx.All(nnx.Param, nnx.PathContains("lora_b"))
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction, as in test_nnx.py
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=wrt)
+    labels = jnp.arange(4) % OUT
+
+    @nnx.jit
+    def step(model, optimizer):
+        def loss(m):
+            logits = m(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        grads = nnx.grad(loss, argnums=nnx.DiffState(0, wrt))(model)
+        with jax.numpy_dtype_promotion("standard"):
+            optimizer.update(model, grads)
+
+    def weights():  # copies: the state's variables are the model's own
+        state = nnx.state(model, nnx.Any(nnx.Param, dd.nnx.LoRAFrozen))
+        return {path: np.array(v.get_value()) for path, v in nnx.to_flat_state(state)}
+
+    before = weights()
+    step(model, optimizer)
+    after = weights()
+    for path, old in before.items():
+        assert (not np.array_equal(old, after[path])) == (path[-1] == "lora_b"), path
+
+
+def test_nnx_errors_name_the_pattern_rank_and_layer():
+    model = NnxNet("diag", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"'fc9'.*\n.*hidden") as e:
+        dd.nnx.lora_fa(model, ["hidden", "fc9"], rank=2, rngs=nnx.Rngs(1))
+    assert "head" in str(e.value)
+    with pytest.raises(ValueError, match=r"rank=9 exceeds min\(in, out\) = 8.*'head'"):
+        dd.nnx.lora_fa(model, ["hidden", "head"], rank=9, rngs=nnx.Rngs(1))
+    assert isinstance(model.hidden, dd.nnx.DiagonalDense)  # nothing wrapped when anything fails
+    with pytest.raises(ValueError, match="rank must be an int >= 1"):
+        dd.nnx.lora_fa(model, ["hidden"], rank=0, rngs=nnx.Rngs(1))

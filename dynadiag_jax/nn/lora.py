@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
 from dynadiag_jax.nn.sparsify import PathSession, Rule, intercepted
 
-__all__ = ["FROZEN_COLLECTION", "LoRAFA", "lora_fa"]
+__all__ = ["FROZEN_COLLECTION", "LoRAFA", "default_a_init", "lora_fa"]
 
 # The collection of the frozen projections A: not "params", so gradients and optimizers skip it.
 FROZEN_COLLECTION = "lora_frozen"
@@ -44,6 +44,12 @@ ADAPTED_TYPES = (nn.Dense, DiagonalDense)
 def default_a_init(key, shape, dtype=jnp.float32):
     """``A[r, in]`` ~ N(0, 1/in): each entry of ``x @ A.T`` has about the scale of ``x``'s."""
     return nn.initializers.normal(1.0 / math.sqrt(shape[-1]))(key, shape, dtype)
+
+
+def low_rank_term(x, a, b, scale: float):
+    """``scale * (x @ A.T) @ B.T`` in ``x``'s dtype: ``x[..., in]``, ``A[r, in]``, ``B[out, r]``
+    -> ``[..., out]`` (the ``r``-wide product first: ``B A`` is never formed)."""
+    return scale * ((x @ a.T.astype(x.dtype)) @ b.T.astype(x.dtype))
 
 
 class LoRAFA(nn.Module):
@@ -64,12 +70,7 @@ class LoRAFA(nn.Module):
     @nn.compact
     def __call__(self, x):
         width = x.shape[-1]
-        if self.rank > min(width, self.features):
-            raise ValueError(
-                f"lora_fa: rank={self.rank} exceeds min(in, out) = {min(width, self.features)} of "
-                f"the layer at {self.label!r} ({width} -> {self.features}); lower rank or leave "
-                f"this layer out of the patterns"
-            )
+        check_rank(self.rank, width, self.features, self.label, "lora_fa")
         if self.is_initializing() and not self.scope.is_mutable_collection(FROZEN_COLLECTION):
             # Inside nn.scan/nn.vmap a collection the transform does not list cannot be created.
             raise ValueError(
@@ -91,7 +92,7 @@ class LoRAFA(nn.Module):
         b = self.param(
             "lora_b", nn.initializers.zeros, (self.features, self.rank), self.param_dtype
         )
-        return self.scale * ((x @ a.T.astype(x.dtype)) @ b.T.astype(x.dtype))
+        return low_rank_term(x, a, b, self.scale)
 
 
 class _Session(PathSession):
@@ -121,10 +122,35 @@ class _Session(PathSession):
         return y + adapter(x.astype(y.dtype))
 
 
-def _check_rank(rank) -> int:
+def adapter_rules(layers, rank, alpha, who: str, **extra) -> tuple[Rule, ...]:
+    """``layers`` (path regexes) checked and compiled into rules whose kwargs are the adapter's:
+    ``rank``, ``scale = alpha / rank`` (``alpha`` None: ``rank``) and ``extra``."""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise TypeError(f"{who}: layers must be a sequence of regular expressions, got {layers!r}")
     if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
-        raise ValueError(f"lora_fa: rank must be an int >= 1, got {rank!r}")
-    return int(rank)
+        raise ValueError(f"{who}: rank must be an int >= 1, got {rank!r}")
+    alpha = float(rank if alpha is None else alpha)
+    if not math.isfinite(alpha):
+        raise ValueError(f"{who}: alpha must be finite, got {alpha}")
+    kwargs = {"rank": int(rank), "scale": alpha / int(rank), **extra}
+    rules = []
+    for i, pattern in enumerate(layers):
+        if not isinstance(pattern, str):
+            raise TypeError(f"{who}: layers[{i}] must be a str regex, got {pattern!r}")
+        try:
+            rules.append(Rule(pattern, re.compile(pattern), kwargs))
+        except re.error as e:
+            raise ValueError(f"{who}: layers[{i}] pattern {pattern!r} is invalid: {e}") from None
+    return tuple(rules)
+
+
+def check_rank(rank: int, n_in: int, n_out: int, path: str, who: str) -> None:
+    """Raises unless ``rank <= min(n_in, n_out)``, naming the layer."""
+    if rank > min(n_in, n_out):
+        raise ValueError(
+            f"{who}: rank={rank} exceeds min(in, out) = {min(n_in, n_out)} of the layer at "
+            f"{path!r} ({n_in} -> {n_out}); lower rank or leave this layer out of the patterns"
+        )
 
 
 def lora_fa(
@@ -160,21 +186,5 @@ def lora_fa(
         the layers there are), a ``rank`` above a matched layer's ``min(in, out)``, or a layer in an
         ``nn.scan``/``nn.vmap`` that does not carry ``"lora_frozen"``, naming the layer's path.
     """
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
-        raise TypeError(
-            f"lora_fa: layers must be a sequence of regular expressions, got {layers!r}"
-        )
-    rank = _check_rank(rank)
-    alpha = float(rank if alpha is None else alpha)
-    if not math.isfinite(alpha):
-        raise ValueError(f"lora_fa: alpha must be finite, got {alpha}")
-    kwargs = {"rank": rank, "scale": alpha / rank, "a_init": a_init, "param_dtype": param_dtype}
-    rules = []
-    for i, pattern in enumerate(layers):
-        if not isinstance(pattern, str):
-            raise TypeError(f"lora_fa: layers[{i}] must be a str regex, got {pattern!r}")
-        try:
-            rules.append(Rule(pattern, re.compile(pattern), kwargs))
-        except re.error as e:
-            raise ValueError(f"lora_fa: layers[{i}] pattern {pattern!r} is invalid: {e}") from None
-    return intercepted(module, "lora_fa", "adapted", tuple(rules), _Session)
+    rules = adapter_rules(layers, rank, alpha, "lora_fa", a_init=a_init, param_dtype=param_dtype)
+    return intercepted(module, "lora_fa", "adapted", rules, _Session)
