@@ -47,7 +47,8 @@ def test_counts_split_diagonals_adapters_and_trained():
 def test_lora_fa_script_fine_tunes_a_frozen_run(run_python, tmp_path):
     """A frozen mnist5k DynaDiag MLP: the table (before: the run's own final accuracy; the
     weights counted), the adapted checkpoint (B moved, the diagonal layers not), B + values,
-    and a checkpoint of another size refused naming the variables."""
+    the control without adapters, and a checkpoint of another size refused naming the
+    variables."""
     small = "--config.model.hidden=(64, 64)"
     run_python(
         [
@@ -92,6 +93,13 @@ def test_lora_fa_script_fine_tunes_a_frozen_run(run_python, tmp_path):
     table = json.loads((tmp_path / "bv" / "lora_fa.json").read_text())
     assert table[1]["model"] == "+ LoRA-FA r=4 (B + values)"
     assert table[1]["trained"] == 4 * 64 * 2 + table[1]["diagonal"]
+    control = [a.replace("rank=4", "rank=0") for a in args]
+    run_python([*control, "--config.lora.train_values=True", f"--workdir={tmp_path / 'v'}"])
+    table = json.loads((tmp_path / "v" / "lora_fa.json").read_text())
+    assert table[1]["model"] == "+ values, no adapter" and table[1]["adapter"] == 0
+    assert table[1]["trained"] == table[1]["diagonal"]
+    proc = run_python([*control, f"--workdir={tmp_path / 'none'}"], check=False)
+    assert proc.returncode == 2 and "trains nothing" in proc.stderr, proc.stderr[-2000:]
     bad = [a for a in args if a != small]  # the config's 256-wide MLP
     proc = run_python([*bad, f"--workdir={tmp_path / 'bad'}"], check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]

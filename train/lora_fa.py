@@ -7,10 +7,13 @@ the diagonal values with ``lora.train_values``) for ``train.finetune_fraction`` 
 from-scratch steps at ``optimizer.learning_rate``, and writes the adapted checkpoint
 (``--workdir/checkpoints``) and a before/after table with parameter counts (printed, and
 ``--workdir/lora_fa.json``). The diagonal layers keep running through ``dd.diag_matmul``; the
-adapters cannot be merged into them, so their weights are counted separately.
+adapters cannot be merged into them, so their weights are counted separately. ``lora.rank=0``
+with ``lora.train_values`` is the control: the same fine-tune of the diagonal values, no adapter.
 
   python train/lora_fa.py --workdir=runs/lora_mlp_r8 \\
       --config=train/configs/lora_fa.py:checkpoint=runs/results/mlp/<dynadiag run>,rank=8
+  python train/lora_fa.py --workdir=runs/lora_mlp_values \
+      --config=train/configs/lora_fa.py:checkpoint=<dynadiag run>,rank=0,train_values
 
 A checkpoint of another model, size or sparsity, or one still in the search phase, is refused.
 """
@@ -102,7 +105,16 @@ def prepare(config):
         base, example, config.dynadiag, block_size=int(config.dynadiag.block_size)
     )
     lora = config.lora
-    model = dd.nn.lora_fa(base, tuple(lora.layers), rank=int(lora.rank), alpha=float(lora.alpha))
+    if int(lora.rank) == 0 and not bool(lora.train_values):
+        raise common.ConfigError(
+            "lora.rank=0 (no adapters) trains nothing: it is the control run that fine-tunes the "
+            "diagonal values alone, with lora.train_values=True"
+        )
+    model = (
+        dd.nn.lora_fa(base, tuple(lora.layers), rank=int(lora.rank), alpha=float(lora.alpha))
+        if int(lora.rank)
+        else base
+    )
     frozen = common.restore_run_variables(config.checkpoint, int(config.step))
     if T.is_searching(frozen["params"]):
         raise common.ConfigError(
@@ -159,6 +171,7 @@ def run(config, workdir, *, progress: bool = True) -> list[dict]:
     s, lora = round(100 * float(config.dynadiag.sparsity)), config.lora
     trained = trained_patterns(lora)
     what = "B + values" if bool(lora.train_values) else "B"
+    name = f"+ LoRA-FA r={int(lora.rank)} ({what})" if int(lora.rank) else "+ values, no adapter"
     rows = [
         {
             "model": f"dynadiag_s{s} frozen",
@@ -167,7 +180,7 @@ def run(config, workdir, *, progress: bool = True) -> list[dict]:
             **counts(frozen, []),
         },
         {
-            "model": f"+ LoRA-FA r={int(lora.rank)} ({what})",
+            "model": name,
             "accuracy": float(result.eval_metrics["accuracy"]),
             "steps": steps,
             **counts(T.variables_of(result.state), trained),

@@ -4,7 +4,8 @@
 ``train/configs/results.py`` (mlp, mixer, vit), so the DynaDiag runs of ``train/results.py`` feed
 it as they are; ``sparsity`` and ``block_size`` must be the run's. ``rank`` and ``alpha`` set the
 adapters (scale ``alpha / rank``) on the layers ``lora.layers`` matches (default: the suite's
-diagonal layers); ``train_values`` also trains the diagonal values (else only ``B``).
+diagonal layers); ``train_values`` also trains the diagonal values (else only ``B``); ``rank=0``
+with ``train_values`` is the control without adapters (the diagonal values fine-tuned alone).
 ``finetune_fraction`` is the fine-tune's length as a fraction of the suite's from-scratch steps.
 
   python train/lora_fa.py --workdir=runs/lora_mlp_r8 \\
