@@ -47,8 +47,8 @@ def test_counts_split_diagonals_adapters_and_trained():
 def test_lora_fa_script_fine_tunes_a_frozen_run(run_python, tmp_path):
     """A frozen mnist5k DynaDiag MLP: the table (before: the run's own final accuracy; the
     weights counted), the adapted checkpoint (B moved, the diagonal layers not), B + values,
-    the control without adapters, and a checkpoint of another size refused naming the
-    variables."""
+    the control without adapters, a rerun that resumes, and a checkpoint of another size refused
+    naming the variables."""
     small = "--config.model.hidden=(64, 64)"
     run_python(
         [
@@ -71,6 +71,9 @@ def test_lora_fa_script_fine_tunes_a_frozen_run(run_python, tmp_path):
     ]
     run_python([*args, f"--workdir={tmp_path / 'b'}"], timeout=600)
     table = json.loads((tmp_path / "b" / "lora_fa.json").read_text())
+    # Run again: it resumes from its own last checkpoint (adapters and B-only optimizer state).
+    run_python([*args, f"--workdir={tmp_path / 'b'}"], timeout=600)
+    assert json.loads((tmp_path / "b" / "lora_fa.json").read_text()) == table
     assert [row["model"] for row in table] == ["dynadiag_s90 frozen", "+ LoRA-FA r=4 (B)"]
     before, after = table
     evals = [r for r in T.read_jsonl(frozen_run / "metrics.jsonl") if r["kind"] == "eval"]
