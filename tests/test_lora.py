@@ -178,6 +178,26 @@ def test_freeze_tree_keeps_the_adapter():
     assert model.apply(frozen, x).shape == (2, OUT)
 
 
+def test_freeze_state_keeps_the_adapter_and_its_optimizer_state():
+    """An adapter trained through the freeze (T.freeze_state inside the loop): B, A and B's
+    moments carry over, alpha goes."""
+    model = dd.nn.lora_fa(Net("diag"), ["hidden"], rank=4)
+    tx = T.train_only(optax.adam(1e-3), [r".*/lora_b", r".*/values", r".*/alpha"])
+    example = jax.ShapeDtypeStruct((2, IN), jnp.float32)
+    state = T.create_train_state(model, tx, example, seed=0)
+    frozen = T.freeze_state(state)
+    assert "alpha" not in frozen.params["hidden"]
+    assert frozen.params["hidden"]["lora_b"].shape == (HIDDEN, 4)
+    np.testing.assert_array_equal(
+        frozen.collections["lora_frozen"]["hidden"]["lora_a"],
+        state.collections["lora_frozen"]["hidden"]["lora_a"],
+    )
+    moments = [leaf.shape for leaf in jax.tree.leaves(frozen.opt_state)]
+    assert moments.count((HIDDEN, 4)) == 2  # Adam's mu and nu of B
+    out = model.apply(T.variables_of(frozen), jnp.ones((2, IN), jnp.float32))
+    assert out.shape == (2, OUT) and np.all(np.isfinite(out))
+
+
 def test_pattern_matching_no_layer_names_it_and_lists_the_layers():
     model = dd.nn.lora_fa(Net("diag"), ["hidden", "mlp/fc.*"], rank=2)
     with pytest.raises(ValueError, match=r"'mlp/fc\.\*'") as e:
