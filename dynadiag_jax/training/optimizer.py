@@ -79,7 +79,8 @@ def train_only(tx: optax.GradientTransformation, patterns: Sequence[str]):
     """``tx`` on the params whose "/"-joined path fully matches a pattern; every other param gets
     a zero update and no optimizer state (e.g. ``(r".*/lora_b",)``: a LoRA-FA fine-tune)."""
     trained = path_mask(patterns)
-    labels = lambda params: jax.tree.map(  # noqa: E731
-        lambda hit: "trained" if hit else "fixed", trained(params)
-    )
+
+    def labels(params):
+        return jax.tree.map(lambda hit: "trained" if hit else "fixed", trained(params))
+
     return optax.multi_transform({"trained": tx, "fixed": optax.set_to_zero()}, labels)
