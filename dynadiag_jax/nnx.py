@@ -1,6 +1,6 @@
 """DynaDiag layers for Flax NNX: ``dd.nnx.DiagonalDense``, ``set_gate``, ``freeze``,
-``freeze_opt_state``, and ``sparsify`` (diagonal layers in place of a model's ``nnx.Linear`` /
-``nnx.LinearGeneral`` by path rules).
+``freeze_opt_state``, ``sparsify`` (diagonal layers in place of a model's ``nnx.Linear`` /
+``nnx.LinearGeneral`` by path rules), and ``lora_fa`` (LoRA-FA adapters on its linear layers).
 
 The same functional core as the linen layer (:mod:`dynadiag_jax.nn.functional`,
 :mod:`dynadiag_jax.nn.search`) with the same variable names, so ``nnx.state(model)`` holds what
@@ -32,6 +32,7 @@ from dynadiag_jax.freeze import finite_values
 from dynadiag_jax.freeze import freeze_opt_state as freeze_params_opt_state
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
+from dynadiag_jax.nn.lora import adapter_rules, check_rank, default_a_init, low_rank_term
 from dynadiag_jax.nn.search import gate_inputs, search_forward
 from dynadiag_jax.nn.sparsify import first_match, parse_rules, unmatched_message
 from dynadiag_jax.topk import check_gate_value, nan_if_nan
@@ -41,8 +42,11 @@ __all__ = [
     "DiagonalDenseGeneral",
     "Diagonals",
     "GateState",
+    "LoRAFA",
+    "LoRAFrozen",
     "freeze",
     "freeze_opt_state",
+    "lora_fa",
     "set_gate",
     "sparsify",
 ]
@@ -449,31 +453,41 @@ def sparsify(model, rules, *, rngs: nnx.Rngs):
     parsed = parse_rules(rules, "dd.nnx.sparsify")
     if not isinstance(model, nnx.Module):
         raise TypeError(f"dd.nnx.sparsify: model must be an nnx.Module, got {type(model).__name__}")
+    return _replace_layers(
+        model,
+        parsed,
+        _LINEAR_TYPES,
+        lambda layer, path, rule: _diagonal_layer(layer, path, rule.kwargs, rngs),
+        "dd.nnx.sparsify",
+    )
+
+
+def _replace_layers(model, rules, types, make, who: str):
+    """Replaces, in place, every layer of exactly one of ``types`` whose path a rule matches with
+    ``make(layer, path, rule)``; returns ``model``. Nothing is replaced when anything fails."""
     nodes = list(nnx.iter_graph(model))
     where = {id(node): path for path, node in nodes}  # each node's first path
     references = _references(nodes)
     found = {}  # id -> (every path of the layer, layer)
     for container, key, value in references:
-        if type(value) in _LINEAR_TYPES:
+        if type(value) in types:
             path = "/".join(map(str, (*where[id(container)], key)))
             found.setdefault(id(value), ([], value))[0].append(path)
     matched, new = set(), {}
     for key, (paths, layer) in found.items():
         paths.sort()
-        hits = [i for i in (first_match(parsed, p) for p in paths) if i is not None]
+        hits = [i for i in (first_match(rules, p) for p in paths) if i is not None]
         if hits:
             matched.add(min(hits))
-            new[key] = _diagonal_layer(layer, paths[0], parsed[min(hits)].kwargs, rngs)
-    if len(matched) < len(parsed):
+            new[key] = make(layer, paths[0], rules[min(hits)])
+    if len(matched) < len(rules):
         listed = [" = ".join(paths) for paths, _ in found.values()]
-        raise ValueError(
-            unmatched_message("dd.nnx.sparsify", parsed, matched, listed, type(model).__name__)
-        )
+        raise ValueError(unmatched_message(who, rules, matched, listed, type(model).__name__))
     references = [(c, k, v) for c, k, v in references if id(v) in new]
     for container, _, value in references:
         if isinstance(container, tuple):
             raise ValueError(
-                f"dd.nnx.sparsify: the layer at {found[id(value)][0][0]!r} is held in a tuple, "
+                f"{who}: the layer at {found[id(value)][0][0]!r} is held in a tuple, "
                 f"which cannot be changed in place; hold it in an attribute, a list or nnx.List"
             )
     for container, key, value in references:
@@ -482,3 +496,96 @@ def sparsify(model, rules, *, rngs: nnx.Rngs):
         else:
             container[key] = new[id(value)]
     return model
+
+
+class LoRAFrozen(nnx.Variable):
+    """LoRA-FA's frozen projection ``A[r, in]`` (linen's ``"lora_frozen"`` collection): not an
+    ``nnx.Param``, so an ``nnx.Optimizer(..., wrt=nnx.Param)`` never updates it."""
+
+
+class LoRAFA(nnx.Module):
+    """``base(x) + scale * (x @ A.T) @ B.T``: a layer with its LoRA-FA adapter (NNX).
+
+    Args:
+      base: the adapted layer, an ``nnx.Linear`` or a :class:`DiagonalDense` (either phase; its
+        product keeps running through ``dd.diag_matmul``).
+      rank: ``r``, in ``[1, min(in, out)]``.
+      scale: ``alpha / r``.
+      a_init: initializer of ``A`` (default N(0, 1/in)); param_dtype: dtype of ``A`` and ``B``.
+      rngs: ``nnx.Rngs`` with a ``params`` stream, for ``A``.
+      path: the layer's path, for error messages.
+
+    Attributes: ``base``; ``lora_a`` (:class:`LoRAFrozen` ``[r, in]``, random, never trained);
+    ``lora_b`` (``nnx.Param`` ``[out, r]``, zeros, so the adapted layer starts equal to ``base``).
+    Shapes: ``x[..., in] -> [..., out]``.
+    """
+
+    def __init__(
+        self,
+        base,
+        *,
+        rank: int,
+        scale: float,
+        rngs: nnx.Rngs,
+        a_init=default_a_init,
+        param_dtype=jnp.float32,
+        path: str = "",
+    ):
+        spec = base.spec if isinstance(base, DiagonalDense) else base
+        n_in, n_out = spec.in_features, spec.out_features
+        check_rank(rank, n_in, n_out, path, "dd.nnx.lora_fa")
+        self.base = base
+        self.scale = float(scale)
+        self.lora_a = LoRAFrozen(a_init(rngs.params(), (rank, n_in), param_dtype))
+        self.lora_b = nnx.Param(jnp.zeros((n_out, rank), param_dtype))
+
+    def __call__(self, x, **kwargs):
+        """``x[..., in] -> [..., out]``; ``kwargs`` go to ``base``."""
+        y = self.base(x, **kwargs)
+        a, b = self.lora_a.get_value(), self.lora_b.get_value()
+        return y + low_rank_term(x.astype(y.dtype), a, b, self.scale)
+
+
+def lora_fa(
+    model,
+    layers,
+    *,
+    rank: int,
+    alpha: float | None = None,
+    rngs: nnx.Rngs,
+    a_init=default_a_init,
+    param_dtype=jnp.float32,
+):
+    """Wraps, in place, every ``nnx.Linear`` / :class:`DiagonalDense` of ``model`` whose path a
+    pattern of ``layers`` matches in a :class:`LoRAFA`; returns ``model``.
+
+    Args:
+      model: an NNX module (also one :func:`sparsify` or :func:`freeze` returned).
+      layers: regular expressions ``re.fullmatch``-ed against the layers' paths (as
+        :func:`sparsify`'s rules, e.g. ``"blocks/0/mlp/fc1"``); each must match a layer.
+      rank: ``r``, in ``[1, min(in, out)]`` of every matched layer; alpha: the scale is
+        ``alpha / r`` (default ``alpha = r``, scale 1).
+      rngs: ``nnx.Rngs`` with a ``params`` stream, for the frozen ``A``.
+      a_init, param_dtype: as :class:`LoRAFA`.
+
+    A matched layer's variables move under its new ``base`` (``fc1/base/values``); the adapter
+    adds ``fc1/lora_a`` (:class:`LoRAFrozen`) and ``fc1/lora_b`` (``nnx.Param``). Train ``B``
+    only with ``nnx.Optimizer(model, tx, wrt=nnx.All(nnx.Param, nnx.PathContains("lora_b")))``.
+
+    Raises:
+      TypeError, ValueError: as :func:`dynadiag_jax.nn.lora_fa` (bad patterns or rank, a pattern
+        that matches no layer, a rank above a layer's ``min(in, out)``), naming the layer; nothing
+        is wrapped when anything fails.
+    """
+    rules = adapter_rules(
+        layers, rank, alpha, "dd.nnx.lora_fa", a_init=a_init, param_dtype=param_dtype
+    )
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"dd.nnx.lora_fa: model must be an nnx.Module, got {type(model).__name__}")
+    return _replace_layers(
+        model,
+        rules,
+        (nnx.Linear, DiagonalDense),
+        lambda layer, path, rule: LoRAFA(layer, rngs=rngs, path=path, **rule.kwargs),
+        "dd.nnx.lora_fa",
+    )

@@ -82,16 +82,7 @@ def prepare(config):
     dense_model = common.build_model(
         config.model, baselines.with_sparsity(config.dynadiag, 0.0), num_classes=data.num_classes
     )
-    directory = pathlib.Path(config.checkpoint)
-    if directory.name != "checkpoints":
-        directory = directory / "checkpoints"
-    if not directory.is_dir():
-        raise common.ConfigError(f"checkpoint: no directory {directory}")
-    reader = T.Checkpointer(directory, async_save=False)
-    try:
-        dense = reader.restore_variables(int(config.step) or None)
-    finally:
-        reader.close()
+    dense = common.restore_run_variables(config.checkpoint, int(config.step))
     template = built.model.init(jax.random.key(int(config.seed)), jnp.zeros(example.shape))
     template = {k: v for k, v in template.items() if k != "intermediates"}
     # a checkpoint of another model fails here
@@ -100,11 +91,7 @@ def prepare(config):
 
 
 def _accuracy(model, variables, data, config, task) -> float:
-    collections = {k: v for k, v in variables.items() if k != "params"}
-    state = T.TrainState(jnp.zeros((), jnp.int32), variables["params"], None, collections, None)
-    eval_step = jax.jit(T.make_eval_step(model, task))
-    batches = D.EvalBatches(data.test, int(config.train.eval_batch_size))
-    return float(T.evaluate(eval_step, state, batches, T.data_mesh(), task)["accuracy"])
+    return common.eval_accuracy(model, variables, data.test, config.train.eval_batch_size, task)
 
 
 def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int]]:

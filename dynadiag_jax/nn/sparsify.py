@@ -179,35 +179,45 @@ def _diagonal_call(layer, path: str, rule: Rule, x):
     return y.reshape((*lead, *out_shape))
 
 
-class _Session:
-    """The state of one outermost call of a sparsified module: what its interceptor saw."""
+class PathSession:
+    """What the interceptor of one outermost call of a wrapped module saw: the rules it matched
+    and every layer path it was asked about (for the unmatched-rule error)."""
 
     def __init__(self, owner: type, rules: tuple[Rule, ...], root: tuple):
         self.owner = owner
         self.rules = rules
         self.root = root
         self.matched: set[int] = set()
-        self.paths: dict[str, None] = {}  # every linear layer seen, in call order
+        self.paths: dict[str, None] = {}  # every candidate layer seen, in call order
 
     def relative_path(self, module) -> str | None:
         path = tuple(module.path)
         if path[: len(self.root)] != self.root:
-            return None  # a module bound outside the sparsified one: not its layer
+            return None  # a module bound outside the wrapped one: not its layer
         return "/".join(path[len(self.root) :])
 
+    def rule_for(self, layer) -> tuple[str, Rule] | None:
+        """``(path, rule)`` of a candidate ``layer`` that a rule matches (recorded), else None."""
+        path = self.relative_path(layer)
+        if path is None:
+            return None
+        self.paths[path] = None
+        i = first_match(self.rules, path)
+        if i is None:
+            return None
+        self.matched.add(i)
+        return path, self.rules[i]
+
+
+class _Session(PathSession):
     def intercept(self, next_fun, args, kwargs, context):
         layer = context.module
         if type(layer) not in LINEAR_TYPES or context.method_name != "__call__":
             return next_fun(*args, **kwargs)
-        path = self.relative_path(layer)
-        if path is None:
+        hit = self.rule_for(layer)
+        if hit is None:
             return next_fun(*args, **kwargs)
-        self.paths[path] = None
-        i = first_match(self.rules, path)
-        if i is None:
-            return next_fun(*args, **kwargs)
-        self.matched.add(i)
-        return _diagonal_call(layer, path, self.rules[i], _call_input(args, kwargs))
+        return _diagonal_call(layer, *hit, _call_input(args, kwargs))
 
 
 _ACTIVE = threading.local()  # the sessions of the calls in progress on this thread
@@ -219,29 +229,58 @@ def _sessions() -> list:
     return _ACTIVE.stack
 
 
-@nn.nowrap
-def _call_wrapped_method(self, fun, args, kwargs):
-    """Every method call of a sparsified module: the outermost one runs under the interceptor."""
-    cls = type(self)
-    base = functools.partial(cls._dynadiag_base._call_wrapped_method, self)
-    stack = _sessions()
-    nested = any(s.owner is cls for s in stack)
-    if nested or self.scope is None or getattr(fun, "__name__", "") == "setup":
-        return base(fun, args, kwargs)  # an unbound call gets Flax's own error
-    session = _Session(cls, cls._dynadiag_rules, tuple(self.path))
-    stack.append(session)
-    try:
-        with nn.intercept_methods(session.intercept):
-            out = base(fun, args, kwargs)
-    finally:
-        stack.pop()
-    if self.is_initializing() and len(session.matched) < len(session.rules):
-        raise ValueError(
-            unmatched_message(
-                "sparsify", session.rules, session.matched, list(session.paths), cls.__name__
-            )
+def intercepted(
+    module: nn.Module, who: str, done: str, rules: tuple[Rule, ...], session: type
+) -> nn.Module:
+    """``module`` as an instance of a subclass of its own class (same fields, methods and names)
+    whose outermost method call runs under ``session(cls, rules, root path).intercept``; at
+    ``init`` a rule that matched no layer raises. Wrappers nest; each (``who``, whose result is
+    ``done``: "sparsified") wraps a module once."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{who}: module must be a flax.linen Module, got {type(module).__name__}")
+    if module.scope is not None or isinstance(module.parent, nn.Module):
+        raise TypeError(
+            f"{who}: module must be unbound: build it outside any other module's method (as "
+            f"for model.init), then pass the wrapped module on"
         )
-    return out
+    base = type(module)
+    if who in getattr(base, "_dynadiag_wrappers", ()):
+        raise ValueError(f"{who}: module is already {done}; pass all its rules in one {who} call")
+
+    @nn.nowrap
+    def _call_wrapped_method(self, fun, args, kwargs):
+        parent = functools.partial(base._call_wrapped_method, self)
+        stack = _sessions()
+        nested = any(s.owner is cls for s in stack)
+        if nested or self.scope is None or getattr(fun, "__name__", "") == "setup":
+            return parent(fun, args, kwargs)  # an unbound call gets Flax's own error
+        current = session(cls, rules, tuple(self.path))
+        stack.append(current)
+        try:
+            with nn.intercept_methods(current.intercept):
+                out = parent(fun, args, kwargs)
+        finally:
+            stack.pop()
+        if self.is_initializing() and len(current.matched) < len(rules):
+            raise ValueError(
+                unmatched_message(who, rules, current.matched, list(current.paths), base.__name__)
+            )
+        return out
+
+    cls = type(
+        base.__name__,
+        (base,),
+        {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+            "_dynadiag_wrappers": (*getattr(base, "_dynadiag_wrappers", ()), who),
+            "_call_wrapped_method": _call_wrapped_method,
+        },
+    )
+    fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.init}
+    fields["parent"] = None
+    return cls(**fields)
 
 
 def sparsify(module: nn.Module, rules) -> nn.Module:
@@ -271,36 +310,7 @@ def sparsify(module: nn.Module, rules) -> nn.Module:
         or has ``batch_dims``, and a layer inside an ``nn.scan``/``nn.vmap`` that does not carry
         the ``"dynadiag"`` and ``"diagonals"`` collections - each naming the layer's path.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"sparsify: module must be a flax.linen Module, got {type(module).__name__}"
-        )
-    if module.scope is not None or isinstance(module.parent, nn.Module):
-        raise TypeError(
-            "sparsify: module must be unbound: build it outside any other module's method (as "
-            "for model.init), then pass the sparsified module on"
-        )
-    if hasattr(type(module), "_dynadiag_rules"):
-        raise ValueError(
-            "sparsify: module is already sparsified; pass all its rules in one sparsify call"
-        )
-    parsed = parse_rules(rules, "sparsify")
-    base = type(module)
-    cls = type(
-        base.__name__,
-        (base,),
-        {
-            "__module__": base.__module__,
-            "__qualname__": base.__qualname__,
-            "__doc__": base.__doc__,
-            "_dynadiag_base": base,
-            "_dynadiag_rules": parsed,
-            "_call_wrapped_method": _call_wrapped_method,
-        },
-    )
-    fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.init}
-    fields["parent"] = None
-    return cls(**fields)
+    return intercepted(module, "sparsify", "sparsified", parse_rules(rules, "sparsify"), _Session)
 
 
 def linear_layer_paths(module: nn.Module, *example_inputs, **kwargs) -> list[LinearLayer]:

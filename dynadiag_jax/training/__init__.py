@@ -8,7 +8,7 @@ from dynadiag_jax.training.checkpoint import Checkpointer, CheckpointMismatch
 from dynadiag_jax.training.loop import BatchSource, Interrupted, TrainResult, evaluate, train
 from dynadiag_jax.training.metrics import MetricWriter, read_jsonl
 from dynadiag_jax.training.mixup import MixupCutmix
-from dynadiag_jax.training.optimizer import NO_DECAY, adamw
+from dynadiag_jax.training.optimizer import NO_DECAY, adamw, train_only
 from dynadiag_jax.training.parallel import (
     check_batch_size,
     data_mesh,
@@ -60,5 +60,6 @@ __all__ = [
     "parameter_counts",
     "read_jsonl",
     "train",
+    "train_only",
     "variables_of",
 ]

@@ -9,12 +9,13 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import jax
 import optax
 from flax import traverse_util
 
 import dynadiag_jax as dd
 
-__all__ = ["NO_DECAY", "adamw", "path_mask"]
+__all__ = ["NO_DECAY", "adamw", "path_mask", "train_only"]
 
 # Parameters never decayed (DeiT/timm): biases, norm scales, position embeddings, the class token.
 # Matched with re.fullmatch against "/"-joined parameter paths; alpha is never decayed either.
@@ -72,3 +73,14 @@ def adamw(
         decay_mask=path_mask(no_decay, match=False, min_ndim=2),
     )
     return optax.chain(optax.clip_by_global_norm(clip_norm), tx) if clip_norm else tx
+
+
+def train_only(tx: optax.GradientTransformation, patterns: Sequence[str]):
+    """``tx`` on the params whose "/"-joined path fully matches a pattern; every other param gets
+    a zero update and no optimizer state (e.g. ``(r".*/lora_b",)``: a LoRA-FA fine-tune)."""
+    trained = path_mask(patterns)
+
+    def labels(params):
+        return jax.tree.map(lambda hit: "trained" if hit else "fixed", trained(params))
+
+    return optax.multi_transform({"trained": tx, "fixed": optax.set_to_zero()}, labels)

@@ -1,0 +1,110 @@
+"""train/lora_fa.py: LoRA-FA fine-tuning of a frozen DynaDiag run's checkpoint."""
+
+import json
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dynadiag_jax import training as T
+from train import common
+from train import lora_fa as script
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "train" / "configs"
+
+
+def test_with_adapters_takes_the_checkpoint_and_keeps_the_adapters():
+    template = {
+        "params": {"fc": {"values": jnp.zeros((3, 4)), "lora_b": jnp.ones((4, 2))}},
+        "lora_frozen": {"fc": {"lora_a": jnp.ones((2, 4))}},
+    }
+    frozen = {"params": {"fc": {"values": jnp.full((3, 4), 7.0)}}}
+    merged = script.with_adapters(template, frozen)
+    assert np.all(merged["params"]["fc"]["values"] == 7.0)
+    assert merged["params"]["fc"]["lora_b"] is template["params"]["fc"]["lora_b"]
+    assert merged["lora_frozen"] is not None and "lora_a" in merged["lora_frozen"]["fc"]
+    wrong = {"params": {"fc": {"values": jnp.zeros((5, 4))}, "extra": {"kernel": jnp.zeros(2)}}}
+    with pytest.raises(common.ConfigError, match=r"params/fc/values: \(5, 4\) in the checkpoint"):
+        script.with_adapters(template, wrong)
+
+
+def test_counts_split_diagonals_adapters_and_trained():
+    variables = {
+        "params": {
+            "fc": {"values": jnp.zeros((3, 4)), "bias": jnp.zeros(4), "lora_b": jnp.zeros((4, 2))},
+            "head": {"kernel": jnp.zeros((4, 2))},
+        },
+        "lora_frozen": {"fc": {"lora_a": jnp.zeros((2, 4))}},
+        "diagonals": {"fc": {"offsets": jnp.zeros(3, jnp.int32)}},
+    }
+    got = script.counts(variables, [r".*/lora_b"])
+    assert got == {"diagonal": 12, "adapter": 16, "other": 12, "trained": 8}
+    assert script.counts(variables, [r".*/lora_b", r".*/values"])["trained"] == 20
+
+
+def test_lora_fa_script_fine_tunes_a_frozen_run(run_python, tmp_path):
+    """A frozen mnist5k DynaDiag MLP: the table (before: the run's own final accuracy; the
+    weights counted), the adapted checkpoint (B moved, the diagonal layers not), B + values,
+    the control without adapters, a rerun that resumes, and a checkpoint of another size refused
+    naming the variables."""
+    small = "--config.model.hidden=(64, 64)"
+    run_python(
+        [
+            str(ROOT / "train" / "fashion_mnist.py"),
+            f"--config={CONFIGS / 'fashion_mnist.py'}:sparsity=0.9,epochs=1",
+            "--config.data.source=mnist5k",
+            "--config.compare_dense=False",
+            small,
+            f"--workdir={tmp_path / 'run'}",
+            "--noprogress",
+        ],
+        timeout=600,
+    )
+    frozen_run = tmp_path / "run" / "dynadiag_s90"
+    args = [
+        str(ROOT / "train" / "lora_fa.py"),
+        f"--config={CONFIGS / 'lora_fa.py'}:runlocal,rank=4,checkpoint={frozen_run}",
+        small,
+        "--noprogress",
+    ]
+    run_python([*args, f"--workdir={tmp_path / 'b'}"], timeout=600)
+    table = json.loads((tmp_path / "b" / "lora_fa.json").read_text())
+    # Run again: it resumes from its own last checkpoint (adapters and B-only optimizer state).
+    run_python([*args, f"--workdir={tmp_path / 'b'}"], timeout=600)
+    assert json.loads((tmp_path / "b" / "lora_fa.json").read_text()) == table
+    assert [row["model"] for row in table] == ["dynadiag_s90 frozen", "+ LoRA-FA r=4 (B)"]
+    before, after = table
+    evals = [r for r in T.read_jsonl(frozen_run / "metrics.jsonl") if r["kind"] == "eval"]
+    assert before["accuracy"] == pytest.approx(evals[-1]["accuracy"])  # the run's own model
+    assert before["adapter"] == 0
+    # r * (in + out) per adapted layer (784 -> 64, 64 -> 64); B alone is trained
+    assert after["adapter"] == 4 * (784 + 64) + 4 * (64 + 64)
+    assert after["trained"] == 4 * 64 * 2 and after["steps"] == 8  # 25% of 31 steps
+    assert after["diagonal"] == before["diagonal"] and after["other"] == before["other"]
+    variables = T.Checkpointer(tmp_path / "b" / "checkpoints").restore_variables()
+    assert variables["params"]["hidden_0"]["lora_b"].shape == (64, 4)
+    assert np.any(variables["params"]["hidden_0"]["lora_b"])
+    assert variables["lora_frozen"]["hidden_0"]["lora_a"].shape == (4, 784)
+    start = common.restore_run_variables(frozen_run)
+    for name in ("values", "bias"):  # B only: the diagonal layer itself is untouched
+        np.testing.assert_array_equal(
+            variables["params"]["hidden_0"][name], start["params"]["hidden_0"][name]
+        )
+    run_python([*args, "--config.lora.train_values=True", f"--workdir={tmp_path / 'bv'}"])
+    table = json.loads((tmp_path / "bv" / "lora_fa.json").read_text())
+    assert table[1]["model"] == "+ LoRA-FA r=4 (B + values)"
+    assert table[1]["trained"] == 4 * 64 * 2 + table[1]["diagonal"]
+    control = [a.replace("rank=4", "rank=0") for a in args]
+    run_python([*control, "--config.lora.train_values=True", f"--workdir={tmp_path / 'v'}"])
+    table = json.loads((tmp_path / "v" / "lora_fa.json").read_text())
+    assert table[1]["model"] == "+ values, no adapter" and table[1]["adapter"] == 0
+    assert table[1]["trained"] == table[1]["diagonal"]
+    proc = run_python([*control, f"--workdir={tmp_path / 'none'}"], check=False)
+    assert proc.returncode == 2 and "trains nothing" in proc.stderr, proc.stderr[-2000:]
+    bad = [a for a in args if a != small]  # the config's 256-wide MLP
+    proc = run_python([*bad, f"--workdir={tmp_path / 'bad'}"], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "does not fit the frozen model" in last and "params/hidden_0/values" in last, last
