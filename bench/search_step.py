@@ -28,8 +28,9 @@ import pathlib
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from diag_matmul import parse_shapes, parse_sizes, time_call  # bench/, beside this
+from diag_matmul import parse_shapes, parse_sizes, time_interleaved  # bench/, beside this
 from flax import traverse_util
+from tqdm import tqdm
 
 import dynadiag_jax as dd
 
@@ -94,19 +95,13 @@ def functions(in_f: int, out_f: int, sparsity: float, batch: int, seed: int) -> 
     }
 
 
-def run(args) -> list[dict]:
+def run(args, progress) -> list[dict]:
     rows = []
     for in_f, out_f in args.shapes:
         for sparsity in args.sparsity:
             for batch in args.batch:
                 fns = functions(in_f, out_f, sparsity, batch, args.seed)
-                for f, a in fns.values():
-                    time_call(f, a)
-                times = {name: [] for name in fns}
-                for _ in range(args.repeats):
-                    for name, (f, a) in fns.items():
-                        times[name].append(time_call(f, a))
-                median = {name: sorted(t)[len(t) // 2] * 1e6 for name, t in times.items()}
+                median = time_interleaved(fns, args.repeats, progress)
                 for name in VARIANTS:
                     rows.append(
                         dict(
@@ -114,7 +109,7 @@ def run(args) -> list[dict]:
                             sparsity=sparsity,
                             batch=batch,
                             variant=name,
-                            us=round(median[name], 1),
+                            us=round(median[name] * 1e6, 1),
                             vs_frozen=round(median[name] / median["frozen"], 3),
                         )
                     )
@@ -138,7 +133,9 @@ def main(argv=None) -> None:
         f"jax {jax.__version__}, backend {jax.default_backend()}, forward + backward, "
         f"interleaved, median of {args.repeats} (us, and ratio to the frozen layer)"
     )
-    rows = run(args)
+    total = len(args.shapes) * len(args.sparsity) * len(args.batch) * len(VARIANTS) * args.repeats
+    with tqdm(total=total, unit="call") as progress:
+        rows = run(args, progress)
     header = f"{'shape':>10} {'sparsity':>8} {'batch':>5} " + " ".join(f"{v:>17}" for v in VARIANTS)
     print(header)
     print("-" * len(header))

@@ -52,7 +52,7 @@ def test_cuda_takes_dense_on_the_headline_shapes():
 
 
 def test_the_kernels_need_the_margin_in_forward_and_step():
-    # a GPU whose cores issue 40x faster: the margin decides, per sparsity
+    # a GPU whose cores issue instructions 40x faster: the margin decides, per sparsity
     fast = gpu_cost.H100._replace(name="fast", issue_rate=40 * gpu_cost.H100.issue_rate)
     picked = set()
     for b in (1, 16, 32, 64):
