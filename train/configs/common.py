@@ -86,3 +86,44 @@ def dynadiag(sparsity: float, layers, gate: str = "sparse_topk", block_size: int
         rescore_fraction=0.05,
         impl="auto",  # dd.diag_matmul backend: "auto" (compiled kernel if built), "jax", "dense"
     )
+
+
+FINETUNE_SUITES = ("mlp", "mixer", "vit")
+
+
+def finetune(arg, *, selection_every: int) -> ml_collections.ConfigDict:
+    """The part every fine-tune config shares (train/sparsify.py, train/lora_fa.py).
+
+    ``arg`` (from :func:`parse_arg`) has ``checkpoint``, ``suite`` (a classification suite of
+    train/configs/results.py, whose model, layers, recipe and data are taken), ``sparsity``,
+    ``block_size``, ``finetune_fraction`` (the fine-tune's length as a fraction of the suite's
+    from-scratch steps) and ``runlocal`` (the small local digits, one epoch).
+    """
+    from train.configs import results  # noqa: PLC0415 - results imports this module
+
+    if arg.suite not in FINETUNE_SUITES:
+        raise ValueError(f"unknown suite {arg.suite!r}; known: {', '.join(FINETUNE_SUITES)}")
+    suite = results.get_config(f"models={arg.suite}").models[arg.suite]
+    config = ml_collections.ConfigDict()
+    # The source run's workdir (or its checkpoints/ directory) and the step (0: the newest).
+    config.checkpoint = arg.checkpoint
+    config.step = 0
+    config.seed = 0
+    config.model = suite.model.to_dict()
+    config.dynadiag = suite.dynadiag.to_dict()
+    config.dynadiag.update(sparsity=arg.sparsity, block_size=arg.block_size)
+    config.data = dict(source="mnist5k" if arg.runlocal else "auto", data_dir="")
+    config.train = dict(
+        batch_size=suite.batch_size,
+        eval_batch_size=1000,
+        # the from-scratch run's length, which finetune_fraction scales
+        epochs=1 if arg.runlocal else suite.epochs,
+        finetune_fraction=arg.finetune_fraction,
+        log_every=50,
+        eval_every=0,
+        selection_every=selection_every,
+        checkpoint_every=0,
+        keep_checkpoints=1,
+    )
+    config.optimizer = suite.optimizer.to_dict()
+    return config

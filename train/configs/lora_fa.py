@@ -12,12 +12,7 @@ with ``train_values`` is the control without adapters (the diagonal values fine-
       --config=train/configs/lora_fa.py:checkpoint=runs/results/mlp/<dynadiag run>,rank=8
 """
 
-import ml_collections
-
-from train.configs import results
-from train.configs.common import parse_arg
-
-SUITES = ("mlp", "mixer", "vit")
+from train.configs.common import finetune, parse_arg
 
 
 def get_config(arg=None):
@@ -34,41 +29,15 @@ def get_config(arg=None):
         finetune_fraction=0.25,
         runlocal=False,
     )
-    if arg.suite not in SUITES:
-        raise ValueError(f"unknown suite {arg.suite!r}; known: {', '.join(SUITES)}")
-    suite = results.get_config(f"models={arg.suite}").models[arg.suite]
-    config = ml_collections.ConfigDict()
-    # The frozen DynaDiag run's workdir (or its checkpoints/ directory) and the step (0: newest).
-    config.checkpoint = arg.checkpoint
-    config.step = 0
-    config.seed = 0
-    config.model = suite.model.to_dict()
-    config.dynadiag = suite.dynadiag.to_dict()
-    config.dynadiag.update(sparsity=arg.sparsity, block_size=arg.block_size)
+    config = finetune(arg, selection_every=0)
     config.lora = dict(
         rank=arg.rank,
         alpha=arg.alpha,
         # Path regexes as dynadiag.layers; the diagonal layers by default.
-        layers=list(suite.dynadiag.layers),
+        layers=list(config.dynadiag.layers),
         train_values=arg.train_values,
     )
-    config.data = dict(source="auto", data_dir="")
-    config.train = dict(
-        batch_size=suite.batch_size,
-        eval_batch_size=1000,
-        epochs=suite.epochs,  # the from-scratch run's length, which finetune_fraction scales
-        finetune_fraction=arg.finetune_fraction,
-        log_every=50,
-        eval_every=0,
-        selection_every=0,
-        checkpoint_every=0,
-        keep_checkpoints=1,
-    )
-    config.optimizer = suite.optimizer.to_dict()
     # The fine-tune's own rate (B starts at zero: no warm-up needed); 1e-2 beat the suite's 1e-3
     # on the MLP at r = 8 and 16 (docs/training.md).
     config.optimizer.update(learning_rate=arg.learning_rate, warmup_steps=0)
-    if arg.runlocal:
-        config.data.source = "mnist5k"
-        config.train.epochs = 1
     return config

@@ -12,12 +12,7 @@ from-scratch steps (0: the one-shot model only); ``dynadiag.search_fraction`` of
       --config=train/configs/sparsify.py:checkpoint=<dense run>,finetune_fraction=0
 """
 
-import ml_collections
-
-from train.configs import results
-from train.configs.common import parse_arg
-
-SUITES = ("mlp", "mixer", "vit")
+from train.configs.common import finetune, parse_arg
 
 
 def get_config(arg=None):
@@ -30,37 +25,11 @@ def get_config(arg=None):
         finetune_fraction=0.1,
         runlocal=False,
     )
-    if arg.suite not in SUITES:
-        raise ValueError(f"unknown suite {arg.suite!r}; known: {', '.join(SUITES)}")
-    suite = results.get_config(f"models={arg.suite}").models[arg.suite]
-    config = ml_collections.ConfigDict()
-    # The dense run's workdir (or its checkpoints/ directory) and the step (0: the newest).
-    config.checkpoint = arg.checkpoint
-    config.step = 0
-    config.seed = 0
-    config.model = suite.model.to_dict()
+    config = finetune(arg, selection_every=25)
     # Scale each layer's values so that its K kept diagonals carry the dense kernel's Frobenius
     # norm (dd.from_dense keep_norm): docs/training.md has the measured effect.
     config.keep_norm = True
-    config.dynadiag = suite.dynadiag.to_dict()
-    config.dynadiag.update(sparsity=arg.sparsity, block_size=arg.block_size)
-    config.data = dict(source="auto", data_dir="")
-    config.train = dict(
-        batch_size=suite.batch_size,
-        eval_batch_size=1000,
-        epochs=suite.epochs,  # the from-scratch run's length, which finetune_fraction scales
-        finetune_fraction=arg.finetune_fraction,
-        log_every=50,
-        eval_every=0,
-        selection_every=25,
-        checkpoint_every=0,
-        keep_checkpoints=1,
-    )
-    config.optimizer = suite.optimizer.to_dict()
     # 90% of a trained kernel is gone at once: the fine-tune retrains more than it adjusts, and
     # 1e-2 beat each suite's own rate on the MLP, the Mixer and the ViT (docs/training.md).
     config.optimizer.learning_rate = 1e-2
-    if arg.runlocal:
-        config.data.source = "mnist5k"
-        config.train.epochs = 1
     return config
