@@ -17,7 +17,7 @@ import pytest
 import dynadiag_jax as dd
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPTS = ("fashion_mnist.py", "imagenet.py", "lm.py", "results.py")
+SCRIPTS = ("fashion_mnist.py", "imagenet.py", "lm.py", "results.py", "unedited_vit.py")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

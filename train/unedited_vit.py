@@ -1,0 +1,256 @@
+"""A ViT written the usual way, made diagonal by ``dd.nn.sparsify``, against the suites' own ViT.
+
+``PlainViT`` below is a plain-linen ViT as one writes it without DynaDiag in mind: ``nn.Conv``
+patches, ``nn.MultiHeadDotProductAttention`` (separate query / key / value / out projections,
+``nn.DenseGeneral``) and an ``nn.Dense`` MLP. No line of it knows about diagonal layers;
+:data:`RULES` make its attention projections and MLP layers diagonal by module path, as the ViT
+suite's ``dynadiag.layers`` do for ``dd.models.ViT`` (whose attention has one fused ``qkv``).
+
+For every seed this trains, with the ViT suite's recipe (``train/configs/results.py``, one epoch of
+Fashion-MNIST, DynaDiag at ``--sparsity``), the suite's ViT and the sparsified ``PlainViT``, and
+appends each run's test accuracy and logged step times to ``<workdir>/accuracy.jsonl``. Then it
+times both models' training steps after the freeze side by side (interleaved, median), and prints
+the table:
+
+  python train/unedited_vit.py                        # 3 seeds at 90%, ~5 min on two cores
+  python train/unedited_vit.py --seeds=1 --config=train/configs/results.py:quick
+
+Interrupt at any time: finished runs are kept and the same command resumes the interrupted one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import sys
+
+if __package__ in (None, ""):  # run as a file: make `train` importable from the repository root
+    # Appended: the installed dynadiag_jax (with the compiled kernels) must win over the checkout.
+    sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+import dynadiag_jax as dd
+from dynadiag_jax import data as D
+from dynadiag_jax import training as T
+from dynadiag_jax.models import variants, vit
+from train import baselines, cli, common, speed
+from train import results_runs as R
+from train.configs import results as default_config
+
+SUITE = "vit"
+# The suite's sparse layers in PlainViT's paths: attention projections and both MLP layers.
+RULES = (r".*/attention/(query|key|value|out)", r".*/mlp/Dense_[01]")
+XAVIER = nn.initializers.xavier_uniform()
+FLAGS = flags.FLAGS
+
+
+class MlpBlock(nn.Module):
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(self.mlp_dim, kernel_init=XAVIER, bias_init=nn.initializers.normal(1e-6))(x)
+        y = nn.gelu(y, approximate=False)
+        return nn.Dense(x.shape[-1], kernel_init=XAVIER, bias_init=nn.initializers.normal(1e-6))(y)
+
+
+class Block(nn.Module):
+    num_heads: int
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.LayerNorm()(x)
+        y = nn.MultiHeadDotProductAttention(
+            num_heads=self.num_heads, kernel_init=XAVIER, name="attention"
+        )(y, y)
+        x = x + y
+        return x + MlpBlock(self.mlp_dim, name="mlp")(nn.LayerNorm()(x))
+
+
+class PlainViT(nn.Module):
+    """Pre-norm ViT with a class token: ``images[B, H, W, C] -> logits[B, num_classes]``."""
+
+    num_classes: int
+    patch: int = 7
+    width: int = 160
+    depth: int = 2
+    mlp_dim: int = 320
+    num_heads: int = 4
+
+    @nn.compact
+    def __call__(self, images, *, train: bool = False):
+        del train  # no dropout in this recipe
+        x = nn.Conv(self.width, (self.patch,) * 2, strides=(self.patch,) * 2, padding="VALID")(
+            images
+        )
+        x = x.reshape(x.shape[0], -1, self.width)
+        cls = self.param("cls_token", nn.initializers.zeros, (1, 1, self.width))
+        x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, self.width)), x], axis=1)
+        x = x + self.param("pos_embed", nn.initializers.normal(0.02), (1, *x.shape[1:]))
+        for i in range(self.depth):
+            x = Block(self.num_heads, self.mlp_dim, name=f"block_{i}")(x)
+        x = nn.LayerNorm()(x)
+        return nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, name="head")(x[:, 0])
+
+
+def plain_vit(config, num_classes: int) -> PlainViT:
+    """``PlainViT`` with the suite model's sizes (``dd.models.ViT``'s ``variant``)."""
+    size, patch = variants.parse_variant(config.models[SUITE].model.variant, vit.SIZES, model="ViT")
+    return PlainViT(num_classes, patch, size.width, size.depth, size.mlp_dim, size.num_heads)
+
+
+def rules(dynadiag_cfg, sparsity: float, **extra) -> list[tuple[str, dict]]:
+    """:data:`RULES` with the suite's ``DiagonalDense`` arguments at ``sparsity``."""
+    layer = common.sparse_layer(baselines.with_sparsity(dynadiag_cfg, sparsity))
+    return [(pattern, {**layer.keywords, **extra}) for pattern in RULES]
+
+
+def models(config, data, sparsity: float, seed: int, steps: int):
+    """``{"ours": Method, "plain": Method}``: the same optimizer, gate and freeze for both."""
+    ours = R.build(config, SUITE, "dynadiag", sparsity, seed, data, steps)
+    plain = dd.nn.sparsify(
+        plain_vit(config, data.images.num_classes), rules(config.models[SUITE].dynadiag, sparsity)
+    )
+    return {"ours": ours, "plain": ours._replace(model=plain)}
+
+
+def train_one(config, data, built, seed: int, steps: int, workdir: pathlib.Path) -> dict:
+    """One run of the suite's recipe; its accuracy, parameters and logged step times."""
+    m = config.models[SUITE]
+    result = T.train(
+        model=built.model,
+        optimizer=built.optimizer,
+        task=R.task_of(m, data),
+        train_data=D.ArrayBatches(data.images.train, int(m.batch_size), seed=seed),
+        eval_data=D.EvalBatches(data.images.test, int(config.eval_batch_size)),
+        num_steps=steps,
+        example_input=R.example_input(m, data),
+        seed=seed,
+        freeze_step=built.freeze_step,
+        gate=built.gate,
+        workdir=workdir,
+        checkpoint_every=steps // int(m.epochs),
+        keep_checkpoints=1,
+        log_every=50,
+        learning_rate=built.learning_rate,
+        progress=False,
+        tensorboard=False,
+    )
+    counts = T.parameter_counts(result.state.params)
+    metrics = workdir / "metrics.jsonl"
+    return {
+        "accuracy": result.eval_metrics["accuracy"],
+        "parameters": counts.total,
+        "diagonal_parameters": counts.diagonal,
+        "search_step_time_s": R.mean_step_time(metrics, 0, built.freeze_step),
+        "frozen_step_time_s": R.mean_step_time(metrics, built.freeze_step),
+    }
+
+
+def time_frozen(config, data, sparsity: float) -> dict[str, float]:
+    """Median seconds of both models' training step after the freeze (frozen from the start,
+    the same computation), and of their dense forms, interleaved."""
+    m = config.models[SUITE]
+    task, batch = R.task_of(m, data), R.sample_batch(m, data, int(m.batch_size))
+    example, steps = R.example_input(m, data), R.steps_of(m, data)
+    make = functools.partial(R.build, config, SUITE, sparsity=sparsity, seed=0, data=data)
+    ours, dense = make(method="static_diagonals", steps=steps), make(method="dense", steps=steps)
+    plain = plain_vit(config, data.images.num_classes)
+    frozen = dd.nn.sparsify(plain, rules(m.dynadiag, sparsity, init_phase="frozen"))
+    timed = {
+        "ours": ours.model,
+        "plain": frozen,
+        "ours dense": dense.model,
+        "plain dense": plain,
+    }
+    fns = {
+        name: speed._train_and_infer(model, dense.optimizer, example, batch, task, {})[0]
+        for name, model in timed.items()
+    }
+    return speed._time_round_robin(
+        fns, repeats=int(config.speed.repeats), warmup=int(config.speed.warmup)
+    )
+
+
+def _mean_ms(records: list[dict], key: str) -> str:
+    """The mean of a logged time over ``records`` in ms; "-" where a run logged none."""
+    times = [r[key] for r in records if r[key] is not None]
+    return f"{1e3 * np.mean(times):.1f} ms" if times else "-"
+
+
+def report(records: list[dict], timings: dict[str, float], sparsity: float) -> str:
+    rows = [
+        f"ViT suite at {sparsity:g}: the suite's ViT and PlainViT through dd.nn.sparsify",
+        "",
+        "| model | test accuracy (mean +- std) | seeds | parameters | logged step, search "
+        "/ frozen | timed frozen step, x ours |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in ("ours", "plain"):
+        rs = [r for r in records if r["variant"] == name]
+        if not rs:
+            continue
+        acc = 100 * np.array([r["accuracy"] for r in rs])
+        logged = " / ".join(
+            _mean_ms(rs, key) for key in ("search_step_time_s", "frozen_step_time_s")
+        )
+        rows.append(
+            f"| {name} | {acc.mean():.2f} +- {acc.std():.2f} | {len(rs)} | "
+            f"{rs[0]['parameters']:,} | {logged} | "
+            f"{timings[name] / timings['ours']:.3f}x |"
+        )
+    rows.append(
+        f"\nDense steps, same timing: ours {timings['ours dense'] / timings['ours']:.2f}x, "
+        f"plain {timings['plain dense'] / timings['ours']:.2f}x the sparse step of ours."
+    )
+    return "\n".join(rows)
+
+
+def run(config, workdir: pathlib.Path, seeds: int, sparsity: float) -> str:
+    data = R.prepare(config)
+    steps = R.steps_of(config.models[SUITE], data)
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / R.ACCURACY_FILE
+    records = R.read_records(path) if path.exists() else []
+    done = {(r["variant"], r["seed"], r["sparsity"]) for r in records}
+    for seed in range(seeds):
+        for name, built in models(config, data, sparsity, seed, steps).items():
+            if (name, seed, sparsity) in done:
+                continue
+            print(f"training {name} seed {seed} ...", flush=True)
+            run_dir = workdir / f"{name}_s{round(100 * sparsity)}_seed{seed}"
+            record = {"variant": name, "seed": seed, "sparsity": sparsity}
+            record.update(train_one(config, data, built, seed, steps, run_dir))
+            with path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            records.append(record)
+    print("timing the frozen steps ...", flush=True)
+    timings = time_frozen(config, data, sparsity)
+    chosen = [r for r in records if r["sparsity"] == sparsity and r["seed"] < seeds]
+    return report(chosen, timings, sparsity)
+
+
+def main(argv):
+    del argv
+    config = FLAGS.config
+    if SUITE not in config.models:
+        common.die(f"the config has no {SUITE!r} suite (use models={SUITE} or the default)")
+    if not 0.0 < FLAGS.sparsity < 1.0:
+        common.die(f"--sparsity must lie in (0, 1), got {FLAGS.sparsity}")
+    common.run_script(
+        lambda: print(run(config, pathlib.Path(FLAGS.workdir), FLAGS.seeds, FLAGS.sparsity))
+    )
+
+
+if __name__ == "__main__":  # flags exist only when run as a file (tests import this module)
+    cli.define_config_flag(str(pathlib.Path(default_config.__file__)))
+    flags.DEFINE_string("workdir", "runs/unedited_vit", "run directories and records")
+    flags.DEFINE_integer("seeds", 3, "seeds 0 .. n-1", lower_bound=1)
+    flags.DEFINE_float("sparsity", 0.9, "sparsity of the diagonal layers")
+    app.run(main, flags_parser=cli.parse_flags)
