@@ -172,6 +172,16 @@ def sass(kernel: str, dtype, flags: tuple = ()) -> dict:
     return gpu_sass.KERNELS[(kernel, jnp.dtype(dtype).name, tuple(flags))]
 
 
+def _compiled(kernel: str, dtype, flags: tuple = ()) -> tuple:
+    """``(figures, fields)``: a kernel's SASS figures, and the fields its :class:`Launch` records
+    (registers, shared memory, the kernel's key)."""
+    figures = sass(kernel, dtype, flags)
+    fields = dict(
+        registers=figures["registers"], shared_bytes=figures["smem"], kernel=(kernel, tuple(flags))
+    )
+    return figures, fields
+
+
 def _instructions(figures: dict, **units) -> float:
     """Warp instructions of a launch: each region's SASS figure times the units it executes."""
     regions = figures["regions"]
@@ -202,6 +212,9 @@ class Launch(NamedTuple):
     registers: int = 0  # per thread (ptxas -v)
     shared_bytes: int = 0  # static shared memory per block (ptxas -v)
     threads: int = 256  # per block
+    # the CUDA kernel that runs it: ``(template, template flags)``, its gpu_sass key less the
+    # dtype; () for XLA ops and memsets. bench/ncu_compare.py joins profiles on it.
+    kernel: tuple = ()
 
     def seconds(self, spec: DeviceSpec, dtype) -> float:
         """Roofline time: the slowest of its engines plus the launch cost."""
@@ -360,7 +373,7 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
             + structure * 4 * int(st.n_tiles.sum() + 2 * layout.n_ob)
             + s * (packed * cuda.TILE * cuda.TILE + pack_entries)
         )
-        plan = sass("element_plan_kernel", dtype, (layout.out_moving,))
+        plan, plan_fields = _compiled("element_plan_kernel", dtype, (layout.out_moving,))
         launches.append(
             Launch(
                 "element_plan",
@@ -369,8 +382,7 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
                 store_bytes=store,
                 hbm_bytes=4 * k + s * pack_entries + store,
                 instructions=_instructions(plan, cta=layout.n_ob * BLOCK_WARPS),
-                registers=plan["registers"],
-                shared_bytes=plan["smem"],
+                **plan_fields,
             )
         )
     slab = _slab_rows(rows, cuda.ELEM_ROWS)
@@ -394,7 +406,7 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
     weights = k * geo.length * s
     packed = int(st.n_tiles[tc_blocks].sum()) * cuda.TILE * cuda.TILE * s
     hbm = rows * q_dim * s + store + _weight_hbm(weights + packed, n_slabs)
-    product = sass("element_product_kernel", dtype, (layout.out_moving,))
+    product, product_fields = _compiled("element_product_kernel", dtype, (layout.out_moving,))
     tc_count = int(tc_blocks.sum())
     warps = BLOCK_WARPS
     instructions = _instructions(
@@ -418,8 +430,7 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
             store_bytes=store,
             hbm_bytes=hbm,
             instructions=instructions,
-            registers=product["registers"],
-            shared_bytes=product["smem"],
+            **product_fields,
         )
     )
     return launches
@@ -463,7 +474,7 @@ def element_dvalues_launches(rows, in_features, out_features, offsets, dtype) ->
     load = (groups * d + valid * d) * rows * s
     out = k * d * (4 * splits if splits > 1 else s)  # the partial sums of every split
     ctas = _cdiv(d, cuda.SDDMM_LANES) * groups * splits
-    sddmm = sass("sddmm_kernel", dtype)
+    sddmm, sddmm_fields = _compiled("sddmm_kernel", dtype)
     launches = [
         Launch(
             "element_sddmm",
@@ -473,8 +484,7 @@ def element_dvalues_launches(rows, in_features, out_features, offsets, dtype) ->
             store_bytes=out,
             hbm_bytes=rows * (in_features + out_features) * s + out,
             instructions=_instructions(sddmm, fma=fma / WARP, cta=ctas * BLOCK_WARPS),
-            registers=sddmm["registers"],
-            shared_bytes=sddmm["smem"],
+            **sddmm_fields,
         )
     ]
     if splits > 1:
@@ -485,7 +495,7 @@ def element_dvalues_launches(rows, in_features, out_features, offsets, dtype) ->
 def _reduce_launch(n: int, splits: int, dtype) -> Launch:
     """The fixed-order sum of ``splits`` float32 partial results of ``n`` elements."""
     ctas = _cdiv(n, cuda.REDUCE_THREADS)
-    reduce = sass("sddmm_reduce_kernel", dtype)
+    reduce, reduce_fields = _compiled("sddmm_reduce_kernel", dtype)
     return Launch(
         "sddmm_reduce",
         ctas=ctas,
@@ -493,8 +503,7 @@ def _reduce_launch(n: int, splits: int, dtype) -> Launch:
         store_bytes=n * _itemsize(dtype),
         hbm_bytes=splits * n * 4 + n * _itemsize(dtype),
         instructions=_instructions(reduce, load=splits * n / WARP, cta=ctas * BLOCK_WARPS),
-        registers=reduce["registers"],
-        shared_bytes=reduce["smem"],
+        **reduce_fields,
     )
 
 
@@ -554,7 +563,7 @@ def block_product_launches(kind, rows, in_features, out_features, offsets, dtype
     weights = k * l_b * b * b * s
     hbm = rows * (q_dim + o_dim) * s + _weight_hbm(weights, n_slabs)
     name = "block_product_tc_kernel" if plan.tensor_cores else "block_product_simt_kernel"
-    kernel = sass(name, dtype, (plan.out_long, kind == "dx"))
+    kernel, kernel_fields = _compiled(name, dtype, (plan.out_long, kind == "dx"))
     instructions = _instructions(
         kernel,
         mma=mma,
@@ -576,8 +585,7 @@ def block_product_launches(kind, rows, in_features, out_features, offsets, dtype
             store_bytes=stores,
             hbm_bytes=hbm,
             instructions=instructions,
-            registers=kernel["registers"],
-            shared_bytes=kernel["smem"],
+            **kernel_fields,
         )
     ]
 
@@ -618,7 +626,7 @@ def block_dvalues_launches(rows, in_features, out_features, offsets, dtype, b) -
     out_bytes = n_out * (4 * plan.splits if plan.splits > 1 else s)
     ctas = plan.wrap_chunks * p_b * plan.groups * plan.splits
     name = "block_sddmm_tc_kernel" if plan.tensor_cores else "block_sddmm_simt_kernel"
-    kernel = sass(name, dtype)
+    kernel, kernel_fields = _compiled(name, dtype)
     base = plan.wrap_chunks * p_b * plan.groups  # thread blocks per row split
     instructions = _instructions(
         kernel,
@@ -639,8 +647,7 @@ def block_dvalues_launches(rows, in_features, out_features, offsets, dtype, b) -
             store_bytes=out_bytes,
             hbm_bytes=rows * (in_features + out_features) * s + out_bytes,
             instructions=instructions,
-            registers=kernel["registers"],
-            shared_bytes=kernel["smem"],
+            **kernel_fields,
         )
     ]
     if plan.splits > 1:
