@@ -115,9 +115,10 @@ def timed(fn, args) -> float:
     return time.perf_counter() - start
 
 
-def run_case(fns: dict, repeats: int, progress) -> dict:
-    for fn, args in fns.values():  # compile and warm up
-        timed(fn, args)
+def run_case(fns: dict, repeats: int, warmup: int, progress) -> dict:
+    for _ in range(warmup):  # compile and warm up
+        for fn, args in fns.values():
+            timed(fn, args)
     times = {key: [] for key in fns}
     for _ in range(repeats):
         for key, (fn, args) in fns.items():
@@ -159,6 +160,13 @@ def parse_args(argv):
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--batch", type=int, default=8192, help="rows of x (tokens x batch)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed calls of each function first; --warmup 0 --repeats 1 calls each once "
+        "(under a profiler, which replays every launch)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--allow-cpu",
@@ -167,6 +175,8 @@ def parse_args(argv):
     )
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be >= 1 and --warmup >= 0")
     if args.quick:
         args.shapes, args.sparsities, args.impls = ((768, 3072),), (0.9,), ("ffi", "dense")
         args.block_sizes = (1, 16)
@@ -268,7 +278,7 @@ def main(argv=None) -> int:
                     raise RuntimeError(
                         f"impl='auto' compiled otherwise than the model's {auto_path}"
                     )
-            med = run_case(fns, args.repeats, progress)
+            med = run_case(fns, args.repeats, args.warmup, progress)
             blocks = stats.forward.output_blocks + stats.dx.output_blocks
             for (impl, phase), took in med.items():
                 model = {"ffi": "kernel", "auto": auto_path, "dense": "dense_layer"}.get(impl)
