@@ -7,7 +7,11 @@
 #      on the dynadiag kernels (skipped, with a message, where compute-sanitizer is absent);
 #   4. the benchmark bench/diag_matmul_gpu.py (element and block rows; dense and BCOO) at its
 #      default shapes and at the issue's goal shape (403,456 rows, 768 -> 3072, 90%), and the cost
-#      model's decision table for comparison.
+#      model's decision table for comparison;
+#   5. an Nsight Compute profile of the dynadiag kernels at the goal shape (b = 16 and 32, forward
+#      and backward: instructions, occupancy, registers, bank conflicts, HBM and L2 bytes, time),
+#      each kernel's measurements beside the cost model's prediction (bench/ncu_compare.py;
+#      skipped, with a message, where ncu is absent).
 # Everything it writes - logs and CSVs - goes to OUT_DIR.
 #
 #   bash scripts/gpu_check.sh OUT_DIR
@@ -79,6 +83,39 @@ log "4. benchmarks"
   --out "$OUT/diag_matmul_gpu_goal.csv" 2>&1 | tee "$OUT/bench_goal.log" || status=1
 "$VENV/bin/python" "$REPO/bench/gpu_decision_table.py" --csv "$OUT/decision_table.csv" \
   > "$OUT/decision_table.md" || status=1
+
+log "5. Nsight Compute profile of the goal shape beside the cost model"
+NCU=$(command -v ncu || true)
+for candidate in /usr/local/cuda/bin/ncu "$(dirname "$(command -v nvcc)")/ncu"; do
+  [ -z "$NCU" ] && [ -x "$candidate" ] && NCU=$candidate
+done
+if [ -z "$NCU" ]; then
+  log "ncu (Nsight Compute) not found: the profile is skipped"
+else
+  COMPARE=("$VENV/bin/python" "$REPO/bench/ncu_compare.py")
+  metrics=$("${COMPARE[@]}" --list-metrics required)
+  # The tensor-pipe metrics are not on every GPU: asked for only where this ncu lists them.
+  available=$("$NCU" --query-metrics 2> /dev/null || true)
+  for metric in $("${COMPARE[@]}" --list-metrics optional | tr , ' '); do
+    if grep -Eq "^${metric%%.*}([[:space:]]|$)" <<< "$available"; then
+      metrics+=",$metric"
+    else
+      log "ncu does not list ${metric%%.*} for this GPU: left out"
+    fi
+  done
+  # One call of each jitted function (no warm-up): ncu replays every launch it profiles. Clocks
+  # are left as the GPU runs them (not locked to base), as the model's issue rate assumes.
+  "$NCU" --target-processes all --csv --page raw --print-units base --clock-control none \
+    --kernel-name-base demangled --kernel-name "regex:dynadiag::cuda::" \
+    --print-kernel-base demangled --metrics "$metrics" --log-file "$OUT/ncu_goal.csv" \
+    "$VENV/bin/python" "$REPO/bench/diag_matmul_gpu.py" --batch 403456 --shapes 768:3072 \
+    --sparsities 0.9 --block-sizes 16,32 --layouts random --impls ffi --repeats 1 --warmup 0 \
+    --out "$OUT/diag_matmul_gpu_ncu.csv" > "$OUT/ncu.log" 2>&1 \
+    || { status=1; log "ncu FAILED (see ncu.log; profiling may need admin rights)"; }
+  "${COMPARE[@]}" "$OUT/ncu_goal.csv" --rows 403456 --shape 768:3072 --sparsity 0.9 \
+    --block-sizes 16,32 --out "$OUT/ncu_vs_model.csv" 2>&1 | tee "$OUT/ncu_vs_model.log" \
+    || status=1
+fi
 
 log "done (status $status); results in $OUT"
 exit "$status"

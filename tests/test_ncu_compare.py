@@ -1,4 +1,4 @@
-"""bench/ncu_compare.py on a synthetic Nsight Compute raw CSV.
+"""bench/ncu_compare.py on a synthetic Nsight Compute raw CSV, and gpu_check.sh's profile step.
 
 The CSV is laid out as ``ncu --csv --page raw`` writes it (ncu's messages, a header row, a units
 row, one row per launch, comma thousands); its measurements are the model's predictions times
@@ -8,8 +8,10 @@ known factors, so the join and the ratios can be checked against ``gpu_cost`` di
 import csv
 import importlib.util
 import math
+import os
 import pathlib
 import re
+import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ from dynadiag_jax.layout import geometry
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "ncu_compare.py"
+GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
 ROWS, IN, OUT = 403456, 768, 3072
 
 INFO = (
@@ -323,3 +326,87 @@ def test_metric_lists_cover_the_terms(nc, capsys):
     assert set(required) | set(optional) == set(UNITS) and not set(required) & set(optional)
     assert "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active" in optional
     assert {"smsp__inst_executed.sum", "gpu__time_duration.sum", "dram__bytes.sum"} <= set(required)
+
+
+def test_gpu_check_profiles_the_benchmarked_shape_with_the_listed_metrics(nc):
+    subprocess.run(["bash", "-n", str(GPU_CHECK)], check=True)
+    text = GPU_CHECK.read_text()
+    step = text[text.index("Nsight Compute profile of the goal shape") :]
+    assert 'log "ncu (Nsight Compute) not found: the profile is skipped"' in step
+    assert "/usr/local/cuda/bin/ncu" in step and "--list-metrics required" in step
+    assert "--csv --page raw" in step and '--kernel-name "regex:dynadiag::cuda::"' in step
+    assert "--print-kernel-base demangled" in step
+    # the comparison asks the model about the shape the profiled benchmark runs
+    flat = step.replace("\\\n", " ")
+    bench = re.search(r"diag_matmul_gpu\.py\" (.*?) --out", flat).group(1).split()
+    compare = re.search(r"COMPARE\[@\]}\" \"\$OUT/ncu_goal\.csv\" (.*?) --out", flat)
+    compare = compare.group(1).split()
+    b, c = dict(zip(bench[::2], bench[1::2])), dict(zip(compare[::2], compare[1::2]))
+    assert (b["--batch"], b["--shapes"], b["--sparsities"]) == (
+        c["--rows"],
+        c["--shape"],
+        c["--sparsity"],
+    )
+    assert b["--block-sizes"] == c["--block-sizes"] and b["--layouts"] == "random"
+    assert (b["--repeats"], b["--warmup"], b["--impls"]) == ("1", "0", "ffi")
+    # and the benchmark takes those arguments
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import diag_matmul_gpu
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    parsed = diag_matmul_gpu.parse_args(bench)
+    assert (parsed.repeats, parsed.warmup, parsed.block_sizes) == (1, 0, (16, 32))
+    with pytest.raises(SystemExit):
+        diag_matmul_gpu.parse_args(["--repeats", "0"])
+
+
+def test_the_profile_step_runs_with_a_stand_in_ncu(nc, headline, tmp_path):
+    """The step as gpu_check.sh runs it, with an ncu that lists one tensor-pipe metric, records
+    its arguments and writes the fixture as its log file."""
+    path, model = headline
+    text = GPU_CHECK.read_text()
+    step = text[text.index('log "5. ') : text.index("\nfi\n", text.index('log "5. ')) + 4]
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    out.mkdir()
+    ncu = bin_dir / "ncu"
+    ncu.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = --query-metrics ]; then
+  printf 'Metric Name  Metric Description\\nsm__inst_executed_pipe_tensor_op_hmma  warp insts\\n'
+  exit 0
+fi
+printf '%s\\n' "$@" > {tmp_path}/args.txt
+while [ $# -gt 0 ]; do [ "$1" = --log-file ] && cp {path} "$2"; shift; done
+""")
+    ncu.chmod(0o755)
+    venv = tmp_path / "venv"  # $VENV/bin/python: this interpreter
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    script = tmp_path / "step.sh"
+    script.write_text(f"""set -euo pipefail
+OUT={out}; REPO={ROOT}; VENV={venv}; status=0
+log() {{ echo "== $*" | tee -a "$OUT/gpu_check.log"; }}
+{step}
+echo "status $status"
+""")
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    # the package the tests import (it holds the compiled extension), as run_python does
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(pathlib.Path(dd.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
+    )
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and "status 0" in proc.stdout, proc.stdout + proc.stderr
+    args = (tmp_path / "args.txt").read_text().split("\n")
+    metrics = args[args.index("--metrics") + 1].split(",")
+    listed = [t.metric for t in nc.TERMS if not t.optional]
+    assert metrics == [*listed, "sm__inst_executed_pipe_tensor_op_hmma.sum"]
+    assert "ncu does not list sm__pipe_tensor_op_hmma_cycles_active" in proc.stdout
+    assert args[args.index("--kernel-name") + 1] == "regex:dynadiag::cuda::"
+    with open(out / "ncu_vs_model.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    joined = {(r["block_size"], r["launch"]) for r in rows if r["predicted"] != ""}
+    want = {("16", "fwd block_product"), ("32", "dx block_product"), ("16", "dvalues sddmm_reduce")}
+    assert joined == want
+    assert "b=16 fwd block_product" in (out / "ncu_vs_model.log").read_text()
