@@ -1,7 +1,7 @@
 """Nsight Compute's measurements of the dynadiag kernels beside the cost model's prediction.
 
 Reads the raw CSV of ``ncu --csv --page raw`` (a header row, a units row, one row per profiled
-launch; scripts/gpu_check.sh profiles bench/diag_matmul_gpu.py at the headline shape with the
+launch; scripts/gpu_check.sh profiles bench/diag_matmul_gpu.py at the goal shape with the
 metrics of :data:`TERMS`), groups the launches by kernel instance (template, dtype, template
 flags) and grid, and joins each group with the launch of ``gpu_cost.predict`` that runs that
 kernel with that grid for the same layer, sparsity and offsets (the benchmark's, from its seed) at
