@@ -6,8 +6,8 @@
 #   3. the same tests once under compute-sanitizer - memcheck, racecheck, initcheck, synccheck -
 #      on the dynadiag kernels (skipped, with a message, where compute-sanitizer is absent);
 #   4. the benchmark bench/diag_matmul_gpu.py (element and block rows; dense and BCOO) at its
-#      default shapes and at the issue's goal shape (403,456 rows, 768 -> 3072, 90%), and the cost
-#      model's decision table for comparison.
+#      default shapes and at the target shape, ViT-B/16's fc1 (403,456 rows, 768 -> 3072, 90%),
+#      and the cost model's decision table for comparison.
 # Everything it writes - logs and CSVs - goes to OUT_DIR.
 #
 #   bash scripts/gpu_check.sh OUT_DIR
