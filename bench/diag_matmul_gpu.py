@@ -20,7 +20,7 @@ Examples::
 
     python bench/diag_matmul_gpu.py --quick                       # 768:3072, bf16, ffi vs dense
     python bench/diag_matmul_gpu.py --batch 403456 --shapes 768:3072 --sparsities 0.9 \\
-        --block-sizes 1,16,32 --impls ffi,auto                     # the issue's goal shape
+        --block-sizes 1,16,32 --impls ffi,auto                     # ViT-B/16's fc1
     python bench/diag_matmul_gpu.py --allow-cpu --quick --batch 64   # smoke run without a GPU
 """
 

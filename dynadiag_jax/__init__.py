@@ -2,7 +2,8 @@
 
 The training-side subpackages (``baselines``, ``data``, ``models``, ``training``) and the Flax NNX
 layer (``nnx``) load on first use: ``dd.models.ViT`` works after ``import dynadiag_jax as dd``
-without making that import pay for them.
+without making that import pay for them. ``training`` and ``data`` need the ``train`` extra
+(``pip install "dynadiag-jax[train]"``); the rest needs only jax, flax, optax and numpy.
 """
 
 import importlib as _importlib

@@ -184,8 +184,8 @@ def from_dense(
         ``gate_init``), the value a search continued with ``dd.nn.set_gate`` should start at.
       keep_norm: scale each layer's values by ``sqrt(E / E_K)``, with ``E`` the energy of all
         its diagonals and ``E_K`` that of the K it keeps, so that the kept diagonals carry the
-        dense kernel's whole Frobenius norm (otherwise, at 90% sparsity, the one-shot layer's
-        outputs shrink by about ``sqrt(E_K / E)``, a third on the suites' MLP).
+        dense kernel's whole Frobenius norm (otherwise the one-shot layer's outputs shrink by
+        about ``sqrt(E_K / E)``; docs/training.md measures both on the suites).
       freeze: also freeze (``dd.freeze_tree``): the one-shot model, whose layers compute the
         dense layers' products restricted to their K highest-energy diagonals.
 

@@ -6,9 +6,9 @@
 #   3. the same tests once under compute-sanitizer - memcheck, racecheck, initcheck, synccheck -
 #      on the dynadiag kernels (skipped, with a message, where compute-sanitizer is absent);
 #   4. the benchmark bench/diag_matmul_gpu.py (element and block rows; dense and BCOO) at its
-#      default shapes and at the issue's goal shape (403,456 rows, 768 -> 3072, 90%), and the cost
-#      model's decision table for comparison;
-#   5. an Nsight Compute profile of the dynadiag kernels at the goal shape (b = 16 and 32, forward
+#      default shapes and at the target shape, ViT-B/16's fc1 (403,456 rows, 768 -> 3072, 90%),
+#      and the cost model's decision table for comparison;
+#   5. an Nsight Compute profile of the dynadiag kernels at that shape (b = 16 and 32, forward
 #      and backward: instructions, occupancy, registers, bank conflicts, HBM and L2 bytes, time),
 #      each kernel's measurements beside the cost model's prediction (bench/ncu_compare.py;
 #      skipped, with a message, where ncu is absent).

@@ -15,8 +15,9 @@ import dynadiag_jax
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# The train/ scripts are imported by several test modules. Appended (not prepended) so that the
-# installed dynadiag_jax, which holds the compiled extension, wins over the source checkout.
+# The train/ scripts are imported by several test modules. Appended (not prepended, as pytest's
+# `pythonpath` setting would) so that the installed dynadiag_jax, which holds the compiled
+# extension, wins over the source checkout.
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))

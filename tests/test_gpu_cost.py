@@ -10,7 +10,7 @@ import pytest
 import dynadiag_jax as dd
 from dynadiag_jax import gpu_cost
 
-VIT_ROWS = 2048 * 197  # ViT-B/16 at batch 2048: the issue's shape
+VIT_ROWS = 2048 * 197  # ViT-B/16 at batch 2048: the kernels' target shape
 BF16 = jnp.bfloat16
 
 

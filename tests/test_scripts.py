@@ -115,6 +115,23 @@ def test_config_arguments_are_typed_and_checked():
     assert gpt2_lm.get_config("runlocal=no").train.num_steps == 1000
 
 
+def test_configs_import_only_config_helpers(run_python):
+    """Loading a config (as --config does) imports neither the harness nor JAX."""
+    code = f"""
+import importlib, pathlib, sys
+sys.path.append({str(ROOT)!r})
+for path in sorted(pathlib.Path({str(ROOT / "train" / "configs")!r}).glob("[!_]*.py")):
+    module = importlib.import_module("train.configs." + path.stem)
+    if hasattr(module, "get_config"):  # not the helpers (common.py)
+        module.get_config()
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "flax", "dynadiag_jax")
+                or m.startswith("train.") and not m.startswith("train.configs"))
+assert not loaded, loaded
+print("ok")
+"""
+    assert run_python(["-c", code]).stdout.strip() == "ok"
+
+
 @pytest.mark.parametrize("config_module", [fashion_config, gpt2_lm, vit_imagenet])
 def test_every_training_config_takes_a_block_size(config_module):
     assert config_module.get_config().dynadiag.block_size == 1  # element diagonals by default

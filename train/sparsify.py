@@ -35,6 +35,7 @@ from dynadiag_jax import data as D
 from dynadiag_jax import training as T
 from train import baselines, cli, common
 from train.configs import sparsify as default_config
+from train.configs.common import unstructured_defaults
 
 FLAGS = flags.FLAGS
 
@@ -67,7 +68,7 @@ def prepare(config):
         "dynadiag",
         model_cfg=config.model,
         dynadiag_cfg=config.dynadiag,
-        unstructured_cfg=baselines.unstructured_defaults(),
+        unstructured_cfg=unstructured_defaults(),
         optimizer_cfg=config.optimizer,
         sparsity=sparsity,
         num_steps=max(1, steps),

@@ -4,6 +4,10 @@ Every training source yields batches as a pure function of ``(seed, step)`` (see
 :class:`ArrayBatches`), so checkpointed runs resume on exactly the right batch.
 """
 
+from dynadiag_jax import _train_extra
+
+_train_extra.require(__name__, ("PIL", "grain", "mlxtend", "tensorflow_datasets"))
+
 from dynadiag_jax.data.arrays import ArrayBatches, EvalBatches
 from dynadiag_jax.data.augment import RandAugment, flip, random_resized_crop, resize_center_crop
 from dynadiag_jax.data.imagenet import (

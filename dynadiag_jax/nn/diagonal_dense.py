@@ -73,10 +73,7 @@ class DiagonalDense(nn.Module):
       every diagonal gets its exact gate and value gradient.
     * ``"none"``: always ``K_cap`` diagonals; the gate mass outside is dropped (and reported).
 
-    On planted diagonals (docs/selection.md, bench/exploration.py) ``"buckets"`` with a strength
-    annealed exponentially 1.0 -> 1e-3 recovered every planted diagonal for 13-16% of the
-    dense-equivalent compute of the search phase; ``"dense_score"`` cost about the same but lost
-    whole runs; ``"none"`` with a narrow gate kept what it started with.
+    docs/selection.md compares the three on planted diagonals (bench/exploration.py).
 
     Frozen phase (after :func:`dynadiag_jax.freeze`, or ``init_phase="frozen"``): the product of
     exactly ``K`` diagonals ``offsets`` with a hard gate of 1.

@@ -4,6 +4,10 @@
 TensorBoard and JSONL, Orbax checkpoints, data parallelism over every device).
 """
 
+from dynadiag_jax import _train_extra
+
+_train_extra.require(__name__, ("orbax.checkpoint", "tensorboardX", "tqdm"))
+
 from dynadiag_jax.training.checkpoint import Checkpointer, CheckpointMismatch
 from dynadiag_jax.training.loop import BatchSource, Interrupted, TrainResult, evaluate, train
 from dynadiag_jax.training.metrics import MetricWriter, read_jsonl

@@ -1,4 +1,4 @@
-"""Shared config pieces: typed "key=value" arguments and the dynadiag section."""
+"""Shared config pieces: typed "key=value" arguments and the dynadiag and unstructured sections."""
 
 from __future__ import annotations
 
@@ -127,3 +127,25 @@ def finetune(arg, *, selection_every: int) -> ml_collections.ConfigDict:
     )
     config.optimizer = suite.optimizer.to_dict()
     return config
+
+
+def unstructured_defaults() -> ml_collections.ConfigDict:
+    """The ``unstructured`` section: RigL's schedule (delta T = 100, stop at 75%, drop 0.3 cosine).
+
+    ``mutation_ratio`` and ``soft_bound`` are MEST's (EM&S: grow 20% above the budget).
+    ``fan_in="sparse"`` starts the kept weights of a sparse layer at the model's dense
+    initializer times ``1 / sqrt(density)`` (the same rule as ``DiagonalDense``'s default), so
+    every method starts at the output scale of the dense layer it replaces; ``"dense"`` keeps the
+    dense initializer (a masked dense layer's start).
+    """
+    return ml_collections.ConfigDict(
+        dict(
+            distribution="uniform",
+            update_every=100,
+            end_fraction=0.75,
+            drop_fraction=0.3,
+            mutation_ratio=0.2,
+            soft_bound=True,
+            fan_in="sparse",
+        )
+    )

@@ -16,8 +16,7 @@ One workdir per recipe: a workdir holding a run of another recipe is refused (do
 
 import ml_collections
 
-from train.baselines import unstructured_defaults
-from train.configs.common import dynadiag, parse_arg
+from train.configs.common import dynadiag, parse_arg, unstructured_defaults
 
 
 def get_config(arg=None):

@@ -18,8 +18,7 @@ GPT-2 small/medium on WikiText-103 (raw files wiki.{train,valid,test}.raw in a d
 
 import ml_collections
 
-from train.baselines import unstructured_defaults
-from train.configs.common import dynadiag, parse_arg
+from train.configs.common import dynadiag, parse_arg, unstructured_defaults
 
 SPARSE_LAYERS = (r".*/attn/(c_attn|c_proj)", r".*/mlp/(c_fc|c_proj)")
 

@@ -26,8 +26,7 @@ block-diagonal candidates per layer, so blocks of 16 keep exactly 10% of each la
 
 import ml_collections
 
-from train.baselines import unstructured_defaults
-from train.configs.common import dynadiag, parse_arg
+from train.configs.common import dynadiag, parse_arg, unstructured_defaults
 
 SUITES = ("mlp", "mixer", "vit", "gpt")
 ELEMENT_METHODS = ("dense", "dynadiag", "static_diagonals", "rigl", "set", "mest")

@@ -36,8 +36,7 @@ gate work; the script prints the path and predicted speed of every sparse layer 
 
 import ml_collections
 
-from train.baselines import unstructured_defaults
-from train.configs.common import dynadiag, parse_arg
+from train.configs.common import dynadiag, parse_arg, unstructured_defaults
 
 SPARSE_LAYERS = (r".*/attn/(qkv|proj)", r".*/mlp/(fc1|fc2)")
 

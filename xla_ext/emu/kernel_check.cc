@@ -1,10 +1,9 @@
 // Standalone check of the CUDA kernels under the SIMT emulation, without XLA or Python: first the
 // emulation's own checks (simt_selftest.cc), then the forward, dx and dvalues launch sequences on
 // small cases against a dense float64 reference, each under the emulation's checks (shared memory,
-// every output element written once). The test suite builds it with -fsanitize=thread
-// (tests/test_cuda_tsan.py), where any data race in the kernels (a missing barrier) is reported,
-// with -fsanitize=address,undefined, and with the planted bugs of cuda/diag_kernels.cuh
-// (tests/test_cuda_checks.py).
+// every output element written once). tests/test_cuda_checks.py builds it with -fsanitize=thread,
+// where any data race in the kernels (a missing barrier) is reported, with
+// -fsanitize=address,undefined, and with the planted bugs of cuda/diag_kernels.cuh.
 //
 //   kernel_check [options]          exit status 0 when every check passes and every result matches
 //     --dtype float32|float16|bfloat16   only this element type
