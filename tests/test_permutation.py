@@ -1,12 +1,15 @@
 """Input permutations of DiagonalDense: random and learned, linen and NNX, freeze, Orbax, export."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 import dynadiag_jax as dd
+from dynadiag_jax.kernel_stats import describe_paths, model_paths
 from dynadiag_jax.nn import DiagonalDense
 from dynadiag_jax.nn import permutation as P
 
@@ -180,3 +183,129 @@ def test_nnx_layer_computes_what_the_linen_layer_does(permutation, block_size, n
         want = np.float32(P.DEFAULT_PENALTY) * P.l1_l2_penalty(m)
         np.testing.assert_allclose(dd.nnx.permutation_penalty(layer), want, rtol=1e-6)
         assert float(dd.nnx.permutation_penalty(frozen)) == 0.0
+
+
+class Model(nn.Module):
+    """A learned-permutation element layer, then a random-permutation block layer, then a head."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = DiagonalDense(32, sparsity=0.75, permutation="learned", impl="jax", name="first")(x)
+        x = DiagonalDense(
+            16, sparsity=0.5, block_size=8, permutation="random", impl="jax", name="second"
+        )(nn.relu(x))
+        return nn.Dense(3)(x)
+
+
+def trained_looking(variables, seed=0):
+    """Distinct alphas, and a soft matrix near a known permutation (as the penalty leaves it)."""
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(lambda a: a, variables["params"])
+    for name, layer in params.items():
+        if "alpha" in layer:
+            layer["alpha"] = jnp.asarray(rng.normal(size=layer["alpha"].shape), jnp.float32)
+        if "perm_soft" in layer:
+            n = layer["perm_soft"].shape[0]
+            target = rng.permutation(n)
+            soft = 0.05 * rng.uniform(size=(n, n))
+            soft[np.arange(n), target] += 1.0
+            layer["perm_soft"] = jnp.asarray(soft, jnp.float32)
+            params[name] = layer
+    return {**variables, "params": params}
+
+
+def test_freeze_tree_hardens_the_learned_permutation_and_keeps_the_random_one():
+    model = Model()
+    x = jax.random.normal(jax.random.key(1), (5, 24))
+    v = trained_looking(model.init(jax.random.key(0), x))
+    fv = jax.jit(dd.freeze_tree)(v)
+    assert "perm_soft" not in fv["params"]["first"]
+    soft = np.asarray(v["params"]["first"]["perm_soft"])
+    np.testing.assert_array_equal(fv["diagonals"]["first"]["perm"], np.argmax(soft, axis=1))
+    np.testing.assert_array_equal(
+        fv["diagonals"]["second"]["perm"], v["diagonals"]["second"]["perm"]
+    )
+    for name, n in (("first", 24), ("second", 32)):
+        perm = fv["diagonals"][name]["perm"]
+        assert perm.dtype == jnp.int32 and sorted(np.asarray(perm).tolist()) == list(range(n))
+    # the frozen model is the hard top-K of the search at a hard gate, on the hardened inputs
+    hard = {**v, "params": dict(v["params"])}
+    first = dict(hard["params"]["first"])
+    first["perm_soft"] = jax.nn.one_hot(fv["diagonals"]["first"]["perm"], 24, dtype=jnp.float32)
+    hard["params"]["first"] = first
+    want = model.apply(dd.nn.set_gate(hard, strength=0.0), x)
+    np.testing.assert_allclose(model.apply(fv, x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_freeze_opt_state_drops_the_soft_matrix():
+    model = Model()
+    x = jnp.ones((2, 24))
+    v = model.init(jax.random.key(0), x)
+    tx = optax.adam(1e-3)
+    opt_state = tx.init(v["params"])
+    fv = dd.freeze_tree(v)
+    frozen_state = dd.freeze_opt_state(opt_state, v["params"], fv["params"])
+    assert jax.tree.structure(frozen_state) == jax.tree.structure(tx.init(fv["params"]))
+
+
+def test_single_layer_freeze_and_orbax_round_trip(tmp_path):
+    import orbax.checkpoint as ocp
+
+    layer = DiagonalDense(20, sparsity=0.5, permutation="learned", impl="jax")
+    x = jax.random.normal(jax.random.key(1), (4, 12))
+    v = layer.init(jax.random.key(0), x)
+    frozen_layer, fv = dd.freeze(layer, v)
+    assert sorted(np.asarray(fv["diagonals"]["perm"]).tolist()) == list(range(12))
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "search", v)
+    ckpt.save(tmp_path / "frozen", fv)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "search", layer.init(jax.random.key(5), x))
+    np.testing.assert_array_equal(layer.apply(restored, x), layer.apply(v, x))
+    template = frozen_layer.init(jax.random.key(6), x)  # a random perm, replaced by the restore
+    assert set(template["diagonals"]) == {"in_features", "offsets", "perm"}
+    restored = ckpt.restore(tmp_path / "frozen", template)
+    np.testing.assert_array_equal(restored["diagonals"]["perm"], fv["diagonals"]["perm"])
+    np.testing.assert_array_equal(frozen_layer.apply(restored, x), frozen_layer.apply(fv, x))
+
+
+def test_nnx_orbax_round_trip_of_the_hardened_permutation(tmp_path):
+    import orbax.checkpoint as ocp
+
+    def make():
+        return dd.nnx.DiagonalDense(
+            12, 20, sparsity=0.5, permutation="learned", impl="jax", rngs=nnx.Rngs(0)
+        )
+
+    frozen = dd.nnx.freeze(make())
+    x = jax.random.normal(jax.random.key(1), (4, 12))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", nnx.state(frozen))
+    graphdef, abstract = nnx.split(dd.nnx.freeze(nnx.eval_shape(make)))
+    with ocp.StandardCheckpointer() as ckpt:
+        state = ckpt.restore(tmp_path / "ckpt", abstract)
+    restored = nnx.merge(graphdef, state)
+    np.testing.assert_array_equal(restored.perm.get_value(), frozen.perm.get_value())
+    np.testing.assert_array_equal(restored(x), frozen(x))
+
+
+def test_export_round_trip_of_a_frozen_permuted_model():
+    model = Model()
+    x = jax.random.normal(jax.random.key(1), (5, 24))
+    fv = dd.freeze_tree(trained_looking(model.init(jax.random.key(0), x)))
+    exported = dd.export(jax.jit(model.apply))(fv, x)
+    again = jax.export.deserialize(exported.serialize())
+    np.testing.assert_allclose(again.call(fv, x), model.apply(fv, x), rtol=1e-6)
+    # the permutation is an argument of the exported function, checked there as under jit
+    bad = jax.tree.map(lambda a: a, fv)
+    bad["diagonals"]["second"]["perm"] = jnp.zeros((32,), jnp.int32)
+    assert np.all(np.isnan(again.call(bad, x)))
+
+
+def test_model_paths_report_the_permutation():
+    x = jnp.ones((4, 24))
+    paths = {p.path: p for p in model_paths(Model(), jax.random.key(0), x, platform="cpu")}
+    assert paths["first"].permutation == "learned"
+    assert paths["second"].permutation == "random"
+    lines = describe_paths(list(paths.values()))
+    assert "learned input permutation" in lines[0] and "random input permutation" in lines[1]
