@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import scipy.optimize
 from flax import nnx
 
 import dynadiag_jax as dd
@@ -309,3 +310,182 @@ def test_model_paths_report_the_permutation():
     assert paths["second"].permutation == "random"
     lines = describe_paths(list(paths.values()))
     assert "learned input permutation" in lines[0] and "random input permutation" in lines[1]
+
+
+# --- the learned relaxation ---------------------------------------------------------------------
+
+
+def optimal_weight(m, perm):
+    return float(np.sum(np.asarray(m, np.float64)[np.arange(len(perm)), np.asarray(perm)]))
+
+
+def near_permutation(rng, n, noise):
+    """A doubly stochastic matrix ``(1 - noise) P + noise * (uniform doubly stochastic)``."""
+    target = rng.permutation(n)
+    soft = noise * rng.uniform(size=(n, n)) / n * 2
+    soft[np.arange(n), target] += 1.0
+    return np.asarray(P.doubly_stochastic(jnp.asarray(soft, jnp.float32), iters=20)), target
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64])
+def test_hard_permutation_is_a_bijection_and_the_assignment_solver_s_near_a_permutation(n, rng):
+    m, target = near_permutation(rng, n, noise=0.6)
+    assert np.all(m.max(axis=1) > 0.5)  # each row's argmax is its own column
+    perm = np.asarray(jax.jit(P.hard_permutation)(m))
+    rows, cols = scipy.optimize.linear_sum_assignment(m, maximize=True)
+    np.testing.assert_array_equal(perm[rows], cols)
+    np.testing.assert_array_equal(perm, target)
+    # far from a permutation it is still a bijection, and greedy: within half the optimum
+    for m in (rng.uniform(size=(n, n)), np.zeros((n, n)), np.full((n, n), np.nan)):
+        perm = np.asarray(P.hard_permutation(jnp.asarray(m, jnp.float32)))
+        assert perm.dtype == np.int32 and sorted(perm.tolist()) == list(range(n))
+        if not np.isnan(m).any():
+            rows, cols = scipy.optimize.linear_sum_assignment(m, maximize=True)
+            assert optimal_weight(m, perm) >= 0.5 * optimal_weight(m, cols) - 1e-9
+
+
+def test_hard_permutation_of_stacked_matrices(rng):
+    ms, targets = zip(*(near_permutation(rng, 9, 0.3) for _ in range(6)), strict=True)
+    perms = P.hard_permutation(jnp.asarray(np.stack(ms)).reshape(2, 3, 9, 9))
+    np.testing.assert_array_equal(perms.reshape(6, 9), np.stack(targets))
+
+
+def test_doubly_stochastic_and_the_l1_l2_penalty(rng):
+    soft = jnp.asarray(rng.normal(size=(2, 16, 16)), jnp.float32)
+    m = np.asarray(P.doubly_stochastic(soft), np.float64)
+    assert np.all(m >= 0)
+    np.testing.assert_allclose(m.sum(-2), 1.0, rtol=1e-5)  # columns: the last normalisation
+    np.testing.assert_allclose(m.sum(-1), 1.0, rtol=0.1)
+    want = sum(np.abs(a).sum(axis) - np.sqrt((a * a).sum(axis)) for a in m for axis in (0, 1)).sum()
+    np.testing.assert_allclose(P.l1_l2_penalty(jnp.asarray(m, jnp.float32)), want, rtol=1e-5)
+    identity = np.eye(16)[rng.permutation(16)]
+    assert float(P.l1_l2_penalty(jnp.asarray(identity, jnp.float32))) == 0.0
+    assert float(P.l1_l2_penalty(jnp.asarray(0.9 * identity + 0.1 / 16, jnp.float32))) > 0.1
+
+
+def reference_soft_matrix(soft, iters=P.SINKHORN_ITERS):
+    """Sinkhorn written with explicit row and column sums as products with a vector of ones."""
+    m = jnp.abs(soft) + 1e-12
+    ones = jnp.ones((soft.shape[0],), soft.dtype)
+    for _ in range(iters):
+        m = m / (m @ ones)[:, None]
+        m = m / (ones @ m)[None, :]
+    return m
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(("block_size", "n_in", "n_out"), [(1, 24, 40), (1, 40, 24), (8, 32, 16)])
+def test_soft_phase_forward_and_gradients_against_a_dense_reference(dtype, block_size, n_in, n_out):
+    """At strength 0 the gate is the hard top-K: the layer is ``(x @ M.T) @ W.T + bias`` with a
+    dense ``W`` of the top-K diagonals, plus 0.01 times the penalty of ``M``."""
+    kwargs = dict(sparsity=0.5, block_size=block_size, impl="jax", dtype=dtype)
+    layer = DiagonalDense(n_out, permutation="learned", permutation_penalty=0.01, **kwargs)
+    x = jax.random.normal(jax.random.key(1), (6, n_in), jnp.float32).astype(dtype)
+    v = layer.init(jax.random.key(0), x)
+    alpha = jax.random.normal(jax.random.key(2), v["params"]["alpha"].shape)  # distinct scores
+    v = {**v, "params": {**v["params"], "alpha": alpha}}
+    k = layer.budget(n_in)
+    offsets = dd.select_diagonals(v["params"]["alpha"], k)
+
+    def ours(params, x):
+        y, aux = layer.apply(
+            {**v, "params": params}, x, strength=0.0, mutable=["losses", "intermediates"]
+        )
+        (penalty,) = aux["losses"]["permutation_penalty"]
+        return loss(y) + penalty, (y, aux["intermediates"]["permutation_penalty"][0])
+
+    def reference(params, x):
+        m = reference_soft_matrix(params["perm_soft"])
+        values = params["values"][offsets].astype(dtype)
+        w = dd.diag_to_dense(values, offsets, in_features=n_in, out_features=n_out)
+        y = (x @ m.T.astype(dtype)) @ w.T + params["bias"].astype(dtype)[None, :]
+        a = jnp.abs(m)
+        penalty = sum(jnp.sum(jnp.sum(a, axis) - jnp.sqrt(jnp.sum(m * m, axis))) for axis in (0, 1))
+        return loss(y) + 0.01 * penalty, (y, penalty)
+
+    grad = jax.value_and_grad(ours, argnums=(0, 1), has_aux=True)
+    (_, (y, penalty)), (dparams, dx) = grad(v["params"], x)
+    grad_ref = jax.value_and_grad(reference, argnums=(0, 1), has_aux=True)
+    (_, (y_ref, penalty_ref)), (dparams_ref, dx_ref) = grad_ref(v["params"], x)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32), **tol)
+    np.testing.assert_allclose(penalty, penalty_ref, rtol=1e-5)
+    pairs = [(dx, dx_ref)] + [(dparams[n], dparams_ref[n]) for n in ("perm_soft", "bias")]
+    # the search gives every diagonal a value gradient; the kept ones are the dense W's
+    pairs.append((dparams["values"][offsets], dparams_ref["values"][offsets]))
+    for a, b in pairs:
+        scale = max(float(np.max(np.abs(np.asarray(b, np.float32)))), 1e-6)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32) / scale, np.asarray(b, np.float32) / scale, **tol
+        )
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        del train
+        x = DiagonalDense(16, sparsity=0.5, permutation="learned", impl="jax", name="hidden")(x)
+        return nn.Dense(4)(nn.relu(x))
+
+
+def test_the_training_step_adds_the_sown_penalty_to_the_loss():
+    from dynadiag_jax import training as T
+
+    model, tx = Net(), optax.sgd(0.1)
+    batch = {
+        "image": jax.random.normal(jax.random.key(1), (8, 12)),
+        "label": jnp.arange(8, dtype=jnp.int32) % 4,
+    }
+    state = T.create_train_state(model, tx, batch["image"], seed=0)
+    gate = T.GateSchedule("strength", lambda step: 0.5)
+    step = jax.jit(T.make_train_step(model, tx, T.Classification(4), gate=gate))
+    after, metrics = step(state, batch)
+    assert "losses" not in after.collections  # sown per step, not state
+    m = P.doubly_stochastic(state.params["hidden"]["perm_soft"])
+    penalty = P.l1_l2_penalty(m)
+    np.testing.assert_allclose(metrics["aux_loss"], np.float32(P.DEFAULT_PENALTY) * penalty, 1e-5)
+    np.testing.assert_allclose(metrics["permutation_penalty/hidden"], penalty, rtol=1e-6)
+
+    def task_loss(params):
+        variables = {"params": params, **state.collections}
+        logits = model.apply(dd.nn.set_gate(variables, strength=0.5), batch["image"])
+        return T.Classification(4).loss(logits, jax.nn.one_hot(batch["label"], 4), batch)[0]
+
+    def penalty_of(soft):
+        return np.float32(P.DEFAULT_PENALTY) * P.l1_l2_penalty(P.doubly_stochastic(soft))
+
+    # SGD: the step moved perm_soft by the gradient of the task loss plus the penalty's
+    want = jax.grad(task_loss)(state.params)["hidden"]["perm_soft"]
+    want = want + jax.grad(penalty_of)(state.params["hidden"]["perm_soft"])
+    moved = (state.params["hidden"]["perm_soft"] - after.params["hidden"]["perm_soft"]) / 0.1
+    np.testing.assert_allclose(moved, want, rtol=1e-3, atol=1e-6)
+
+
+def test_the_penalty_drives_the_soft_matrix_to_the_permutation_the_freeze_keeps():
+    """Minimising the penalty alone from the init ends near a permutation matrix: the hardened
+    perm is then what the soft product computes (the freeze keeps the function)."""
+    n = 16
+    soft = P.init_soft(jax.random.key(0), (n, n))
+    tx = optax.adam(0.05)
+    opt = tx.init(soft)
+
+    def penalty(soft):
+        return P.l1_l2_penalty(P.doubly_stochastic(soft))
+
+    @jax.jit
+    def step(soft, opt):
+        g = jax.grad(penalty)(soft)
+        with jax.numpy_dtype_promotion("standard"):  # optax's int32 count beside floats
+            updates, opt = tx.update(g, opt)
+        return optax.apply_updates(soft, updates), opt
+
+    start = float(penalty(soft))
+    for _ in range(300):
+        soft, opt = step(soft, opt)
+    assert float(penalty(soft)) < 0.05 * start
+    perm = P.harden(soft)
+    assert sorted(np.asarray(perm).tolist()) == list(range(n))
+    x = jax.random.normal(jax.random.key(1), (4, n))
+    np.testing.assert_allclose(
+        P.soft_permute(x, P.doubly_stochastic(soft)), x[:, perm], rtol=0.05, atol=0.05
+    )
