@@ -32,9 +32,7 @@ import numbers
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
@@ -51,11 +49,8 @@ BLOCK_SIZES = (1, *KERNEL_BLOCK_SIZES)
 
 def _host_int(value):
     """``value`` as a Python int when it can be read without a trace or a device sync, else None."""
-    if isinstance(value, jax.core.Tracer):
-        return None
-    if isinstance(value, jax.Array) and not all(d.platform == "cpu" for d in value.devices()):
-        return None
-    return int(np.asarray(value))
+    host = perms.host_array(value)
+    return None if host is None else int(host)
 
 
 class DiagonalDense(nn.Module):

@@ -33,6 +33,7 @@ __all__ = [
     "doubly_stochastic",
     "hard_permutation",
     "harden",
+    "host_array",
     "init_soft",
     "apply_permutation",
     "is_permutation",
@@ -152,7 +153,7 @@ def _problem(perm: np.ndarray, n: int) -> str | None:
     return None
 
 
-def _host_array(value) -> np.ndarray | None:
+def host_array(value) -> np.ndarray | None:
     """``value`` as numpy when it can be read without a trace or a device sync, else None."""
     if isinstance(value, jax.core.Tracer):
         return None
@@ -177,7 +178,7 @@ def apply_permutation(x, perm, label: str):
             f"{n} inputs), got {dtype}{shape}: x's width differs from the one the layer was "
             f"made for, or the variables are not this layer's"
         )
-    host = _host_array(perm)
+    host = host_array(perm)
     if host is not None:
         problem = _problem(host.astype(np.int64), n)
         if problem is not None:
