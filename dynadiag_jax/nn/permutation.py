@@ -203,7 +203,7 @@ def hard_permutation(m):
     largest entry is in a column of its own - true of a doubly stochastic ``m`` whose rows each
     have an entry above 1/2, as the penalty drives them - that is every row's argmax and the
     maximum-weight assignment (what ``scipy.optimize.linear_sum_assignment`` finds); otherwise it
-    is the greedy approximation (at least half the maximum weight). O(n^2) work in ``n`` steps.
+    is a greedy approximation with no bound claimed. O(n^2) work in ``n`` steps.
     """
     m = jnp.asarray(m, jnp.float32)
     lead, n = m.shape[:-2], m.shape[-1]
