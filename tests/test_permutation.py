@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 import scipy.optimize
-from flax import nnx
+from flax import nnx, traverse_util
 
 import dynadiag_jax as dd
 from dynadiag_jax.kernel_stats import describe_paths, model_paths
@@ -489,3 +489,30 @@ def test_the_penalty_drives_the_soft_matrix_to_the_permutation_the_freeze_keeps(
     np.testing.assert_allclose(
         P.soft_permute(x, P.doubly_stochastic(soft)), x[:, perm], rtol=0.05, atol=0.05
     )
+
+
+def test_nnx_training_with_the_penalty_then_freeze_and_continue():
+    model = dd.nnx.DiagonalDense(12, 20, sparsity=0.5, permutation="learned", rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (8, 12))
+    with jax.numpy_dtype_promotion("standard"):  # nnx.Optimizer hands optax an int32 count
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer):
+            def loss(m):
+                return jnp.mean(m(x) ** 2) + dd.nnx.permutation_penalty(m)
+
+            optimizer.update(model, nnx.grad(loss)(model))
+
+        start = float(dd.nnx.permutation_penalty(model))
+        for _ in range(5):
+            step(model, optimizer)
+        assert float(dd.nnx.permutation_penalty(model)) < start
+        frozen = dd.nnx.freeze(model)
+        continued = dd.nnx.freeze_opt_state(optimizer, model, frozen)
+        flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(continued)))
+        paths = {"/".join(map(str, p)) for p in flat}
+        assert not any("perm_soft" in p or "alpha" in p for p in paths)
+        step(frozen, continued)
+    assert int(continued.step.get_value()) == 6
+    assert sorted(np.asarray(frozen.perm.get_value()).tolist()) == list(range(12))
