@@ -10,6 +10,11 @@ jitted forward + backward (gradients of ``sum(y^2)`` for the layer's params and 
   ranking, the gate, the product and the gradients of all ``P`` scores and values;
 * ``flat``: the search phase at its start (every gate ``K / P``): all ``P`` diagonals computed.
 
+``--permutation random`` or ``learned`` builds the layer with that input permutation
+(``DiagonalDense(permutation=...)``: a gather of ``x`` before the product; while a learned one is
+soft, ``x @ M.T`` with ``M[in, in]`` in the search variants) and adds ``plain``: the frozen layer
+without a permutation, so ``frozen / plain`` is what the permutation costs after the freeze.
+
 Each time is printed with its ratio to ``frozen``; the training goal is a search step at most 1.3x
 the frozen one. Writes a CSV (``--out``, default ``bench/results/search_step_<time>.csv``).
 
@@ -68,11 +73,13 @@ def _with_scores(params, key):
     return traverse_util.unflatten_dict(flat)
 
 
-def functions(in_f: int, out_f: int, sparsity: float, batch: int, seed: int) -> dict:
-    """``{variant: (fn, args)}`` for one layer shape, sparsity and batch."""
+def functions(
+    in_f: int, out_f: int, sparsity: float, batch: int, seed: int, permutation=None
+) -> dict:
+    """``{variant: (fn, args)}`` for one layer shape, sparsity, batch and input permutation."""
     keys = jax.random.split(jax.random.key(seed), 4)
     x = jax.random.normal(keys[0], (batch, in_f), jnp.float32)
-    layer = dd.nn.DiagonalDense(out_f, sparsity=sparsity)
+    layer = dd.nn.DiagonalDense(out_f, sparsity=sparsity, permutation=permutation)
     variables = layer.init(keys[1], x)
     rest = {k: v for k, v in variables.items() if k != "params"}
     narrow = dd.nn.set_gate(
@@ -81,7 +88,15 @@ def functions(in_f: int, out_f: int, sparsity: float, batch: int, seed: int) -> 
     frozen = dd.freeze_tree(narrow)
     dense = nn.Dense(out_f)
     dense_params = dense.init(keys[3], x)["params"]
+    extra = {}
+    if permutation is not None:
+        plain = {c: {k: v for k, v in t.items() if k != "perm"} for c, t in frozen.items()}
+        extra["plain"] = (
+            _loss_grad(layer.clone(permutation=None), {"diagonals": plain["diagonals"]}),
+            (plain["params"], x),
+        )
     return {
+        **extra,
         "dense": (_loss_grad(dense, {}), (dense_params, x)),
         "frozen": (
             _loss_grad(layer, {k: v for k, v in frozen.items() if k != "params"}),
@@ -95,14 +110,18 @@ def functions(in_f: int, out_f: int, sparsity: float, batch: int, seed: int) -> 
     }
 
 
+def variants(permutation) -> tuple[str, ...]:
+    return VARIANTS if permutation is None else ("plain", *VARIANTS)
+
+
 def run(args, progress) -> list[dict]:
     rows = []
     for in_f, out_f in args.shapes:
         for sparsity in args.sparsity:
             for batch in args.batch:
-                fns = functions(in_f, out_f, sparsity, batch, args.seed)
+                fns = functions(in_f, out_f, sparsity, batch, args.seed, args.permutation)
                 median = time_interleaved(fns, args.repeats, progress)
-                for name in VARIANTS:
+                for name in variants(args.permutation):
                     rows.append(
                         dict(
                             shape=f"{in_f}->{out_f}",
@@ -123,8 +142,11 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=parse_sizes("batch sizes", "128,1024"), default=(128, 1024))
     parser.add_argument("--repeats", type=int, default=101)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--permutation", choices=("none", "random", "learned"), default="none")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
+    args.permutation = None if args.permutation == "none" else args.permutation
+    names = variants(args.permutation)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -133,14 +155,14 @@ def main(argv=None) -> None:
         f"jax {jax.__version__}, backend {jax.default_backend()}, forward + backward, "
         f"interleaved, median of {args.repeats} (us, and ratio to the frozen layer)"
     )
-    total = len(args.shapes) * len(args.sparsity) * len(args.batch) * len(VARIANTS) * args.repeats
+    total = len(args.shapes) * len(args.sparsity) * len(args.batch) * len(names) * args.repeats
     with tqdm(total=total, unit="call") as progress:
         rows = run(args, progress)
-    header = f"{'shape':>10} {'sparsity':>8} {'batch':>5} " + " ".join(f"{v:>17}" for v in VARIANTS)
+    header = f"{'shape':>10} {'sparsity':>8} {'batch':>5} " + " ".join(f"{v:>17}" for v in names)
     print(header)
     print("-" * len(header))
-    for i in range(0, len(rows), len(VARIANTS)):
-        group = rows[i : i + len(VARIANTS)]
+    for i in range(0, len(rows), len(names)):
+        group = rows[i : i + len(names)]
         cells = " ".join(f"{r['us']:>9.1f} {r['vs_frozen']:>6.2f}x" for r in group)
         first = group[0]
         print(f"{first['shape']:>10} {first['sparsity']:>8g} {first['batch']:>5} {cells}")

@@ -2,7 +2,9 @@
 
 A frozen layer holds params ``values[K, *V]`` (+ ``bias``; ``V = (D,)`` for element diagonals,
 ``(L_b, b, b)`` for block diagonals) and, in the ``"diagonals"``
-collection, ``offsets[K]`` int32 and ``in_features`` (int32 scalar, its input width); it computes
+collection, ``offsets[K]`` int32, ``in_features`` (int32 scalar, its input width) and, with an
+input permutation, ``perm[in]`` int32 (a learned one is hardened here from ``perm_soft``,
+:func:`dynadiag_jax.nn.permutation.harden`; a random one passes through); it computes
 exactly the hard top-K product (gate 1 on the selected diagonals), with memory and compute K/P of
 a dense layer. All functions here are pure and jit-able (K comes from static shapes), so a
 training loop can freeze inside ``jax.jit``.
@@ -22,11 +24,14 @@ import jax.numpy as jnp
 
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
 from dynadiag_jax.nn.functional import search_width, select_diagonals
+from dynadiag_jax.nn.permutation import harden
 
 __all__ = ["freeze", "freeze_tree", "freeze_opt_state", "select_diagonals"]
 
 # Entries of a layer's "dynadiag" collection that only the search phase uses.
 _SEARCH_STATE = ("strength", "temperature", "topk", "score")
+# Params that only the search phase has: the scores and a learned permutation's soft matrix.
+_SEARCH_PARAMS = ("alpha", "perm_soft")
 
 
 def _gather_rows(values, offsets):
@@ -98,7 +103,7 @@ def _input_width(node, structure) -> Any:
 
 def _freeze_params(node, k: int):
     offsets = select_diagonals(node["alpha"], k)
-    params = {name: value for name, value in node.items() if name != "alpha"}
+    params = {name: value for name, value in node.items() if name not in _SEARCH_PARAMS}
     params["values"] = _gather_rows(node["values"], offsets)
     return params, offsets
 
@@ -164,7 +169,8 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
 
     Returns:
       Variables with each such layer's params ``{"values": [..., K, *V], "bias"?}``, its
-      ``"diagonals"`` entry ``{"offsets": [..., K] int32, "in_features": [...] int32}``, and its
+      ``"diagonals"`` entry ``{"offsets": [..., K] int32, "in_features": [...] int32}`` (and
+      ``"perm": [..., in] int32`` hardened from a learned permutation's ``perm_soft``), and its
       search entries removed from ``"dynadiag"`` (the collection disappears when empty).
       ``in_features`` is left out only for variables made before it was stored whose shapes do
       not fix it (a rectangular layer without bias).
@@ -196,6 +202,8 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
         params, offsets = _freeze_params(layer, k)
         params["values"] = finite_values(layer["alpha"], params["values"], path)
         entries = {"offsets": offsets}
+        if "perm_soft" in layer:
+            entries["perm"] = harden(layer["perm_soft"])
         if width is not None:
             entries["in_features"] = width
         _set_path(diagonals, path, entries)
@@ -271,7 +279,7 @@ def _convert_params_like(node, before, after):
         offsets = select_diagonals(before["alpha"], k)
         out = {}
         for key, value in node.items():
-            if key == "alpha":
+            if key in _SEARCH_PARAMS:
                 continue
             if key == "values" and getattr(value, "shape", None) == before["values"].shape:
                 value = _gather_rows(value, offsets)
@@ -290,9 +298,10 @@ def freeze_opt_state(opt_state: Any, params_before, params_after):
 
     Every params-shaped tree inside ``opt_state`` (Adam ``mu``/``nu``, momentum traces, ...,
     including the ``MaskedNode`` trees of ``optax.masked``/``multi_transform``) loses its ``alpha``
-    entries, and keeps for ``values`` the rows of the selected diagonals, selected exactly as
-    :func:`freeze_tree` does (top-K of ``params_before``'s alpha, K from ``params_after``). Counts
-    and other leaves are kept. The result has the structure ``tx.init(params_after)`` would give.
+    (and ``perm_soft``) entries, and keeps for ``values`` the rows of the selected diagonals,
+    selected exactly as :func:`freeze_tree` does (top-K of ``params_before``'s alpha, K from
+    ``params_after``). Counts and other leaves are kept. The result has the structure
+    ``tx.init(params_after)`` would give.
 
     Args:
       opt_state: state of an optax transformation initialised on ``params_before``.

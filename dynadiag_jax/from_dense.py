@@ -79,8 +79,10 @@ def _layer_matrix(path: tuple, kernel, lead: tuple, n_in: int, n_out: int):
     return jnp.swapaxes(w, -1, -2)
 
 
-def _layer_params(path, template: dict, dense: dict, in_features, gate_value) -> dict:
-    """A search-phase layer's params from the dense layer's ``kernel`` (and ``bias``)."""
+def _layer_params(path, template: dict, dense: dict, in_features, gate_value, perm) -> dict:
+    """A search-phase layer's params from the dense layer's ``kernel`` (and ``bias``); with an
+    input permutation ``perm[..., in]`` the diagonals are those of ``W[:, perm]``, the matrix
+    that the layer applies to ``x[..., perm]``."""
     alpha, values = template["alpha"], template["values"]
     lead = _shape(alpha)[:-1]
     kernel = dense.get("kernel")
@@ -94,6 +96,9 @@ def _layer_params(path, template: dict, dense: dict, in_features, gate_value) ->
     n_in = int(np.asarray(in_features).reshape(-1)[0])
     n_out = math.prod(_shape(values)[len(lead) :]) // n_in  # the P diagonals tile W[out, in]
     w = _layer_matrix(path, kernel, lead, n_in, n_out)
+    if perm is not None:
+        columns = jnp.asarray(perm, jnp.int32)[..., None, :]
+        w = jnp.take_along_axis(w, jnp.broadcast_to(columns, _shape(w)), axis=-1)
     block_size = _shape(values)[-1] if values.ndim - alpha.ndim == 3 else 1
     every = jnp.arange(_shape(alpha)[-1], dtype=jnp.int32)
     diag = lambda m: dense_to_diag(m, every, block_size=block_size)  # noqa: E731
@@ -227,7 +232,14 @@ def from_dense(
         value = jnp.expand_dims(jnp.asarray(value, jnp.float32), -1)  # per slice of a stack
         layer_t = {k[-1]: v for k, v in flat_t.items() if k[:-1] == path}
         layer_d = {k[-1]: v for k, v in dense_params.items() if k[:-1] == path}
-        for key, leaf in _layer_params(path, layer_t, layer_d, width, value).items():
+        perm = diagonals.get(path + ("perm",))
+        if "perm_soft" in layer_t:
+            raise ValueError(
+                f"from_dense: the template's layer at params/{_name(path)} learns its input "
+                f"permutation (perm_soft), whose soft start mixes every input, so the dense "
+                f"layer's function cannot be carried over; use permutation=None or 'random'"
+            )
+        for key, leaf in _layer_params(path, layer_t, layer_d, width, value, perm).items():
             params[path + (key,)] = leaf
         if path + ("topk",) in gates:
             k = _shape(gates[path + ("topk",)])[-1]

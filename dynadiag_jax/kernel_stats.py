@@ -10,7 +10,9 @@ cores for bfloat16/float16 with ``b`` a multiple of 16, CUDA cores otherwise.
 
 :func:`kernel_stats` applies the kernels' rules on the host, so a learned set of offsets shows the
 efficiency to expect; with ``rows`` it also gives the cost model's predicted time of every GPU path
-(:mod:`dynadiag_jax.gpu_cost`, docs/gpu_cost_model.md). :func:`model_paths` says, for every sparse
+(:mod:`dynadiag_jax.gpu_cost`, docs/gpu_cost_model.md). An input permutation does not change
+any of this: the layer gathers ``x[..., perm]`` before the product, so the kernels see the same
+offsets. :func:`model_paths` says, for every sparse
 layer of a model, which path ``impl="auto"`` takes on a platform and (on a GPU) the model's
 predicted speed against the dense layer; :func:`describe_paths` words it for a log.
 """
@@ -188,6 +190,9 @@ class LayerPath(NamedTuple):
     # each against the dense layer (XLA's dot on a dense W parameter)
     kernel_speedup: tuple | None = None
     path_speedup: tuple | None = None
+    # the layer's input permutation ("random", "learned") or None: a gather of x before the
+    # product (a dense in x in product while a learned one is soft), not part of the kernels
+    permutation: str | None = None
 
 
 def model_paths(model, *init_args, platform: str | None = None) -> list[LayerPath]:
@@ -213,15 +218,16 @@ def model_paths(model, *init_args, platform: str | None = None) -> list[LayerPat
         if isinstance(layer, DiagonalDense) and context.method_name == "__call__":
             width = args[0].shape[-1]
             facts = (y.shape, y.dtype, width, layer.budget(width), layer.block_size)
-            calls["/".join(layer.path)] = facts
+            calls["/".join(layer.path)] = (*facts, layer.permutation)
         return y
 
     with nn.intercept_methods(record):
         jax.eval_shape(lambda *a: model.init(*a), *init_args)  # a fresh trace: nothing cached
     platform = auto.current_platform() if platform is None else platform
     out = []
-    for name, (y_shape, dtype, in_f, k, b) in sorted(calls.items()):
-        out.append(_layer_path(name, in_f, y_shape, dtype, k, b, platform))
+    for name, (y_shape, dtype, in_f, k, b, permutation) in sorted(calls.items()):
+        path = _layer_path(name, in_f, y_shape, dtype, k, b, platform)
+        out.append(path._replace(permutation=permutation))
     return out
 
 
@@ -256,6 +262,8 @@ def describe_paths(paths: list[LayerPath]) -> list[str]:
     lines = []
     for p, names in groups.items():
         b = f", blocks of {p.block_size}" if p.block_size > 1 else ", element diagonals"
+        if p.permutation is not None:
+            b += f", {p.permutation} input permutation"
         line = (
             f"{len(names)} x {p.in_features}->{p.out_features}{b}, K={p.num_diagonals} "
             f"({names[0]}{', ...' if len(names) > 1 else ''}) on {p.platform}: "

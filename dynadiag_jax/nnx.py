@@ -11,7 +11,9 @@ linen's variables hold, by variable type instead of collection:
   int32, ``score`` bool;
 * frozen: ``nnx.Param`` ``values[K, *V]``, ``bias``; :class:`Diagonals` (linen's ``"diagonals"``)
   ``offsets[K]`` int32;
-* both: :class:`Diagonals` ``in_features`` (int32 scalar).
+* both: :class:`Diagonals` ``in_features`` (int32 scalar);
+* with an input permutation: :class:`Diagonals` ``perm[in]`` int32 (``"random"``, and
+  ``"learned"`` once frozen), or ``nnx.Param`` ``perm_soft[in, in]`` (``"learned"``, search phase).
 
 ``V = (D,)`` for element diagonals, ``(L_b, b, b)`` for block diagonals (``block_size = b``).
 Unlike linen, a search-phase call always refreshes ``topk`` (NNX state is mutable); the search
@@ -20,6 +22,7 @@ statistics are not recorded.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -32,6 +35,7 @@ from dynadiag_jax.freeze import finite_values
 from dynadiag_jax.freeze import freeze_opt_state as freeze_params_opt_state
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
+from dynadiag_jax.nn import permutation as perms
 from dynadiag_jax.nn.lora import adapter_rules, check_rank, default_a_init, low_rank_term
 from dynadiag_jax.nn.search import gate_inputs, search_forward
 from dynadiag_jax.nn.sparsify import first_match, parse_rules, unmatched_message
@@ -47,6 +51,7 @@ __all__ = [
     "freeze",
     "freeze_opt_state",
     "lora_fa",
+    "permutation_penalty",
     "set_gate",
     "sparsify",
 ]
@@ -59,7 +64,8 @@ class GateState(nnx.Variable):
 
 
 class Diagonals(nnx.Variable):
-    """Which diagonals a layer holds: frozen ``offsets[K]`` and ``in_features`` (not trained)."""
+    """Which diagonals a layer holds: frozen ``offsets[K]``, ``in_features`` and the input
+    permutation ``perm[in]`` (not trained)."""
 
 
 class DiagonalDense(nnx.Module):
@@ -74,6 +80,8 @@ class DiagonalDense(nnx.Module):
         bias_init, fan_in, scale: as
         :class:`dynadiag_jax.nn.DiagonalDense`.
       init_phase: ``"search"``, or ``"frozen"`` for K random offsets (static diagonals).
+      permutation, permutation_penalty: as :class:`dynadiag_jax.nn.DiagonalDense`; the weighted
+        penalty of the learned layers is :func:`permutation_penalty` (add it to the loss).
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
     Shapes: ``x[..., in_features] -> [..., out_features]``.
@@ -101,6 +109,8 @@ class DiagonalDense(nnx.Module):
         bias_init=F.DEFAULT_BIAS_INIT,
         fan_in: str = "sparse",
         scale: str = "rms",
+        permutation: str | None = None,
+        permutation_penalty: float = perms.DEFAULT_PENALTY,
         rngs: nnx.Rngs,
     ):
         for name, value in (("in_features", in_features), ("out_features", out_features)):
@@ -120,6 +130,7 @@ class DiagonalDense(nnx.Module):
         if not slack >= 0:
             raise ValueError(f"slack must be >= 0, got {slack!r}")
         F.check_init_and_search(fan_in, scale)
+        perms.check_permutation_args(permutation, permutation_penalty)
         if gate_init is not None:
             check_gate_value(gate_init, "gate_init")
         budget = F.layer_budget(
@@ -161,6 +172,15 @@ class DiagonalDense(nnx.Module):
             if use_bias
             else None
         )
+        self.permutation = permutation
+        self.permutation_penalty = float(permutation_penalty)
+        n = spec.in_features
+        if permutation == "random" or (permutation == "learned" and init_phase == "frozen"):
+            self.perm = Diagonals(perms.random_permutation(rngs.params(), n))
+        elif permutation == "learned":
+            self.perm_soft = nnx.Param(
+                perms.init_soft(rngs.params(), (n, n), work_dtype(param_dtype))
+            )
 
     @property
     def frozen(self) -> bool:
@@ -199,6 +219,10 @@ class DiagonalDense(nnx.Module):
             else promote_floats(x.dtype, self.param_dtype)
         )
         x = x.astype(dtype)
+        if hasattr(self, "perm_soft"):
+            x = perms.soft_permute(x, self._soft_matrix())
+        elif hasattr(self, "perm"):
+            x = perms.apply_permutation(x, self.perm.get_value(), "DiagonalDense")
         if self.frozen:
             y = F.frozen_forward(spec, self.values.get_value(), self.offsets.get_value(), x)
         else:
@@ -214,6 +238,18 @@ class DiagonalDense(nnx.Module):
             bias = self.bias.get_value().astype(dtype)
             y = y + bias.reshape((1,) * (y.ndim - 1) + (spec.out_features,))
         return y
+
+    def _soft_matrix(self):
+        soft = self.perm_soft.get_value().astype(work_dtype(self.param_dtype))
+        return perms.doubly_stochastic(soft)
+
+    def penalty(self):
+        """``permutation_penalty`` times the l1-l2 penalty of the soft permutation (float32
+        scalar; 0 without one)."""
+        if not hasattr(self, "perm_soft"):
+            return jnp.zeros((), jnp.float32)
+        weight = jnp.float32(self.permutation_penalty)
+        return weight * perms.l1_l2_penalty(self._soft_matrix())
 
 
 class DiagonalDenseGeneral(DiagonalDense):
@@ -296,6 +332,16 @@ def set_gate(model, *, strength=None, temperature=None, score=None):
             m.score.set_value(jnp.asarray(score, jnp.bool_))
 
 
+def permutation_penalty(model):
+    """The sum of every :class:`DiagonalDense`'s :meth:`~DiagonalDense.penalty` in ``model``
+    (float32 scalar): the term a loss adds for learned permutations (linen layers sow it into
+    their ``"losses"`` collection instead)."""
+    total = jnp.zeros((), jnp.float32)
+    for _, m in _layers(model):
+        total = total + m.penalty()
+    return total
+
+
 def _kept(alpha, values, k: int):
     """``(offsets[K], values[K, *V])`` of the ``k`` diagonals with the largest ``alpha[P]``;
     abstract arrays (``jax.ShapeDtypeStruct``, from ``nnx.eval_shape``) give abstract ones."""
@@ -331,6 +377,15 @@ def freeze(model):
             delattr(m, name)
         m.offsets = Diagonals(offsets)
         m.values = nnx.Param(values)
+        if hasattr(m, "perm_soft"):
+            soft = m.perm_soft.get_value()
+            harden = (
+                functools.partial(jax.eval_shape, perms.harden)
+                if isinstance(soft, jax.ShapeDtypeStruct)
+                else perms.harden
+            )
+            del m.perm_soft
+            m.perm = Diagonals(harden(soft))
     return frozen
 
 

@@ -164,7 +164,23 @@ def test_search_step_benchmark_times_every_variant_against_the_frozen_layer(run_
             assert ratio == 1.0, r
 
 
-@pytest.mark.parametrize("option", [["--shapes", "64"], ["--sparsity", "1"], ["--repeats", "0"]])
+@pytest.mark.parametrize("permutation", ["random", "learned"])
+def test_search_step_benchmark_with_a_permutation_adds_the_plain_frozen_layer(
+    run_python, tmp_path, permutation
+):
+    out = tmp_path / "search.csv"
+    script = str(ROOT / "bench" / "search_step.py")
+    args = ["--shapes", "64:96", "--sparsity", "0.9", "--batch", "4", "--repeats", "2"]
+    run_python([script, *args, "--permutation", permutation, "--out", str(out)])
+    _, rows = read_rows(out)
+    assert [r["variant"] for r in rows] == ["plain", "dense", "frozen", "narrow", "flat"]
+    assert all(math.isfinite(float(r["us"])) and float(r["us"]) > 0 for r in rows)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [["--shapes", "64"], ["--sparsity", "1"], ["--repeats", "0"], ["--permutation", "sorted"]],
+)
 def test_search_step_benchmark_refuses_bad_options(run_python, option):
     proc = run_python([str(ROOT / "bench" / "search_step.py"), *option], check=False)
     assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr

@@ -94,6 +94,26 @@ def test_values_are_the_kernel_entries_on_each_diagonal(n_in, n_out, b):
     )
 
 
+@pytest.mark.parametrize("n_in, n_out", [(8, 24), (24, 8)], ids=["tall", "wide"])
+@pytest.mark.parametrize("b", [1, 8])
+def test_a_random_input_permutation_keeps_the_dense_function(n_in, n_out, b):
+    """With every diagonal kept, the permuted layer is the dense layer whatever its perm."""
+    x = jax.random.normal(jax.random.key(3), (4, n_in))
+    dense = random_dense(Single(n_out), x)
+    every = max(n_in, n_out) if b == 1 else min(n_in, n_out) // b
+    rule = {"k": every, "block_size": b, "permutation": "random", "impl": "jax"}
+    model = dd.nn.sparsify(Single(n_out), [("layer", rule)])
+    template = model.init(jax.random.key(5), x)
+    assert not np.array_equal(template["diagonals"]["layer"]["perm"], np.arange(n_in))
+    frozen = dd.freeze_tree(dd.from_dense(dense, template))
+    np.testing.assert_allclose(
+        model.apply(frozen, x), Single(n_out).apply(dense, x), rtol=1e-5, atol=1e-5
+    )
+    learned = dd.nn.sparsify(Single(n_out), [("layer", {**rule, "permutation": "learned"})])
+    with pytest.raises(ValueError, match="layer at params/layer learns its input permutation"):
+        dd.from_dense(dense, learned.init(jax.random.key(5), x))
+
+
 @pytest.mark.parametrize("b", [1, 8])
 def test_alpha_ranks_by_energy_at_the_gate_value(b):
     n_in, n_out = 16, 40

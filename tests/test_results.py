@@ -418,6 +418,77 @@ def test_fingerprint_of_block_methods_differs_per_size_and_element_ignores_block
     assert fp("dynadiag") == element
 
 
+def test_fingerprint_of_permutations_and_runs_without_one_hash_as_before():
+    config = _config("models=mlp")
+    methods = baselines.METHODS
+    fp = lambda method: results.fingerprint(config, "mlp", method, 100)  # noqa: E731
+    before = {m: fp(m) for m in methods}
+    with config.unlocked():
+        section = config.models.mlp.dynadiag
+        del section["permutation"], section["permutation_penalty"]
+    assert {m: fp(m) for m in methods} == before  # "none" is the section without the keys
+    with config.unlocked():
+        section.permutation, section.permutation_penalty = "random", 1e-3
+    random = {m: fp(m) for m in methods}
+    assert sorted(m for m in methods if random[m] != before[m]) == ["dynadiag", "static_diagonals"]
+    with config.unlocked():
+        section.permutation_penalty = 0.5  # only a learned permutation reads it
+    assert fp("dynadiag") == random["dynadiag"]
+    with config.unlocked():
+        section.permutation = "learned"
+    learned = fp("dynadiag")
+    with config.unlocked():
+        section.permutation_penalty = 1e-3
+    assert len({learned, fp("dynadiag"), random["dynadiag"], before["dynadiag"]}) == 4
+
+
+@pytest.mark.parametrize("method", ["dynadiag", "static_diagonals"])
+@pytest.mark.parametrize("permutation", ["random", "learned", "none"])
+def test_dynadiag_permutation_reaches_every_sparse_layer(method, permutation):
+    config = _config("models=mlp")
+    m = config.models.mlp
+    with config.unlocked():
+        m.dynadiag.permutation = permutation
+
+    def build():
+        return baselines.build(
+            method,
+            model_cfg=m.model,
+            dynadiag_cfg=m.dynadiag,
+            unstructured_cfg=config.unstructured,
+            optimizer_cfg=m.optimizer,
+            sparsity=0.9,
+            num_steps=10,
+            warmup_steps=1,
+            seed=0,
+            num_classes=10,
+        )
+
+    if method == "static_diagonals" and permutation == "learned":
+        with pytest.raises(common.ConfigError, match="permutation='random'"):
+            build()
+        return
+    built = build()
+    x = jnp.ones((2, 28, 28, 1), jnp.float32)
+    variables = jax.eval_shape(lambda: built.model.init(jax.random.key(0), x))
+    layers = dict(variables["diagonals"])
+    assert layers
+    for name, entry in layers.items():
+        assert ("perm" in entry) == (permutation == "random"), name
+        has_soft = "perm_soft" in variables["params"][name]
+        assert has_soft == (permutation == "learned"), name
+
+
+def test_a_bad_dynadiag_permutation_is_a_config_error():
+    config = _config("models=mlp")
+    with config.unlocked():
+        config.models.mlp.dynadiag.permutation = "shuffled"
+    with pytest.raises(
+        common.ConfigError, match="dynadiag.permutation must be one of none, random"
+    ):
+        common.sparse_layer(config.models.mlp.dynadiag)
+
+
 @pytest.mark.slow
 def test_end_to_end_tiny_transformer_suites(tmp_path, run_python):
     """The ViT and GPT suites shrunk to the ``mu`` models: records, curves, timings, report."""

@@ -6,7 +6,8 @@ recipe:
 
 * ``dense``: ``flax.linen.Dense`` everywhere;
 * ``dynadiag``: DiagonalDense with the learned selection (search, then freeze);
-* ``static_diagonals``: DiagonalDense in its frozen form from the start, ``K`` random offsets;
+* ``static_diagonals``: DiagonalDense in its frozen form from the start, ``K`` random offsets
+  (with ``dynadiag.permutation="random"``, a fixed random input permutation too);
 * ``rigl``, ``set``, ``mest``: dense layers whose selected kernels an optimizer wrapper keeps
   unstructured-sparse (masks in the optimizer state, :mod:`dynadiag_jax.baselines`).
 
@@ -43,6 +44,7 @@ READS = {
         "dynadiag.sparsity",
         "dynadiag.block_size",
         "dynadiag.fan_in",
+        "dynadiag.permutation",
     ),
     **{m: ("dynadiag.layers", "dynadiag.sparsity", "unstructured") for m in UNSTRUCTURED},
 }
@@ -163,6 +165,12 @@ def build(
         freeze = common.freeze_step(diag_cfg, num_steps)
         gate = common.gate_schedule(diag_cfg, freeze, num_steps)
     elif method == "static_diagonals":
+        permutation = common.permutation_of(dynadiag_cfg)
+        if permutation == "learned":
+            raise common.ConfigError(
+                "static_diagonals never search, so a learned permutation would never be hardened: "
+                "use dynadiag.permutation='random' (or 'none') with static_diagonals"
+            )
         static = functools.partial(
             dd.nn.DiagonalDense,
             sparsity=float(sparsity),
@@ -170,6 +178,7 @@ def build(
             init_phase="frozen",
             fan_in=dynadiag_cfg.fan_in,
             impl=dynadiag_cfg.get("impl", "auto"),
+            permutation=permutation,
         )
         model = model_with_layer(model_cfg, dynadiag_cfg, static, **model_kwargs)
     elif method in UNSTRUCTURED and unstructured_cfg.fan_in == "sparse":

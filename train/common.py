@@ -77,9 +77,23 @@ def sparsity_of(dynadiag_cfg) -> float:
     return sparsity
 
 
+PERMUTATIONS = {"none": None, "random": "random", "learned": "learned"}
+
+
+def permutation_of(cfg) -> str | None:
+    """``dynadiag.permutation`` as ``DiagonalDense``'s argument (``"none"`` -> None)."""
+    if cfg.permutation not in PERMUTATIONS:
+        raise ConfigError(
+            f"dynadiag.permutation must be one of {', '.join(PERMUTATIONS)}, "
+            f"got {cfg.permutation!r}"
+        )
+    return PERMUTATIONS[cfg.permutation]
+
+
 def sparse_layer(cfg) -> functools.partial:
-    """``DiagonalDense`` bound to the config's sparsity, block size, gate, slack, exploration mode
-    and impl, which are checked here (the layer itself checks them only when a model is built)."""
+    """``DiagonalDense`` bound to the config's sparsity, block size, gate, slack, exploration mode,
+    impl and input permutation, which are checked here (the layer itself checks them only when a
+    model is built)."""
     if cfg.gate not in GATE_HYPER:
         raise ConfigError(f"dynadiag.gate must be one of {sorted(GATE_HYPER)}, got {cfg.gate!r}")
     if cfg.impl not in dd.available_impls():
@@ -94,6 +108,8 @@ def sparse_layer(cfg) -> functools.partial:
         impl=cfg.impl,
         fan_in=cfg.fan_in,
         scale=cfg.scale,
+        permutation=permutation_of(cfg),
+        permutation_penalty=float(cfg.permutation_penalty),
     )
     try:
         layer(1)

@@ -336,11 +336,18 @@ def fingerprint(config, model_name: str, method: str, steps: int) -> str:
         section = method_dynadiag(m, method).to_dict()
         if section.get("block_size", 1) == 1:  # element diagonals hash as before blocks existed
             section.pop("block_size", None)
+        # and runs without a permutation as before permutations existed
+        if section.get("permutation", "none") != "learned":
+            section.pop("permutation_penalty", None)
+        if section.get("permutation", "none") == "none":
+            section.pop("permutation", None)
         parts["dynadiag"] = section
     if base == "static_diagonals":
         parts["fan_in"] = m.dynadiag.fan_in
         if block > 1:
             parts["block_size"] = block
+        if m.dynadiag.get("permutation", "none") != "none":
+            parts["permutation"] = m.dynadiag.permutation
     if base in baselines.UNSTRUCTURED:
         parts["unstructured"] = config.unstructured.to_dict()
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -15,6 +15,11 @@ both phases the ``"diagonals"`` collection also holds ``in_features`` (int32 sca
 width: frozen shapes do not always determine it (a wide element layer's ``values[K, D]`` has
 ``D = out``), and every call checks ``x`` against it.
 
+With an input permutation (``permutation="random"`` or ``"learned"``,
+:mod:`dynadiag_jax.nn.permutation`) the ``"diagonals"`` collection also holds ``perm[in]`` int32
+(``"random"``: both phases; ``"learned"``: once frozen), and a learned layer in the search phase
+has the param ``perm_soft[in, in]`` instead.
+
 References:
   Tyagi et al., "Dynamic Sparse Training of Diagonally Sparse Networks", ICML 2025,
   https://arxiv.org/abs/2506.11449
@@ -27,13 +32,12 @@ import numbers
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
+from dynadiag_jax.nn import permutation as perms
 from dynadiag_jax.nn.search import gate_inputs, search_forward
 from dynadiag_jax.topk import check_gate_value, nan_if_nan
 
@@ -45,11 +49,8 @@ BLOCK_SIZES = (1, *KERNEL_BLOCK_SIZES)
 
 def _host_int(value):
     """``value`` as a Python int when it can be read without a trace or a device sync, else None."""
-    if isinstance(value, jax.core.Tracer):
-        return None
-    if isinstance(value, jax.Array) and not all(d.platform == "cpu" for d in value.devices()):
-        return None
-    return int(np.asarray(value))
+    host = perms.host_array(value)
+    return None if host is None else int(host)
 
 
 class DiagonalDense(nn.Module):
@@ -131,6 +132,22 @@ class DiagonalDense(nn.Module):
         the factor is 1); ``"none"``: the plain gated sum, ``sqrt(K / P)`` as large at a flat
         start.
 
+      permutation: None (default), ``"random"`` or ``"learned"``: the layer computes the
+        diagonal product of ``x[..., perm]``, one permutation of its inputs. ``"random"``: ``perm``
+        drawn at init from the ``"params"`` key, never trained. ``"learned"`` (PA-DST): in the
+        search phase a soft matrix ``M = sinkhorn(|perm_soft|)`` takes its place (the product of
+        ``x @ M.T``, dense: ``in * in`` multiply-adds per row), with the l1-l2 penalty of ``M``
+        times ``permutation_penalty`` sown into the ``"losses"`` collection (the training step
+        adds it to the loss; the unweighted penalty is sown into ``"intermediates"`` as
+        ``permutation_penalty``); the freeze hardens ``M`` into ``perm``
+        (:func:`dynadiag_jax.nn.permutation.hard_permutation`). A frozen layer (``init_phase=
+        "frozen"``) with ``"learned"`` is the form the freeze gives: its init draws ``perm`` as
+        ``"random"`` does, a template for restored values. Which product runs follows the
+        variables (``perm`` or ``perm_soft``); a layer whose variables do not match its
+        ``permutation`` raises. A ``perm`` that is not a permutation of ``range(in)`` raises
+        when it can be read on the host, and makes every output NaN inside ``jit``.
+      permutation_penalty: the penalty's weight (lambda, >= 0), for ``"learned"``.
+
     Shapes: ``x[..., in] -> y[..., features]``. Element diagonals: ``P = max(in, features)``,
     ``values[P, D]`` with ``D = min(in, features)``. Block diagonals: ``P_b`` as above,
     ``values[P_b, L_b, b, b]`` with ``L_b = max(in, features) / b``.
@@ -156,6 +173,8 @@ class DiagonalDense(nn.Module):
     bias_init: Any = F.DEFAULT_BIAS_INIT
     fan_in: str = "sparse"
     scale: str = "rms"
+    permutation: str | None = None
+    permutation_penalty: float = perms.DEFAULT_PENALTY
 
     def __post_init__(self):
         if isinstance(self.features, bool) or not isinstance(self.features, numbers.Integral):
@@ -192,6 +211,7 @@ class DiagonalDense(nn.Module):
         if isinstance(buckets, bool) or not isinstance(buckets, numbers.Integral) or buckets < 1:
             raise ValueError(f"num_buckets must be an int >= 1, got {self.num_buckets!r}")
         F.check_init_and_search(self.fan_in, self.scale)
+        perms.check_permutation_args(self.permutation, self.permutation_penalty)
         if self.gate_init is not None:
             check_gate_value(self.gate_init, "gate_init")
         super().__post_init__()
@@ -260,6 +280,7 @@ class DiagonalDense(nn.Module):
             self.variable(
                 "diagonals", "in_features", lambda: jnp.asarray(spec.in_features, jnp.int32)
             )
+        x = self._permute(x, frozen)
         if frozen:
             y = self._frozen(spec, x)
         else:
@@ -287,6 +308,59 @@ class DiagonalDense(nn.Module):
                 f"written by dd.freeze / dd.freeze_tree); save and restore every collection, not "
                 f"only 'params'"
             )
+
+    def _permute(self, x, frozen: bool):
+        """``x`` with the layer's input permutation: hard ``perm``, soft ``perm_soft``, or none."""
+        soft = self.has_variable("params", "perm_soft")
+        hard = self.has_variable("diagonals", "perm")
+        init = self.is_initializing()
+        if self.permutation is None:
+            if soft or hard:
+                raise ValueError(
+                    f"{self._label()}: the variables hold an input permutation "
+                    f"({'params/perm_soft' if soft else 'diagonals/perm'}) but the layer has "
+                    f"permutation=None; make the layer with the permutation= they were made with"
+                )
+            return x
+        if soft or (init and self.permutation == "learned" and not frozen):
+            if self.permutation != "learned" or frozen:
+                raise ValueError(
+                    f"{self._label()}: params/perm_soft (a learned permutation in the search "
+                    f"phase) goes with a search-phase layer with permutation='learned'; this one "
+                    f"has permutation={self.permutation!r}"
+                    + (" and frozen diagonals (offsets)" if frozen else "")
+                )
+            return self._soft_permute(x)
+        if not (init or hard):
+            raise ValueError(
+                f"{self._label()}: permutation={self.permutation!r} needs its permutation in the "
+                f"variables (diagonals/perm, or params/perm_soft while a learned one searches), "
+                f"and there is none: save and restore every collection, not only 'params'"
+            )
+        perm = self.variable(
+            "diagonals",
+            "perm",
+            lambda: perms.random_permutation(self.make_rng("params"), x.shape[-1]),
+        ).value
+        return perms.apply_permutation(x, perm, self._label())
+
+    def _soft_permute(self, x):
+        """``x @ M.T`` with ``M = sinkhorn(|perm_soft|)``; sows the penalty of ``M``."""
+        work = work_dtype(self.param_dtype)
+        n = x.shape[-1]
+        soft = self.param("perm_soft", perms.init_soft, (n, n), work)
+        if soft.shape != (n, n):
+            raise ValueError(
+                f"{self._label()}: params/perm_soft must have shape [in, in] = [{n}, {n}], "
+                f"got {soft.shape}"
+            )
+        m = perms.doubly_stochastic(soft.astype(work))
+        penalty = perms.l1_l2_penalty(m)
+        if not self.is_initializing():  # init keeps every mutable collection in the variables
+            self.sow("intermediates", "permutation_penalty", penalty)
+            weighted = jnp.float32(self.permutation_penalty) * penalty
+            self.sow("losses", "permutation_penalty", weighted)
+        return perms.soft_permute(x, m)
 
     def _check_phase(self):
         """Search-phase params (``alpha``) only go with a search-phase layer and collections."""

@@ -34,8 +34,11 @@ def make_train_step(
     Randomness: dropout and augmentation keys are ``fold_in(state.rng, state.step)``. In the search
     phase the gate's hyper-parameter is set from ``gate.schedule(state.step)`` and DiagonalDense's
     ``"dynadiag"`` collection is updated (its top-K tracking); the per-layer scalars the layers sow
-    come back as metrics (``effective_k/<path>``, ...). The same function serves both phases: the
-    frozen state has another structure, so ``jax.jit`` compiles it once more after the freeze.
+    come back as metrics (``effective_k/<path>``, ...). Terms the layers sow into the ``"losses"``
+    collection (a learned permutation's weighted penalty) are added to the loss that is
+    differentiated; the metric ``loss`` stays the task's, ``aux_loss`` is their sum. The same
+    function serves both phases: the frozen state has another structure, so ``jax.jit`` compiles
+    it once more after the freeze.
     """
 
     def train_step(state: TrainState, batch):
@@ -48,9 +51,9 @@ def make_train_step(
             apply_gate(state.collections, gate, state.step) if searching else state.collections
         )
         mutable = (
-            ["intermediates", "dynadiag"]
+            ["intermediates", "losses", "dynadiag"]
             if searching and "dynadiag" in collections
-            else ["intermediates"]
+            else ["intermediates", "losses"]
         )
 
         def loss_fn(params):
@@ -62,6 +65,11 @@ def make_train_step(
                 mutable=mutable,
             )
             loss, metrics = task.loss(logits, targets, batch)
+            updated = dict(updated)
+            extra = jax.tree.leaves(updated.pop("losses", {}))
+            if extra:
+                aux = sum(jnp.asarray(term, jnp.float32) for term in extra)
+                loss, metrics = loss + aux, {**metrics, "aux_loss": aux}
             return loss, (metrics, updated)
 
         (_, (metrics, updated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)

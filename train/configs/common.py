@@ -85,6 +85,10 @@ def dynadiag(sparsity: float, layers, gate: str = "sparse_topk", block_size: int
         # the all-diagonal warm-up is short (docs/selection.md: 0.05 beat 0.2 for less compute)
         rescore_fraction=0.05,
         impl="auto",  # dd.diag_matmul backend: "auto" (compiled kernel if built), "jax", "dense"
+        # each sparse layer's input permutation: "none", "random" (fixed, drawn at init) or
+        # "learned" (a soft matrix while searching, hardened at the freeze; DiagonalDense)
+        permutation="none",
+        permutation_penalty=1e-3,  # the learned permutation's l1-l2 penalty weight (lambda)
     )
 
 

@@ -1,0 +1,232 @@
+"""Input permutations of a diagonal layer: ``y = S(x[..., perm])`` (PA-DST's ``y = S P x``).
+
+A layer with ``permutation="random"`` or ``"learned"`` applies one permutation of its ``in``
+inputs before the diagonal product, so its kept entries ``W[o, perm[i]]`` need not lie on wrapped
+diagonals of the original input order. Variables (names shared by every framework's layer):
+
+* ``perm[in]`` int32, not trained (linen's ``"diagonals"`` collection, NNX's ``Diagonals``):
+  ``"random"`` draws it at init; a ``"learned"`` layer gets it at the freeze;
+* ``perm_soft[in, in]`` float32 param, ``"learned"`` only, search phase only: the relaxation.
+
+The learned relaxation (PA-DST, after AutoShuffleNet): ``M = sinkhorn(|perm_soft|)`` is non-negative
+and near doubly stochastic (:data:`SINKHORN_ITERS` row-then-column normalisations in every
+forward, so no projection step is needed after the optimizer's), the layer computes
+``S(x @ M.T)`` (dense: ``in * in`` multiply-adds per row of ``x``) and adds
+``weight * l1_l2_penalty(M)`` to the loss, which is zero exactly on permutation matrices. The
+freeze hardens ``M`` with :func:`hard_permutation`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "DEFAULT_PENALTY",
+    "PERMUTATIONS",
+    "SINKHORN_ITERS",
+    "check_permutation_args",
+    "doubly_stochastic",
+    "hard_permutation",
+    "harden",
+    "host_array",
+    "init_soft",
+    "apply_permutation",
+    "is_permutation",
+    "l1_l2_penalty",
+    "permute_inputs",
+    "random_permutation",
+    "soft_permute",
+]
+
+PERMUTATIONS = (None, "random", "learned")
+SINKHORN_ITERS = 3
+DEFAULT_PENALTY = 1e-3
+# perm_soft's init: U(1 - SOFT_INIT_NOISE, 1) / n, PA-DST's uniform start (every input mixed into
+# every position) with a noise that breaks the ties the penalty would otherwise keep. The 1 / n
+# puts the entries at the scale of the normalised matrix, as PA-DST's projection after every step
+# keeps them: the normalisation does not care about the scale, but Adam's steps (about the
+# learning rate each) do. At U(0.5, 1) the MLP suite's search (lr 1e-3) left the penalty within
+# 0.3% of its uniform value: nothing was learned before the freeze.
+SOFT_INIT_NOISE = 0.5
+_TINY = 1e-12  # keeps a row or column of zeros from dividing by zero
+
+
+def check_permutation_args(permutation, weight) -> None:
+    """Raises ``ValueError`` for a ``permutation`` not in :data:`PERMUTATIONS` or a bad weight."""
+    if not (permutation is None or (isinstance(permutation, str) and permutation in PERMUTATIONS)):
+        raise ValueError(
+            f"permutation must be one of {PERMUTATIONS} (None: no permutation), got {permutation!r}"
+        )
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, numbers.Real)
+        or not math.isfinite(weight)
+        or weight < 0
+    ):
+        raise ValueError(f"permutation_penalty must be a finite float >= 0, got {weight!r}")
+
+
+def random_permutation(key, n: int):
+    """A uniformly random permutation of ``range(n)``, int32 ``[n]``."""
+    return jax.random.permutation(key, n).astype(jnp.int32)
+
+
+def init_soft(key, shape, dtype=jnp.float32):
+    """``perm_soft[n, n]`` drawn from ``U(1 - SOFT_INIT_NOISE, 1) / n``."""
+    u = jax.random.uniform(key, shape, jnp.float32, 1.0 - SOFT_INIT_NOISE, 1.0)
+    return (u / shape[-1]).astype(dtype)
+
+
+def doubly_stochastic(soft, iters: int = SINKHORN_ITERS):
+    """``|soft[..., n, n]|`` after ``iters`` Sinkhorn sweeps (rows, then columns, sum to 1).
+
+    The last normalisation is the columns', so columns sum to 1 exactly and rows approximately.
+    """
+    m = jnp.abs(soft) + _TINY
+    for _ in range(iters):
+        m = m / jnp.sum(m, axis=-1, keepdims=True)
+        m = m / jnp.sum(m, axis=-2, keepdims=True)
+    return m
+
+
+def l1_l2_penalty(m):
+    """AutoShuffleNet's ``sum_i (|m_i.|_1 - |m_i.|_2) + sum_j (|m_.j|_1 - |m_.j|_2)``, float32.
+
+    ``m[..., n, n]``; summed over leading axes too. Zero exactly when every row and column holds
+    one non-zero entry (on a doubly stochastic matrix: a permutation matrix), positive otherwise.
+    """
+    m = m.astype(jnp.float32)
+    a = jnp.abs(m)
+    rows = jnp.sum(a, axis=-1) - jnp.sqrt(jnp.sum(m * m, axis=-1))
+    cols = jnp.sum(a, axis=-2) - jnp.sqrt(jnp.sum(m * m, axis=-2))
+    return jnp.sum(rows) + jnp.sum(cols)
+
+
+def soft_permute(x, m):
+    """``x[..., n] @ m[n, n].T`` in ``x``'s dtype: input ``i`` becomes ``sum_j m[i, j] x[j]``."""
+    return jnp.einsum("...j,ij->...i", x, m.astype(x.dtype))
+
+
+@jax.custom_vjp
+def _gather(x, perm):
+    return jnp.take(x, perm, axis=-1, mode="clip")
+
+
+def _gather_fwd(x, perm):
+    return _gather(x, perm), perm
+
+
+def _gather_bwd(perm, dy):
+    # perm is a bijection, so the scatter-add of the plain VJP is a gather by the inverse.
+    inverse = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+    return jnp.take(dy, inverse, axis=-1, mode="clip"), None
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def permute_inputs(x, perm):
+    """``x[..., perm]`` for a permutation ``perm[n]`` of ``range(n)`` (not checked here).
+
+    The gradient is a gather by the inverse permutation instead of a scatter-add.
+    """
+    return _gather(x, perm)
+
+
+def is_permutation(perm):
+    """Whether integer ``perm[n]`` holds each value of ``range(n)`` once (bool scalar, jit-able)."""
+    n = perm.shape[-1]
+    inside = jnp.all((perm >= 0) & (perm < n))
+    counts = jnp.zeros((n,), jnp.int32).at[jnp.clip(perm, 0, n - 1)].add(1)
+    return inside & jnp.all(counts == 1)
+
+
+def _problem(perm: np.ndarray, n: int) -> str | None:
+    """Why a concrete ``perm[n]`` is not a permutation of ``range(n)``, or None if it is one."""
+    outside = perm[(perm < 0) | (perm >= n)]
+    if outside.size:
+        return f"it holds {outside[0]}, outside [0, {n})"
+    counts = np.bincount(perm, minlength=n)
+    if np.any(counts != 1):
+        twice, missed = int(np.argmax(counts)), int(np.argmin(counts))
+        return f"it holds {twice} {int(counts[twice])} times and misses {missed}"
+    return None
+
+
+def host_array(value) -> np.ndarray | None:
+    """``value`` as numpy when it can be read without a trace or a device sync, else None."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    if isinstance(value, jax.Array) and not all(d.platform == "cpu" for d in value.devices()):
+        return None
+    return np.asarray(value)
+
+
+def apply_permutation(x, perm, label: str):
+    """``x[..., perm]`` after checking ``perm`` against ``x``'s width ``n`` (errors name ``label``).
+
+    The shape (``[n]``) and an integer dtype are checked while tracing. A value readable on the
+    host (outside ``jit``, on CPU) must be a permutation of ``range(n)`` or this raises; a traced
+    one cannot be read, so when it is not a permutation every output is NaN instead (no host
+    callback; the check is O(n) per call).
+    """
+    n = x.shape[-1]
+    shape, dtype = tuple(getattr(perm, "shape", ())), getattr(perm, "dtype", None)
+    if shape != (n,) or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(
+            f"{label}: perm must be an integer array [in] = [{n}] (a permutation of the "
+            f"{n} inputs), got {dtype}{shape}: x's width differs from the one the layer was "
+            f"made for, or the variables are not this layer's"
+        )
+    host = host_array(perm)
+    if host is not None:
+        problem = _problem(host.astype(np.int64), n)
+        if problem is not None:
+            raise ValueError(f"{label}: perm is not a permutation of range({n}): {problem}")
+        return permute_inputs(x, jnp.asarray(host, jnp.int32))
+    perm = perm.astype(jnp.int32)
+    y = permute_inputs(x, perm)
+    return jnp.where(is_permutation(perm), y, jnp.asarray(jnp.nan, y.dtype))
+
+
+def hard_permutation(m):
+    """The permutation that the soft ``m[..., n, n]`` stands for: int32 ``perm[..., n]``.
+
+    A greedy assignment, pure JAX (so a jitted freeze can run it): rows in the order of their
+    largest entry, largest first, each takes its largest entry among the columns not yet taken,
+    ``perm[i] = column``. Always a bijection, whatever ``m`` holds (NaN included). When each row's
+    largest entry is in a column of its own - true of a doubly stochastic ``m`` whose rows each
+    have an entry above 1/2, as the penalty drives them - that is every row's argmax and the
+    maximum-weight assignment (what ``scipy.optimize.linear_sum_assignment`` finds); otherwise it
+    is a greedy approximation with no bound claimed. O(n^2) work in ``n`` steps.
+    """
+    m = jnp.asarray(m, jnp.float32)
+    lead, n = m.shape[:-2], m.shape[-1]
+    flat = m.reshape((-1, n, n))
+    perms = jax.vmap(_greedy_assignment)(jnp.where(jnp.isnan(flat), -jnp.inf, flat))
+    return perms.reshape((*lead, n))
+
+
+def harden(soft):
+    """``perm[..., n]`` int32 for a learned layer's ``perm_soft[..., n, n]`` at the freeze: the
+    :func:`hard_permutation` of the matrix the search phase used, ``doubly_stochastic(soft)``."""
+    return hard_permutation(doubly_stochastic(jnp.asarray(soft, jnp.float32)))
+
+
+def _greedy_assignment(m):
+    n = m.shape[-1]
+    order = jnp.argsort(-jnp.max(m, axis=-1), stable=True)
+
+    def take(taken, row):
+        column = jnp.argmax(jnp.where(taken, -jnp.inf, m[row])).astype(jnp.int32)
+        # a row of -inf (NaN in m) gets the first free column, not an already taken one
+        column = jnp.where(taken[column], jnp.argmin(taken).astype(jnp.int32), column)
+        return taken.at[column].set(True), column
+
+    _, columns = jax.lax.scan(take, jnp.zeros((n,), bool), order)
+    return jnp.zeros((n,), jnp.int32).at[order].set(columns)
