@@ -186,6 +186,31 @@ def test_search_step_benchmark_refuses_bad_options(run_python, option):
     assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr
 
 
+def test_suite_step_benchmark_times_both_phases_and_every_compilation(run_python, tmp_path):
+    """The small digits' MLP suite: step times of both phases with both optimizers, and the
+    compile time of every program a DynaDiag, static or dense run compiles."""
+    out = tmp_path / "suite.csv"
+    args = ["--data", "mnist5k", "--fraction", "0.1", "--repeats", "2", "--out", str(out)]
+    proc = run_python([str(ROOT / "bench" / "suite_step.py"), *args])
+    _, rows = read_rows(out)
+    programs = ["initial state", "search step", "freeze", "frozen step"]
+    steps = [f"{p} step, {o}" for o in ("suite optimizer", "sgd") for p in ("search", "frozen")]
+    assert [r["what"] for r in rows] == [
+        *(f"compile: {p}" for p in programs),
+        "compile: static_diagonals step",
+        "compile: dense step",
+        *steps,
+    ]
+    assert all(math.isfinite(float(r["value"])) and float(r["value"]) > 0 for r in rows)
+    assert "search / frozen step, sgd:" in proc.stdout
+
+
+@pytest.mark.parametrize("option", [["--sparsity", "1"], ["--fraction", "1"], ["--repeats", "0"]])
+def test_suite_step_benchmark_refuses_bad_options(run_python, option):
+    proc = run_python([str(ROOT / "bench" / "suite_step.py"), *option], check=False)
+    assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr
+
+
 def test_page_fault_benchmark_counts_faults_per_call_in_fresh_processes(run_python, tmp_path):
     """Every call of both implementations in every process is a CSV row with its time and a
     non-negative fault count; the table has a line per process and implementation."""

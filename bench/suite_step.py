@@ -1,0 +1,125 @@
+"""What a results suite's DynaDiag training step costs in its search phase, its frozen phase, and
+to compile, beside static diagonals and dense.
+
+Builds a suite of ``train/configs/results.py`` (model, recipe, data) at one sparsity, trains the
+DynaDiag state on real batches until ``--fraction`` of its search phase (so the gate has narrowed as
+in a run), then times, interleaved (median of ``--repeats``), its jitted training step there and
+after the freeze - with the suite's optimizer and with plain SGD, which shows what the optimizer's
+pass over the search phase's ``values[P, ...]`` costs. It also reports the XLA compile time of
+each program a run compiles (initial state, search step, freeze, frozen step; static diagonals' and
+dense's step). Prints a table; writes a CSV (``--out``, default
+``bench/results/suite_step_<time>.csv``).
+
+Example::
+
+    python bench/suite_step.py --suite mlp --sparsity 0.9
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import pathlib
+import sys
+import time
+
+# Appended: `train` from the checkout; the installed dynadiag_jax (with its kernels) still wins.
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+from diag_matmul import time_interleaved  # noqa: E402 - bench/, beside this
+from tqdm import tqdm  # noqa: E402
+
+from dynadiag_jax import data as D  # noqa: E402
+from dynadiag_jax import training as T  # noqa: E402
+from train import results_runs as R  # noqa: E402
+from train.configs import results as results_config  # noqa: E402
+
+
+def _compile_seconds(fn, *args) -> float:
+    start = time.perf_counter()
+    jax.jit(fn).lower(*args).compile()
+    return time.perf_counter() - start
+
+
+def measure(config, suite: str, sparsity: float, fraction: float, repeats: int) -> list[dict]:
+    """Rows ``{"what", "value", "unit"}``: step times (ms) and compile times (s)."""
+    data = R.prepare(config)
+    m = config.models[suite]
+    steps, task = R.steps_of(m, data), R.task_of(m, data)
+    example, batch = R.example_input(m, data), R.sample_batch(m, data, int(m.batch_size))
+    built = {
+        method: R.build(config, suite, method, sparsity, 0, data, steps)
+        for method in ("dynadiag", "static_diagonals", "dense")
+    }
+    dyn = built["dynadiag"]
+    rows = []
+
+    def init(method, optimizer):
+        return lambda: T.create_train_state(built[method].model, optimizer, example, seed=0)
+
+    rows.append(("compile: initial state", _compile_seconds(init("dynadiag", dyn.optimizer)), "s"))
+    state = jax.jit(init("dynadiag", dyn.optimizer))()
+    step = jax.jit(T.make_train_step(dyn.model, dyn.optimizer, task, gate=dyn.gate))
+    source = D.ArrayBatches(data.images.train, int(m.batch_size), seed=0)
+    for _, local in zip(range(round(fraction * dyn.freeze_step)), source.iterate(0)):
+        state, _ = step(state, local)
+    rows.append(("compile: search step", _compile_seconds(step, state, batch), "s"))
+    rows.append(("compile: freeze", _compile_seconds(T.freeze_state, state), "s"))
+    frozen = jax.jit(T.freeze_state)(state)
+    rows.append(("compile: frozen step", _compile_seconds(step, frozen, batch), "s"))
+    for method in ("static_diagonals", "dense"):
+        b = built[method]
+        other = jax.jit(init(method, b.optimizer))()
+        fn = T.make_train_step(b.model, b.optimizer, task)
+        rows.append((f"compile: {method} step", _compile_seconds(fn, other, batch), "s"))
+    calls = {}
+    for name, optimizer in (("suite optimizer", dyn.optimizer), ("sgd", optax.sgd(1e-3))):
+        fn = jax.jit(T.make_train_step(dyn.model, optimizer, task, gate=dyn.gate))
+        opt_state = optimizer.init(state.params)
+        search = state._replace(opt_state=opt_state)
+        after = jax.jit(T.freeze_state)(search)
+        calls[f"search step, {name}"] = (fn, (search, batch))
+        calls[f"frozen step, {name}"] = (fn, (after, batch))
+    with tqdm(total=repeats * len(calls), unit="call", leave=False) as progress:
+        times = time_interleaved(calls, repeats, progress)
+    rows += [(name, 1e3 * t, "ms") for name, t in times.items()]
+    return [{"what": w, "value": v, "unit": u} for w, v, u in rows]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", default="mlp", choices=("mlp", "mixer", "vit"))
+    parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--fraction", type=float, default=0.5, help="of the search phase trained")
+    parser.add_argument("--repeats", type=int, default=101)
+    parser.add_argument("--data", default="auto", help="the suites' data.source (mnist5k: small)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not 0.0 < args.sparsity < 1.0 or not 0.0 <= args.fraction < 1.0 or args.repeats < 1:
+        parser.error("need 0 < --sparsity < 1, 0 <= --fraction < 1 and --repeats >= 1")
+    config = results_config.get_config(f"models={args.suite}")
+    config.data.source = args.data
+    config.unstructured.update_every = 1
+    rows = measure(config, args.suite, args.sparsity, args.fraction, args.repeats)
+    print(f"{args.suite} at {args.sparsity:g}, {args.fraction:g} of the search trained")
+    for r in rows:
+        print(f"  {r['what']:<36} {r['value']:9.3f} {r['unit']}")
+    by = {r["what"]: r["value"] for r in rows}
+    for name in ("suite optimizer", "sgd"):
+        ratio = by[f"search step, {name}"] / by[f"frozen step, {name}"]
+        print(f"  search / frozen step, {name}: {ratio:.2f}x")
+    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+    out = pathlib.Path(args.out or f"bench/results/suite_step_{stamp}.csv")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=("what", "value", "unit"))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
