@@ -450,25 +450,11 @@ def test_dynadiag_permutation_reaches_every_sparse_layer(method, permutation):
     with config.unlocked():
         m.dynadiag.permutation = permutation
 
-    def build():
-        return baselines.build(
-            method,
-            model_cfg=m.model,
-            dynadiag_cfg=m.dynadiag,
-            unstructured_cfg=config.unstructured,
-            optimizer_cfg=m.optimizer,
-            sparsity=0.9,
-            num_steps=10,
-            warmup_steps=1,
-            seed=0,
-            num_classes=10,
-        )
-
     if method == "static_diagonals" and permutation == "learned":
         with pytest.raises(common.ConfigError, match="permutation='random'"):
-            build()
+            _build(config, method)
         return
-    built = build()
+    built = _build(config, method)
     x = jnp.ones((2, 28, 28, 1), jnp.float32)
     variables = jax.eval_shape(lambda: built.model.init(jax.random.key(0), x))
     layers = dict(variables["diagonals"])
