@@ -402,16 +402,14 @@ def validation_curve(metrics_path) -> list[tuple[int, float]]:
     ]
 
 
-def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: str) -> dict:
-    """Train one ``(model, method, sparsity, seed)`` run and return its record."""
-    model_name, method, sparsity, seed = spec
+def train_built(
+    config, data: Data, model_name: str, built, seed: int, steps: int, workdir, run_info=None
+):
+    """``T.train`` of a built method (:class:`train.baselines.Method`) with suite ``model_name``'s
+    recipe, data and logging: what every results run trains, whatever its model."""
     m = config.models[model_name]
     lm = is_language_model(m)
-    built = build(config, model_name, method, sparsity, seed, data, steps)
-    example = example_input(m, data)
-    load_before = os.getloadavg()[0]
-    start, cpu_start = time.perf_counter(), time.process_time()
-    result = T.train(
+    return T.train(
         model=built.model,
         optimizer=built.optimizer,
         task=task_of(m, data),
@@ -419,7 +417,7 @@ def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: s
         eval_data=_eval_source(config, m, data),
         eval_every=int(m.eval_every) if lm else 0,
         num_steps=steps,
-        example_input=example,
+        example_input=example_input(m, data),
         seed=seed,
         freeze_step=built.freeze_step,
         gate=built.gate,
@@ -430,8 +428,21 @@ def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: s
         learning_rate=built.learning_rate,
         progress=False,
         tensorboard=False,
-        run_info={"model": model_name, "method": method, "sparsity": sparsity, "fingerprint": fp},
+        run_info=run_info,
     )
+
+
+def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: str) -> dict:
+    """Train one ``(model, method, sparsity, seed)`` run and return its record."""
+    model_name, method, sparsity, seed = spec
+    m = config.models[model_name]
+    lm = is_language_model(m)
+    built = build(config, model_name, method, sparsity, seed, data, steps)
+    example = example_input(m, data)
+    load_before = os.getloadavg()[0]
+    start, cpu_start = time.perf_counter(), time.process_time()
+    run_info = {"model": model_name, "method": method, "sparsity": sparsity, "fingerprint": fp}
+    result = train_built(config, data, model_name, built, seed, steps, workdir, run_info)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     shapes = common.layer_shapes(built.model, example)
     metrics_path = workdir / "metrics.jsonl"

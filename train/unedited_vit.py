@@ -35,7 +35,6 @@ import numpy as np
 from absl import app, flags
 
 import dynadiag_jax as dd
-from dynadiag_jax import data as D
 from dynadiag_jax import training as T
 from dynadiag_jax.models import variants, vit
 from train import baselines, cli, common, speed
@@ -122,26 +121,7 @@ def models(config, data, sparsity: float, seed: int, steps: int):
 
 def train_one(config, data, built, seed: int, steps: int, workdir: pathlib.Path) -> dict:
     """One run of the suite's recipe; its accuracy, parameters and logged step times."""
-    m = config.models[SUITE]
-    result = T.train(
-        model=built.model,
-        optimizer=built.optimizer,
-        task=R.task_of(m, data),
-        train_data=D.ArrayBatches(data.images.train, int(m.batch_size), seed=seed),
-        eval_data=D.EvalBatches(data.images.test, int(config.eval_batch_size)),
-        num_steps=steps,
-        example_input=R.example_input(m, data),
-        seed=seed,
-        freeze_step=built.freeze_step,
-        gate=built.gate,
-        workdir=workdir,
-        checkpoint_every=steps // int(m.epochs),
-        keep_checkpoints=1,
-        log_every=50,
-        learning_rate=built.learning_rate,
-        progress=False,
-        tensorboard=False,
-    )
+    result = R.train_built(config, data, SUITE, built, seed, steps, workdir)
     counts = T.parameter_counts(result.state.params)
     metrics = workdir / "metrics.jsonl"
     return {
