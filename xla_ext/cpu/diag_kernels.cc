@@ -483,7 +483,9 @@ class BackwardJob : public Job {
         table_.backward(plan, group_begin_[g], group_begin_[g + 1], vp_.get(),
                         dy_ + r0 * dy_width_, dy_width_, x, dx, width_, n, acc);
       }
-      if (perm_ != nullptr) ScatterRows(dx_copy, width_, n, width_, perm_, dx_ + r0 * width_, width_);
+      if (perm_ != nullptr) {
+        ScatterRows(dx_copy, width_, n, width_, perm_, dx_ + r0 * width_, width_);
+      }
     }
     sums_.Finish([&](const float* sums) { WriteDvalues(plan, sums, dvalues_); });
   }

@@ -218,7 +218,9 @@ constexpr Names kPermuted = {
 #define DYNADIAG_RETURN_IF_ERROR(expr)      \
   if (auto error = (expr)) return *error;
 
-std::optional<ffi::Error> DecodeFwd(const char* target, const ffi::AnyBuffer* perm, ffi::AnyBuffer x, ffi::AnyBuffer values,
+// `perm` is null for the targets without an input permutation.
+std::optional<ffi::Error> DecodeFwd(const char* target, const ffi::AnyBuffer* perm,
+                                    ffi::AnyBuffer x, ffi::AnyBuffer values,
                                     ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y,
                                     FwdArgs& args) {
   auto type = ElemTypeOf(x.element_type());
@@ -243,7 +245,8 @@ std::optional<ffi::Error> DecodeFwd(const char* target, const ffi::AnyBuffer* pe
   return std::nullopt;
 }
 
-std::optional<ffi::Error> DecodeDx(const char* target, const ffi::AnyBuffer* perm, ffi::AnyBuffer dy, ffi::AnyBuffer values,
+std::optional<ffi::Error> DecodeDx(const char* target, const ffi::AnyBuffer* perm,
+                                   ffi::AnyBuffer dy, ffi::AnyBuffer values,
                                    ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx,
                                    DxArgs& args) {
   auto type = ElemTypeOf(dy.element_type());
@@ -256,8 +259,8 @@ std::optional<ffi::Error> DecodeDx(const char* target, const ffi::AnyBuffer* per
   w.in = dx->dimensions().back();
   w.out = dy.dimensions().back();
   w.values = values.untyped_data();
-  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "dy", dy.dimensions(), "dx", dx->dimensions(), w.in,
-                                         "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "dy", dy.dimensions(), "dx", dx->dimensions(),
+                                         w.in, "in"));
   DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(target, "values", values.dimensions(), w));
   DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w));
   if (perm != nullptr) {
@@ -268,7 +271,8 @@ std::optional<ffi::Error> DecodeDx(const char* target, const ffi::AnyBuffer* per
   return std::nullopt;
 }
 
-std::optional<ffi::Error> DecodeDvalues(const char* target, const ffi::AnyBuffer* perm, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+std::optional<ffi::Error> DecodeDvalues(const char* target, const ffi::AnyBuffer* perm,
+                                        ffi::AnyBuffer dy, ffi::AnyBuffer x,
                                         ffi::AnyBuffer offsets,
                                         ffi::Result<ffi::AnyBuffer> dvalues,
                                         DvaluesArgs& args) {
@@ -295,7 +299,8 @@ std::optional<ffi::Error> DecodeDvalues(const char* target, const ffi::AnyBuffer
   return std::nullopt;
 }
 
-std::optional<ffi::Error> DecodeBwd(const char* target, const ffi::AnyBuffer* perm, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer values,
+std::optional<ffi::Error> DecodeBwd(const char* target, const ffi::AnyBuffer* perm,
+                                    ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer values,
                                     ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx,
                                     ffi::Result<ffi::AnyBuffer> dvalues, BwdArgs& args) {
   auto type = ElemTypeOf(dy.element_type());
@@ -367,7 +372,6 @@ ffi::Future Launch(const char* target, ffi::ThreadPool& pool, MakeJob make_job) 
   return future;
 }
 
-// `perm` is null for the targets without an input permutation.
 ffi::Future Fwd(const Names& names, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
                 ffi::AnyBuffer offsets, const ffi::AnyBuffer* perm, ffi::Result<ffi::AnyBuffer> y) {
   FwdArgs args;
