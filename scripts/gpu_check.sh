@@ -62,6 +62,8 @@ else
   DYNADIAG_CUDA=ON "$VENV/bin/python" -m pip install -q "$REPO[test,train,cuda$cuda_major]" \
     2>&1 | tee "$OUT/install.log"
 fi
+# Tests and benchmarks run from $OUT so that the installed package, not the checkout, is imported.
+cd "$OUT"
 "$VENV/bin/python" - << 'EOF' | tee -a "$OUT/gpu_check.log"
 import jax, dynadiag_jax as dd
 print("jax", jax.__version__, "backend", jax.default_backend(), jax.devices())
@@ -69,8 +71,6 @@ assert jax.default_backend() == "gpu", "JAX does not see the GPU"
 assert dd.has_cuda_kernels(), "dynadiag-jax was built without the CUDA kernels"
 EOF
 
-# Tests and benchmarks run from $OUT so that the installed package, not the checkout, is imported.
-cd "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 status=0
 
