@@ -168,10 +168,11 @@ def read_raw_csv(path) -> list:
 def kernel_key(name: str):
     """``(template, dtype, args)`` of a demangled dynadiag kernel name, ``args`` its other template
     arguments (bools and ints: b and the panel width), as the cost model's ``Launch.kernel`` names
-    them; the template alone (str) for a name without template arguments it understands; None for
-    other kernels."""
-    m = re.search(r"dynadiag::cuda::(\w+)<([^<>]*)>", name)
-    if m:
+    them (ncu may print a bool as 0 or 1, which compares equal); the template alone (str) for a
+    name without template arguments it understands; None for other kernels. ncu names a kernel
+    with or without its namespace."""
+    m = re.search(r"(?:dynadiag::cuda::|void )(\w+)<([^<>]*)>", name)
+    if m and (m.group(1) in _TEMPLATES or "dynadiag::cuda::" in name):
         args = [a.strip() for a in m.group(2).split(",")]
         dtype = _DTYPES.get(args[0])
         rest = tuple(
