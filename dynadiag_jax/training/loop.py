@@ -2,10 +2,11 @@
 
 :func:`train`, used by every script, takes explicit arguments and never reads a config. It composes
 small steps, each usable on its own: :func:`restore_or_create_state`, :func:`jit_programs` (the
-jitted step, evaluation and freeze), :func:`train_one_step` (with :class:`MetricSums` and
-:class:`StepTimer`), :func:`log_train`, :func:`evaluate`, :func:`record_selection`,
-:func:`save_checkpoint` and :func:`stop_requests`; :class:`Schedule` says which of them follow
-each step.
+jitted step, evaluation and freeze), :func:`compile_ahead` (the programs a phase will need,
+compiled on a background thread while the run goes on), :func:`train_one_step` (with
+:class:`MetricSums` and :class:`StepTimer`), :func:`log_train`, :func:`evaluate`,
+:func:`record_selection`, :func:`save_checkpoint` and :func:`stop_requests`; :class:`Schedule` says
+which of them follow each step.
 
 A run with a ``workdir`` resumes from the newest checkpoint there; because data order, dropout and
 augmentation depend only on ``(seed, step)`` and the gate schedule only on the step, a resumed run
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import pathlib
 import signal
@@ -32,6 +34,7 @@ import optax
 import tqdm
 from flax import traverse_util
 
+from dynadiag_jax.training.ahead import CompileAhead
 from dynadiag_jax.training.checkpoint import Checkpointer, CheckpointMismatch
 from dynadiag_jax.training.metrics import MetricWriter
 from dynadiag_jax.training.parallel import (
@@ -183,6 +186,54 @@ def jit_programs(model: nn.Module, optimizer, task, mesh, *, gate=None) -> Progr
         ),
         freeze=jax.jit(freeze_state, in_shardings=rep, out_shardings=rep),
     )
+
+
+def compile_ahead(
+    ahead: CompileAhead,
+    programs: Programs,
+    state,
+    batch,
+    mesh,
+    *,
+    searching: bool,
+    steps: bool = False,
+    evaluates: bool = False,
+    freezes: bool = False,
+    eval_data: Iterable | None = None,
+) -> None:
+    """Submit to ``ahead`` the programs a run will call, in the order it calls them.
+
+    Names: ``("step", searching)``, ``("eval", searching)`` and ``"freeze"``; the loop waits for
+    a name before the call it stands for (:meth:`CompileAhead.wait`).
+
+    Args:
+      ahead: the run's :class:`CompileAhead`.
+      programs: the run's :class:`Programs`.
+      state: the state (or its ``jax.eval_shape``) of the phase the run is in.
+      batch: a global training batch (only its shapes and shardings are read).
+      mesh: the run's mesh (the state is replicated over it).
+      searching: whether ``state`` is in the search phase.
+      steps: the training step of this phase.
+      evaluates: the evaluation of this phase (needs ``eval_data``).
+      freezes: the freeze, and the frozen phase's step and (with ``eval_data``) evaluation.
+      eval_data: the run's evaluation batches; the first is read on the worker thread.
+    """
+    rep = replicated(mesh)
+    now = _abstract(state, rep)
+
+    def eval_batch():
+        return global_batch(next(iter(eval_data)), mesh)
+
+    if steps:
+        ahead.submit(("step", searching), programs.train_step, now, batch)
+    if evaluates and eval_data is not None:
+        ahead.submit(("eval", searching), programs.eval_step, now, eval_batch)
+    if freezes:
+        frozen = _abstract(jax.eval_shape(freeze_state, now), rep)
+        ahead.submit("freeze", programs.freeze, now)
+        ahead.submit(("step", False), programs.train_step, frozen, batch)
+        if eval_data is not None:
+            ahead.submit(("eval", False), programs.eval_step, frozen, eval_batch)
 
 
 class MetricSums:
@@ -427,6 +478,14 @@ class Schedule(NamedTuple):
             save=not last and (freeze or _every(step, self.checkpoint_every)),
         )
 
+    def evaluates_between(self, step: int, end: int) -> bool:
+        """Whether a step in ``(step, end]`` is followed by an evaluation of the state it left
+        (the periodic ones; the final one comes after the loop)."""
+        if not self.eval_every:
+            return False
+        next_eval = (step // self.eval_every + 1) * self.eval_every
+        return next_eval <= end and next_eval < self.num_steps
+
 
 def _every(step: int, period: int) -> bool:
     return bool(period) and step % period == 0
@@ -562,7 +621,27 @@ def train(
         else None
     )
     writer = _NullWriter()
+    ahead = CompileAhead()
     try:
+        programs = jit_programs(model, optimizer, task, mesh, gate=gate)
+        batches = None
+        if ckpt is None or ckpt.latest_step() is None:
+            # A fresh run: its first step is compiled while its initial state is.
+            batches = iter(train_data.iterate(0))
+            first = next(batches)
+            batches = itertools.chain([first], batches)
+            frozen_first = sparse and freeze_step == 0
+            compile_ahead(
+                ahead,
+                programs,
+                abstract,
+                global_batch(first, mesh),
+                mesh,
+                searching=sparse,
+                steps=not frozen_first,
+                freezes=frozen_first,
+                eval_data=eval_data,
+            )
         state, resumed_step, sums = restore_or_create_state(
             ckpt, init, abstract, run_info, replicated(mesh), initial_variables
         )
@@ -571,15 +650,31 @@ def train(
             writer = MetricWriter(
                 workdir, start_step=resumed_step, tensorboard=tensorboard, enabled=is_main
             )
-        programs = jit_programs(model, optimizer, task, mesh, gate=gate)
         save = functools.partial(save_checkpoint, ckpt, writer, run_info=run_info, sums=sums)
 
         searching = is_searching(state.params)
         if searching and start == 0 and selection_every:
             record_selection(writer, state)
         if searching and freeze_step == start:
+            ahead.wait("freeze")
             state, searching = programs.freeze(state), False
             save(state, frozen=True)
+
+        def rest_of_run_ahead(state, batch):
+            # After the phase's first step, so that its compile does not compete with them.
+            freezes = searching and freeze_step is not None
+            end = freeze_step if freezes else num_steps
+            compile_ahead(
+                ahead,
+                programs,
+                state,
+                batch,
+                mesh,
+                searching=searching,
+                evaluates=schedule.evaluates_between(step, end) or not freezes,
+                freezes=freezes,
+                eval_data=eval_data,
+            )
 
         step = start
         bar = tqdm.tqdm(
@@ -591,11 +686,16 @@ def train(
             desc="search" if searching else "train",
         )
         with stop_requests() as stop, contextlib.closing(bar):
-            batches = iter(train_data.iterate(start))
+            if batches is None:
+                batches = iter(train_data.iterate(start))
             timer = StepTimer()
             while step < num_steps and not stop.is_set():
-                state = train_one_step(programs.train_step, state, next(batches), mesh, sums, timer)
+                ahead.wait(("step", searching))
+                local = next(batches)
+                state = train_one_step(programs.train_step, state, local, mesh, sums, timer)
                 step += 1
+                if step == start + 1:
+                    rest_of_run_ahead(state, global_batch(local, mesh))
                 events = schedule.after(step, searching)
                 if events.log:
                     record = log_train(
@@ -608,11 +708,13 @@ def train(
                     )
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
                 if events.evaluate:
+                    ahead.wait(("eval", searching))
                     writer.write(
                         step, "eval", evaluate(programs.eval_step, state, eval_data, mesh, task)
                     )
                     timer.restart()
                 if events.freeze:
+                    ahead.wait("freeze")
                     state, searching = programs.freeze(state), False
                     timer.new_phase()
                     bar.set_description("frozen")
@@ -633,12 +735,14 @@ def train(
                 )
         eval_metrics = {}
         if eval_data is not None:
+            ahead.wait(("eval", searching))
             eval_metrics = evaluate(programs.eval_step, state, eval_data, mesh, task)
             if step > start:  # a run resumed at its last step already logged this evaluation
                 writer.write(step, "eval", eval_metrics)
         save(state, frozen=not searching and sparse)
         return TrainResult(state, eval_metrics, start)
     finally:
+        ahead.close()
         writer.close()
         if ckpt is not None:
             ckpt.close()
