@@ -312,10 +312,9 @@ def set_gate(model, *, strength=None, temperature=None, score=None):
             check_gate_value(value, name, "set_gate")
     layers = [m for _, m in _layers(model) if not m.frozen]
     present = {
-        "strength": sum(m.spec.hyper_name == "strength" for m in layers),
-        "temperature": sum(m.spec.hyper_name == "temperature" for m in layers),
-        "score": len(layers),
+        name: sum(m.spec.hyper_name == name for m in layers) for name in F.HYPER_NAME.values()
     }
+    present["score"] = len(layers)
     requested = {"strength": strength, "temperature": temperature, "score": score}
     for name, value in requested.items():
         if value is not None and not present[name]:

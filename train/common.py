@@ -29,10 +29,10 @@ from dynadiag_jax import models
 from dynadiag_jax import training as T
 from dynadiag_jax.kernel_stats import describe_paths, model_paths
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
+from dynadiag_jax.nn.functional import HYPER_NAME
 
 MODELS = {"mlp": models.MLP, "vit": models.ViT, "mixer": models.MlpMixer, "gpt2": models.GPT2}
 MODEL_MODULES = {"mlp": models.mlp, "vit": models.vit, "mixer": models.mixer, "gpt2": models.gpt2}
-GATE_HYPER = {"sparse_topk": "strength", "softmax": "temperature"}
 
 
 class ConfigError(ValueError):
@@ -94,8 +94,8 @@ def sparse_layer(cfg) -> functools.partial:
     """``DiagonalDense`` bound to the config's sparsity, block size, gate, slack, exploration mode,
     impl and input permutation, which are checked here (the layer itself checks them only when a
     model is built)."""
-    if cfg.gate not in GATE_HYPER:
-        raise ConfigError(f"dynadiag.gate must be one of {sorted(GATE_HYPER)}, got {cfg.gate!r}")
+    if cfg.gate not in HYPER_NAME:
+        raise ConfigError(f"dynadiag.gate must be one of {sorted(HYPER_NAME)}, got {cfg.gate!r}")
     if cfg.impl not in dd.available_impls():
         raise ConfigError(f"dynadiag.impl must be one of {dd.available_impls()}, got {cfg.impl!r}")
     layer = functools.partial(
@@ -222,7 +222,7 @@ def gate_schedule(dynadiag_cfg, freeze_step: int | None, num_steps: int) -> T.Ga
     if not 0.0 <= rescore < 1.0:
         raise ConfigError(f"dynadiag.rescore_fraction must be in [0, 1), got {rescore}")
     return T.GateSchedule(
-        GATE_HYPER[dynadiag_cfg.gate],
+        HYPER_NAME[dynadiag_cfg.gate],
         schedule,
         int(dynadiag_cfg.score_every),
         rescore_step=round(rescore * steps),

@@ -272,13 +272,15 @@ class DiagonalDense(nn.Module):
         )
         x = x.astype(dtype)
 
-        frozen = self.has_variable("diagonals", "offsets") or (
+        frozen = self.has_variable(F.DIAGONALS_COLLECTION, "offsets") or (
             self.is_initializing() and self.init_phase == "frozen"
         )
         given = self._given_hyper(strength, temperature)  # checked in both phases
         if self.is_initializing():
             self.variable(
-                "diagonals", "in_features", lambda: jnp.asarray(spec.in_features, jnp.int32)
+                F.DIAGONALS_COLLECTION,
+                "in_features",
+                lambda: jnp.asarray(spec.in_features, jnp.int32),
             )
         x = self._permute(x, frozen)
         if frozen:
@@ -299,7 +301,7 @@ class DiagonalDense(nn.Module):
         if (
             self.has_variable("params", "values")
             and not self.has_variable("params", "alpha")
-            and not self.has_variable("diagonals", "offsets")
+            and not self.has_variable(F.DIAGONALS_COLLECTION, "offsets")
         ):
             raise ValueError(
                 f"{self._label()}: these are the params of a frozen layer (values [K, ...], no "
@@ -312,7 +314,7 @@ class DiagonalDense(nn.Module):
     def _permute(self, x, frozen: bool):
         """``x`` with the layer's input permutation: hard ``perm``, soft ``perm_soft``, or none."""
         soft = self.has_variable("params", "perm_soft")
-        hard = self.has_variable("diagonals", "perm")
+        hard = self.has_variable(F.DIAGONALS_COLLECTION, "perm")
         init = self.is_initializing()
         if self.permutation is None:
             if soft or hard:
@@ -338,7 +340,7 @@ class DiagonalDense(nn.Module):
                 f"and there is none: save and restore every collection, not only 'params'"
             )
         perm = self.variable(
-            "diagonals",
+            F.DIAGONALS_COLLECTION,
             "perm",
             lambda: perms.random_permutation(self.make_rng("params"), x.shape[-1]),
         ).value
@@ -366,7 +368,7 @@ class DiagonalDense(nn.Module):
         """Search-phase params (``alpha``) only go with a search-phase layer and collections."""
         if self.is_initializing() or not self.has_variable("params", "alpha"):
             return
-        if self.has_variable("diagonals", "offsets"):
+        if self.has_variable(F.DIAGONALS_COLLECTION, "offsets"):
             raise ValueError(
                 f"{self._label()}: mixed phases: params hold a search-phase layer (alpha [P], "
                 f"values [P, ...]) but the 'diagonals' collection holds the offsets [K] of a "
@@ -400,8 +402,8 @@ class DiagonalDense(nn.Module):
             exact, low, high = (F.search_width(shape, self.features),) * 3
         else:
             exact, low, high = F.frozen_width(shape, self.features)
-            if exact is None and self.has_variable("diagonals", "in_features"):
-                exact = _host_int(self.get_variable("diagonals", "in_features"))
+            if exact is None and self.has_variable(F.DIAGONALS_COLLECTION, "in_features"):
+                exact = _host_int(self.get_variable(F.DIAGONALS_COLLECTION, "in_features"))
         if exact is not None and width != exact:
             raise ValueError(f"{self._label()}: x has width {width}, the layer expects {exact}")
         if width < low:
@@ -418,16 +420,18 @@ class DiagonalDense(nn.Module):
 
         Variables frozen before the width was stored (no ``in_features``) are trusted as they are.
         """
-        if not self.has_variable("diagonals", "in_features"):
+        if not self.has_variable(F.DIAGONALS_COLLECTION, "in_features"):
             return y
-        stored = self.get_variable("diagonals", "in_features")
+        stored = self.get_variable(F.DIAGONALS_COLLECTION, "in_features")
         if _host_int(stored) is not None:
             return y  # checked at trace time
         return jnp.where(stored == width, y, jnp.asarray(jnp.nan, y.dtype))
 
     def _frozen(self, spec: F.LayerSpec, x):
         offsets = self.variable(
-            "diagonals", "offsets", lambda: F.random_offsets(self.make_rng("params"), spec)
+            F.DIAGONALS_COLLECTION,
+            "offsets",
+            lambda: F.random_offsets(self.make_rng("params"), spec),
         ).value
         if offsets.shape != (spec.k,):
             # Inside jit a frozen layer's stored width is traced, so a wrong x width first shows
@@ -466,13 +470,13 @@ class DiagonalDense(nn.Module):
                 if given is not None
                 else (self.gate_init if self.gate_init is not None else F.DEFAULT_HYPER[name])
             )
-            stored = self.variable("dynadiag", name, lambda: jnp.asarray(start, jnp.float32))
-            self.variable("dynadiag", "score", lambda: jnp.asarray(False))
+            stored = self.variable(F.GATE_COLLECTION, name, lambda: jnp.asarray(start, jnp.float32))
+            self.variable(F.GATE_COLLECTION, "score", lambda: jnp.asarray(False))
             return stored.value if given is None else given
         if given is not None:
             return given
-        if self.has_variable("dynadiag", name):
-            return self.get_variable("dynadiag", name)
+        if self.has_variable(F.GATE_COLLECTION, name):
+            return self.get_variable(F.GATE_COLLECTION, name)
         raise ValueError(
             f"{self._label()}: the gate needs {name}=: pass it to the call, or "
             f"include the 'dynadiag' collection created by init in the variables "
@@ -485,17 +489,19 @@ class DiagonalDense(nn.Module):
         alpha = self.param("alpha", F.init_alpha, (p,), work).astype(work)
         every = jnp.arange(p, dtype=jnp.int32)
         values = self.param("values", self._values_init(spec), every, self.param_dtype)
-        tracking = self.has_variable("dynadiag", "topk") and self.is_mutable_collection("dynadiag")
-        old = self.get_variable("dynadiag", "topk") if tracking else None
+        tracking = self.has_variable(F.GATE_COLLECTION, "topk") and self.is_mutable_collection(
+            F.GATE_COLLECTION
+        )
+        old = self.get_variable(F.GATE_COLLECTION, "topk") if tracking else None
         inputs = gate_inputs(alpha, hyper, old, gate=spec.gate, k=spec.k, impl=spec.impl)
         if self.is_initializing():
-            self.variable("dynadiag", "topk", lambda: inputs.topk)
+            self.variable(F.GATE_COLLECTION, "topk", lambda: inputs.topk)
         elif tracking:
-            self.put_variable("dynadiag", "topk", inputs.topk)
+            self.put_variable(F.GATE_COLLECTION, "topk", inputs.topk)
             self.sow("intermediates", "topk_changed", inputs.topk_changed)
         score = (
-            self.get_variable("dynadiag", "score")
-            if self.has_variable("dynadiag", "score")
+            self.get_variable(F.GATE_COLLECTION, "score")
+            if self.has_variable(F.GATE_COLLECTION, "score")
             else jnp.asarray(False)
         )
         y, stats = search_forward(spec, values, x, inputs, score=score)
