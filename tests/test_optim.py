@@ -67,3 +67,11 @@ def test_diag_optimizer_alpha_step_size():
 def test_rejects_non_mapping_params():
     with pytest.raises(TypeError, match="nested mapping"):
         optim.alpha_mask([jnp.ones(3)])
+
+
+def test_weight_decay_mask_takes_path_patterns():
+    mask = optim.weight_decay_mask(PARAMS, no_decay=(r"head/.*",))
+    assert mask["head"] == {"kernel": False, "bias": False}
+    assert mask["layer"] == {"alpha": False, "values": True, "bias": False}
+    trained = optim.path_mask((r".*/bias",))(PARAMS)
+    assert trained["norm"] == {"scale": False, "bias": True} and not trained["layer"]["values"]
