@@ -87,15 +87,10 @@ def finite_values(alpha, values, path: tuple):
     return values
 
 
-def _input_width(node, structure) -> Any:
-    """The layer's ``in_features`` for its ``"diagonals"`` entry, or None if unknown.
-
-    Stored by ``init`` since the width was added; without it (older variables, or variables
-    passed without their ``"diagonals"`` collection) it follows from the shapes when they fix it:
-    a bias gives ``out``, and a square layer has as many candidates as its diagonals are long.
-    """
-    if structure is not None:
-        return structure
+def _input_width(node, path: tuple):
+    """``in_features`` of a layer given without its ``"diagonals"`` entry (params frozen with
+    ``budgets``), from the shapes: a bias gives ``out``, and a square layer has as many
+    candidates as its diagonals are long."""
     lead = node["alpha"].shape[:-1]
     rows = node["values"].shape[len(lead) :]
     if "bias" in node:
@@ -103,7 +98,12 @@ def _input_width(node, structure) -> Any:
     elif rows[0] == rows[1]:  # square: P == D, or P_b == L_b
         width = rows[0] * (rows[-1] if len(rows) == 4 else 1)
     else:
-        return None
+        raise ValueError(
+            f"freeze_tree: cannot tell the input width of the DiagonalDense at params path "
+            f"{path}: its 'diagonals' entry 'in_features' (created by init) is missing and a "
+            f"rectangular layer without bias does not fix it; keep the 'diagonals' collection "
+            f"in the variables"
+        )
     return jnp.full(lead, width, jnp.int32)
 
 
@@ -133,13 +133,13 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
       ``"diagonals"`` entry ``{"offsets": [..., K] int32, "in_features": [...] int32}`` (and
       ``"perm": [..., in] int32`` hardened from a learned permutation's ``perm_soft``), and its
       search entries removed from ``"dynadiag"`` (the collection disappears when empty).
-      ``in_features`` is left out only for variables made before it was stored whose shapes do
-      not fix it (a rectangular layer without bias).
 
     Raises:
-      ValueError: a search layer whose K cannot be determined, or whose concrete ``alpha`` holds
-        NaN or inf (naming its path). Inside ``jit`` alpha cannot be read while tracing: such a
-        layer's frozen ``values`` are NaN instead, so its outputs (and the loss) are NaN.
+      ValueError: a search layer whose K or input width cannot be determined (without its
+        ``"diagonals"`` entry only a bias or a square layer fixes the width), or whose concrete
+        ``alpha`` holds NaN or inf (naming its path). Inside ``jit`` alpha cannot be read while
+        tracing: such a layer's frozen ``values`` are NaN instead, so its outputs (and the loss)
+        are NaN.
     """
     if not isinstance(variables, Mapping) or "params" not in variables:
         raise ValueError("freeze_tree needs variables with a 'params' collection")
@@ -161,15 +161,16 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
                 f"'dynadiag' entry 'topk' (created by init) is missing; keep the 'dynadiag' "
                 f"collection in the variables or pass budgets={{{path!r}: K}}"
             )
-        width = _input_width(layer, diagonals.get(path + ("in_features",)))
+        width = diagonals.get(path + ("in_features",))
+        if width is None:
+            width = _input_width(layer, path)
         offsets = select_diagonals(layer["alpha"], k)
         for name in _SEARCH_PARAMS:
             params.pop(path + (name,), None)
         values = _gather_rows(layer["values"], offsets)
         params[path + ("values",)] = finite_values(layer["alpha"], values, path)
         diagonals[path + ("offsets",)] = offsets
-        if width is not None:
-            diagonals[path + ("in_features",)] = width
+        diagonals[path + ("in_features",)] = width
         if "perm_soft" in layer:
             diagonals[path + ("perm",)] = harden(layer["perm_soft"])
     out = dict(variables)

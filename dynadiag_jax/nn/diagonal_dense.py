@@ -258,7 +258,7 @@ class DiagonalDense(nn.Module):
             raise TypeError(f"x must be an array, got {type(x).__name__}")
         if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
-        self._check_offsets_present()
+        self._check_frozen_entries()
         self._check_phase()
         self._check_width(x.shape[-1])
         try:
@@ -296,20 +296,20 @@ class DiagonalDense(nn.Module):
         """The layer's module path (``"encoder/block_0/mlp/fc1"``), for error messages."""
         return "/".join(self.path) or self.name or "DiagonalDense"
 
-    def _check_offsets_present(self):
-        """Frozen params (``values`` without ``alpha``) need their offsets: say where they live."""
-        if (
-            self.has_variable("params", "values")
-            and not self.has_variable("params", "alpha")
-            and not self.has_variable(F.DIAGONALS_COLLECTION, "offsets")
-        ):
-            raise ValueError(
-                f"{self._label()}: these are the params of a frozen layer (values [K, ...], no "
-                f"alpha), but its offsets are missing: a frozen layer keeps offsets[K] in the "
-                f"'diagonals' collection (variables['diagonals'][<layer path>]['offsets'], "
-                f"written by dd.freeze / dd.freeze_tree); save and restore every collection, not "
-                f"only 'params'"
-            )
+    def _check_frozen_entries(self):
+        """Frozen params (``values`` without ``alpha``) need their offsets and input width: say
+        where they live."""
+        if not self.has_variable("params", "values") or self.has_variable("params", "alpha"):
+            return
+        for name, missing in (("offsets", "its offsets are"), ("in_features", "its width is")):
+            if not self.has_variable(F.DIAGONALS_COLLECTION, name):
+                raise ValueError(
+                    f"{self._label()}: these are the params of a frozen layer (values [K, ...], "
+                    f"no alpha), but {missing} missing: a frozen layer keeps offsets[K] and "
+                    f"in_features in the 'diagonals' collection (variables['diagonals'][<layer "
+                    f"path>]['{name}'], written by dd.freeze / dd.freeze_tree); save and restore "
+                    f"every collection, not only 'params'"
+                )
 
     def _permute(self, x, frozen: bool):
         """``x`` with the layer's input permutation: hard ``perm``, soft ``perm_soft``, or none."""
@@ -387,9 +387,9 @@ class DiagonalDense(nn.Module):
         """Raises unless ``x``'s width is the layer's (known from its variables after init).
 
         Search phase: from the shapes. Frozen: from ``values`` where its shape fixes the width,
-        else from the ``"diagonals"`` entry ``in_features`` when it is a host value (inside
-        ``jit`` it is traced: :meth:`_guard_width` handles that), else only the bounds the shape
-        gives (variables frozen before ``in_features`` was stored).
+        else from the ``"diagonals"`` entry ``in_features`` when it is a host value; inside
+        ``jit`` it is traced, so only the bounds the shape gives (:meth:`_guard_width` does the
+        rest).
         """
         if self.in_features is not None and width != self.in_features:
             raise ValueError(
@@ -402,7 +402,7 @@ class DiagonalDense(nn.Module):
             exact, low, high = (F.search_width(shape, self.features),) * 3
         else:
             exact, low, high = F.frozen_width(shape, self.features)
-            if exact is None and self.has_variable(F.DIAGONALS_COLLECTION, "in_features"):
+            if exact is None:
                 exact = _host_int(self.get_variable(F.DIAGONALS_COLLECTION, "in_features"))
         if exact is not None and width != exact:
             raise ValueError(f"{self._label()}: x has width {width}, the layer expects {exact}")
@@ -416,12 +416,7 @@ class DiagonalDense(nn.Module):
             )
 
     def _guard_width(self, y, width: int):
-        """NaN outputs when a traced stored width differs from ``x``'s (jit cannot raise).
-
-        Variables frozen before the width was stored (no ``in_features``) are trusted as they are.
-        """
-        if not self.has_variable(F.DIAGONALS_COLLECTION, "in_features"):
-            return y
+        """NaN outputs when a traced stored width differs from ``x``'s (jit cannot raise)."""
         stored = self.get_variable(F.DIAGONALS_COLLECTION, "in_features")
         if _host_int(stored) is not None:
             return y  # checked at trace time
