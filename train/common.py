@@ -113,7 +113,7 @@ def sparse_layer(cfg) -> functools.partial:
     )
     try:
         layer(1)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"dynadiag: {e}") from None
     return layer
 
@@ -216,7 +216,7 @@ def gate_schedule(dynadiag_cfg, freeze_step: int | None, num_steps: int) -> T.Ga
             schedule = dd.schedules.by_name(name, value=sched["init_value"])
         else:
             schedule = dd.schedules.by_name(name, steps=steps, **sched)
-    except (ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"dynadiag.gate_schedule: {e}") from None
     rescore = float(dynadiag_cfg.rescore_fraction)
     if not 0.0 <= rescore < 1.0:

@@ -28,12 +28,12 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
+from dynadiag_jax._checks import int_at_least
 from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
@@ -177,24 +177,14 @@ class DiagonalDense(nn.Module):
     permutation_penalty: float = perms.DEFAULT_PENALTY
 
     def __post_init__(self):
-        if isinstance(self.features, bool) or not isinstance(self.features, numbers.Integral):
-            raise ValueError(f"features must be an int >= 1, got {self.features!r}")
-        if self.features < 1:
-            raise ValueError(f"features must be >= 1, got {self.features}")
-        width = self.in_features
-        if width is not None and (
-            isinstance(width, bool) or not isinstance(width, numbers.Integral) or width < 1
-        ):
-            raise ValueError(f"in_features must be None or an int >= 1, got {width!r}")
+        int_at_least(self.features, "features", 1)
+        if self.in_features is not None:
+            int_at_least(self.in_features, "in_features", 1)
         if (self.sparsity is None) == (self.k is None):
             raise ValueError("DiagonalDense needs exactly one of sparsity= (in (0, 1)) or k=")
         if self.sparsity is not None:
             F.check_sparsity(self.sparsity)
-        if (
-            isinstance(self.block_size, bool)
-            or not isinstance(self.block_size, numbers.Integral)
-            or self.block_size not in BLOCK_SIZES
-        ):
+        if int_at_least(self.block_size, "block_size", 1) not in BLOCK_SIZES:
             raise ValueError(
                 f"block_size must be 1 (element diagonals) or one of {KERNEL_BLOCK_SIZES}, "
                 f"got {self.block_size!r}"
@@ -207,9 +197,7 @@ class DiagonalDense(nn.Module):
             raise ValueError(f"unknown explore {self.explore!r}; expected one of {F.EXPLORE_MODES}")
         if not self.slack >= 0:
             raise ValueError(f"slack must be >= 0, got {self.slack!r}")
-        buckets = self.num_buckets
-        if isinstance(buckets, bool) or not isinstance(buckets, numbers.Integral) or buckets < 1:
-            raise ValueError(f"num_buckets must be an int >= 1, got {self.num_buckets!r}")
+        int_at_least(self.num_buckets, "num_buckets", 1)
         F.check_init_and_search(self.fan_in, self.scale)
         perms.check_permutation_args(self.permutation, self.permutation_penalty)
         if self.gate_init is not None:

@@ -111,6 +111,7 @@ def layer_budget(
 
     Raises:
       ValueError: neither or both given, sparsity outside (0, 1), ``k`` outside ``[1, P]``.
+      TypeError: a ``sparsity`` that is not a number or a ``k`` that is not an int.
     """
     geo = geometry(in_features, out_features, block_size)
     if (sparsity is None) == (k is None):
@@ -119,7 +120,7 @@ def layer_budget(
         check_sparsity(sparsity)
         return num_diagonals(geo.in_features, geo.out_features, sparsity, block_size=geo.block_size)
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise ValueError(f"k must be an int, got {k!r}")
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
     if not 1 <= k <= geo.num_candidates:
         raise ValueError(
             f"budget k={k} must be in [1, P] with P = {geo.num_candidates} candidate diagonals "
