@@ -94,8 +94,6 @@ def sparse_layer(cfg) -> functools.partial:
     """``DiagonalDense`` bound to the config's sparsity, block size, gate, slack, exploration mode,
     impl and input permutation, which are checked here (the layer itself checks them only when a
     model is built)."""
-    if cfg.gate not in HYPER_NAME:
-        raise ConfigError(f"dynadiag.gate must be one of {sorted(HYPER_NAME)}, got {cfg.gate!r}")
     if cfg.impl not in dd.available_impls():
         raise ConfigError(f"dynadiag.impl must be one of {dd.available_impls()}, got {cfg.impl!r}")
     layer = functools.partial(
@@ -233,10 +231,12 @@ def freeze_step(dynadiag_cfg, num_steps: int) -> int | None:
     """Step of the freeze: ``search_fraction`` of training (``None`` for dense models)."""
     if float(dynadiag_cfg.sparsity) == 0.0:
         return None
-    frac = float(dynadiag_cfg.search_fraction)
-    if not 0.0 <= frac <= 1.0:
-        raise ConfigError(f"dynadiag.search_fraction must be in [0, 1], got {frac}")
-    return int(round(frac * num_steps))
+    try:
+        return dd.schedules.freeze_step(
+            num_steps, search_fraction=float(dynadiag_cfg.search_fraction)
+        )
+    except ValueError as e:
+        raise ConfigError(f"dynadiag: {e}") from None
 
 
 def learning_rate(opt_cfg, num_steps: int, warmup: int):
