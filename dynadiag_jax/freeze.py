@@ -220,7 +220,7 @@ def freeze(layer: DiagonalDense, variables):
         raise ValueError("freeze needs the layer's variables with a 'params' collection")
     params = variables["params"]
     if not _is_search_layer(params):
-        if "values" in params and "offsets" in variables.get("diagonals", {}):
+        if "values" in params and "offsets" in variables.get(DIAGONALS_COLLECTION, {}):
             return layer.clone(init_phase="frozen"), variables
         raise ValueError(
             "freeze: variables are not those of a DiagonalDense (need params "
@@ -228,9 +228,9 @@ def freeze(layer: DiagonalDense, variables):
         )
     in_features = search_width(params["values"].shape, layer.features)
     frozen_layer = layer.clone(init_phase="frozen", in_features=in_features)
-    diagonals = dict(variables.get("diagonals", {}))
+    diagonals = dict(variables.get(DIAGONALS_COLLECTION, {}))
     diagonals.setdefault("in_features", jnp.asarray(in_features, jnp.int32))
-    variables = {**variables, "diagonals": diagonals}
+    variables = {**variables, DIAGONALS_COLLECTION: diagonals}
     return frozen_layer, freeze_tree(variables, budgets={(): layer.budget(in_features)})
 
 
