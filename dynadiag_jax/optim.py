@@ -70,7 +70,7 @@ def path_mask(patterns: Sequence[str], *, match: bool = True, min_ndim: int = 0)
 
     def mask(params):
         def hit(names, leaf, parent):
-            matched = any(c.fullmatch("/".join(names)) for c in compiled)
+            matched = any(c.fullmatch("/".join(map(str, names))) for c in compiled)
             return matched == match and getattr(leaf, "ndim", 0) >= min_ndim
 
         return _map_named(params, hit)
