@@ -166,15 +166,22 @@ def read_raw_csv(path) -> list:
 
 
 def kernel_key(name: str):
-    """``(template, dtype, flags)`` of a demangled dynadiag kernel name; the template alone (str)
-    for a name without template arguments it understands; None for other kernels."""
-    m = re.search(r"dynadiag::cuda::(\w+)<([^<>]*)>", name)
-    if m:
+    """``(template, dtype, args)`` of a demangled dynadiag kernel name, ``args`` its other template
+    arguments (bools and ints: b and the panel width), as the cost model's ``Launch.kernel`` names
+    them (ncu may print a bool as 0 or 1, which compares equal); the template alone (str) for a
+    name without template arguments it understands; None for other kernels. ncu names a kernel
+    with or without its namespace."""
+    m = re.search(r"(?:dynadiag::cuda::|void )(\w+)<([^<>]*)>", name)
+    if m and (m.group(1) in _TEMPLATES or "dynadiag::cuda::" in name):
         args = [a.strip() for a in m.group(2).split(",")]
         dtype = _DTYPES.get(args[0])
-        flags = tuple(a == "true" for a in args[1:] if a in ("true", "false"))
-        if dtype is not None and len(flags) == len(args) - 1:
-            return m.group(1), dtype, flags
+        rest = tuple(
+            a == "true" if a in ("true", "false") else int(a)
+            for a in args[1:]
+            if a in ("true", "false") or re.fullmatch(r"-?\d+", a)
+        )
+        if dtype is not None and len(rest) == len(args) - 1:
+            return m.group(1), dtype, rest
         return m.group(1)
     base = re.sub(r"\(.*", "", name).split("::")[-1].strip()
     return base if base in _TEMPLATES else None
@@ -249,7 +256,8 @@ def join(launches, predictions, dtype) -> tuple:
 
 def kernel_label(key) -> str:
     template, dtype, flags = key
-    args = [dtype, *("true" if f else "false" for f in flags)] if dtype else []
+    shown = (str(f).lower() if isinstance(f, bool) else str(f) for f in flags)
+    args = [dtype, *shown] if dtype else []
     return f"{template}<{', '.join(args)}>" if args else template
 
 

@@ -1,15 +1,25 @@
-"""Argument checks shared by the library's public functions."""
+"""Argument checks shared by the library's public functions.
+
+One rule for every bad argument (docs/design.md, "Errors"): a wrong type - not an int, not a real
+number, not an array, a dtype of the wrong kind - raises ``TypeError``; a value of the right type
+that is out of range, not finite or not one of the known names raises ``ValueError``.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 
 import numpy as np
 
 
 def int_at_least(value, name: str, minimum: int) -> int:
-    """``value`` as an int; ``TypeError`` if not integral, ``ValueError`` below ``minimum``."""
+    """``value`` as an int; ``TypeError`` if not integral (a bool is not), ``ValueError`` below
+    ``minimum``."""
     try:
+        if isinstance(value, bool):
+            raise TypeError
         value = operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
@@ -29,3 +39,13 @@ def permutation_problem(perm, n: int) -> str | None:
         twice, missed = int(np.argmax(counts)), int(np.argmin(counts))
         return f"it holds {twice} {int(counts[twice])} times and misses {missed}"
     return None
+
+
+def finite_number(value, name: str) -> float:
+    """``value`` as a float; ``TypeError`` if not a real number (a bool is not), ``ValueError`` if
+    NaN or infinite."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)

@@ -21,9 +21,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
-from dynadiag_jax.nn.functional import search_width, select_diagonals
+from dynadiag_jax.nn.functional import (
+    DIAGONALS_COLLECTION,
+    GATE_COLLECTION,
+    search_width,
+    select_diagonals,
+)
 from dynadiag_jax.nn.permutation import harden
 
 __all__ = ["freeze", "freeze_tree", "freeze_opt_state", "select_diagonals"]
@@ -81,15 +87,10 @@ def finite_values(alpha, values, path: tuple):
     return values
 
 
-def _input_width(node, structure) -> Any:
-    """The layer's ``in_features`` for its ``"diagonals"`` entry, or None if unknown.
-
-    Stored by ``init`` since the width was added; without it (older variables, or variables
-    passed without their ``"diagonals"`` collection) it follows from the shapes when they fix it:
-    a bias gives ``out``, and a square layer has as many candidates as its diagonals are long.
-    """
-    if isinstance(structure, Mapping) and "in_features" in structure:
-        return structure["in_features"]
+def _input_width(node, path: tuple):
+    """``in_features`` of a layer given without its ``"diagonals"`` entry (params frozen with
+    ``budgets``), from the shapes: a bias gives ``out``, and a square layer has as many
+    candidates as its diagonals are long."""
     lead = node["alpha"].shape[:-1]
     rows = node["values"].shape[len(lead) :]
     if "bias" in node:
@@ -97,61 +98,21 @@ def _input_width(node, structure) -> Any:
     elif rows[0] == rows[1]:  # square: P == D, or P_b == L_b
         width = rows[0] * (rows[-1] if len(rows) == 4 else 1)
     else:
-        return None
+        raise ValueError(
+            f"freeze_tree: cannot tell the input width of the DiagonalDense at params path "
+            f"{path}: its 'diagonals' entry 'in_features' (created by init) is missing and a "
+            f"rectangular layer without bias does not fix it; keep the 'diagonals' collection "
+            f"in the variables"
+        )
     return jnp.full(lead, width, jnp.int32)
 
 
-def _freeze_params(node, k: int):
-    offsets = select_diagonals(node["alpha"], k)
-    params = {name: value for name, value in node.items() if name not in _SEARCH_PARAMS}
-    params["values"] = _gather_rows(node["values"], offsets)
-    return params, offsets
-
-
-def _walk(params, dyn, path: tuple, visit):
-    """Rebuilds ``params``, calling ``visit(path, layer_params, layer_dyn)`` on search layers."""
-    if _is_search_layer(params):
-        return visit(path, params, dyn)
-    if not isinstance(params, Mapping):
-        return params
-    dyn = dyn if isinstance(dyn, Mapping) else {}
-    return {key: _walk(value, dyn.get(key), path + (key,), visit) for key, value in params.items()}
-
-
-def _copy_dicts(tree):
-    if isinstance(tree, Mapping):
-        return {key: _copy_dicts(value) for key, value in tree.items()}
-    return tree
-
-
-def _get_path(tree, path: tuple):
-    for key in path:
-        tree = tree.get(key) if isinstance(tree, Mapping) else None
-    return tree
-
-
-def _set_path(tree: dict, path: tuple, value: dict):
-    for key in path:
-        tree = tree.setdefault(key, {})
-    tree.update(value)
-
-
-def _drop_search_state(dyn, layer_paths):
-    """The ``"dynadiag"`` tree without the search entries of the frozen layers (empty dicts go)."""
-
-    def prune(node, path):
-        if not isinstance(node, Mapping):
-            return node
-        out = {}
-        for key, value in node.items():
-            if path in layer_paths and key in _SEARCH_STATE:
-                continue
-            value = prune(value, path + (key,))
-            if not (isinstance(value, Mapping) and not value):
-                out[key] = value
-        return out
-
-    return prune(dyn, ())
+def _search_layers(flat: dict) -> dict[tuple, dict]:
+    """``{path: {name: leaf}}`` of the search-phase layers in a flattened params tree."""
+    nodes = {}
+    for key, leaf in flat.items():
+        nodes.setdefault(key[:-1], {})[key[-1]] = leaf
+    return {path: node for path, node in nodes.items() if _is_search_layer(node)}
 
 
 def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
@@ -172,55 +133,60 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
       ``"diagonals"`` entry ``{"offsets": [..., K] int32, "in_features": [...] int32}`` (and
       ``"perm": [..., in] int32`` hardened from a learned permutation's ``perm_soft``), and its
       search entries removed from ``"dynadiag"`` (the collection disappears when empty).
-      ``in_features`` is left out only for variables made before it was stored whose shapes do
-      not fix it (a rectangular layer without bias).
 
     Raises:
-      ValueError: a search layer whose K cannot be determined, or whose concrete ``alpha`` holds
-        NaN or inf (naming its path). Inside ``jit`` alpha cannot be read while tracing: such a
-        layer's frozen ``values`` are NaN instead, so its outputs (and the loss) are NaN.
+      ValueError: a search layer whose K or input width cannot be determined (without its
+        ``"diagonals"`` entry only a bias or a square layer fixes the width), or whose concrete
+        ``alpha`` holds NaN or inf (naming its path). Inside ``jit`` alpha cannot be read while
+        tracing: such a layer's frozen ``values`` are NaN instead, so its outputs (and the loss)
+        are NaN.
     """
     if not isinstance(variables, Mapping) or "params" not in variables:
         raise ValueError("freeze_tree needs variables with a 'params' collection")
     budgets = dict(budgets or {})
-    diagonals = _copy_dicts(variables.get("diagonals", {}))
-    frozen_paths = set()
-
-    def visit(path, layer, dyn):
+    params = traverse_util.flatten_dict(variables["params"], keep_empty_nodes=True)
+    gates = traverse_util.flatten_dict(variables.get(GATE_COLLECTION, {}))
+    diagonals = traverse_util.flatten_dict(
+        variables.get(DIAGONALS_COLLECTION, {}), keep_empty_nodes=True
+    )
+    layers = _search_layers(params)
+    for path, layer in layers.items():
         if path in budgets:
             k = budgets[path]
-        elif isinstance(dyn, Mapping) and "topk" in dyn:
-            k = dyn["topk"].shape[-1]
+        elif path + ("topk",) in gates:
+            k = gates[path + ("topk",)].shape[-1]
         else:
             raise ValueError(
                 f"freeze_tree: cannot tell K for the DiagonalDense at params path {path}: its "
                 f"'dynadiag' entry 'topk' (created by init) is missing; keep the 'dynadiag' "
                 f"collection in the variables or pass budgets={{{path!r}: K}}"
             )
-        structure = _get_path(diagonals, path)
-        width = _input_width(layer, structure)
-        params, offsets = _freeze_params(layer, k)
-        params["values"] = finite_values(layer["alpha"], params["values"], path)
-        entries = {"offsets": offsets}
+        width = diagonals.get(path + ("in_features",))
+        if width is None:
+            width = _input_width(layer, path)
+        offsets = select_diagonals(layer["alpha"], k)
+        for name in _SEARCH_PARAMS:
+            params.pop(path + (name,), None)
+        values = _gather_rows(layer["values"], offsets)
+        params[path + ("values",)] = finite_values(layer["alpha"], values, path)
+        diagonals[path + ("offsets",)] = offsets
+        diagonals[path + ("in_features",)] = width
         if "perm_soft" in layer:
-            entries["perm"] = harden(layer["perm_soft"])
-        if width is not None:
-            entries["in_features"] = width
-        _set_path(diagonals, path, entries)
-        frozen_paths.add(path)
-        return params
-
-    params = _walk(variables["params"], variables.get("dynadiag"), (), visit)
+            diagonals[path + ("perm",)] = harden(layer["perm_soft"])
     out = dict(variables)
-    out["params"] = params
+    out["params"] = traverse_util.unflatten_dict(params)
     if diagonals:
-        out["diagonals"] = diagonals
-    if "dynadiag" in variables:
-        dyn = _drop_search_state(variables["dynadiag"], frozen_paths)
-        if dyn:
-            out["dynadiag"] = dyn
+        out[DIAGONALS_COLLECTION] = traverse_util.unflatten_dict(diagonals)
+    if GATE_COLLECTION in variables:
+        kept = {
+            key: leaf
+            for key, leaf in gates.items()
+            if not (key[:-1] in layers and key[-1] in _SEARCH_STATE)
+        }
+        if kept:
+            out[GATE_COLLECTION] = traverse_util.unflatten_dict(kept)
         else:
-            del out["dynadiag"]
+            del out[GATE_COLLECTION]
     return out
 
 
@@ -254,7 +220,7 @@ def freeze(layer: DiagonalDense, variables):
         raise ValueError("freeze needs the layer's variables with a 'params' collection")
     params = variables["params"]
     if not _is_search_layer(params):
-        if "values" in params and "offsets" in variables.get("diagonals", {}):
+        if "values" in params and "offsets" in variables.get(DIAGONALS_COLLECTION, {}):
             return layer.clone(init_phase="frozen"), variables
         raise ValueError(
             "freeze: variables are not those of a DiagonalDense (need params "
@@ -262,35 +228,14 @@ def freeze(layer: DiagonalDense, variables):
         )
     in_features = search_width(params["values"].shape, layer.features)
     frozen_layer = layer.clone(init_phase="frozen", in_features=in_features)
-    diagonals = dict(variables.get("diagonals", {}))
+    diagonals = dict(variables.get(DIAGONALS_COLLECTION, {}))
     diagonals.setdefault("in_features", jnp.asarray(in_features, jnp.int32))
-    variables = {**variables, "diagonals": diagonals}
+    variables = {**variables, DIAGONALS_COLLECTION: diagonals}
     return frozen_layer, freeze_tree(variables, budgets={(): layer.budget(in_features)})
 
 
 def _is_params_like(node, params) -> bool:
     return isinstance(node, Mapping) and isinstance(params, Mapping) and set(node) == set(params)
-
-
-def _convert_params_like(node, before, after):
-    """One params-shaped subtree of an optimizer state, following ``before -> after``."""
-    if _is_search_layer(before):
-        k = after["values"].shape[before["alpha"].ndim - 1]
-        offsets = select_diagonals(before["alpha"], k)
-        out = {}
-        for key, value in node.items():
-            if key in _SEARCH_PARAMS:
-                continue
-            if key == "values" and getattr(value, "shape", None) == before["values"].shape:
-                value = _gather_rows(value, offsets)
-            out[key] = value
-        return out
-    if isinstance(node, Mapping) and isinstance(before, Mapping):
-        return {
-            key: _convert_params_like(value, before.get(key), (after or {}).get(key))
-            for key, value in node.items()
-        }
-    return node
 
 
 def freeze_opt_state(opt_state: Any, params_before, params_after):
@@ -309,15 +254,28 @@ def freeze_opt_state(opt_state: Any, params_before, params_after):
       params_after: the frozen params.
     """
 
-    def convert(node):
-        if _is_params_like(node, params_before):
-            return _convert_params_like(node, params_before, params_after)
-        if isinstance(node, tuple) and hasattr(node, "_fields"):
-            return type(node)(*(convert(child) for child in node))
-        if isinstance(node, (tuple, list)):
-            return type(node)(convert(child) for child in node)
-        if isinstance(node, Mapping):
-            return {key: convert(value) for key, value in node.items()}
-        return node
+    before = traverse_util.flatten_dict(params_before)
+    after = traverse_util.flatten_dict(params_after)
+    offsets = {
+        path: select_diagonals(
+            layer["alpha"], after[path + ("values",)].shape[layer["alpha"].ndim - 1]
+        )
+        for path, layer in _search_layers(before).items()
+        if path + ("values",) in after
+    }
 
-    return convert(opt_state)
+    def convert(node):
+        flat = traverse_util.flatten_dict(node, keep_empty_nodes=True)
+        for path, kept in offsets.items():
+            for name in _SEARCH_PARAMS:
+                flat.pop(path + (name,), None)
+            value = flat.get(path + ("values",))
+            if getattr(value, "shape", None) == before[path + ("values",)].shape:
+                flat[path + ("values",)] = _gather_rows(value, kept)
+        return traverse_util.unflatten_dict(flat)
+
+    return jax.tree_util.tree_map(
+        lambda node: convert(node) if _is_params_like(node, params_before) else node,
+        opt_state,
+        is_leaf=lambda node: _is_params_like(node, params_before),
+    )

@@ -20,15 +20,17 @@ import numpy as np
 from flax import traverse_util
 
 from dynadiag_jax.freeze import freeze_tree
-from dynadiag_jax.nn.functional import select_diagonals
+from dynadiag_jax.nn.functional import (
+    DIAGONALS_COLLECTION,
+    GATE_COLLECTION,
+    HYPER_NAME,
+    LAYER_COLLECTIONS,
+    select_diagonals,
+)
 from dynadiag_jax.nn.gate_state import alpha_from_values
 from dynadiag_jax.ops.reference import dense_to_diag
 
 __all__ = ["from_dense"]
-
-# Collections a diagonal layer keeps beside "params": they come from the template.
-_LAYER_COLLECTIONS = ("dynadiag", "diagonals")
-_GATE_VALUES = ("strength", "temperature")
 
 
 def _name(path: tuple) -> str:
@@ -208,7 +210,7 @@ def from_dense(
             raise ValueError(f"from_dense: {name} must be variables with a 'params' collection")
     flat_t = traverse_util.flatten_dict(template["params"])
     layers = _diagonal_layers(flat_t)
-    diagonals = traverse_util.flatten_dict(template.get("diagonals", {}))
+    diagonals = traverse_util.flatten_dict(template.get(DIAGONALS_COLLECTION, {}))
     _refuse_frozen(flat_t, layers, diagonals)
     if not layers:
         raise ValueError(
@@ -216,7 +218,7 @@ def from_dense(
             "'values'); pass the init variables of the model with diagonal layers"
         )
     dense_params = traverse_util.flatten_dict(dense_variables["params"])
-    gates = traverse_util.flatten_dict(template.get("dynadiag", {}))
+    gates = traverse_util.flatten_dict(template.get(GATE_COLLECTION, {}))
     params = _copy_collection("params", template["params"], dense_variables["params"], set(layers))
     topk = dict(gates)
     for path in layers:
@@ -228,7 +230,9 @@ def from_dense(
             )
         value = gate_value
         if value is None:
-            value = next((gates[path + (g,)] for g in _GATE_VALUES if path + (g,) in gates), 1.0)
+            value = next(
+                (gates[path + (g,)] for g in HYPER_NAME.values() if path + (g,) in gates), 1.0
+            )
         value = jnp.expand_dims(jnp.asarray(value, jnp.float32), -1)  # per slice of a stack
         layer_t = {k[-1]: v for k, v in flat_t.items() if k[:-1] == path}
         layer_d = {k[-1]: v for k, v in dense_params.items() if k[:-1] == path}
@@ -256,9 +260,9 @@ def from_dense(
     for name, collection in template.items():
         if name == "params":
             out[name] = traverse_util.unflatten_dict(params)
-        elif name == "dynadiag":
+        elif name == GATE_COLLECTION:
             out[name] = traverse_util.unflatten_dict(topk)
-        elif name in _LAYER_COLLECTIONS or name not in dense_variables:
+        elif name in LAYER_COLLECTIONS or name not in dense_variables:
             out[name] = collection
         else:
             flat = _copy_collection(name, collection, dense_variables[name], set())

@@ -525,12 +525,13 @@ def block_product_launches(kind, rows, in_features, out_features, offsets, dtype
         return [Launch("memset", store_bytes=rows * o_dim * s, hbm_bytes=rows * o_dim * s)]
     p_b, l_b = geo.num_candidates, geo.length
     valid = (off >= 0) & (off < p_b)
-    slab = _slab_rows(rows, cuda.BLOCK_ROWS)
+    slab = _slab_rows(rows, plan.slab_rows)
     n_slabs, rows_sum = len(slab), int(slab.sum())
     sw = plan.slice_width
     slices_per_block = b // sw
     loads = stores = mma = fma = 0
-    x_slices = w_elements = trips = 0  # per row slab: loaded slices, weight elements, loop trips
+    # per row slab: loaded x slices, weight elements, loop trips; tensor cores: stored tiles
+    x_slices = w_elements = trips = tiles = 0
     for panel in range(plan.n_panels):
         s_idx, chunk = panel % p_b, panel // p_b
         if plan.out_long:  # one x block per diagonal, shared by the panel's valid wraps
@@ -549,36 +550,54 @@ def block_product_launches(kind, rows, in_features, out_features, offsets, dtype
             cols = b
         x_load = n_x_blocks * slices_per_block * sw * rows_sum * s
         w_load = weight_blocks * slices_per_block * b * sw * s * n_slabs
-        loads += x_load + w_load + 4 * k * n_slabs
         stores += rows_sum * cols * s
         x_slices += n_x_blocks * slices_per_block
         w_elements += weight_blocks * slices_per_block * b * sw
-        # the pipeline visits every slice (empty ones too): two per trip on tensor cores
-        n_slices = k * (1 if plan.out_long else plan.wraps) * slices_per_block
-        trips += _cdiv(n_slices, 2) if plan.tensor_cores else n_slices
         if plan.tensor_cores:
-            mma += weight_blocks * slices_per_block * (b // 16) * cuda.BLOCK_WARPS * n_slabs
+            # the slice table: one offset per x block (diagonal, or diagonal and wrap); every
+            # entry's slices are visited, empty ones too
+            entries = k if plan.out_long else k * plan.wraps
+            # rows past a partial slab's end are loaded too (a copy of its last row)
+            x_load = n_x_blocks * slices_per_block * sw * plan.slab_rows * n_slabs * s
+            loads += x_load + w_load + 4 * entries * n_slabs
+            trips += entries * slices_per_block
+            tiles += (cols // 16) * (plan.slab_rows // 16)
+            mma += weight_blocks * slices_per_block * (b // 16) * (plan.slab_rows // 16) * n_slabs
         else:
+            loads += x_load + w_load + 4 * k * n_slabs
+            trips += k * (1 if plan.out_long else plan.wraps) * slices_per_block
             fma += weight_blocks * b * b * cuda.BLOCK_ROWS * n_slabs
     weights = k * l_b * b * b * s
     hbm = rows * (q_dim + o_dim) * s + _weight_hbm(weights, n_slabs)
-    name = "block_product_tc_kernel" if plan.tensor_cores else "block_product_simt_kernel"
-    kernel, kernel_fields = _compiled(name, dtype, (plan.out_long, kind == "dx"))
-    instructions = _instructions(
-        kernel,
-        mma=mma,
-        fma=fma / WARP,
-        # every thread loads its slots of a 128-row x slice (predicated past the last row)
-        x_load=x_slices * n_slabs * cuda.BLOCK_ROWS * 16 // WARP,
-        w_load=w_elements * n_slabs / WARP,
-        store=stores / s / WARP,
-        stage=trips * n_slabs * BLOCK_WARPS,
-        cta=plan.n_panels * n_slabs * BLOCK_WARPS,
-    )
+    ctas = plan.n_panels * n_slabs
+    if plan.tensor_cores:
+        flags = (plan.out_long, kind == "dx", b, plan.cols)
+        kernel, kernel_fields = _compiled("block_product_tc_kernel", dtype, flags)
+        instructions = _instructions(
+            kernel,
+            mma=mma,
+            stage=trips * n_slabs * BLOCK_WARPS,
+            store=tiles * n_slabs,  # one 16-byte store per lane and stored 16x16 tile
+            cta=ctas * BLOCK_WARPS,
+        )
+    else:
+        kernel, kernel_fields = _compiled(
+            "block_product_simt_kernel", dtype, (plan.out_long, kind == "dx")
+        )
+        instructions = _instructions(
+            kernel,
+            fma=fma / WARP,
+            # every thread loads its slots of a 128-row x slice (predicated past the last row)
+            x_load=x_slices * n_slabs * cuda.BLOCK_ROWS * 16 // WARP,
+            w_load=w_elements * n_slabs / WARP,
+            store=stores / s / WARP,
+            stage=trips * n_slabs * BLOCK_WARPS,
+            cta=ctas * BLOCK_WARPS,
+        )
     return [
         Launch(
             "block_product",
-            ctas=plan.n_panels * n_slabs,
+            ctas=ctas,
             mma=mma,
             fma=fma,
             load_bytes=loads,

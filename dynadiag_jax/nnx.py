@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dynadiag_jax._checks import int_at_least
 from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.freeze import finite_values
 from dynadiag_jax.freeze import freeze_opt_state as freeze_params_opt_state
@@ -114,9 +114,8 @@ class DiagonalDense(nnx.Module):
         rngs: nnx.Rngs,
     ):
         for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if block_size not in BLOCK_SIZES or isinstance(block_size, bool):
+            int_at_least(value, name, 1)
+        if int_at_least(block_size, "block_size", 1) not in BLOCK_SIZES:
             raise ValueError(
                 f"block_size must be 1 (element diagonals) or one of {KERNEL_BLOCK_SIZES}, "
                 f"got {block_size!r}"
@@ -316,10 +315,9 @@ def set_gate(model, *, strength=None, temperature=None, score=None):
             check_gate_value(value, name, "set_gate")
     layers = [m for _, m in _layers(model) if not m.frozen]
     present = {
-        "strength": sum(m.spec.hyper_name == "strength" for m in layers),
-        "temperature": sum(m.spec.hyper_name == "temperature" for m in layers),
-        "score": len(layers),
+        name: sum(m.spec.hyper_name == name for m in layers) for name in F.HYPER_NAME.values()
     }
+    present["score"] = len(layers)
     requested = {"strength": strength, "temperature": temperature, "score": score}
     for name, value in requested.items():
         if value is not None and not present[name]:

@@ -9,23 +9,26 @@ the frozen params (the alpha group then holds no arrays).
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import optax
 
 __all__ = [
     "alpha_mask",
+    "path_mask",
     "weight_decay_mask",
     "param_labels",
     "with_alpha_optimizer",
     "diag_optimizer",
-    "NO_DECAY_NAMES",
+    "NO_DECAY",
 ]
 
-# Leaf names that never get weight decay (besides every leaf with fewer than two axes).
-NO_DECAY_NAMES = ("alpha", "bias", "scale")
+# Leaves that never get weight decay, by "/"-joined path (re.fullmatch), besides every leaf with
+# fewer than two axes: alpha, biases and norm scales.
+NO_DECAY = (r"(.*/)?alpha", r"(.*/)?bias", r"(.*/)?scale")
 
 
 def _names(path) -> tuple:
@@ -34,7 +37,8 @@ def _names(path) -> tuple:
 
 
 def _map_named(params, fn):
-    """``fn(name, leaf, sibling_names)`` on every leaf of a nested mapping of params.
+    """``fn(names, leaf, sibling_names)`` on every leaf of a nested mapping of params (``names``:
+    the mapping keys of its path).
 
     The result has the params' tree structure (plain dicts, ``FrozenDict`` or ``nnx.State`` with
     its ``Variable`` leaves), as optax's masks and labels require.
@@ -46,29 +50,44 @@ def _map_named(params, fn):
         names = _names(path)
         siblings[names[:-1]].add(names[-1])
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: fn(_names(path)[-1], leaf, siblings[_names(path)[:-1]]), params
+        lambda path, leaf: fn(_names(path), leaf, siblings[_names(path)[:-1]]), params
     )
+
+
+def _is_alpha(names, parent) -> bool:
+    return names[-1] == "alpha" and "values" in parent
 
 
 def alpha_mask(params):
     """Tree of bools: True at every ``DiagonalDense`` ``alpha`` (a leaf beside ``values``)."""
-    return _map_named(params, lambda name, leaf, parent: name == "alpha" and "values" in parent)
+    return _map_named(params, lambda names, leaf, parent: _is_alpha(names, parent))
 
 
-def weight_decay_mask(params):
-    """Tree of bools: True where weight decay applies (leaves with >= 2 axes, except those named
-    ``alpha``, ``bias`` or ``scale``, so stacked layers' biases stay undecayed too)."""
-    return _map_named(
-        params,
-        lambda name, leaf, parent: name not in NO_DECAY_NAMES and getattr(leaf, "ndim", 0) >= 2,
-    )
+def path_mask(patterns: Sequence[str], *, match: bool = True, min_ndim: int = 0):
+    """``params -> bool tree``: True where the leaf's "/"-joined path fully matches a pattern
+    (``match``) or none (``not match``), and the leaf has at least ``min_ndim`` axes."""
+    compiled = [re.compile(p) for p in patterns]
+
+    def mask(params):
+        def hit(names, leaf, parent):
+            matched = any(c.fullmatch("/".join(map(str, names))) for c in compiled)
+            return matched == match and getattr(leaf, "ndim", 0) >= min_ndim
+
+        return _map_named(params, hit)
+
+    return mask
+
+
+def weight_decay_mask(params, no_decay: Sequence[str] = NO_DECAY):
+    """Tree of bools: True where weight decay applies: leaves with >= 2 axes whose path matches
+    none of ``no_decay`` (so stacked layers' biases, with 2 axes, stay undecayed too)."""
+    return path_mask(no_decay, match=False, min_ndim=2)(params)
 
 
 def param_labels(params):
     """``"alpha"`` for alpha leaves, ``"weights"`` for everything else (``multi_transform``)."""
     return _map_named(
-        params,
-        lambda name, leaf, parent: "alpha" if name == "alpha" and "values" in parent else "weights",
+        params, lambda names, leaf, parent: "alpha" if _is_alpha(names, parent) else "weights"
     )
 
 
@@ -96,7 +115,8 @@ def diag_optimizer(
       alpha_learning_rate: float or optax schedule for alpha.
       weight_decay: decoupled weight decay on the leaves selected by ``decay_mask``.
       b1, b2, eps: Adam moments, shared by both groups.
-      decay_mask: tree of bools or ``params -> tree``; default :func:`weight_decay_mask`.
+      decay_mask: tree of bools or ``params -> tree``; default :func:`weight_decay_mask`
+        (``functools.partial(weight_decay_mask, no_decay=...)`` for other path patterns).
 
     Returns:
       An ``optax.GradientTransformation``; combine with ``optax.chain`` for clipping etc.

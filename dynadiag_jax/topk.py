@@ -62,15 +62,15 @@ def check_gate_value(value, name: str, fn: str | None = None):
     """
     where = f"{fn}: " if fn else ""
     if value is None:
-        raise ValueError(f"{where}{name} is required (a scalar >= 0)")
+        raise TypeError(f"{where}{name} is required (a scalar >= 0)")
     if isinstance(value, jax.core.Tracer):
         return
-    if isinstance(value, bool) or isinstance(value, str):
-        raise ValueError(f"{where}{name} must be a number >= 0, got {value!r}")
     arr = np.asarray(value)
+    if isinstance(value, bool) or not np.issubdtype(arr.dtype, np.number):
+        raise TypeError(f"{where}{name} must be a number >= 0, got {value!r}")
     if arr.ndim != 0:
         raise ValueError(f"{where}{name} must be a scalar, got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.number) or not arr >= 0:
+    if not arr >= 0:
         raise ValueError(f"{where}{name} must be >= 0 (0 is the hard limit), got {value!r}")
 
 
@@ -335,7 +335,8 @@ def sparse_soft_topk(scores, k, *, strength):
       ``[..., n]`` gate in ``scores.dtype``.
 
     Raises:
-      ValueError: ``k`` outside ``(0, n]``, a missing, negative or NaN concrete ``strength``.
+      ValueError: ``k`` outside ``(0, n]``, a negative or NaN concrete ``strength``.
+      TypeError: ``scores`` not floating, ``k`` or ``strength`` not a number (or missing).
     """
     fn = "sparse_soft_topk"
     _check_scores(scores, fn)

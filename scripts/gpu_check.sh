@@ -16,6 +16,14 @@
 #
 #   bash scripts/gpu_check.sh OUT_DIR
 #   VENV=/path/to/venv PYTHON=python3.11 bash scripts/gpu_check.sh "$OUT"
+#
+# On a machine without network whose python already has JAX for CUDA (and scikit-build-core,
+# nanobind, pytest, tqdm), USE_PYTHON_JAX=1 builds dynadiag-jax against that JAX into $VENV/site
+# without downloading anything. STEPS (default "1 2 3 4 5") picks the steps, SANITIZER_TOOLS
+# (default all four) the compute-sanitizer tools, DEFAULT_BENCH=0 leaves out the benchmark at the
+# default shapes (the target shape always runs in step 4); CUDAARCHS (e.g. 90) limits the build.
+#
+#   USE_PYTHON_JAX=1 CUDAARCHS=90 STEPS="1 2 4 5" bash scripts/gpu_check.sh "$OUT"
 set -euo pipefail
 OUT=${1:?usage: bash scripts/gpu_check.sh OUT_DIR}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,7 +31,9 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 VENV=${VENV:-$REPO/.venv-gpu}
 PY=${PYTHON:-python3}
+STEPS=${STEPS:-1 2 3 4 5}
 log() { echo "== $*" | tee -a "$OUT/gpu_check.log"; }
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 command -v nvcc > /dev/null || { echo "nvcc is not on PATH (needed to build the CUDA kernels)" >&2; exit 2; }
 command -v nvidia-smi > /dev/null && nvidia-smi | tee "$OUT/nvidia-smi.txt"
@@ -33,12 +43,27 @@ case "$cuda_major" in
   *) echo "nvcc reports CUDA '$cuda_major'; JAX's pip wheels exist for CUDA 12 and 13" >&2; exit 2 ;;
 esac
 
-log "1. install: jax[cuda$cuda_major] and dynadiag-jax with the CUDA kernels into $VENV"
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "jax[cuda$cuda_major]"
-DYNADIAG_CUDA=ON "$VENV/bin/python" -m pip install -q "$REPO[test,train,cuda$cuda_major]" \
-  2>&1 | tee "$OUT/install.log"
+if ! want 1; then
+  log "1. install: skipped, $VENV as it is"
+elif [ "${USE_PYTHON_JAX:-0}" = 1 ]; then
+  log "1. install: dynadiag-jax with the CUDA kernels into $VENV/site, against $PY's JAX"
+  mkdir -p "$VENV/bin"
+  DYNADIAG_CUDA=ON "$PY" -m pip install -q --no-build-isolation --no-deps --no-index \
+    --target "$VENV/site" "$REPO" 2>&1 | tee "$OUT/install.log"
+  # $VENV/bin/python: $PY with the package on its path, as the steps below call it
+  printf '#!/bin/sh\nPYTHONPATH="%s/site${PYTHONPATH:+:$PYTHONPATH}" exec "%s" "$@"\n' \
+    "$VENV" "$(command -v "$PY")" > "$VENV/bin/python"
+  chmod +x "$VENV/bin/python"
+else
+  log "1. install: jax[cuda$cuda_major] and dynadiag-jax with the CUDA kernels into $VENV"
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q "jax[cuda$cuda_major]"
+  DYNADIAG_CUDA=ON "$VENV/bin/python" -m pip install -q "$REPO[test,train,cuda$cuda_major]" \
+    2>&1 | tee "$OUT/install.log"
+fi
+# Tests and benchmarks run from $OUT so that the installed package, not the checkout, is imported.
+cd "$OUT"
 "$VENV/bin/python" - << 'EOF' | tee -a "$OUT/gpu_check.log"
 import jax, dynadiag_jax as dd
 print("jax", jax.__version__, "backend", jax.default_backend(), jax.devices())
@@ -46,26 +71,28 @@ assert jax.default_backend() == "gpu", "JAX does not see the GPU"
 assert dd.has_cuda_kernels(), "dynadiag-jax was built without the CUDA kernels"
 EOF
 
-# Tests and benchmarks run from $OUT so that the installed package, not the checkout, is imported.
-cd "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 status=0
 
-log "2. pytest -m gpu"
-"$VENV/bin/python" -m pytest -m gpu -p no:cacheprovider -q "$REPO/tests/test_gpu.py" \
-  2>&1 | tee "$OUT/pytest_gpu.log" || status=1
+if want 2; then
+  log "2. pytest -m gpu"
+  "$VENV/bin/python" -m pytest -m gpu -p no:cacheprovider -q -rf "$REPO/tests/test_gpu.py" \
+    2>&1 | tee "$OUT/pytest_gpu.log" || status=1
+fi
 
-log "3. compute-sanitizer"
-SANITIZER=$(command -v compute-sanitizer || true)
+want 3 && log "3. compute-sanitizer"
+SANITIZER=$(want 3 && command -v compute-sanitizer || true)
 for candidate in /usr/local/cuda/bin/compute-sanitizer "$(dirname "$(command -v nvcc)")/compute-sanitizer"; do
   [ -z "$SANITIZER" ] && [ -x "$candidate" ] && SANITIZER=$candidate
 done
-if [ -z "$SANITIZER" ]; then
+if ! want 3; then
+  :
+elif [ -z "$SANITIZER" ]; then
   log "compute-sanitizer not found: the sanitizer runs are skipped"
 else
   filter=()
   "$SANITIZER" --help 2>&1 | grep -q -- "--kernel-name" && filter=(--kernel-name kns=dynadiag)
-  for tool in memcheck racecheck initcheck synccheck; do
+  for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
     log "compute-sanitizer --tool $tool"
     "$SANITIZER" --tool "$tool" --error-exitcode 17 "${filter[@]}" \
       "$VENV/bin/python" -m pytest -m "gpu and not large" -p no:cacheprovider -q -x \
@@ -75,21 +102,27 @@ else
   done
 fi
 
-log "4. benchmarks"
-"$VENV/bin/python" "$REPO/bench/diag_matmul_gpu.py" --out "$OUT/diag_matmul_gpu.csv" \
-  2>&1 | tee "$OUT/bench_default.log" || status=1
-"$VENV/bin/python" "$REPO/bench/diag_matmul_gpu.py" --batch 403456 --shapes 768:3072 \
-  --sparsities 0.9 --block-sizes 1,16,32 --layouts random --impls ffi,auto,dense \
-  --out "$OUT/diag_matmul_gpu_goal.csv" 2>&1 | tee "$OUT/bench_goal.log" || status=1
-"$VENV/bin/python" "$REPO/bench/gpu_decision_table.py" --csv "$OUT/decision_table.csv" \
-  > "$OUT/decision_table.md" || status=1
+if want 4; then
+  log "4. benchmarks"
+  if [ "${DEFAULT_BENCH:-1}" != 0 ]; then
+    "$VENV/bin/python" "$REPO/bench/diag_matmul_gpu.py" --out "$OUT/diag_matmul_gpu.csv" \
+      2>&1 | tee "$OUT/bench_default.log" || status=1
+  fi
+  "$VENV/bin/python" "$REPO/bench/diag_matmul_gpu.py" --batch 403456 --shapes 768:3072 \
+    --sparsities 0.9 --block-sizes 1,16,32 --layouts random --impls ffi,auto,dense \
+    --out "$OUT/diag_matmul_gpu_goal.csv" 2>&1 | tee "$OUT/bench_goal.log" || status=1
+  "$VENV/bin/python" "$REPO/bench/gpu_decision_table.py" --csv "$OUT/decision_table.csv" \
+    > "$OUT/decision_table.md" || status=1
+fi
 
-log "5. Nsight Compute profile of the goal shape beside the cost model"
-NCU=$(command -v ncu || true)
+want 5 && log "5. Nsight Compute profile of the goal shape beside the cost model"
+NCU=$(want 5 && command -v ncu || true)
 for candidate in /usr/local/cuda/bin/ncu "$(dirname "$(command -v nvcc)")/ncu"; do
   [ -z "$NCU" ] && [ -x "$candidate" ] && NCU=$candidate
 done
-if [ -z "$NCU" ]; then
+if ! want 5; then
+  :
+elif [ -z "$NCU" ]; then
   log "ncu (Nsight Compute) not found: the profile is skipped"
 else
   COMPARE=("$VENV/bin/python" "$REPO/bench/ncu_compare.py")

@@ -66,14 +66,9 @@ EDIAG = "element_diagonal_tile(const ProductArgs"
 # kernel template -> {region: (unit, [spans])}; "stage" regions name their loop's first line.
 REGIONS = {
     "block_product_tc_kernel": {
-        "mma": ("HMMA", [(B, TC, "for (int f = 0; f < kBlockColFrags; ++f) {\n        if (f >=",
-                          "tally.mma(1);")]),
-        "x_load": ("LDG", [X_FETCH, (B, TC, "for (int e = 0; e < kPer; ++e) xs[", "")]),
-        "w_load": ("LDG", [W_FETCH, W_SLOT, (B, TC, "const int n = tid + e * kBlockThreads;",
-                                             "ws[buf][j][weight_slot")]),
-        "store": ("STG", [OUT_COL, (B, TC, "for (int f = 0; f < kBlockColFrags; ++f) {\n    if",
-                                    "__syncwarp();  // cs[warp]")]),
-        "stage": ("trip", [(B, TC, "for (int st = 0; st < n_stages; ++st) {", "")]),
+        "mma": ("HMMA", [(B, TC, "wmma::fragment<wmma::matrix_a", "tally.mma(S::kRowFrags);")]),
+        "store": ("STG", [(B, TC, "const int64_t col0 =", "__syncwarp();  // cs[warp]")]),
+        "stage": ("trip", [(B, TC, "for (int i = 0; i < n_slices; ++i) {", "")]),
     },
     "block_product_simt_kernel": {
         "fma": ("FFMA", [(B, SIMT, "for (int kk = 0; kk < width; ++kk) {",
@@ -161,8 +156,10 @@ def compile_device_code(nvcc: str, include_dir: str, out_dir, archs=(ARCH,)) -> 
 
 
 def cubin_path(out_dir, arch: str = ARCH) -> pathlib.Path:
-    """The cubin of ``arch`` that :func:`compile_device_code` kept in ``out_dir``."""
-    return pathlib.Path(out_dir) / f"{SOURCE.stem}.compute_{arch}.cubin"
+    """The cubin of ``arch`` that :func:`compile_device_code` kept in ``out_dir`` (nvcc leaves the
+    architecture out of the name when it compiles for one)."""
+    named = pathlib.Path(out_dir) / f"{SOURCE.stem}.compute_{arch}.cubin"
+    return named if named.exists() else pathlib.Path(out_dir) / f"{SOURCE.stem}.cubin"
 
 
 def disassemble(nvdisasm: str, cubin) -> str:
@@ -304,12 +301,51 @@ def count_kernel(template: str, insts, labels) -> dict:
     return figures
 
 
+# What the build test (tests/test_cuda_build.py) requires of the tensor-core product kernels: two
+# thread blocks of 256 threads per SM, no runtime integer division in the pipeline loop, and no
+# 16-bit global loads or stores anywhere.
+GUARDED = {"block_product_tc_kernel": "stage"}
+MAX_GUARDED_REGISTERS = 128
+DIVISION = re.compile(r"^(MUFU\.RCP|I2F\.U32\.RP|I2F\.RP)")
+NARROW_GLOBAL = re.compile(r"^(LDG|STG|LDGSTS)\S*\.(U16|S16|16)\b")
+
+
+def guard_violations(log: str, sass: str) -> list[str]:
+    """Every breach of :data:`GUARDED`'s rules in a build (ptxas -v log, nvdisasm -gi text)."""
+    res = resources(log)
+    out = []
+    for mangled, (insts, labels) in sass_functions(sass).items():
+        key = demangle_key(mangled)
+        if key is None or key[0] not in GUARDED:
+            continue
+        registers = res[mangled][0]
+        if registers > MAX_GUARDED_REGISTERS:
+            out.append(f"{key}: {registers} registers (at most {MAX_GUARDED_REGISTERS})")
+        (_, spans) = REGIONS[key[0]][GUARDED[key[0]]]
+        (loop_line,) = span_lines(spans[0])
+        ranges = loop_ranges(insts, labels, loop_line)
+        if not ranges:
+            out.append(f"{key}: no SASS loop closes at {loop_line}")
+        for lo, hi in ranges:
+            body = (insts[i].text for i in range(lo, hi + 1))
+            found = [text for text in body if DIVISION.match(opcode(text))]
+            if found:
+                out.append(f"{key}: runtime division in the main loop: {found[:3]}")
+        narrow = [i.text for i in insts if NARROW_GLOBAL.match(opcode(i.text))]
+        if narrow:
+            out.append(f"{key}: {len(narrow)} 16-bit global accesses, e.g. {narrow[0]}")
+    return out
+
+
 def demangle_key(mangled: str):
     """``(template, dtype, flags)`` of a kernel symbol, or None for device functions."""
     m = re.match(r"_ZN8dynadiag4cuda\d+(\w+?)I(6__half|13__nv_bfloat16|f)(.*)EEvNS0_", mangled)
     if not m or m.group(1) not in REGIONS:
         return None
-    flags = tuple(f == "1" for f in re.findall(r"Lb([01])E", m.group(3)))
+    # template flags (Lb0E / Lb1E) and integer parameters (Li16E: b and the panel width)
+    flags = tuple(
+        v == "1" if kind == "b" else int(v) for kind, v in re.findall(r"L([bi])(\d+)E", m.group(3))
+    )
     return m.group(1), DTYPES[m.group(2)], flags
 
 

@@ -41,13 +41,16 @@ def test_platforms_without_kernels_build_w_and_call_the_dot(platform):
 
 
 def test_cuda_takes_dense_on_the_headline_shapes():
-    # the compiled kernels are predicted slower than dense; element diagonals always are
+    # no step is predicted faster than dense: element diagonals never are, and the block kernels'
+    # backward is bound by the block SDDMM (dvalues)
     for in_f, out_f in [(768, 3072), (3072, 768), (768, 2304), (768, 768)]:
         for b in (1, 16, 32, 64):
             d = decide("cuda", in_f, out_f, b=b)
             assert d.impl == "dense" and d.prediction is not None, (in_f, out_f, b, d.reason)
             fwd, step = d.prediction.speedup("kernel", "dense")
-            assert fwd < 1 and step < 1, (in_f, out_f, b, d.reason)
+            assert step < 1, (in_f, out_f, b, d.reason)
+            if b == 1:
+                assert fwd < 1, (in_f, out_f, d.reason)
     assert decide("cuda", b=16, available=False).impl == "dense"
 
 

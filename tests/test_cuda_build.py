@@ -16,7 +16,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import CUDA_ARCHS
+from conftest import CUDA_ARCHS, sass_counts
 
 import dynadiag_jax as dd
 from dynadiag_jax.ops import cuda
@@ -34,7 +34,8 @@ EXPECTED_KERNELS = {
     "element_product_kernel": 6,
     "sddmm_kernel": 3,
     "sddmm_reduce_kernel": 3,
-    "block_product_tc_kernel": 8,  # half, bfloat16 x output axis long/short x fwd/dx
+    # half, bfloat16 x fwd/dx x (outputs on the long axis: 10 (b, panel width) pairs; short: 4 b)
+    "block_product_tc_kernel": 56,
     "block_product_simt_kernel": 12,  # float, half, bfloat16 x 4
     "block_sddmm_tc_kernel": 2,
     "block_sddmm_simt_kernel": 3,
@@ -83,6 +84,46 @@ def test_ptxas_no_spills_and_smem_within_the_block_limit(ptxas):
         assert e["stack"] == 0, f"{where} uses a local-memory stack frame: {e}"
         assert e["smem"] <= SMEM_LIMIT, f"{where} needs {e['smem']} bytes of shared memory"
         assert e["registers"] <= MAX_REGISTERS, f"{where}: {e['registers']} registers"
+
+
+@pytest.mark.slow
+def test_tensor_core_products_fit_two_blocks_per_sm_without_divisions_or_16_bit_accesses(
+    cuda_device_build,
+):
+    nvdisasm = sass_counts.find_tool("nvdisasm")
+    if nvdisasm is None:
+        pytest.skip("needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    log, out = cuda_device_build
+    sass = sass_counts.disassemble(nvdisasm, sass_counts.cubin_path(out))
+    assert sass_counts.guard_violations(log, sass) == []
+
+
+def test_the_guards_see_registers_a_division_in_the_main_loop_and_16_bit_accesses():
+    # a listing in nvdisasm's format: a division inside the pipeline loop, a 16-bit store after it
+    (loop,) = sass_counts.span_lines(sass_counts.REGIONS["block_product_tc_kernel"]["stage"][1][0])
+    file = f"/work/xla_ext/cuda/{loop[0]}"
+    name = (
+        "_ZN8dynadiag4cuda23block_product_tc_kernelI13__nv_bfloat16Lb1ELb0ELi16ELi64EEEvNS0_"
+        "16BlockProductArgsIT_EE"
+    )
+    listing = f"""
+.text.{name}:
+.L_x_1:
+	//## File "{file}", line {loop[1] + 1}
+        /*0000*/                   I2F.U32.RP R0, R1 ;
+        /*0010*/                   MUFU.RCP R0, R0 ;
+	//## File "{file}", line {loop[1]}
+        /*0020*/              @!P0 BRA `(.L_x_1) ;
+        /*0030*/                   STG.E.U16 desc[UR4][R2.64], R5 ;
+        /*0040*/                   EXIT ;
+"""
+    log = (
+        f"ptxas info    : Compiling entry function '{name}' for 'sm_90'\n"
+        "ptxas info    : Used 130 registers, used 1 barriers, 44032 bytes smem"
+    )
+    found = sass_counts.guard_violations(log, listing)
+    assert len(found) == 3, found
+    assert "130 registers" in found[0] and "division" in found[1] and "16-bit" in found[2]
 
 
 @pytest.mark.slow

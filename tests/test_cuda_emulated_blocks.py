@@ -94,6 +94,28 @@ def test_tensor_core_path(in_f, out_f, dtype, rng):
     check(rng, 20, in_f, out_f, 16, [p_b - 1, 0, 0], dtype)  # repeats add up
 
 
+@pytest.mark.parametrize("shape", ["tall", "wide", "square"])
+@pytest.mark.parametrize("b", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
+def test_tensor_core_path_at_every_block_size(shape, b, dtype, rng):
+    # tall 2b -> 5b: 3 wraps, the last one short (L_b % P_b != 0), so forward panels have unused
+    # columns (b = 16: 3 blocks in a 64-column kernel; b = 64: a second panel of one block) and dx
+    # entries past L_b; 37 rows: a partial row slab
+    in_f, out_f = {"tall": (2 * b, 5 * b), "wide": (5 * b, 2 * b), "square": (3 * b, 3 * b)}[shape]
+    assert cuda.block_product_plan("fwd", in_f, out_f, b, dtype).tensor_cores
+    p_b = min(in_f, out_f) // b
+    check(rng, 37, in_f, out_f, b, [p_b - 1, 0, 0], dtype)
+
+
+def test_tensor_core_rows_across_slabs_of_both_heights(rng):
+    # b = 16, 32 -> 64: 32-column panels (256-row slabs) forward, 16-column ones in dx; 300 rows
+    for kind in ("fwd", "dx"):
+        assert cuda.block_product_plan(kind, 32, 64, 16, jnp.bfloat16).slab_rows == 256
+    assert cuda.block_product_plan("fwd", 32, 256, 16, jnp.bfloat16).slab_rows == 128
+    check(rng, 300, 32, 64, 16, [1, 0], jnp.bfloat16)
+    check(rng, 300, 32, 256, 16, [1, 0], jnp.float16)
+
+
 @pytest.mark.parametrize("in_f,out_f,b", [(32, 64, 8), (64, 32, 16), (48, 80, 16), (64, 128, 32)])
 def test_cuda_core_path_in_float32(in_f, out_f, b, rng):
     p_b = min(in_f, out_f) // b

@@ -163,6 +163,11 @@ def test_freeze_tree_needs_k():
     assert fv["diagonals"]["first"]["offsets"].shape == (5,)
     # Without the "diagonals" collection the width follows from the bias.
     assert int(fv["diagonals"]["Block_0"]["inner"]["in_features"]) == 24
+    # ... which a rectangular layer without bias does not fix.
+    layer = DiagonalDense(24, sparsity=0.7, use_bias=False, impl="jax")
+    params = layer.init(jax.random.key(0), jnp.ones((1, 16)))["params"]
+    with pytest.raises(ValueError, match="cannot tell the input width"):
+        dd.freeze_tree({"params": params}, budgets={(): layer.budget(16)})
 
 
 def test_freeze_opt_state():

@@ -76,8 +76,12 @@ def test_the_table_covers_every_kernel_the_model_charges():
             assert (name, dtype, ()) in gpu_sass.KERNELS
         for flags in ((False, False), (False, True), (True, False), (True, True)):
             assert ("block_product_simt_kernel", dtype, flags) in gpu_sass.KERNELS
-            if dtype != "float32":
-                assert ("block_product_tc_kernel", dtype, flags) in gpu_sass.KERNELS
+            if dtype == "float32":
+                continue
+            for b in (16, 32, 64, 128):
+                widths = [w for w in (16, 32, 64, 128) if w >= b] if flags[0] else [b]
+                for cols in widths:
+                    assert ("block_product_tc_kernel", dtype, (*flags, b, cols)) in gpu_sass.KERNELS
     for entry in gpu_sass.KERNELS.values():
         assert 0 < entry["registers"] <= 255 and entry["smem"] <= 48 * 1024
         assert all(v > 0 for v in entry["regions"].values()), entry

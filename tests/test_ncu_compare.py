@@ -58,10 +58,10 @@ FACTOR = {
     "seconds": 3.0,
 }
 FWD16 = (
-    "void dynadiag::cuda::block_product_tc_kernel<__nv_bfloat16, true, false>"
+    "void dynadiag::cuda::block_product_tc_kernel<__nv_bfloat16, true, false, 16, 64>"
     "(dynadiag::cuda::BlockProductArgs<__nv_bfloat16>)"
 )
-DX32 = FWD16.replace("true, false", "false, true")
+DX32 = FWD16.replace("true, false, 16, 64", "false, true, 32, 32")
 REDUCE = (
     "void dynadiag::cuda::sddmm_reduce_kernel<__nv_bfloat16>"
     "(dynadiag::cuda::ReduceArgs<__nv_bfloat16>)"
@@ -203,7 +203,7 @@ def test_values_units_and_names_parse(nc):
     assert nc.unit_scale("usecond") == 1e-6 and nc.unit_scale("Kbyte") == 1e3
     assert nc.unit_scale("ns") == 1e-9 and nc.unit_scale("%") == 1.0
     assert nc.unit_scale("inst") == 1.0 and nc.unit_scale("byte/second") == 1.0
-    assert nc.kernel_key(FWD16) == ("block_product_tc_kernel", "bfloat16", (True, False))
+    assert nc.kernel_key(FWD16) == ("block_product_tc_kernel", "bfloat16", (True, False, 16, 64))
     assert nc.kernel_key(REDUCE) == ("sddmm_reduce_kernel", "bfloat16", ())
     half = "void dynadiag::cuda::element_product_kernel<__half, false>(ProductArgs<__half>)"
     assert nc.kernel_key(half) == ("element_product_kernel", "float16", (False,))
@@ -227,10 +227,10 @@ def test_launches_are_grouped_by_kernel_and_grid_and_joined_to_the_model(nc, hea
     assert ignored == [CUTLASS]
     by = {(g.key[0], g.key[2], g.grid): g for g in groups}
     assert len(by) == len(groups) == 5
-    fwd = by[("block_product_tc_kernel", (True, False), model["fwd"].ctas)]
+    fwd = by[("block_product_tc_kernel", (True, False, 16, 64), model["fwd"].ctas)]
     assert (fwd.block_size, fwd.role, len(fwd.launches)) == (16, "fwd block_product", 2)
     assert fwd.predicted == model["fwd"]
-    dx = by[("block_product_tc_kernel", (False, True), model["dx"].ctas)]
+    dx = by[("block_product_tc_kernel", (False, True, 32, 32), model["dx"].ctas)]
     assert (dx.block_size, dx.role, dx.predicted) == (32, "dx block_product", model["dx"])
     red = by[("sddmm_reduce_kernel", (), model["reduce"].ctas)]
     assert (red.block_size, red.role, red.predicted) == (
@@ -239,7 +239,7 @@ def test_launches_are_grouped_by_kernel_and_grid_and_joined_to_the_model(nc, hea
         model["reduce"],
     )
     # listed, not dropped: a grid the model has no launch with, a name without its template
-    odd = by[("block_product_tc_kernel", (True, False), model["fwd"].ctas // 3)]
+    odd = by[("block_product_tc_kernel", (True, False, 16, 64), model["fwd"].ctas // 3)]
     assert odd.predicted is None and "no model launch with this grid" in odd.role
     assert str(model["fwd"].ctas) in odd.role and "75648" in odd.role  # the model's b = 32 grid
     bare = by[("block_sddmm_tc_kernel", (), 1056)]
@@ -257,8 +257,8 @@ def test_every_term_meets_its_prediction_with_the_measured_ratio(nc, headline):
     groups, _ = nc.join(launches, nc.model_launches(args, gpu_cost.H100), "bfloat16")
     recs = nc.records(groups, gpu_cost.H100, jnp.bfloat16, set(launches[0].metrics))
     key = {
-        "fwd": ("<bfloat16, true, false>", model["fwd"].ctas),
-        "dx": ("<bfloat16, false, true>", model["dx"].ctas),
+        "fwd": ("<bfloat16, true, false, 16, 64>", model["fwd"].ctas),
+        "dx": ("<bfloat16, false, true, 32, 32>", model["dx"].ctas),
         "reduce": ("sddmm_reduce_kernel<bfloat16>", model["reduce"].ctas),
     }
     for role, (label, grid) in key.items():
@@ -279,7 +279,7 @@ def test_every_term_meets_its_prediction_with_the_measured_ratio(nc, headline):
         assert (ld["measured"], ld["predicted"], ld["ratio"]) == (123456.0, 0.0, "")
         assert rows["tensor pipe %"]["predicted"] == "" and rows["tensor pipe %"]["ratio"] == ""
     assert rows["tensor pipe %"]["measured"] == ""  # n/a in the reduction's row
-    fwd_rows = [r for r in recs if "<bfloat16, true, false>" in r["kernel"]]
+    fwd_rows = [r for r in recs if "<bfloat16, true, false, 16, 64>" in r["kernel"]]
     assert {r["profiled"] for r in fwd_rows if r["grid"] == model["fwd"].ctas} == {2}
     # an unjoined group keeps its measurements and has no predictions
     odd = [r for r in fwd_rows if r["grid"] == model["fwd"].ctas // 3]
@@ -291,13 +291,13 @@ def test_the_script_prints_the_table_and_writes_the_csv(run_python, headline, tm
     path, model = headline
     out = tmp_path / "compare.csv"
     proc = run_python([str(SCRIPT), str(path), "--out", str(out)])
-    assert "block_product_tc_kernel<bfloat16, true, false>" in proc.stdout, proc.stdout
+    assert "block_product_tc_kernel<bfloat16, true, false, 16, 64>" in proc.stdout, proc.stdout
     assert f"grid {model['fwd'].ctas}  b=16 fwd block_product  (2 profiled)" in proc.stdout
     assert f"grid {model['dx'].ctas}  b=32 dx block_product" in proc.stdout
     assert re.search(r"instructions\s+\S+\s+\S+\s+1\.250", proc.stdout), proc.stdout
     assert (
-        f"not joined: block_product_tc_kernel<bfloat16, true, false> grid {model['fwd'].ctas // 3}"
-        in proc.stderr
+        "not joined: block_product_tc_kernel<bfloat16, true, false, 16, 64> "
+        f"grid {model['fwd'].ctas // 3}" in proc.stderr
     )
     assert "not joined: block_sddmm_tc_kernel grid 1056" in proc.stderr
     assert f"ignored (not a dynadiag kernel): {CUTLASS}" in proc.stderr
@@ -388,6 +388,7 @@ while [ $# -gt 0 ]; do [ "$1" = --log-file ] && cp {path} "$2"; shift; done
     script.write_text(f"""set -euo pipefail
 OUT={out}; REPO={ROOT}; VENV={venv}; status=0
 log() {{ echo "== $*" | tee -a "$OUT/gpu_check.log"; }}
+want() {{ true; }}
 {step}
 echo "status $status"
 """)

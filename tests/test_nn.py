@@ -406,6 +406,19 @@ def test_bad_input():
             DiagonalDense(8, sparsity=sparsity)
     with pytest.raises(ValueError, match="features must be >= 1"):
         DiagonalDense(0, sparsity=0.5)
+    # A wrong type is a TypeError, a wrong value of the right type a ValueError.
+    for kwargs, name in (
+        (dict(features=8.0), "features"),
+        (dict(features=8, num_buckets=2.0), "num_buckets"),
+        (dict(features=8, block_size=True), "block_size"),
+        (dict(features=8, in_features="8"), "in_features"),
+    ):
+        with pytest.raises(TypeError, match=f"{name} must be an int"):
+            DiagonalDense(**kwargs, sparsity=0.5)
+    with pytest.raises(TypeError, match="k must be an int"):
+        DiagonalDense(4, k=2.0).init(jax.random.key(0), x)
+    with pytest.raises(TypeError, match="strength must be a number"):
+        DiagonalDense(8, sparsity=0.5).init(jax.random.key(0), x, strength="1")
     with pytest.raises(ValueError, match="exactly one of"):
         DiagonalDense(8)
     with pytest.raises(ValueError, match="exactly one of"):
@@ -563,19 +576,14 @@ def test_every_shape_checks_width_in_both_phases(n_in, n_out):
             layer.apply(variables, jnp.ones((2, n_in + 1)))
 
 
-def test_old_frozen_variables_without_width_still_run():
-    """Frozen variables saved before in_features was stored: trusted where shapes allow."""
-    for n_in, n_out in ((16, 24), (24, 16)):
-        layer = DiagonalDense(n_out, sparsity=0.7, impl="jax")
-        x = jax.random.normal(jax.random.key(1), (2, n_in))
-        _, fv = dd.freeze(layer, layer.init(jax.random.key(0), x))
-        old = dict(fv, diagonals={"offsets": fv["diagonals"]["offsets"]})
-        np.testing.assert_array_equal(
-            np.asarray(layer.apply(old, x)), np.asarray(layer.apply(fv, x))
-        )
-        if n_out > n_in:  # tall: D = in fixes the width
-            with pytest.raises(ValueError, match=f"the layer expects {n_in}"):
-                layer.apply(old, x[:, :-1])
+def test_frozen_variables_without_width_say_where_it_lives():
+    """Offsets restored without the frozen layer's in_features."""
+    layer = DiagonalDense(24, sparsity=0.7, impl="jax")
+    x = jnp.ones((2, 16))
+    _, fv = dd.freeze(layer, layer.init(jax.random.key(0), x))
+    without = dict(fv, diagonals={"offsets": fv["diagonals"]["offsets"]})
+    with pytest.raises(ValueError, match=r"its width is missing.*'diagonals' collection"):
+        layer.apply(without, x)
 
 
 def test_frozen_params_without_offsets_say_where_they_live():
@@ -627,7 +635,7 @@ def test_frozen_layer_and_phase_mix_ups_are_errors_under_jit_too():
     np.testing.assert_allclose(apply(fv, x), layer.apply(fv, x), atol=F32_TOL)
     with pytest.raises(ValueError, match="x has width 63, the layer expects 64"):
         DiagonalDense(32, k=4, in_features=64).init(jax.random.key(0), x[:, :63])
-    with pytest.raises(ValueError, match="in_features must be None or an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="in_features must be >= 1, got 0"):
         DiagonalDense(32, k=4, in_features=0)
 
 

@@ -194,8 +194,11 @@ def test_bfloat16_params():
 
 
 def test_block_errors():
-    for bad in (2, 3, 12, True, 8.0):
+    for bad in (2, 3, 12):
         with pytest.raises(ValueError, match="block_size must be 1 .* or one of"):
+            DiagonalDense(16, sparsity=0.5, block_size=bad)
+    for bad in (True, 8.0):
+        with pytest.raises(TypeError, match="block_size must be an int"):
             DiagonalDense(16, sparsity=0.5, block_size=bad)
     layer = DiagonalDense(24, sparsity=0.5, block_size=16)
     with pytest.raises(

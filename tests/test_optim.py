@@ -67,3 +67,15 @@ def test_diag_optimizer_alpha_step_size():
 def test_rejects_non_mapping_params():
     with pytest.raises(TypeError, match="nested mapping"):
         optim.alpha_mask([jnp.ones(3)])
+
+
+def test_weight_decay_mask_takes_path_patterns():
+    mask = optim.weight_decay_mask(PARAMS, no_decay=(r"head/.*",))
+    assert mask["head"] == {"kernel": False, "bias": False}
+    assert mask["layer"] == {"alpha": False, "values": True, "bias": False}
+    stacked = {"layers": {0: {"kernel": jnp.ones((2, 2))}}}  # NNX keys a list's items by int
+    assert optim.weight_decay_mask(stacked, no_decay=(r"layers/0/.*",)) == {
+        "layers": {0: {"kernel": False}}
+    }
+    trained = optim.path_mask((r".*/bias",))(PARAMS)
+    assert trained["norm"] == {"scale": False, "bias": True} and not trained["layer"]["values"]

@@ -65,10 +65,14 @@ def test_freeze_step():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown schedule"):
         schedules.by_name("step", init_value=1.0)
-    with pytest.raises(ValueError, match="bad arguments"):
+    with pytest.raises(TypeError, match="end_value"):
         schedules.by_name("cosine", init_value=1.0)
-    with pytest.raises(ValueError, match="steps must be an int >= 1"):
+    with pytest.raises(ValueError, match="steps must be >= 1"):
         schedules.linear(1.0, 0.0, 0)
+    with pytest.raises(TypeError, match="steps must be an int, got float"):
+        schedules.linear(1.0, 0.0, 10.0)
+    with pytest.raises(TypeError, match="init_value must be a number, got str"):
+        schedules.cosine("1", 0.0, 10)
     with pytest.raises(ValueError, match="end_value > 0"):
         schedules.exponential(1.0, 0.0, 10)
     with pytest.raises(ValueError, match="finite number"):

@@ -199,10 +199,12 @@ def test_softmax_topk_formula(rng):
 )
 def test_bad_input(fn, kw):
     x = jnp.ones(5)
-    for bad in (-1.0, float("nan"), "0.5", True):
-        with pytest.raises(ValueError, match=f"{kw} must be"):
+    for bad, error in ((-1.0, ValueError), (float("nan"), ValueError), ("0.5", TypeError)):
+        with pytest.raises(error, match=f"{kw} must be"):
             fn(x, 2, **{kw: bad})
-    with pytest.raises(ValueError, match=f"{kw} is required"):
+    with pytest.raises(TypeError, match=f"{kw} must be"):
+        fn(x, 2, **{kw: True})
+    with pytest.raises(TypeError, match=f"{kw} is required"):
         fn(x, 2, **{kw: None})
     for bad_k in (0, 6, -1):
         with pytest.raises(ValueError, match="k must be in"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -21,15 +22,23 @@ FEATURES = 16
 
 
 class CompileCounter:
-    """Counts XLA backend compilations while active: ``with CompileCounter() as c: ...``."""
+    """Counts XLA backend compilations while active: ``with CompileCounter() as c: ...``.
+
+    ``count``: all of them, on any thread; ``on_caller``: the names (``"jit(f)"``) of those made
+    on the thread that entered the counter (not on a background compile's worker).
+    """
 
     def __init__(self):
         self.count = 0
+        self.on_caller = []
+        self._caller = threading.get_ident()
 
     def _listener(self, event, duration, **kwargs):
-        del duration, kwargs
+        del duration
         if event == COMPILE_EVENT:
             self.count += 1
+            if threading.get_ident() == self._caller:
+                self.on_caller.append(kwargs.get("fun_name"))
 
     def __enter__(self):
         jax.monitoring.register_event_duration_secs_listener(self._listener)

@@ -29,10 +29,10 @@ from dynadiag_jax import models
 from dynadiag_jax import training as T
 from dynadiag_jax.kernel_stats import describe_paths, model_paths
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
+from dynadiag_jax.nn.functional import HYPER_NAME
 
 MODELS = {"mlp": models.MLP, "vit": models.ViT, "mixer": models.MlpMixer, "gpt2": models.GPT2}
 MODEL_MODULES = {"mlp": models.mlp, "vit": models.vit, "mixer": models.mixer, "gpt2": models.gpt2}
-GATE_HYPER = {"sparse_topk": "strength", "softmax": "temperature"}
 
 
 class ConfigError(ValueError):
@@ -94,8 +94,6 @@ def sparse_layer(cfg) -> functools.partial:
     """``DiagonalDense`` bound to the config's sparsity, block size, gate, slack, exploration mode,
     impl and input permutation, which are checked here (the layer itself checks them only when a
     model is built)."""
-    if cfg.gate not in GATE_HYPER:
-        raise ConfigError(f"dynadiag.gate must be one of {sorted(GATE_HYPER)}, got {cfg.gate!r}")
     if cfg.impl not in dd.available_impls():
         raise ConfigError(f"dynadiag.impl must be one of {dd.available_impls()}, got {cfg.impl!r}")
     layer = functools.partial(
@@ -113,7 +111,7 @@ def sparse_layer(cfg) -> functools.partial:
     )
     try:
         layer(1)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"dynadiag: {e}") from None
     return layer
 
@@ -216,13 +214,13 @@ def gate_schedule(dynadiag_cfg, freeze_step: int | None, num_steps: int) -> T.Ga
             schedule = dd.schedules.by_name(name, value=sched["init_value"])
         else:
             schedule = dd.schedules.by_name(name, steps=steps, **sched)
-    except (ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"dynadiag.gate_schedule: {e}") from None
     rescore = float(dynadiag_cfg.rescore_fraction)
     if not 0.0 <= rescore < 1.0:
         raise ConfigError(f"dynadiag.rescore_fraction must be in [0, 1), got {rescore}")
     return T.GateSchedule(
-        GATE_HYPER[dynadiag_cfg.gate],
+        HYPER_NAME[dynadiag_cfg.gate],
         schedule,
         int(dynadiag_cfg.score_every),
         rescore_step=round(rescore * steps),
@@ -233,10 +231,12 @@ def freeze_step(dynadiag_cfg, num_steps: int) -> int | None:
     """Step of the freeze: ``search_fraction`` of training (``None`` for dense models)."""
     if float(dynadiag_cfg.sparsity) == 0.0:
         return None
-    frac = float(dynadiag_cfg.search_fraction)
-    if not 0.0 <= frac <= 1.0:
-        raise ConfigError(f"dynadiag.search_fraction must be in [0, 1], got {frac}")
-    return int(round(frac * num_steps))
+    try:
+        return dd.schedules.freeze_step(
+            num_steps, search_fraction=float(dynadiag_cfg.search_fraction)
+        )
+    except ValueError as e:
+        raise ConfigError(f"dynadiag: {e}") from None
 
 
 def learning_rate(opt_cfg, num_steps: int, warmup: int):

@@ -38,7 +38,6 @@ from flax import traverse_util
 import dynadiag_jax as dd
 from dynadiag_jax import data as D
 from dynadiag_jax import training as T
-from dynadiag_jax.training.optimizer import path_mask
 from train import baselines, cli, common
 from train.configs import lora_fa as default_config
 
@@ -140,7 +139,7 @@ def counts(variables, trained: list[str]) -> dict[str, int]:
     b = sum(n for k, n in sizes.items() if k.endswith("/lora_b"))
     a = sum(int(np.prod(np.shape(v))) for v in jax.tree.leaves(variables.get("lora_frozen", {})))
     by_role = T.parameter_counts(params)
-    hits = traverse_util.flatten_dict(path_mask(trained)(params), sep="/")
+    hits = traverse_util.flatten_dict(dd.optim.path_mask(trained)(params), sep="/")
     return {
         "diagonal": by_role.diagonal,
         "adapter": a + b,

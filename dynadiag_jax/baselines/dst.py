@@ -16,13 +16,13 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from dynadiag_jax import schedules
 from dynadiag_jax._checks import int_at_least
 from dynadiag_jax.baselines.masks import top_n_mask
 from dynadiag_jax.baselines.sparse_state import map_masks, random_scores, sparse_wrapper
@@ -57,12 +57,7 @@ def cosine_decay(value: Schedule, end_step: int) -> Callable[[jax.Array], jax.Ar
     v = float(value)
     if v < 0.0:
         raise ValueError(f"the schedule's initial value must be >= 0, got {value!r}")
-
-    def schedule(count):
-        t = jnp.minimum(count, end_step).astype(jnp.float32) / jnp.float32(end_step)
-        return jnp.float32(v * 0.5) * (1.0 + jnp.cos(jnp.float32(math.pi) * t))
-
-    return schedule
+    return schedules.cosine(v, 0.0, end_step)
 
 
 def drop_and_grow(mask, drop_score, grow_score, num_drop):

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import sparse
 
+from dynadiag_jax._checks import int_at_least
 from dynadiag_jax.baselines.masks import num_active, random_mask
 
 __all__ = ["MaskedDense", "BCOODense"]
@@ -36,8 +37,7 @@ COLLECTION = "sparsity"
 def _check(layer, x):
     if not 0.0 < float(layer.sparsity) < 1.0:
         raise ValueError(f"sparsity must be in (0, 1), got {layer.sparsity!r}")
-    if not isinstance(layer.features, int) or layer.features < 1:
-        raise ValueError(f"features must be a positive int, got {layer.features!r}")
+    int_at_least(layer.features, "features", 1)
     if x.ndim < 1:
         raise ValueError("x must have shape [..., in_features], got a scalar")
     if not jnp.issubdtype(x.dtype, jnp.floating):

@@ -13,6 +13,8 @@ from collections.abc import Iterator, Mapping
 import jax
 import numpy as np
 
+from dynadiag_jax._checks import int_at_least
+
 __all__ = ["ArrayBatches", "EvalBatches"]
 
 
@@ -56,8 +58,7 @@ class ArrayBatches:
         process_count: int | None = None,
     ):
         n = _check_arrays(arrays)
-        if not isinstance(global_batch_size, (int, np.integer)) or global_batch_size < 1:
-            raise ValueError(f"batch size must be a positive integer, got {global_batch_size!r}")
+        int_at_least(global_batch_size, "batch size", 1)
         if global_batch_size > n:
             raise ValueError(f"batch size {global_batch_size} exceeds the {n} training examples")
         self.arrays = dict(arrays)
@@ -105,8 +106,7 @@ class EvalBatches:
         process_count: int | None = None,
     ):
         self.num_examples = _check_arrays(arrays)
-        if not isinstance(global_batch_size, (int, np.integer)) or global_batch_size < 1:
-            raise ValueError(f"batch size must be a positive integer, got {global_batch_size!r}")
+        int_at_least(global_batch_size, "batch size", 1)
         self.arrays = dict(arrays)
         self.global_batch_size = int(global_batch_size)
         self._share = _process_share(self.global_batch_size, process_index, process_count)

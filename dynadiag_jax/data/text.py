@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dynadiag_jax._checks import int_at_least
 from dynadiag_jax.data.arrays import _process_share
 
 __all__ = [
@@ -141,8 +142,7 @@ def load_corpus(name: str = "auto", path=None, *, max_bytes: int = 16 << 20) -> 
 
 
 def _num_windows(tokens: np.ndarray, seq_len: int) -> int:
-    if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    int_at_least(seq_len, "seq_len", 1)
     n = (len(tokens) - 1) // seq_len
     if n < 1:
         raise ValueError(f"{len(tokens)} tokens are too few for one window of {seq_len} + 1")
@@ -169,8 +169,7 @@ class TokenWindows:
         self.tokens = np.asarray(tokens, np.int32)
         self.seq_len = int(seq_len)
         self.num_windows = _num_windows(self.tokens, seq_len)
-        if not isinstance(global_batch_size, (int, np.integer)) or global_batch_size < 1:
-            raise ValueError(f"batch size must be a positive integer, got {global_batch_size!r}")
+        int_at_least(global_batch_size, "batch size", 1)
         if global_batch_size > self.num_windows:
             raise ValueError(
                 f"batch size {global_batch_size} exceeds the corpus's {self.num_windows} windows"

@@ -28,12 +28,12 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
+from dynadiag_jax._checks import int_at_least
 from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
@@ -177,24 +177,14 @@ class DiagonalDense(nn.Module):
     permutation_penalty: float = perms.DEFAULT_PENALTY
 
     def __post_init__(self):
-        if isinstance(self.features, bool) or not isinstance(self.features, numbers.Integral):
-            raise ValueError(f"features must be an int >= 1, got {self.features!r}")
-        if self.features < 1:
-            raise ValueError(f"features must be >= 1, got {self.features}")
-        width = self.in_features
-        if width is not None and (
-            isinstance(width, bool) or not isinstance(width, numbers.Integral) or width < 1
-        ):
-            raise ValueError(f"in_features must be None or an int >= 1, got {width!r}")
+        int_at_least(self.features, "features", 1)
+        if self.in_features is not None:
+            int_at_least(self.in_features, "in_features", 1)
         if (self.sparsity is None) == (self.k is None):
             raise ValueError("DiagonalDense needs exactly one of sparsity= (in (0, 1)) or k=")
         if self.sparsity is not None:
             F.check_sparsity(self.sparsity)
-        if (
-            isinstance(self.block_size, bool)
-            or not isinstance(self.block_size, numbers.Integral)
-            or self.block_size not in BLOCK_SIZES
-        ):
+        if int_at_least(self.block_size, "block_size", 1) not in BLOCK_SIZES:
             raise ValueError(
                 f"block_size must be 1 (element diagonals) or one of {KERNEL_BLOCK_SIZES}, "
                 f"got {self.block_size!r}"
@@ -207,9 +197,7 @@ class DiagonalDense(nn.Module):
             raise ValueError(f"unknown explore {self.explore!r}; expected one of {F.EXPLORE_MODES}")
         if not self.slack >= 0:
             raise ValueError(f"slack must be >= 0, got {self.slack!r}")
-        buckets = self.num_buckets
-        if isinstance(buckets, bool) or not isinstance(buckets, numbers.Integral) or buckets < 1:
-            raise ValueError(f"num_buckets must be an int >= 1, got {self.num_buckets!r}")
+        int_at_least(self.num_buckets, "num_buckets", 1)
         F.check_init_and_search(self.fan_in, self.scale)
         perms.check_permutation_args(self.permutation, self.permutation_penalty)
         if self.gate_init is not None:
@@ -258,7 +246,7 @@ class DiagonalDense(nn.Module):
             raise TypeError(f"x must be an array, got {type(x).__name__}")
         if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
-        self._check_offsets_present()
+        self._check_frozen_entries()
         self._check_phase()
         self._check_width(x.shape[-1])
         try:
@@ -272,13 +260,15 @@ class DiagonalDense(nn.Module):
         )
         x = x.astype(dtype)
 
-        frozen = self.has_variable("diagonals", "offsets") or (
+        frozen = self.has_variable(F.DIAGONALS_COLLECTION, "offsets") or (
             self.is_initializing() and self.init_phase == "frozen"
         )
         given = self._given_hyper(strength, temperature)  # checked in both phases
         if self.is_initializing():
             self.variable(
-                "diagonals", "in_features", lambda: jnp.asarray(spec.in_features, jnp.int32)
+                F.DIAGONALS_COLLECTION,
+                "in_features",
+                lambda: jnp.asarray(spec.in_features, jnp.int32),
             )
         x, perm = self._permute(x, frozen)
         if frozen:
@@ -294,27 +284,27 @@ class DiagonalDense(nn.Module):
         """The layer's module path (``"encoder/block_0/mlp/fc1"``), for error messages."""
         return "/".join(self.path) or self.name or "DiagonalDense"
 
-    def _check_offsets_present(self):
-        """Frozen params (``values`` without ``alpha``) need their offsets: say where they live."""
-        if (
-            self.has_variable("params", "values")
-            and not self.has_variable("params", "alpha")
-            and not self.has_variable("diagonals", "offsets")
-        ):
-            raise ValueError(
-                f"{self._label()}: these are the params of a frozen layer (values [K, ...], no "
-                f"alpha), but its offsets are missing: a frozen layer keeps offsets[K] in the "
-                f"'diagonals' collection (variables['diagonals'][<layer path>]['offsets'], "
-                f"written by dd.freeze / dd.freeze_tree); save and restore every collection, not "
-                f"only 'params'"
-            )
+    def _check_frozen_entries(self):
+        """Frozen params (``values`` without ``alpha``) need their offsets and input width: say
+        where they live."""
+        if not self.has_variable("params", "values") or self.has_variable("params", "alpha"):
+            return
+        for name, missing in (("offsets", "its offsets are"), ("in_features", "its width is")):
+            if not self.has_variable(F.DIAGONALS_COLLECTION, name):
+                raise ValueError(
+                    f"{self._label()}: these are the params of a frozen layer (values [K, ...], "
+                    f"no alpha), but {missing} missing: a frozen layer keeps offsets[K] and "
+                    f"in_features in the 'diagonals' collection (variables['diagonals'][<layer "
+                    f"path>]['{name}'], written by dd.freeze / dd.freeze_tree); save and restore "
+                    f"every collection, not only 'params'"
+                )
 
     def _permute(self, x, frozen: bool):
         """``(x, perm)``: ``x`` with the layer's input permutation applied (soft ``perm_soft``, or
         a hard ``perm`` in the search phase) and None, or, for a frozen layer with a hard ``perm``,
         ``x`` as it is and the checked ``perm``, which the product reads ``x`` through."""
         soft = self.has_variable("params", "perm_soft")
-        hard = self.has_variable("diagonals", "perm")
+        hard = self.has_variable(F.DIAGONALS_COLLECTION, "perm")
         init = self.is_initializing()
         if self.permutation is None:
             if soft or hard:
@@ -340,7 +330,7 @@ class DiagonalDense(nn.Module):
                 f"and there is none: save and restore every collection, not only 'params'"
             )
         perm = self.variable(
-            "diagonals",
+            F.DIAGONALS_COLLECTION,
             "perm",
             lambda: perms.random_permutation(self.make_rng("params"), x.shape[-1]),
         ).value
@@ -370,7 +360,7 @@ class DiagonalDense(nn.Module):
         """Search-phase params (``alpha``) only go with a search-phase layer and collections."""
         if self.is_initializing() or not self.has_variable("params", "alpha"):
             return
-        if self.has_variable("diagonals", "offsets"):
+        if self.has_variable(F.DIAGONALS_COLLECTION, "offsets"):
             raise ValueError(
                 f"{self._label()}: mixed phases: params hold a search-phase layer (alpha [P], "
                 f"values [P, ...]) but the 'diagonals' collection holds the offsets [K] of a "
@@ -389,9 +379,9 @@ class DiagonalDense(nn.Module):
         """Raises unless ``x``'s width is the layer's (known from its variables after init).
 
         Search phase: from the shapes. Frozen: from ``values`` where its shape fixes the width,
-        else from the ``"diagonals"`` entry ``in_features`` when it is a host value (inside
-        ``jit`` it is traced: :meth:`_guard_width` handles that), else only the bounds the shape
-        gives (variables frozen before ``in_features`` was stored).
+        else from the ``"diagonals"`` entry ``in_features`` when it is a host value; inside
+        ``jit`` it is traced, so only the bounds the shape gives (:meth:`_guard_width` does the
+        rest).
         """
         if self.in_features is not None and width != self.in_features:
             raise ValueError(
@@ -404,8 +394,8 @@ class DiagonalDense(nn.Module):
             exact, low, high = (F.search_width(shape, self.features),) * 3
         else:
             exact, low, high = F.frozen_width(shape, self.features)
-            if exact is None and self.has_variable("diagonals", "in_features"):
-                exact = _host_int(self.get_variable("diagonals", "in_features"))
+            if exact is None:
+                exact = _host_int(self.get_variable(F.DIAGONALS_COLLECTION, "in_features"))
         if exact is not None and width != exact:
             raise ValueError(f"{self._label()}: x has width {width}, the layer expects {exact}")
         if width < low:
@@ -418,20 +408,17 @@ class DiagonalDense(nn.Module):
             )
 
     def _guard_width(self, y, width: int):
-        """NaN outputs when a traced stored width differs from ``x``'s (jit cannot raise).
-
-        Variables frozen before the width was stored (no ``in_features``) are trusted as they are.
-        """
-        if not self.has_variable("diagonals", "in_features"):
-            return y
-        stored = self.get_variable("diagonals", "in_features")
+        """NaN outputs when a traced stored width differs from ``x``'s (jit cannot raise)."""
+        stored = self.get_variable(F.DIAGONALS_COLLECTION, "in_features")
         if _host_int(stored) is not None:
             return y  # checked at trace time
         return jnp.where(stored == width, y, jnp.asarray(jnp.nan, y.dtype))
 
     def _frozen(self, spec: F.LayerSpec, x, perm):
         offsets = self.variable(
-            "diagonals", "offsets", lambda: F.random_offsets(self.make_rng("params"), spec)
+            F.DIAGONALS_COLLECTION,
+            "offsets",
+            lambda: F.random_offsets(self.make_rng("params"), spec),
         ).value
         if offsets.shape != (spec.k,):
             # Inside jit a frozen layer's stored width is traced, so a wrong x width first shows
@@ -470,13 +457,13 @@ class DiagonalDense(nn.Module):
                 if given is not None
                 else (self.gate_init if self.gate_init is not None else F.DEFAULT_HYPER[name])
             )
-            stored = self.variable("dynadiag", name, lambda: jnp.asarray(start, jnp.float32))
-            self.variable("dynadiag", "score", lambda: jnp.asarray(False))
+            stored = self.variable(F.GATE_COLLECTION, name, lambda: jnp.asarray(start, jnp.float32))
+            self.variable(F.GATE_COLLECTION, "score", lambda: jnp.asarray(False))
             return stored.value if given is None else given
         if given is not None:
             return given
-        if self.has_variable("dynadiag", name):
-            return self.get_variable("dynadiag", name)
+        if self.has_variable(F.GATE_COLLECTION, name):
+            return self.get_variable(F.GATE_COLLECTION, name)
         raise ValueError(
             f"{self._label()}: the gate needs {name}=: pass it to the call, or "
             f"include the 'dynadiag' collection created by init in the variables "
@@ -489,17 +476,19 @@ class DiagonalDense(nn.Module):
         alpha = self.param("alpha", F.init_alpha, (p,), work).astype(work)
         every = jnp.arange(p, dtype=jnp.int32)
         values = self.param("values", self._values_init(spec), every, self.param_dtype)
-        tracking = self.has_variable("dynadiag", "topk") and self.is_mutable_collection("dynadiag")
-        old = self.get_variable("dynadiag", "topk") if tracking else None
+        tracking = self.has_variable(F.GATE_COLLECTION, "topk") and self.is_mutable_collection(
+            F.GATE_COLLECTION
+        )
+        old = self.get_variable(F.GATE_COLLECTION, "topk") if tracking else None
         inputs = gate_inputs(alpha, hyper, old, gate=spec.gate, k=spec.k, impl=spec.impl)
         if self.is_initializing():
-            self.variable("dynadiag", "topk", lambda: inputs.topk)
+            self.variable(F.GATE_COLLECTION, "topk", lambda: inputs.topk)
         elif tracking:
-            self.put_variable("dynadiag", "topk", inputs.topk)
+            self.put_variable(F.GATE_COLLECTION, "topk", inputs.topk)
             self.sow("intermediates", "topk_changed", inputs.topk_changed)
         score = (
-            self.get_variable("dynadiag", "score")
-            if self.has_variable("dynadiag", "score")
+            self.get_variable(F.GATE_COLLECTION, "score")
+            if self.has_variable(F.GATE_COLLECTION, "score")
             else jnp.asarray(False)
         )
         y, stats = search_forward(spec, values, x, inputs, score=score)

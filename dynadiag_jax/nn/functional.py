@@ -42,6 +42,9 @@ __all__ = [
     "GATES",
     "EXPLORE_MODES",
     "HYPER_NAME",
+    "GATE_COLLECTION",
+    "DIAGONALS_COLLECTION",
+    "LAYER_COLLECTIONS",
     "DEFAULT_HYPER",
     "LayerSpec",
     "layer_budget",
@@ -56,14 +59,20 @@ __all__ = [
     "frozen_width",
 ]
 
-GATES = ("sparse_topk", "softmax")
 EXPLORE_MODES = ("buckets", "dense_score", "none")
 SCALES = ("none", "rms")
 FAN_INS = ("sparse", "dense")
 # nn.Dense's default: a DiagonalDense in place of an nn.Dense starts from the same distribution.
 DEFAULT_KERNEL_INIT = nn.initializers.lecun_normal()
 DEFAULT_BIAS_INIT = nn.initializers.zeros_init()
+# Each gate's hyper-parameter, the name of its entry in the gate state and of the call's argument.
 HYPER_NAME = {"sparse_topk": "strength", "softmax": "temperature"}
+GATES = tuple(HYPER_NAME)
+# A layer's collections besides "params": the search phase's gate state (the hyper-parameter,
+# topk, score) and the diagonals it holds (offsets once frozen, in_features, perm).
+GATE_COLLECTION = "dynadiag"
+DIAGONALS_COLLECTION = "diagonals"
+LAYER_COLLECTIONS = (GATE_COLLECTION, DIAGONALS_COLLECTION)
 # The gate value a layer starts with when neither the call nor the layer gives one.
 DEFAULT_HYPER = {"strength": 1.0, "temperature": 5.0}
 # alpha = (1 + ALPHA_NOISE * u) / P with u ~ U(0, 1): breaks ties in the ranking, and stays far
@@ -102,6 +111,7 @@ def layer_budget(
 
     Raises:
       ValueError: neither or both given, sparsity outside (0, 1), ``k`` outside ``[1, P]``.
+      TypeError: a ``sparsity`` that is not a number or a ``k`` that is not an int.
     """
     geo = geometry(in_features, out_features, block_size)
     if (sparsity is None) == (k is None):
@@ -110,7 +120,7 @@ def layer_budget(
         check_sparsity(sparsity)
         return num_diagonals(geo.in_features, geo.out_features, sparsity, block_size=geo.block_size)
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise ValueError(f"k must be an int, got {k!r}")
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
     if not 1 <= k <= geo.num_candidates:
         raise ValueError(
             f"budget k={k} must be in [1, P] with P = {geo.num_candidates} candidate diagonals "

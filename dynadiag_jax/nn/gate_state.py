@@ -10,42 +10,14 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from dynadiag_jax.nn.functional import GATE_COLLECTION, HYPER_NAME
 from dynadiag_jax.topk import check_gate_value
 
 __all__ = ["alpha_from_values", "set_gate"]
 
-COLLECTION = "dynadiag"
-# The gate each "dynadiag" entry belongs to, for the error that names the gates present.
-_OWNER = {
-    "strength": "gate='sparse_topk'",
-    "temperature": "gate='softmax'",
-    "score": "every search-phase layer",
-}
-
-
-def _replace(tree, updates: dict):
-    if isinstance(tree, Mapping):
-        return {
-            key: (
-                updates[key](value)
-                if key in updates and not isinstance(value, Mapping)
-                else _replace(value, updates)
-            )
-            for key, value in tree.items()
-        }
-    return tree
-
-
-def _count_entries(tree) -> Counter:
-    """How many layers hold each gate entry (a leaf named ``strength``, ``temperature``, ...)."""
-    found = Counter()
-    if isinstance(tree, Mapping):
-        for key, value in tree.items():
-            if isinstance(value, Mapping):
-                found.update(_count_entries(value))
-            elif key in _OWNER:
-                found[key] += 1
-    return found
+# The gate each gate-state entry belongs to, for the error that names the gates present.
+_OWNER = {hyper: f"gate={gate!r}" for gate, hyper in HYPER_NAME.items()}
+_OWNER["score"] = "every search-phase layer"
 
 
 def _describe(found: Counter) -> str:
@@ -85,15 +57,16 @@ def set_gate(variables, *, strength=None, temperature=None, score=None):
         raise TypeError(
             f"variables must be a mapping of collections, got {type(variables).__name__}"
         )
-    if COLLECTION not in variables:
+    if GATE_COLLECTION not in variables:
         raise ValueError(
-            f"set_gate: the variables have no {COLLECTION!r} collection, so there is no "
+            f"set_gate: the variables have no {GATE_COLLECTION!r} collection, so there is no "
             f"search-phase DiagonalDense to set (collections: {sorted(variables)}); a frozen or "
-            f"dense model has no gate, and a search-phase model needs the {COLLECTION!r} "
+            f"dense model has no gate, and a search-phase model needs the {GATE_COLLECTION!r} "
             f"collection created by init"
         )
     requested = {"strength": strength, "temperature": temperature, "score": score}
-    found = _count_entries(variables[COLLECTION])
+    entries = traverse_util.flatten_dict(variables[GATE_COLLECTION], keep_empty_nodes=True)
+    found = Counter(key[-1] for key in entries if key[-1] in _OWNER)
     for name, value in requested.items():
         if value is not None and not found[name]:
             raise ValueError(
@@ -111,7 +84,9 @@ def set_gate(variables, *, strength=None, temperature=None, score=None):
             jnp.asarray(score, jnp.bool_), jnp.shape(old)
         )
     out = dict(variables)
-    out[COLLECTION] = _replace(variables[COLLECTION], updates)
+    out[GATE_COLLECTION] = traverse_util.unflatten_dict(
+        {key: updates[key[-1]](v) if key[-1] in updates else v for key, v in entries.items()}
+    )
     return out
 
 

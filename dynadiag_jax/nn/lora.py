@@ -129,7 +129,9 @@ def adapter_rules(layers, rank, alpha, who: str, **extra) -> tuple[Rule, ...]:
     ``rank``, ``scale = alpha / rank`` (``alpha`` None: ``rank``) and ``extra``."""
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
         raise TypeError(f"{who}: layers must be a sequence of regular expressions, got {layers!r}")
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+        raise TypeError(f"{who}: rank must be an int, got {type(rank).__name__}")
+    if rank < 1:
         raise ValueError(f"{who}: rank must be an int >= 1, got {rank!r}")
     alpha = float(rank if alpha is None else alpha)
     if not math.isfinite(alpha):

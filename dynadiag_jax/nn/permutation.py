@@ -18,14 +18,11 @@ freeze hardens ``M`` with :func:`hard_permutation`.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax._checks import permutation_problem
+from dynadiag_jax._checks import finite_number, permutation_problem
 from dynadiag_jax.ops.reference import gather_columns, is_permutation, scatter_columns
 
 __all__ = [
@@ -61,17 +58,13 @@ _TINY = 1e-12  # keeps a row or column of zeros from dividing by zero
 
 
 def check_permutation_args(permutation, weight) -> None:
-    """Raises ``ValueError`` for a ``permutation`` not in :data:`PERMUTATIONS` or a bad weight."""
+    """Raises ``ValueError`` for a ``permutation`` not in :data:`PERMUTATIONS` or a negative or
+    non-finite weight, ``TypeError`` for a weight that is not a number."""
     if not (permutation is None or (isinstance(permutation, str) and permutation in PERMUTATIONS)):
         raise ValueError(
             f"permutation must be one of {PERMUTATIONS} (None: no permutation), got {permutation!r}"
         )
-    if (
-        isinstance(weight, bool)
-        or not isinstance(weight, numbers.Real)
-        or not math.isfinite(weight)
-        or weight < 0
-    ):
+    if finite_number(weight, "permutation_penalty") < 0:
         raise ValueError(f"permutation_penalty must be a finite float >= 0, got {weight!r}")
 
 

@@ -32,6 +32,7 @@ import flax.linen as nn
 import jax
 
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
+from dynadiag_jax.nn.functional import LAYER_COLLECTIONS
 
 __all__ = ["LinearLayer", "linear_layer_paths", "sparsify"]
 
@@ -39,8 +40,6 @@ __all__ = ["LinearLayer", "linear_layer_paths", "sparsify"]
 LINEAR_TYPES = (nn.Dense, nn.DenseGeneral)
 # DiagonalDense fields a rule may not set: the replaced layer fixes them.
 _FIXED = ("features", "in_features", "name", "parent")
-# Collections a replaced layer creates beside "params" (a lifted transform must carry them).
-_COLLECTIONS = ("dynadiag", "diagonals")
 
 
 class Rule(NamedTuple):
@@ -154,13 +153,13 @@ def _diagonal_call(layer, path: str, rule: Rule, x):
                 f"(axis=-1, or (-2, -1), ...) only; leave this layer out of the rules"
             )
     if layer.is_initializing() and not all(
-        layer.scope.is_mutable_collection(c) for c in _COLLECTIONS
+        layer.scope.is_mutable_collection(c) for c in LAYER_COLLECTIONS
     ):
         # Inside nn.scan/nn.vmap a collection the transform does not list cannot be created.
         raise ValueError(
             f"sparsify: the layer at {path!r} sits in a lifted transform (nn.scan, nn.vmap) that "
-            f"does not carry the collections {list(_COLLECTIONS)} a diagonal layer keeps beside "
-            f"'params': list them in its variable_axes (e.g. variable_axes={{'params': 0, "
+            f"does not carry the collections {list(LAYER_COLLECTIONS)} a diagonal layer keeps "
+            f"beside 'params': list them in its variable_axes (e.g. variable_axes={{'params': 0, "
             f"'dynadiag': 0, 'diagonals': 0}}, or {{True: 0}}), or leave this layer out of the "
             f"rules"
         )

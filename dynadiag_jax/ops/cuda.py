@@ -166,7 +166,7 @@ def sddmm_splits(rows: int, in_features: int, out_features: int, num_diagonals: 
 
 
 class BlockProductPlan(NamedTuple):
-    """Grid of the block fwd/dx product: output panels (x row slabs of BLOCK_ROWS)."""
+    """Grid of the block fwd/dx product: output panels x row slabs of ``slab_rows``."""
 
     out_long: bool  # outputs run along the long axis (L_b blocks): panels share one x block
     tensor_cores: bool  # wmma (16-bit dtypes, b a multiple of 16), else CUDA cores
@@ -174,6 +174,8 @@ class BlockProductPlan(NamedTuple):
     wraps: int  # ceil(L_b / P_b): long-axis blocks per short-axis block
     wraps_per_panel: int  # long-axis output blocks per panel (out_long), else 1
     n_panels: int
+    cols: int  # tensor cores: the kernel's panel width (a power of two >= the panel), else 0
+    slab_rows: int  # rows per thread block: 128, or 256 on tensor cores below 128 columns
 
 
 def block_product_plan(kind, in_features, out_features, block_size, dtype) -> BlockProductPlan:
@@ -185,7 +187,9 @@ def block_product_plan(kind, in_features, out_features, block_size, dtype) -> Bl
     per_panel = min(wraps, max(1, BLOCK_MAX_COLS // b)) if out_long else 1
     n_panels = geo.num_candidates * (_cdiv(wraps, per_panel) if out_long else 1)
     tc = _tensor_cores(dtype) and b % 16 == 0
-    return BlockProductPlan(out_long, tc, min(b, 16), wraps, per_panel, n_panels)
+    cols = b * (1 << (per_panel - 1).bit_length()) if tc else 0
+    slab_rows = 2 * BLOCK_ROWS if tc and cols < BLOCK_MAX_COLS else BLOCK_ROWS
+    return BlockProductPlan(out_long, tc, min(b, 16), wraps, per_panel, n_panels, cols, slab_rows)
 
 
 class BlockSddmmPlan(NamedTuple):

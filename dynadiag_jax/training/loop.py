@@ -1,15 +1,24 @@
 """The training loop: search phase, freeze, evaluation, metrics, checkpoints, progress bar.
 
-One function, :func:`train`, used by every script. It takes explicit arguments and never reads a
-config. A run with a ``workdir`` resumes from the newest checkpoint there; because data order,
-dropout and augmentation depend only on ``(seed, step)`` and the gate schedule only on the step,
-a resumed run continues exactly as the uninterrupted one would have; the checkpoint also holds the
-sums of the metrics since the last training record, so its log continues exactly too.
+:func:`train`, used by every script, takes explicit arguments and never reads a config. It composes
+small steps, each usable on its own: :func:`restore_or_create_state`, :func:`jit_programs` (the
+jitted step, evaluation and freeze), :func:`compile_ahead` (the programs a phase will need,
+compiled on a background thread while the run goes on), :func:`train_one_step` (with
+:class:`MetricSums` and :class:`StepTimer`), :func:`log_train`, :func:`evaluate`,
+:func:`record_selection`, :func:`save_checkpoint` and :func:`stop_requests`; :class:`Schedule` says
+which of them follow each step.
+
+A run with a ``workdir`` resumes from the newest checkpoint there; because data order, dropout and
+augmentation depend only on ``(seed, step)`` and the gate schedule only on the step, a resumed run
+continues exactly as the uninterrupted one would have; the checkpoint also holds the sums of the
+metrics since the last training record, so its log continues exactly too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import json
 import pathlib
 import signal
@@ -25,6 +34,7 @@ import optax
 import tqdm
 from flax import traverse_util
 
+from dynadiag_jax.training.ahead import CompileAhead
 from dynadiag_jax.training.checkpoint import Checkpointer, CheckpointMismatch
 from dynadiag_jax.training.metrics import MetricWriter
 from dynadiag_jax.training.parallel import (
@@ -38,7 +48,26 @@ from dynadiag_jax.training.sparsity import GateSchedule, freeze_state, is_search
 from dynadiag_jax.training.state import TrainState, create_train_state
 from dynadiag_jax.training.steps import make_eval_step, make_train_step
 
-__all__ = ["BatchSource", "Interrupted", "TrainResult", "evaluate", "train"]
+__all__ = [
+    "BatchSource",
+    "Events",
+    "Interrupted",
+    "MetricSums",
+    "Programs",
+    "Schedule",
+    "StepTimer",
+    "StopRequest",
+    "TrainResult",
+    "evaluate",
+    "jit_programs",
+    "log_train",
+    "record_selection",
+    "restore_or_create_state",
+    "save_checkpoint",
+    "stop_requests",
+    "train",
+    "train_one_step",
+]
 
 # Metrics logged from wall-clock time; they differ between runs and are not reproducible.
 TIMING_METRICS = ("step_time_s", "examples_per_s")
@@ -93,7 +122,7 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-class _StopRequest:
+class StopRequest:
     """The first SIGINT/SIGTERM received (``signum``, None before any)."""
 
     signum: int | None = None
@@ -103,11 +132,11 @@ class _StopRequest:
 
 
 @contextlib.contextmanager
-def _stop_requests():
-    """A :class:`_StopRequest` set by the first SIGINT/SIGTERM, so the loop can stop after the
+def stop_requests():
+    """A :class:`StopRequest` set by the first SIGINT/SIGTERM, so the loop can stop after the
     current step and save; a second SIGINT interrupts at once. Signal handlers only exist in the
     main thread."""
-    flag = _StopRequest()
+    flag = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return
@@ -128,6 +157,201 @@ def _stop_requests():
             signal.signal(sig, h)
 
 
+class Programs(NamedTuple):
+    """A run's jitted functions, parameters replicated and batches split over the mesh.
+
+    Attributes:
+      train_step: ``(state, batch) -> (state, metrics)``, one optimizer step; donates ``state``.
+      eval_step: ``(state, batch) -> sums``, the task's additive evaluation sums of a batch.
+      freeze: ``state -> state``, the frozen form (params, collections and optimizer state).
+    """
+
+    train_step: Callable
+    eval_step: Callable
+    freeze: Callable
+
+
+def jit_programs(model: nn.Module, optimizer, task, mesh, *, gate=None) -> Programs:
+    """The jitted step, evaluation and freeze of a run (each compiles at its first call)."""
+    rep, data_sharding = replicated(mesh), batch_sharded(mesh)
+    return Programs(
+        train_step=jax.jit(
+            make_train_step(model, optimizer, task, gate=gate),
+            in_shardings=(rep, data_sharding),
+            out_shardings=(rep, rep),
+            donate_argnums=0,
+        ),
+        eval_step=jax.jit(
+            make_eval_step(model, task), in_shardings=(rep, data_sharding), out_shardings=rep
+        ),
+        freeze=jax.jit(freeze_state, in_shardings=rep, out_shardings=rep),
+    )
+
+
+def compile_ahead(
+    ahead: CompileAhead,
+    programs: Programs,
+    state,
+    batch,
+    mesh,
+    *,
+    searching: bool,
+    steps: bool = False,
+    evaluates: bool = False,
+    freezes: bool = False,
+    eval_data: Iterable | None = None,
+) -> None:
+    """Submit to ``ahead`` the programs a run will call, in the order it calls them.
+
+    Names: ``("step", searching)``, ``("eval", searching)`` and ``"freeze"``; the loop waits for
+    a name before the call it stands for (:meth:`CompileAhead.wait`).
+
+    Args:
+      ahead: the run's :class:`CompileAhead`.
+      programs: the run's :class:`Programs`.
+      state: the state (or its ``jax.eval_shape``) of the phase the run is in.
+      batch: a global training batch (only its shapes and shardings are read).
+      mesh: the run's mesh (the state is replicated over it).
+      searching: whether ``state`` is in the search phase.
+      steps: the training step of this phase.
+      evaluates: the evaluation of this phase (needs ``eval_data``).
+      freezes: the freeze, and the frozen phase's step and (with ``eval_data``) evaluation.
+      eval_data: the run's evaluation batches; the first is read on the worker thread.
+    """
+    rep = replicated(mesh)
+    now = _abstract(state, rep)
+
+    def eval_batch():
+        return global_batch(next(iter(eval_data)), mesh)
+
+    if steps:
+        ahead.submit(("step", searching), programs.train_step, now, batch)
+    if evaluates and eval_data is not None:
+        ahead.submit(("eval", searching), programs.eval_step, now, eval_batch)
+    if freezes:
+        frozen = _abstract(jax.eval_shape(freeze_state, now), rep)
+        ahead.submit("freeze", programs.freeze, now)
+        ahead.submit(("step", False), programs.train_step, frozen, batch)
+        if eval_data is not None:
+            ahead.submit(("eval", False), programs.eval_step, frozen, eval_batch)
+
+
+class MetricSums:
+    """The training metrics since the last record.
+
+    Host sums ``{name: [sum, count]}``, and the device arrays of the steps not fetched yet (fetched
+    together at the next record or save, so that steps are dispatched without waiting). A
+    checkpoint keeps :meth:`totals`, so the first record after a resume averages the same steps as
+    without the resume.
+
+    Args:
+      totals: the sums to continue from (a checkpoint's), or None.
+    """
+
+    def __init__(self, totals: Mapping[str, Sequence[float]] | None = None):
+        self._totals = {name: list(total) for name, total in (totals or {}).items()}
+        self._pending = []
+
+    def add(self, metrics: Mapping[str, jax.Array]) -> None:
+        """One step's scalar metrics (left on the device until the next fold)."""
+        self._pending.append(metrics)
+
+    def totals(self) -> dict[str, list]:
+        """A copy of ``{name: [sum, count]}`` over the steps added since the last :meth:`means`.
+
+        Added one step at a time in float64, so the sums do not depend on when they are folded (at
+        a record, at a save, before or after a resume); a metric counts only the steps that report
+        it (per-layer gate metrics stop at the freeze).
+        """
+        for record in jax.device_get(self._pending):
+            for name, value in record.items():
+                total = self._totals.setdefault(name, [0.0, 0])
+                total[0] += float(value)
+                total[1] += 1
+        self._pending.clear()
+        return {name: list(total) for name, total in self._totals.items()}
+
+    def means(self) -> dict[str, float]:
+        """``{name: sum / count}`` since the last call, which starts the next interval."""
+        record = {name: total / count for name, (total, count) in self.totals().items()}
+        self._totals.clear()
+        return record
+
+
+class StepTimer:
+    """Wall-clock seconds per step since the last :meth:`restart`, leaving out the first step of
+    each phase (it includes the compilation).
+
+    Args:
+      clock: ``() -> seconds``.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self._clock = clock
+        self._start, self._steps, self._fresh = clock(), 0, True
+
+    def new_phase(self) -> None:
+        """The next step compiles another program (the first after the freeze)."""
+        self._fresh = True
+
+    def stepped(self, metrics) -> None:
+        """Count a dispatched step whose output is ``metrics``; a phase's first step is waited for
+        and starts the interval instead."""
+        if self._fresh:
+            jax.block_until_ready(metrics)
+            self._fresh = False
+            self.restart()
+        else:
+            self._steps += 1
+
+    def restart(self) -> None:
+        """Start a new interval: after a record, and after work that is not a step (an evaluation,
+        a save)."""
+        self._start, self._steps = self._clock(), 0
+
+    def rates(self, batch_size: int) -> dict[str, float]:
+        """``step_time_s`` and ``examples_per_s`` of the interval (``{}`` before a timed step)."""
+        if not self._steps:
+            return {}
+        elapsed = self._clock() - self._start
+        return {
+            "step_time_s": elapsed / self._steps,
+            "examples_per_s": batch_size * self._steps / elapsed,
+        }
+
+
+def train_one_step(
+    train_step, state: TrainState, local_batch, mesh, sums: MetricSums, timer: StepTimer
+) -> TrainState:
+    """Take one optimizer step on this process's share of the global batch; its metrics go to
+    ``sums`` and its time to ``timer``."""
+    state, metrics = train_step(state, global_batch(local_batch, mesh))
+    sums.add(metrics)
+    timer.stepped(metrics)
+    return state
+
+
+def log_train(
+    writer,
+    step: int,
+    sums: MetricSums,
+    timer: StepTimer,
+    *,
+    batch_size: int,
+    learning_rate: Callable | None = None,
+) -> dict:
+    """Write and return the ``"train"`` record of ``step``: the metrics averaged since the last
+    record, the step time, and the learning rate of the step just taken (``learning_rate(step -
+    1)``). Starts the next interval of ``sums`` and ``timer``."""
+    record = sums.means()
+    record.update(timer.rates(batch_size))
+    if learning_rate is not None:
+        record["learning_rate"] = float(learning_rate(step - 1))
+    writer.write(step, "train", record)
+    timer.restart()
+    return record
+
+
 def evaluate(eval_step, state: TrainState, eval_data: Iterable, mesh, task) -> dict:
     """Run the jitted ``eval_step`` over ``eval_data`` and summarise with ``task.summarise``."""
     total = None
@@ -139,8 +363,132 @@ def evaluate(eval_step, state: TrainState, eval_data: Iterable, mesh, task) -> d
     return task.summarise(jax.device_get(total))
 
 
+def record_selection(writer, state: TrainState) -> None:
+    """Write a ``"selection"`` record: each layer's current top-K offsets (the kept ones once
+    frozen)."""
+    writer.write(int(state.step), "selection", {"offsets": kept_offsets(state.collections)})
+
+
+def save_checkpoint(
+    ckpt: Checkpointer | None,
+    writer,
+    state: TrainState,
+    *,
+    run_info: Mapping[str, Any],
+    frozen: bool,
+    sums: MetricSums,
+) -> None:
+    """Save ``state`` with what a resume needs besides it: the run's description, the phase and the
+    metric sums not logged yet. The log is flushed first, so that every record up to the
+    checkpoint's step is on disk when it commits (a resume keeps those). Nothing without ``ckpt``.
+    """
+    if ckpt is None:
+        return
+    writer.flush()
+    ckpt.save(state, meta={"run": run_info, "frozen": frozen, "interval": sums.totals()})
+
+
+def restore_or_create_state(
+    ckpt: Checkpointer | None,
+    init: Callable,
+    abstract: TrainState,
+    run_info: Mapping[str, Any],
+    sharding,
+    initial_variables=None,
+) -> tuple[TrainState, int | None, MetricSums]:
+    """The newest checkpoint's state, or a fresh one.
+
+    Args:
+      ckpt: where checkpoints are, or None (a fresh state).
+      init: ``variables -> TrainState``, the run's ``create_train_state``.
+      abstract: ``jax.eval_shape(init, initial_variables)``; a checkpoint is restored into it, or
+        into its frozen form if the checkpoint was written after the freeze.
+      run_info: the run's description as a checkpoint stores it (after a JSON round trip).
+      sharding: the state's sharding.
+      initial_variables: passed to ``init`` for a fresh state (an argument of the compiled init,
+        not a constant).
+
+    Returns:
+      ``(state, step, sums)``: the checkpoint's state, step and metric sums; or the fresh state,
+      None and empty sums.
+
+    Raises:
+      CheckpointMismatch: the checkpoint was written with another ``run_info`` or other shapes
+        (before any array is read or anything compiled).
+    """
+    latest = None if ckpt is None else ckpt.latest_step()
+    if latest is None:
+        return jax.jit(init, out_shardings=sharding)(initial_variables), None, MetricSums()
+    meta = ckpt.read_meta(latest)
+    differences = _differences(meta.get("run", {}), run_info)
+    if differences:
+        shown = "\n  ".join(differences)
+        raise CheckpointMismatch(
+            f"checkpoint {ckpt.directory}/{latest} was written by another run:\n  {shown}\n"
+            "resume with the settings it was written with, or use another workdir"
+        )
+    target = abstract
+    if meta.get("frozen") and is_searching(abstract.params):
+        target = jax.eval_shape(freeze_state, abstract)
+    state = ckpt.restore(latest, _abstract(target, sharding))
+    return state, latest, MetricSums(meta.get("interval"))
+
+
 def _abstract(tree, sharding):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+class Events(NamedTuple):
+    """What the loop does after a step, in this order: write the training record, evaluate,
+    freeze, write a selection record, save."""
+
+    log: bool
+    evaluate: bool
+    freeze: bool
+    select: bool
+    save: bool
+
+
+class Schedule(NamedTuple):
+    """When the loop does what: every ``*_every`` is a period in steps, 0 for never
+    (``eval_every`` is 0 without evaluation data)."""
+
+    num_steps: int
+    freeze_step: int | None
+    log_every: int
+    eval_every: int
+    selection_every: int
+    checkpoint_every: int
+
+    def after(self, step: int, searching: bool) -> Events:
+        """The events after step ``step``; ``searching``: the state is not frozen yet.
+
+        The last step is logged, but evaluated and saved only after the loop: its checkpoint comes
+        after the final evaluation's record, so a run resumed from it finds that record. The freeze
+        step saves the frozen state, and its selection record is what the freeze kept.
+        """
+        last = step == self.num_steps
+        freeze = searching and step == self.freeze_step
+        return Events(
+            log=_every(step, self.log_every) or last,
+            evaluate=_every(step, self.eval_every) and not last,
+            freeze=freeze,
+            select=bool(self.selection_every)
+            and (freeze or (searching and _every(step, self.selection_every))),
+            save=not last and (freeze or _every(step, self.checkpoint_every)),
+        )
+
+    def evaluates_between(self, step: int, end: int) -> bool:
+        """Whether a step in ``(step, end]`` is followed by an evaluation of the state it left
+        (the periodic ones; the final one comes after the loop)."""
+        if not self.eval_every:
+            return False
+        next_eval = (step // self.eval_every + 1) * self.eval_every
+        return next_eval <= end and next_eval < self.num_steps
+
+
+def _every(step: int, period: int) -> bool:
+    return bool(period) and step % period == 0
 
 
 def _check_args(
@@ -243,7 +591,6 @@ def train(
     )
     mesh = data_mesh() if mesh is None else mesh
     check_batch_size(train_data.global_batch_size, mesh, name="batch_size")
-    rep, data_sharding = replicated(mesh), batch_sharded(mesh)
 
     def init(variables):
         return create_train_state(model, optimizer, example_input, seed=seed, variables=variables)
@@ -259,6 +606,14 @@ def train(
     # As the checkpoint's JSON gives it back (tuples become lists), to compare on resume.
     run_info = json.loads(json.dumps({**dict(run_info or {}), "seed": int(seed)}))
     is_main = jax.process_index() == 0
+    schedule = Schedule(
+        num_steps,
+        freeze_step,
+        log_every,
+        eval_every if eval_data is not None else 0,
+        selection_every,
+        checkpoint_every,
+    )
 
     ckpt = (
         Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=keep_checkpoints)
@@ -266,56 +621,62 @@ def train(
         else None
     )
     writer = _NullWriter()
+    ahead = CompileAhead()
     try:
-        # The metrics since the last training record: `pending` (device arrays, fetched at once
-        # at the next record or save) folded into `interval`, host sums that a checkpoint keeps
-        # so that the first record after a resume averages the same steps as without the resume.
-        state, resumed_step, interval = _initial_state(
-            ckpt, init, initial_variables, abstract, rep, sparse, run_info
+        programs = jit_programs(model, optimizer, task, mesh, gate=gate)
+        batches = None
+        if ckpt is None or ckpt.latest_step() is None:
+            # A fresh run: its first step is compiled while its initial state is.
+            batches = iter(train_data.iterate(0))
+            first = next(batches)
+            batches = itertools.chain([first], batches)
+            frozen_first = sparse and freeze_step == 0
+            compile_ahead(
+                ahead,
+                programs,
+                abstract,
+                global_batch(first, mesh),
+                mesh,
+                searching=sparse,
+                steps=not frozen_first,
+                freezes=frozen_first,
+                eval_data=eval_data,
+            )
+        state, resumed_step, sums = restore_or_create_state(
+            ckpt, init, abstract, run_info, replicated(mesh), initial_variables
         )
-        pending = []
         start = resumed_step or 0
         if workdir is not None:
             writer = MetricWriter(
                 workdir, start_step=resumed_step, tensorboard=tensorboard, enabled=is_main
             )
-        train_step = jax.jit(
-            make_train_step(model, optimizer, task, gate=gate),
-            in_shardings=(rep, data_sharding),
-            out_shardings=(rep, rep),
-            donate_argnums=0,
-        )
-        eval_step = jax.jit(
-            make_eval_step(model, task), in_shardings=(rep, data_sharding), out_shardings=rep
-        )
-        freeze = jax.jit(freeze_state, in_shardings=rep, out_shardings=rep)
-
-        def run_eval(state, log=True):
-            metrics = evaluate(eval_step, state, eval_data, mesh, task)
-            if log:
-                writer.write(int(state.step), "eval", metrics)
-            return metrics
-
-        def record_selection(state):
-            if selection_every:
-                offsets = kept_offsets(state.collections)
-                writer.write(int(state.step), "selection", {"offsets": offsets})
-
-        def save(state, frozen):
-            if ckpt is not None:
-                writer.flush()
-                # A copy: the save is asynchronous, and `interval` keeps changing.
-                sums = {name: list(total) for name, total in _accumulate(interval, pending).items()}
-                ckpt.save(state, meta={"run": run_info, "frozen": frozen, "interval": sums})
+        save = functools.partial(save_checkpoint, ckpt, writer, run_info=run_info, sums=sums)
 
         searching = is_searching(state.params)
-        if searching and start == 0:
-            record_selection(state)
+        if searching and start == 0 and selection_every:
+            record_selection(writer, state)
         if searching and freeze_step == start:
-            state, searching = freeze(state), False
-            save(state, True)
+            ahead.wait("freeze")
+            state, searching = programs.freeze(state), False
+            save(state, frozen=True)
 
-        step, eval_metrics = start, {}
+        def rest_of_run_ahead(state, batch):
+            # After the phase's first step, so that its compile does not compete with them.
+            freezes = searching and freeze_step is not None
+            end = freeze_step if freezes else num_steps
+            compile_ahead(
+                ahead,
+                programs,
+                state,
+                batch,
+                mesh,
+                searching=searching,
+                evaluates=schedule.evaluates_between(step, end) or not freezes,
+                freezes=freezes,
+                eval_data=eval_data,
+            )
+
+        step = start
         bar = tqdm.tqdm(
             total=num_steps,
             initial=start,
@@ -324,97 +685,67 @@ def train(
             disable=not (progress and is_main),
             desc="search" if searching else "train",
         )
-        with _stop_requests() as stop, contextlib.closing(bar):
-            data_iter = iter(train_data.iterate(start))
-            timer, timed_steps, fresh = time.perf_counter(), 0, True
+        with stop_requests() as stop, contextlib.closing(bar):
+            if batches is None:
+                batches = iter(train_data.iterate(start))
+            timer = StepTimer()
             while step < num_steps and not stop.is_set():
-                state, metrics = train_step(state, global_batch(next(data_iter), mesh))
+                ahead.wait(("step", searching))
+                local = next(batches)
+                state = train_one_step(programs.train_step, state, local, mesh, sums, timer)
                 step += 1
-                pending.append(metrics)
-                if fresh:  # the first step of a phase includes compilation: keep it out of timings
-                    jax.block_until_ready(metrics)
-                    timer, timed_steps, fresh = time.perf_counter(), 0, False
-                else:
-                    timed_steps += 1
-                if (log_every and step % log_every == 0) or step == num_steps:
-                    sums = _accumulate(interval, pending)
-                    record = {name: total / count for name, (total, count) in sums.items()}
-                    interval.clear()
-                    if timed_steps:
-                        elapsed = time.perf_counter() - timer
-                        record["step_time_s"] = elapsed / timed_steps
-                        record["examples_per_s"] = (
-                            train_data.global_batch_size * timed_steps / elapsed
-                        )
-                    if learning_rate is not None:
-                        record["learning_rate"] = float(learning_rate(step - 1))
-                    writer.write(step, "train", record)
+                if step == start + 1:
+                    rest_of_run_ahead(state, global_batch(local, mesh))
+                events = schedule.after(step, searching)
+                if events.log:
+                    record = log_train(
+                        writer,
+                        step,
+                        sums,
+                        timer,
+                        batch_size=train_data.global_batch_size,
+                        learning_rate=learning_rate,
+                    )
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-                    timer, timed_steps = time.perf_counter(), 0
-                if (
-                    eval_data is not None
-                    and eval_every
-                    and step % eval_every == 0
-                    and step < num_steps
-                ):
-                    eval_metrics = run_eval(state)
-                    timer, timed_steps = time.perf_counter(), 0
-                # The last step is saved after the final evaluation is logged: a run resumed from
-                # a checkpoint at num_steps then finds that record in metrics.jsonl.
-                last = step == num_steps
-                if searching and step == freeze_step:
-                    state, searching, fresh = freeze(state), False, True
-                    record_selection(state)  # what the freeze kept
+                if events.evaluate:
+                    ahead.wait(("eval", searching))
+                    writer.write(
+                        step, "eval", evaluate(programs.eval_step, state, eval_data, mesh, task)
+                    )
+                    timer.restart()
+                if events.freeze:
+                    ahead.wait("freeze")
+                    state, searching = programs.freeze(state), False
+                    timer.new_phase()
                     bar.set_description("frozen")
-                    if not last:
-                        save(state, True)
-                else:
-                    if searching and selection_every and step % selection_every == 0:
-                        record_selection(state)
-                    if checkpoint_every and step % checkpoint_every == 0 and not last:
-                        save(state, not searching and sparse)
-                        timer, timed_steps = time.perf_counter(), 0
+                if events.select:
+                    record_selection(writer, state)
+                if events.save:
+                    save(state, frozen=not searching and sparse)
+                    timer.restart()
                 for hook in hooks:
                     hook(step, state)
                 bar.update(1)
             if step < num_steps:
-                save(state, not searching and sparse)
+                save(state, frozen=not searching and sparse)
                 raise Interrupted(
                     f"stopped at step {step} of {num_steps}; "
                     f"{'saved in ' + str(workdir) if workdir else 'no workdir, nothing saved'}",
                     stop.signum,
                 )
-        if eval_data is not None:  # a run resumed at its last step already logged this evaluation
-            eval_metrics = run_eval(state, log=step > start)
-        save(state, not searching and sparse)
+        eval_metrics = {}
+        if eval_data is not None:
+            ahead.wait(("eval", searching))
+            eval_metrics = evaluate(programs.eval_step, state, eval_data, mesh, task)
+            if step > start:  # a run resumed at its last step already logged this evaluation
+                writer.write(step, "eval", eval_metrics)
+        save(state, frozen=not searching and sparse)
         return TrainResult(state, eval_metrics, start)
     finally:
+        ahead.close()
         writer.close()
         if ckpt is not None:
             ckpt.close()
-
-
-def _initial_state(ckpt, init, initial_variables, abstract, rep, sparse, run_info):
-    """``(state, step, interval sums)``: the newest checkpoint restored into the right phase's
-    structure, its step and the metric sums it holds; or a fresh state (from
-    ``initial_variables`` if given: an argument, not a constant of the compiled init), None and
-    {}."""
-    latest = None if ckpt is None else ckpt.latest_step()
-    if latest is None:
-        return jax.jit(init, out_shardings=rep)(initial_variables), None, {}
-    meta = ckpt.read_meta(latest)
-    differences = _differences(meta.get("run", {}), run_info)
-    if differences:
-        shown = "\n  ".join(differences)
-        raise CheckpointMismatch(
-            f"checkpoint {ckpt.directory}/{latest} was written by another run:\n  {shown}\n"
-            "resume with the settings it was written with, or use another workdir"
-        )
-    target = abstract
-    if meta.get("frozen") and sparse:
-        target = jax.eval_shape(freeze_state, abstract)
-    state = ckpt.restore(latest, _abstract(target, rep))
-    return state, latest, dict(meta.get("interval", {}))
 
 
 def _differences(stored: Mapping, current: Mapping) -> list[str]:
@@ -434,19 +765,3 @@ def _differences(stored: Mapping, current: Mapping) -> list[str]:
         for key in sorted(set(a) | set(b))
         if key not in a or key not in b or a[key] != b[key]
     ]
-
-
-def _accumulate(interval: dict, pending: list) -> dict:
-    """Move the per-step metrics of ``pending`` into ``interval``'s ``{name: [sum, count]}``.
-
-    Added one step at a time in float64, so the sums do not depend on when they are folded (at a
-    record, at a save, before or after a resume); a metric counts only the steps that report it
-    (per-layer gate metrics stop at the freeze).
-    """
-    for record in jax.device_get(pending):
-        for name, value in record.items():
-            total = interval.setdefault(name, [0.0, 0])
-            total[0] += float(value)
-            total[1] += 1
-    pending.clear()
-    return interval

@@ -6,36 +6,19 @@ rest), whose state :func:`dynadiag_jax.freeze_opt_state` maps to the compact fro
 
 from __future__ import annotations
 
-import re
+import functools
 from collections.abc import Sequence
 
 import jax
 import optax
-from flax import traverse_util
 
 import dynadiag_jax as dd
 
-__all__ = ["NO_DECAY", "adamw", "path_mask", "train_only"]
+__all__ = ["NO_DECAY", "adamw", "train_only"]
 
 # Parameters never decayed (DeiT/timm): biases, norm scales, position embeddings, the class token.
 # Matched with re.fullmatch against "/"-joined parameter paths; alpha is never decayed either.
 NO_DECAY = (r".*bias", r".*scale", r".*pos_embed", r".*cls_token", r".*wpe")
-
-
-def path_mask(patterns: Sequence[str], *, match: bool = True, min_ndim: int = 0):
-    """``params -> bool tree``: True where the path fully matches a pattern (``match``) or matches
-    none (``not match``), and the leaf has at least ``min_ndim`` dimensions."""
-    compiled = [re.compile(p) for p in patterns]
-
-    def mask(params):
-        flat = traverse_util.flatten_dict(params)
-        out = {}
-        for key, leaf in flat.items():  # leaf may be optax's MaskedNode inside multi_transform
-            hit = any(c.fullmatch("/".join(key)) for c in compiled)
-            out[key] = (hit == match) and getattr(leaf, "ndim", 0) >= min_ndim
-        return traverse_util.unflatten_dict(out)
-
-    return mask
 
 
 def adamw(
@@ -70,7 +53,7 @@ def adamw(
         b1=b1,
         b2=b2,
         eps=eps,
-        decay_mask=path_mask(no_decay, match=False, min_ndim=2),
+        decay_mask=functools.partial(dd.optim.weight_decay_mask, no_decay=no_decay),
     )
     return optax.chain(optax.clip_by_global_norm(clip_norm), tx) if clip_norm else tx
 
@@ -78,7 +61,7 @@ def adamw(
 def train_only(tx: optax.GradientTransformation, patterns: Sequence[str]):
     """``tx`` on the params whose "/"-joined path fully matches a pattern; every other param gets
     a zero update and no optimizer state (e.g. ``(r".*/lora_b",)``: a LoRA-FA fine-tune)."""
-    trained = path_mask(patterns)
+    trained = dd.optim.path_mask(patterns)
 
     def labels(params):
         return jax.tree.map(lambda hit: "trained" if hit else "fixed", trained(params))

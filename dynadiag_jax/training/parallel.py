@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dynadiag_jax._checks import int_at_least
+
 __all__ = [
     "DATA_AXIS",
     "check_batch_size",
@@ -78,8 +80,7 @@ def check_batch_size(batch_size: int, mesh: Mesh, *, name: str = "batch_size") -
 
     Call it before building anything: the message names the device and process counts.
     """
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"{name} must be a positive integer, got {batch_size!r}")
+    int_at_least(batch_size, name, 1)
     devices = mesh.devices.size
     if batch_size % devices:
         raise ValueError(

@@ -17,6 +17,7 @@ import numpy as np
 from flax import traverse_util
 
 import dynadiag_jax as dd
+from dynadiag_jax.nn.functional import DIAGONALS_COLLECTION, GATE_COLLECTION, HYPER_NAME
 from dynadiag_jax.training.state import TrainState
 
 __all__ = [
@@ -53,7 +54,7 @@ class GateSchedule(NamedTuple):
     rescore_step: int = 0
 
     def check(self) -> GateSchedule:
-        if self.name not in ("strength", "temperature"):
+        if self.name not in HYPER_NAME.values():
             raise ValueError(f"gate name must be 'strength' or 'temperature', got {self.name!r}")
         if int(self.score_every) < 0:
             raise ValueError(f"score_every must be >= 0, got {self.score_every!r}")
@@ -75,7 +76,7 @@ def is_searching(params) -> bool:
 
 def apply_gate(collections: dict, gate: GateSchedule | None, step) -> dict:
     """``collections`` with every layer's gate hyper-parameter set for ``step`` (jit-able)."""
-    if gate is None or "dynadiag" not in collections:
+    if gate is None or GATE_COLLECTION not in collections:
         return collections
     kwargs = {gate.name: gate.schedule(step)}
     if gate.score_every:
@@ -111,8 +112,8 @@ def freeze_state(state: TrainState) -> TrainState:
 
 def kept_offsets(collections) -> dict[str, np.ndarray]:
     """``{layer path: offsets}``: the frozen diagonals, or while searching the top-K by alpha."""
-    out = _leaves(collections.get("diagonals", {}), "offsets")
-    for p, v in _leaves(collections.get("dynadiag", {}), "topk").items():
+    out = _leaves(collections.get(DIAGONALS_COLLECTION, {}), "offsets")
+    for p, v in _leaves(collections.get(GATE_COLLECTION, {}), "topk").items():
         out.setdefault(p, v)
     return {p: np.asarray(jax.device_get(v)) for p, v in sorted(out.items())}
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dynadiag_jax.nn.functional import GATE_COLLECTION
 from dynadiag_jax.training.sparsity import (
     GateSchedule,
     apply_gate,
@@ -51,8 +52,8 @@ def make_train_step(
             apply_gate(state.collections, gate, state.step) if searching else state.collections
         )
         mutable = (
-            ["intermediates", "losses", "dynadiag"]
-            if searching and "dynadiag" in collections
+            ["intermediates", "losses", GATE_COLLECTION]
+            if searching and GATE_COLLECTION in collections
             else ["intermediates", "losses"]
         )
 

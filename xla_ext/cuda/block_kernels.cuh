@@ -18,11 +18,11 @@
 //   otherwise (outputs on the short axis: wide fwd, tall dx): a panel is one output block s, which
 //     reads the input blocks t = (s - d_k) % P_b + w * P_b for every diagonal k and wrap w.
 // The contraction runs in slices of 16 input columns (min(b, 16) on CUDA cores) through a
-// double-buffered shared-memory pipeline: the loads of the next stage are issued into registers
-// before the current stage's products and stored to shared memory after them (plain loads, no
-// cp.async: the emulation runs this code). bfloat16/float16 with b a multiple of 16 multiply on
-// tensor cores (wmma m16n16k16, float32 accumulation; warp w owns rows 16w.. of the slab); float32
-// and b = 8 on CUDA cores (float32 FMAs).
+// double-buffered shared-memory pipeline. bfloat16/float16 with b a multiple of 16 multiply on
+// tensor cores (wmma m16n16k16, float32 accumulation) in a kernel templated on b and the panel
+// width, fed by cp.async from a per-block slice table (see block_product_tc_kernel); float32 and
+// b = 8 on CUDA cores (float32 FMAs; the next slice's loads go to registers before the current
+// slice's products and to shared memory after them).
 //
 // dvalues (the block SDDMM dvalues[k, t] = out_block^T in_block over rows): one thread block per
 // (residue r, chunk of wraps t = r + w * P_b, group of diagonals, row split). All its long-axis
@@ -35,6 +35,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/kernel_common.cuh"
 
@@ -48,7 +49,6 @@ constexpr int kBlockMaxCols = 128;                   // output columns of a pane
 constexpr int kBlockColFrags = kBlockMaxCols / 16;   // accumulator fragments per warp
 constexpr int kBlockSlice = 16;                      // contraction columns per slice
 constexpr int kSliceWeights = kBlockMaxCols * kBlockSlice;  // weight elements of one slice
-constexpr int kBlockStageSlices = 2;                 // slices per stage (tensor cores)
 constexpr int kBlockSimtMaxRows = kBlockRows * kBlockMaxCols / kBlockThreads;  // accumulators
 constexpr int kBlockSddmmStageRows = 16;
 constexpr int kBlockSddmmMaxElems = 16384;           // accumulators of one SDDMM thread block
@@ -127,12 +127,12 @@ struct BlockPanel {
 };
 
 template <bool kOutLong, class T>
-__device__ __forceinline__ BlockPanel block_panel(const BlockProductArgs<T>& a) {
+__device__ __forceinline__ BlockPanel block_panel(const BlockProductArgs<T>& a, int slab_rows) {
   BlockPanel p;
   const int64_t idx = blockIdx.x;
   const int panel = static_cast<int>(idx % a.n_panels);
-  p.r0 = idx / a.n_panels * kBlockRows;
-  p.rows_here = static_cast<int>(a.rows - p.r0 < kBlockRows ? a.rows - p.r0 : kBlockRows);
+  p.r0 = idx / a.n_panels * slab_rows;
+  p.rows_here = static_cast<int>(a.rows - p.r0 < slab_rows ? a.rows - p.r0 : slab_rows);
   p.s = panel % a.P_b;
   p.chunk = panel / a.P_b;
   p.uses = 1;
@@ -196,91 +196,238 @@ __device__ __forceinline__ int weight_slot(int n, int b, int width) {
 }
 
 // ---- tensor-core product ------------------------------------------------------------------------
-template <class T, bool kOutLong, bool kTranspose>
-__global__ void __launch_bounds__(kBlockThreads) block_product_tc_kernel(BlockProductArgs<T> a) {
+// Templated on b and the panel width so that every index in the main loop is a shift, a mask or an
+// add (a runtime division is a ~20-instruction sequence). A thread block owns kRows rows of one
+// panel of kCols columns (a power of two: the panel's output blocks rounded up, <= 128); warp w owns
+// rows 16 w kRowFrags.. and every column, so each x fragment it loads feeds all of its accumulators
+// and each weight fragment feeds kRowFrags products. Narrow panels take two row fragments per warp
+// (256 rows) so that every warp keeps 8 accumulator tiles (64 registers) busy; a full panel takes
+// one (128 rows).
+//
+// The thread block first builds its slice table in shared memory, one entry per x block it reads
+// (per diagonal, or per diagonal and wrap): the block's first x column (-1: a wrap past L_b,
+// -2: an out-of-range offset) and the element offset of its weights; the contraction then runs
+// over the entries' 16-column slices with a two-stage cp.async pipeline into padded shared memory.
+// The epilogue converts each accumulator tile to T and writes rows of 8 outputs with 16-byte
+// stores.
+constexpr int kTcPad = 8;                // elements added to every shared row (see TcPanel)
+constexpr int kTcXLd = kBlockSlice + kTcPad;  // x slice: [row][kk]
+constexpr int kTcEpiLd = 16 + 4;         // float epilogue tile: [row][col]
+constexpr int kTcTable = kBlockThreads;  // slice-table entries built per pass (one per thread)
+
+__host__ __device__ constexpr int ilog2(int v) { return v <= 1 ? 0 : 1 + ilog2(v / 2); }
+
+template <int kB, int kCols>
+struct TcPanel {
+  static_assert(kB % 16 == 0 && kB <= kBlockMaxCols && (kB & (kB - 1)) == 0, "b in {16, 32, 64, 128}");
+  static_assert(kCols % kB == 0 && kCols <= kBlockMaxCols && (kCols & (kCols - 1)) == 0, "panel width");
+  static constexpr int kColFrags = kCols / 16;
+  static constexpr int kRowFrags = kColFrags >= 8 ? 1 : 2;
+  static constexpr int kRows = kBlockWarps * 16 * kRowFrags;
+  static constexpr int kLogB = ilog2(kB);
+  static constexpr int kSpb = kB / kBlockSlice;  // slices per x block
+  static constexpr int kLogSpb = ilog2(kSpb);
+  // 16-byte chunks of one slice: x rows are 16 elements (2 chunks); the weights are kCols rows of
+  // 16 (forward, [n][kk]) or 16 rows of kCols (dx, [kk][n]), 2 kCols chunks either way.
+  static constexpr int kXPer = kRows * 2 / kBlockThreads;
+  static constexpr int kWChunks = kCols * 2;
+  // Padding: 8 elements (16 bytes) per row make the row stride an odd number of 16-byte units, so
+  // the 8 rows of each 8x8 matrix a fragment load reads fall in distinct banks.
+  static constexpr int kWLdFwd = kBlockSlice + kTcPad;
+  static constexpr int kWLdDx = kCols + kTcPad;
+  static constexpr int kWElems = kCols * kWLdFwd > kBlockSlice * kWLdDx ? kCols * kWLdFwd : kBlockSlice * kWLdDx;
+  static_assert(kRows * 2 % kBlockThreads == 0 && kWChunks <= kBlockThreads, "chunks split evenly");
+};
+
+// Two floats as T in one 32-bit word (the first in the low half), for the 16-byte stores.
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+#ifdef __CUDACC__
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+#else
+template <class T>
+inline uint32_t pack2(float lo, float hi) {
+  return uint32_t(from_float<T>(lo).bits) | uint32_t(from_float<T>(hi).bits) << 16;
+}
+#endif
+
+template <class T, bool kOutLong, bool kTranspose, int kB, int kCols>
+__global__ void __launch_bounds__(kBlockThreads, 2) block_product_tc_kernel(BlockProductArgs<T> a) {
   namespace wmma = nvcuda::wmma;
-  constexpr int kX = kBlockRows * kBlockSlice;
-  constexpr int kPer = kX / kBlockThreads;
-  static_assert(kSliceWeights / kBlockThreads == kPer, "x and weight slices share the register split");
-  SIMT_SHARED_ALIGNED(T[2][kBlockStageSlices][kX], xs, 32);             // [row][kk]
-  SIMT_SHARED_ALIGNED(T[2][kBlockStageSlices][kSliceWeights], ws, 32);  // [use][n][kk]
-  SIMT_SHARED_ALIGNED(float[kBlockWarps][256], cs, 32);                 // epilogue, per warp
+  using S = TcPanel<kB, kCols>;
+  using BLayout = typename std::conditional<kTranspose, wmma::row_major, wmma::col_major>::type;
+  constexpr int kWLd = kTranspose ? S::kWLdDx : S::kWLdFwd;
+  SIMT_SHARED_ALIGNED(T[2][S::kRows * kTcXLd], xs, 32);
+  SIMT_SHARED_ALIGNED(T[2][S::kWElems], ws, 32);
+  SIMT_SHARED_ALIGNED(float[kBlockWarps][16 * kTcEpiLd], cs, 32);
+  SIMT_SHARED(int32_t[kTcTable], xcol_t);
+  SIMT_SHARED(int64_t[kTcTable], wofs_t);
   Tally tally;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const BlockPanel p = block_panel<kOutLong>(a);
-  const int bf = a.b / 16;
-  const int n_frags = p.uses * bf;
-  const int n_slices = (kOutLong ? a.K : a.K * a.wraps) * bf;
-  const int n_stages = (n_slices + kBlockStageSlices - 1) / kBlockStageSlices;
+  const BlockPanel p = block_panel<kOutLong>(a, S::kRows);
+  const int n_frags = kOutLong ? p.uses * (kB / 16) : S::kColFrags;
+  const int64_t bb = int64_t(kB) * kB;
   if (tid == 0) tally.cta();
-  T xr[kBlockStageSlices][kPer], wr[kBlockStageSlices][kPer];
-  bool bad = false;  // the same for every thread: all see the same slices
-  auto fetch = [&](int stage) {
+
+  // This thread's 16-byte chunks of every slice: sources relative to the slice's x column and
+  // weight offset, destinations in the stage buffers.
+  // Rows past the end of a partial slab load the slab's last row again (never stored): a
+  // predicate-free copy costs fewer instructions than zero-filling them.
+  const T* x_src[S::kXPer];
+  int x_dst[S::kXPer];
 #pragma unroll
-    for (int j = 0; j < kBlockStageSlices; ++j) {
-      const int i = stage * kBlockStageSlices + j;
-      if (i < n_slices)
-        fetch_block_slice<kOutLong, kTranspose>(a, p, i, kBlockSlice, xr[j], wr[j], bad, tally);
-    }
-  };
-  auto commit = [&](int stage, int buf) {
-#pragma unroll
-    for (int j = 0; j < kBlockStageSlices; ++j) {
-      const int i = stage * kBlockStageSlices + j;
-      if (i >= n_slices || block_slice<kOutLong>(a, p.s, p.chunk, i, kBlockSlice).empty) continue;
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) xs[buf][j][tid + e * kBlockThreads] = xr[j][e];
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) {
-        const int n = tid + e * kBlockThreads;
-        if (n < p.uses * a.b * kBlockSlice)
-          ws[buf][j][weight_slot<kTranspose>(n, a.b, kBlockSlice)] = wr[j][e];
-      }
-    }
-  };
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kBlockColFrags];
-#pragma unroll
-  for (int f = 0; f < kBlockColFrags; ++f) wmma::fill_fragment(acc[f], 0.0f);
-  fetch(0);
-  commit(0, 0);
-  __syncthreads();
-  for (int st = 0; st < n_stages; ++st) {
-    const int buf = st & 1;
-    if (st + 1 < n_stages) fetch(st + 1);
-#pragma unroll
-    for (int j = 0; j < kBlockStageSlices; ++j) {
-      const int i = st * kBlockStageSlices + j;
-      if (i >= n_slices || block_slice<kOutLong>(a, p.s, p.chunk, i, kBlockSlice).empty) continue;
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-      wmma::load_matrix_sync(fa, xs[buf][j] + warp * 256, kBlockSlice);
-#pragma unroll
-      for (int f = 0; f < kBlockColFrags; ++f) {
-        if (f >= n_frags) continue;
-        // fragment f: output columns 16f.. of the panel = use f / bf, columns 16 (f % bf).. of it
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-        wmma::load_matrix_sync(fb, ws[buf][j] + (f / bf) * a.b * kBlockSlice + (f % bf) * 256,
-                               kBlockSlice);
-        wmma::mma_sync(acc[f], fa, fb, acc[f]);
-        if (lane == 0) tally.mma(1);
-      }
-    }
-    if (st + 1 < n_stages) commit(st + 1, buf ^ 1);
-    __syncthreads();
+  for (int e = 0; e < S::kXPer; ++e) {
+    const int c = tid + e * kBlockThreads, row = c >> 1, half = c & 1;
+    x_src[e] = a.in + (p.r0 + imin(row, p.rows_here - 1)) * a.q_dim + half * 8;
+    x_dst[e] = row * kTcXLd + half * 8;
   }
-#pragma unroll
-  for (int f = 0; f < kBlockColFrags; ++f) {
-    if (f >= n_frags) continue;
-    wmma::store_matrix_sync(cs[warp] + 0, acc[f], 16, wmma::mem_row_major);
-    __syncwarp();
-    for (int e = lane; e < 256; e += 32) {
-      const int r = warp * 16 + e / 16;
-      if (r >= p.rows_here) continue;
-      const float v = cs[warp][e];
-      const int64_t col = block_out_col<kOutLong>(a, p, f * 16 + e % 16);
-      simt::store(&a.out[(p.r0 + r) * a.o_dim + col], from_float<T>(bad ? quiet_nan() : v));
-      tally.store(sizeof(T));
+  int w_dst;
+  const T* w_src;
+  bool w_ok;
+  {
+    int n, kk, nn;
+    if (kTranspose) {  // [kk][n]: kCols / 8 chunks per row
+      constexpr int kLogRow = ilog2(kCols / 8);
+      kk = tid >> kLogRow;
+      n = (tid & (kCols / 8 - 1)) * 8;
+      w_dst = kk * kWLd + n;
+    } else {  // [n][kk]: 2 chunks per row
+      n = tid >> 1;
+      kk = (tid & 1) * 8;
+      w_dst = n * kWLd + kk;
     }
-    __syncwarp();  // cs[warp] is overwritten by the next fragment
+    const int u = n >> S::kLogB;
+    nn = n & (kB - 1);
+    w_ok = tid < S::kWChunks && (kOutLong ? u < p.uses : true);
+    // consecutive threads read consecutive 16-byte chunks of a block row
+    w_src = a.values + int64_t(u) * a.P_b * bb + (kTranspose ? kk * kB + nn : nn * kB + kk);
+  }
+  constexpr int kWSliceStep = kTranspose ? kBlockSlice * kB : kBlockSlice;  // per slice of a block
+
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[S::kRowFrags][S::kColFrags];
+#pragma unroll
+  for (int rf = 0; rf < S::kRowFrags; ++rf)
+#pragma unroll
+    for (int f = 0; f < S::kColFrags; ++f) wmma::fill_fragment(acc[rf][f], 0.0f);
+
+  // Slice i of the table: entry i >> kLogSpb (x column xcol), contraction columns
+  // 16 (i & (kSpb - 1)).. of it.
+  auto issue = [&](int i, int xcol, int buf) {
+    if (xcol < 0) return;
+    const int entry = i >> S::kLogSpb, j = i & (S::kSpb - 1);
+#pragma unroll
+    for (int e = 0; e < S::kXPer; ++e) {
+      simt::copy_async16(&xs[buf][x_dst[e]], x_src[e] + xcol + j * kBlockSlice);
+      tally.load(16);
+    }
+    if (w_ok) {
+      simt::copy_async16(&ws[buf][w_dst], w_src + wofs_t[entry] + j * kWSliceStep);
+      tally.load(16);
+    }
+  };
+
+  bool bad = false;  // the same for every thread: all read the whole table
+  const int n_entries = kOutLong ? a.K : a.K * a.wraps;
+  for (int e0 = 0; e0 < n_entries; e0 += kTcTable) {
+    const int n_here = imin(kTcTable, n_entries - e0);
+    __syncthreads();  // the previous pass is done with the table and the stage buffers
+    if (tid < n_here) {
+      const int e = e0 + tid;
+      int k = e, w = 0;
+      if (!kOutLong) {  // once per entry and thread block, outside the main loop
+        k = e / a.wraps;
+        w = e - k * a.wraps;
+      }
+      const int d = a.offsets[k];
+      tally.load(4);
+      int xcol = -2;
+      int64_t wofs = 0;
+      if (valid_offset(d, a.P_b)) {
+        if (kOutLong) {
+          int xb = p.s + d;
+          if (xb >= a.P_b) xb -= a.P_b;
+          xcol = xb * kB;
+          wofs = (int64_t(k) * a.L_b + p.s + int64_t(p.chunk) * a.per_panel * a.P_b) * bb;
+        } else {
+          int r = p.s - d;
+          if (r < 0) r += a.P_b;
+          const int t = r + w * a.P_b;
+          xcol = t < a.L_b ? t * kB : -1;
+          wofs = (int64_t(k) * a.L_b + t) * bb;
+        }
+      }
+      xcol_t[tid] = xcol;
+      wofs_t[tid] = wofs;
+    }
+    __syncthreads();
+    const int n_slices = n_here << S::kLogSpb;
+    int xcol_next = xcol_t[0];
+    issue(0, xcol_next, 0);
+    simt::copy_async_commit();
+    for (int i = 0; i < n_slices; ++i) {
+      const int xcol = xcol_next;
+      simt::copy_async_wait();
+      __syncthreads();  // slice i has landed, and every warp is done with the other buffer
+      if (i + 1 < n_slices) {
+        xcol_next = xcol_t[(i + 1) >> S::kLogSpb];
+        issue(i + 1, xcol_next, (i + 1) & 1);
+      }
+      simt::copy_async_commit();
+      bad = bad || xcol == -2;
+      if (xcol < 0) continue;
+      const int buf = i & 1;
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[S::kRowFrags];
+#pragma unroll
+      for (int rf = 0; rf < S::kRowFrags; ++rf)
+        simt::load_shared(fa[rf], &xs[buf][(warp * S::kRowFrags + rf) * 16 * kTcXLd], kTcXLd);
+#pragma unroll
+      for (int f = 0; f < S::kColFrags; ++f) {
+        if (f >= n_frags) continue;
+        // output columns 16 f.. of the panel: [kk][n] columns or [n][kk] rows of the weights
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, BLayout> fb;
+        simt::load_shared(fb, &ws[buf][kTranspose ? f * 16 : f * 16 * kWLd], kWLd);
+#pragma unroll
+        for (int rf = 0; rf < S::kRowFrags; ++rf) wmma::mma_sync(acc[rf][f], fa[rf], fb, acc[rf][f]);
+        if (lane == 0) tally.mma(S::kRowFrags);
+      }
+    }
+  }
+
+  // Panel column c = 16 f + 8 h of use u = c / b is output feature col0 + u P_b b + c % b.
+  const int64_t col0 = kOutLong ? (int64_t(p.s) + int64_t(p.chunk) * a.per_panel * a.P_b) * kB : int64_t(p.s) * kB;
+  const int64_t use_stride = int64_t(a.P_b) * kB;
+  const int er = lane >> 1, eh = (lane & 1) * 8;
+#pragma unroll
+  for (int rf = 0; rf < S::kRowFrags; ++rf) {
+#pragma unroll
+    for (int f = 0; f < S::kColFrags; ++f) {
+      if (f >= n_frags) continue;
+      wmma::store_matrix_sync(&cs[warp][0], acc[rf][f], kTcEpiLd, wmma::mem_row_major);
+      __syncwarp();
+      float4 lo = *simt::pointer_cast<float4>(&cs[warp][er * kTcEpiLd + eh]);
+      float4 hi = *simt::pointer_cast<float4>(&cs[warp][er * kTcEpiLd + eh + 4]);
+      const int r = (warp * S::kRowFrags + rf) * 16 + er;
+      if (r < p.rows_here) {
+        if (bad) lo = hi = float4{quiet_nan(), quiet_nan(), quiet_nan(), quiet_nan()};
+        // one aggregate built in one place: a select between two uint4 would be split into four
+        // 4-byte stores
+        const uint4 v{pack2<T>(lo.x, lo.y), pack2<T>(lo.z, lo.w), pack2<T>(hi.x, hi.y), pack2<T>(hi.z, hi.w)};
+        const int c = f * 16;
+        const int64_t col = col0 + (c >> S::kLogB) * use_stride + (c & (kB - 1)) + eh;
+        simt::store(simt::pointer_cast<uint4>(&a.out[(p.r0 + r) * a.o_dim + col]), v);
+        tally.store(16);
+      }
+      __syncwarp();  // cs[warp] is overwritten by the next tile
+    }
   }
   tally.flush(kCountBlockProduct);
 }
@@ -296,7 +443,7 @@ __global__ void __launch_bounds__(kBlockThreads) block_product_simt_kernel(Block
   SIMT_SHARED_ALIGNED(T[2][kSliceWeights], ws, 16);  // [use][n][kk]
   Tally tally;
   const int tid = threadIdx.x;
-  const BlockPanel p = block_panel<kOutLong>(a);
+  const BlockPanel p = block_panel<kOutLong>(a, kBlockRows);
   const int width = a.b < kBlockSlice ? a.b : kBlockSlice;
   const int cols = p.uses * a.b;
   int cols_alloc = 1;

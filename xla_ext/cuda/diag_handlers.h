@@ -91,6 +91,8 @@ inline ffi::Error check_offsets(ffi::Buffer<ffi::S32> offsets, int64_t K) {
   return ffi::Error::Success();
 }
 
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 inline bool kernel_block_size(int64_t b) { return b == 8 || b == 16 || b == 32 || b == 64 || b == 128; }
 
 // The kernels add int32 positions such as t + d (< P + D); larger layers are rejected.
@@ -172,6 +174,10 @@ ffi::Error product(Launcher& launch, bool transpose, ffi::AnyBuffer in, ffi::Any
   if (blocked) {
     const BlockProductPlan plan = plan_block_product(in_f, out_f, transpose, g.b, tc);
     if (const char* e = block_product_limits(plan, rows)) return invalid(e);
+    // the tensor-core kernel moves 16-byte chunks (XLA's buffers are aligned far beyond that)
+    if (plan.tensor_cores && !(aligned16(in.untyped_data()) && aligned16(values.untyped_data()) &&
+                               aligned16(out->untyped_data())))
+      return invalid(std::string(in_name) + ", values and " + out_name + " must be 16-byte aligned");
     return dispatch(dt, [&](auto tag) {
       using T = typename decltype(tag)::type;
       BlockProductArgs<T> a{};

@@ -127,12 +127,21 @@ inline BlockGeometry block_geometry(int64_t in_features, int64_t out_features, i
   return g;
 }
 
-// Panels of the fwd (transpose = false) or dx product (block_kernels.cuh); no workspace.
+// Panels of the fwd (transpose = false) or dx product (block_kernels.cuh); no workspace. On tensor
+// cores `cols` is the kernel's panel width (the panel's output blocks, rounded up to a power of
+// two) and `slab_rows` its rows per thread block (TcPanel); on CUDA cores kBlockRows.
 struct BlockProductPlan {
   BlockGeometry g;
   bool out_long, tensor_cores;
-  int32_t per_panel, n_panels;
+  int32_t per_panel, n_panels, cols, slab_rows;
 };
+
+inline int32_t tc_panel_cols(int32_t per_panel, int32_t b) {
+  int32_t cols = b;
+  while (cols < per_panel * b) cols *= 2;
+  return cols;
+}
+inline int32_t tc_slab_rows(int32_t cols) { return cols >= kBlockMaxCols ? kBlockRows : 2 * kBlockRows; }
 
 inline BlockProductPlan plan_block_product(int64_t in_features, int64_t out_features, bool transpose,
                                            int64_t b, bool tensor_core_dtype) {
@@ -143,6 +152,8 @@ inline BlockProductPlan plan_block_product(int64_t in_features, int64_t out_feat
   const int32_t fit = static_cast<int32_t>(kBlockMaxCols / b > 1 ? kBlockMaxCols / b : 1);
   p.per_panel = p.out_long ? (p.g.wraps < fit ? p.g.wraps : fit) : 1;
   p.n_panels = p.g.P_b * (p.out_long ? static_cast<int32_t>(ceil_div(p.g.wraps, p.per_panel)) : 1);
+  p.cols = p.tensor_cores ? tc_panel_cols(p.per_panel, p.g.b) : 0;
+  p.slab_rows = p.tensor_cores ? tc_slab_rows(p.cols) : kBlockRows;
   return p;
 }
 
@@ -202,7 +213,7 @@ inline const char* sddmm_limits(int64_t K, int64_t D) {
 }
 
 inline const char* block_product_limits(const BlockProductPlan& p, int64_t rows) {
-  if (int64_t(p.n_panels) * ceil_div(rows, kBlockRows) > kMaxGridX) return "too many rows for one launch";
+  if (int64_t(p.n_panels) * ceil_div(rows, p.slab_rows) > kMaxGridX) return "too many rows for one launch";
   return nullptr;
 }
 
@@ -274,10 +285,29 @@ void launch_sddmm(Launcher& launch, const SddmmPlan& plan, SddmmArgs<T> a, uint8
   if (plan.splits > 1) launch_reduce(launch, a.partial, a.out, int64_t(a.K) * a.D, plan.splits);
 }
 
+template <class T>
+using BlockProductKernel = void (*)(BlockProductArgs<T>);
+
+// The tensor-core instantiation of block size kB and the narrowest panel of at least `cols`.
+template <class T, bool kOutLong, bool kTranspose, int kB, int kCols = kB>
+BlockProductKernel<T> block_tc_kernel_for(int32_t cols) {
+  if constexpr (kOutLong && kCols < kBlockMaxCols) {
+    if (cols > kCols) return block_tc_kernel_for<T, kOutLong, kTranspose, kB, kCols * 2>(cols);
+  }
+  return block_product_tc_kernel<T, kOutLong, kTranspose, kB, kCols>;
+}
+
 template <class T, bool kOutLong, bool kTranspose>
-auto block_product_kernel(bool tensor_cores) {
+BlockProductKernel<T> block_product_kernel(const BlockProductPlan& plan) {
   if constexpr (kHasTensorCorePath<T>) {
-    if (tensor_cores) return block_product_tc_kernel<T, kOutLong, kTranspose>;
+    if (plan.tensor_cores) {
+      switch (plan.g.b) {
+        case 16: return block_tc_kernel_for<T, kOutLong, kTranspose, 16>(plan.cols);
+        case 32: return block_tc_kernel_for<T, kOutLong, kTranspose, 32>(plan.cols);
+        case 64: return block_tc_kernel_for<T, kOutLong, kTranspose, 64>(plan.cols);
+        default: return block_tc_kernel_for<T, kOutLong, kTranspose, 128>(plan.cols);
+      }
+    }
   }
   return block_product_simt_kernel<T, kOutLong, kTranspose>;
 }
@@ -296,14 +326,13 @@ void launch_block_product(Launcher& launch, const BlockProductPlan& plan, bool t
   a.wraps = plan.g.wraps;
   a.per_panel = plan.per_panel;
   a.n_panels = plan.n_panels;
-  const dim3 grid(static_cast<unsigned>(int64_t(plan.n_panels) * ceil_div(a.rows, kBlockRows)));
-  const bool tc = plan.tensor_cores;
+  const dim3 grid(static_cast<unsigned>(int64_t(plan.n_panels) * ceil_div(a.rows, plan.slab_rows)));
   if (plan.out_long)
     launch(grid, dim3(kBlockThreads),
-           transpose ? block_product_kernel<T, true, true>(tc) : block_product_kernel<T, true, false>(tc), a);
+           transpose ? block_product_kernel<T, true, true>(plan) : block_product_kernel<T, true, false>(plan), a);
   else
     launch(grid, dim3(kBlockThreads),
-           transpose ? block_product_kernel<T, false, true>(tc) : block_product_kernel<T, false, false>(tc), a);
+           transpose ? block_product_kernel<T, false, true>(plan) : block_product_kernel<T, false, false>(plan), a);
 }
 
 template <class T, class Launcher>

@@ -880,19 +880,21 @@ class OutputCheck {
     for (Region& r : regions_) {
       if (c < r.begin || c >= r.begin + r.elem_size * r.count) continue;
       const size_t off = static_cast<size_t>(c - r.begin);
-      if (off % r.elem_size != 0 || bytes != r.elem_size) {
+      // a vector store (bytes a multiple of the element size) writes each of its elements once
+      if (off % r.elem_size != 0 || bytes % r.elem_size != 0 || off + bytes > r.elem_size * r.count) {
         detail::report(detail::format("%s stores %zu bytes at byte %zu of output %s, whose elements have %zu",
                                       detail::sites().describe(site).c_str(), bytes, off, r.name, r.elem_size));
         return false;
       }
-      const size_t i = off / r.elem_size;
-      uint16_t first = 0;
       __atomic_fetch_or(&r.site_mask, site < 64 ? uint64_t(1) << site : 0, __ATOMIC_RELAXED);
-      // acquire/release: a failed exchange sees the first writer's site registered (describe())
-      if (!__atomic_compare_exchange_n(&r.writer[i], &first, site, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-        detail::report(detail::format("output %s written twice: by %s after %s", element(r, i).c_str(),
-                                      detail::sites().describe(site).c_str(),
-                                      detail::sites().describe(first).c_str()));
+      for (size_t i = off / r.elem_size; i < (off + bytes) / r.elem_size; ++i) {
+        uint16_t first = 0;
+        // acquire/release: a failed exchange sees the first writer's site registered (describe())
+        if (!__atomic_compare_exchange_n(&r.writer[i], &first, site, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+          detail::report(detail::format("output %s written twice: by %s after %s", element(r, i).c_str(),
+                                        detail::sites().describe(site).c_str(),
+                                        detail::sites().describe(first).c_str()));
+      }
       return true;
     }
     detail::report(detail::sites().describe(site) + " stores outside every output of the launch sequence" +
@@ -1312,6 +1314,22 @@ inline shared_ptr<U> pointer_cast(const emu::SharedArrayView<A>& v) {
   return pointer_cast<U>(emu::SharedPtr<std::remove_extent_t<A>>(v));
 }
 
+// cp.async of 16 bytes: here a copy at issue time, which is what the GPU's copy looks like to code
+// that waits (copy_async_wait) and then passes a barrier before reading the destination.
+template <class D, class T>
+inline void copy_async16(D dst, const T* src) {
+  if (reinterpret_cast<uintptr_t>(src) % 16 != 0) {
+    emu::detail::report(emu::detail::format("copy_async16 from a global pointer %p that is not 16-byte aligned",
+                                            static_cast<const void*>(src)));
+    return;
+  }
+  uint4 v;
+  std::memcpy(&v, src, sizeof v);
+  *pointer_cast<uint4>(dst) = v;
+}
+inline void copy_async_commit() {}
+inline void copy_async_wait() {}
+
 }  // namespace simt
 
 // SIMT_SHARED(type, name): `__shared__ type name` on the device; here a per-block, checked copy.
@@ -1609,3 +1627,11 @@ void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a,
 
 }  // namespace wmma
 }  // namespace nvcuda
+
+namespace simt {
+// wmma::load_matrix_sync from shared memory (on the device it names the state space; see simt_api.h).
+template <class F, class P>
+inline void load_shared(F& f, P p, unsigned ldm, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  nvcuda::wmma::load_matrix_sync(f, p, ldm, file, line);
+}
+}  // namespace simt

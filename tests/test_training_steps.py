@@ -1,0 +1,324 @@
+"""The training loop's named steps on their own: schedule, metric sums, timer, one step, the
+training record, evaluation, selection, checkpoints (save, restore, refusal), stop requests."""
+
+import json
+import signal
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from training_helpers import (
+    FEATURES,
+    NUM_CLASSES,
+    CompileCounter,
+    blobs,
+    fast_compile,  # noqa: F401 - fixture
+    tiny_mlp,
+)
+
+import dynadiag_jax as dd
+from dynadiag_jax import data as D
+from dynadiag_jax import training as T
+from dynadiag_jax.training import loop
+from dynadiag_jax.training.parallel import replicated
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+BATCH = 16
+
+
+class ListWriter:
+    """A metric writer that keeps its records and counts flushes."""
+
+    def __init__(self):
+        self.records, self.flushes = [], 0
+
+    def write(self, step, kind, values):
+        self.records.append({"step": step, "kind": kind, **values})
+
+    def flush(self):
+        self.flushes += 1
+
+
+class FakeClock:
+    """``clock()`` returns the given times in turn."""
+
+    def __init__(self, *times):
+        self.times = list(times)
+
+    def __call__(self):
+        return self.times.pop(0)
+
+
+class Run:
+    """The pieces of a sparse tiny-MLP run that the steps take: model, init, programs, data."""
+
+    def __init__(self, sparsity=0.8, freeze_step=4):
+        self.model = tiny_mlp(sparsity)
+        self.optimizer = T.adamw(1e-2, weight_decay=1e-4)
+        self.task = T.Classification(NUM_CLASSES)
+        self.gate = T.GateSchedule("strength", dd.schedules.cosine(1.0, 0.05, freeze_step))
+        self.mesh = T.data_mesh()
+        example = jax.ShapeDtypeStruct((BATCH, FEATURES), jnp.float32)
+        self.init = lambda variables: T.create_train_state(
+            self.model, self.optimizer, example, seed=0, variables=variables
+        )
+        self.abstract = jax.eval_shape(self.init, None)
+        self.programs = loop.jit_programs(
+            self.model, self.optimizer, self.task, self.mesh, gate=self.gate
+        )
+        self.batches = D.ArrayBatches(blobs(), BATCH, seed=0)
+        self.eval_data = D.EvalBatches(blobs(100, seed=1), 32)
+
+    def fresh(self):
+        return loop.restore_or_create_state(
+            None, self.init, self.abstract, {}, replicated(self.mesh)
+        )[0]
+
+    def steps(self, state, n, sums=None, timer=None):
+        sums = loop.MetricSums() if sums is None else sums
+        timer = loop.StepTimer() if timer is None else timer
+        batches = iter(self.batches.iterate(int(state.step)))
+        for _ in range(n):
+            state = loop.train_one_step(
+                self.programs.train_step, state, next(batches), self.mesh, sums, timer
+            )
+        return state, sums
+
+
+@pytest.fixture(scope="module")
+def run():
+    return Run()
+
+
+def events_of(schedule):
+    """``{event: [steps]}`` over a whole run, the state frozen from the freeze on."""
+    steps = {name: [] for name in loop.Events._fields}
+    searching = True
+    for step in range(1, schedule.num_steps + 1):
+        events = schedule.after(step, searching)
+        searching = searching and not events.freeze
+        for name, happens in events._asdict().items():
+            if happens:
+                steps[name].append(step)
+    return steps
+
+
+def test_schedule_names_the_steps_of_each_event():
+    # 12 steps, the freeze at 6.
+    schedule = loop.Schedule(
+        12, 6, log_every=4, eval_every=3, selection_every=2, checkpoint_every=4
+    )
+    assert events_of(schedule) == {
+        "log": [4, 8, 12],
+        "evaluate": [3, 6, 9],  # the last step's evaluation comes after the loop
+        "freeze": [6],
+        "select": [2, 4, 6],  # at the freeze: what it kept; none once frozen
+        "save": [4, 6, 8],  # the freeze saves; the last step is saved after the loop
+    }
+
+
+def test_schedule_at_the_edges():
+    # Nothing periodic: the last step is still logged; a freeze at the last step does not save.
+    quiet = loop.Schedule(6, 6, log_every=0, eval_every=0, selection_every=0, checkpoint_every=0)
+    assert events_of(quiet) == {"log": [6], "evaluate": [], "freeze": [6], "select": [], "save": []}
+    # A selection record does not replace the save due at the same step.
+    both = loop.Schedule(8, None, log_every=8, eval_every=0, selection_every=2, checkpoint_every=2)
+    assert events_of(both)["select"] == [2, 4, 6, 8] and events_of(both)["save"] == [2, 4, 6]
+    # A dense run never freezes nor records selections.
+    dense = both.after(4, searching=False)
+    assert not dense.freeze and not dense.select and dense.save
+
+
+def test_metric_sums_average_each_metric_over_the_steps_that_report_it():
+    sums = loop.MetricSums()
+    sums.add({"loss": jnp.float32(1.0), "alpha/layer": jnp.float32(0.5)})
+    sums.add({"loss": jnp.float32(2.0), "alpha/layer": jnp.float32(1.5)})
+    sums.add({"loss": jnp.float32(6.0)})  # frozen: no gate metrics any more
+    assert sums.means() == {"loss": 3.0, "alpha/layer": 1.0}
+    assert sums.means() == {} and sums.totals() == {}
+
+
+def test_metric_sums_do_not_depend_on_when_they_are_folded_or_resumed():
+    values = [np.float32(v) for v in (0.1, 0.7, 1e-3, 3.3)]
+    whole = loop.MetricSums()
+    for v in values:
+        whole.add({"loss": jnp.asarray(v)})
+    expected = whole.totals()
+    assert expected == {"loss": [sum(float(v) for v in values), 4]}  # float64, step by step
+    # Folded after two steps, saved as a checkpoint's JSON, and continued elsewhere.
+    first = loop.MetricSums()
+    for v in values[:2]:
+        first.add({"loss": jnp.asarray(v)})
+    saved = first.totals()
+    saved["loss"][0] = -1.0  # a copy: what a checkpoint holds does not change with the sums
+    resumed = loop.MetricSums(json.loads(json.dumps(first.totals())))
+    for v in values[2:]:
+        resumed.add({"loss": jnp.asarray(v)})
+    assert resumed.totals() == expected and resumed.means() == whole.means()
+
+
+def test_step_timer_leaves_out_the_first_step_of_each_phase():
+    metrics = {"loss": jnp.float32(0.0)}
+    # Times read: construction, the first step's restart, two rates, the record's restart, the
+    # first step after the freeze, the last rates.
+    timer = loop.StepTimer(clock=FakeClock(0.0, 10.0, 16.0, 16.0, 17.0, 30.0, 33.0))
+    timer.stepped(metrics)  # compiles: starts the interval at t=10
+    assert timer.rates(8) == {}
+    for _ in range(3):
+        timer.stepped(metrics)
+    assert timer.rates(8) == {"step_time_s": 2.0, "examples_per_s": 4.0}
+    assert timer.rates(8) == {"step_time_s": 2.0, "examples_per_s": 4.0}
+    timer.restart()
+    timer.stepped(metrics)  # timed since t=17, then discarded by the freeze
+    timer.new_phase()
+    timer.stepped(metrics)  # the frozen program compiles: starts the interval at t=30
+    timer.stepped(metrics)
+    assert timer.rates(8) == {"step_time_s": 3.0, "examples_per_s": 8 / 3}
+
+
+def test_log_train_writes_the_interval_averages_timing_and_learning_rate():
+    sums, writer = loop.MetricSums(), ListWriter()
+    timer = loop.StepTimer(clock=FakeClock(0.0, 1.0, 5.0, 6.0))
+    for loss in (4.0, 2.0):
+        sums.add({"loss": jnp.float32(loss)})
+        timer.stepped({"loss": jnp.float32(loss)})
+    record = loop.log_train(
+        writer, 7, sums, timer, batch_size=16, learning_rate=lambda step: 0.5 * step
+    )
+    # The learning rate of step 7's update is the schedule's value at 6 (optax counts from 0).
+    assert record == {"loss": 3.0, "step_time_s": 4.0, "examples_per_s": 4.0, "learning_rate": 3.0}
+    assert list(record) == ["loss", "step_time_s", "examples_per_s", "learning_rate"]
+    assert writer.records == [{"step": 7, "kind": "train", **record}]
+    assert timer.rates(16) == {} and sums.totals() == {}  # the next interval has begun
+
+
+def test_one_step_trains_and_feeds_the_sums_and_the_timer(run):
+    start = run.fresh()
+    timer = loop.StepTimer()
+    state, sums = run.steps(start, 3, timer=timer)
+    assert int(state.step) == 3 and T.is_searching(state.params)
+    record = sums.means()
+    assert {"loss", "grad_norm", "strength"} <= set(record)
+    # The gate value is the schedule's, averaged over steps 0, 1 and 2.
+    expected = np.mean([float(run.gate.schedule(s)) for s in range(3)])
+    assert record["strength"] == pytest.approx(expected)
+    assert timer.rates(BATCH)["step_time_s"] > 0  # two timed steps: the first one compiled
+    # Steps depend only on (seed, step): two steps and one more equal three at once.
+    two, _ = run.steps(run.fresh(), 2)
+    three, _ = run.steps(two, 1)
+    jax.tree.map(np.testing.assert_array_equal, three.params, state.params)
+
+
+def test_freeze_keeps_the_largest_alpha_and_its_selection_record_says_so(run):
+    searched, _ = run.steps(run.fresh(), 4)
+    writer = ListWriter()
+    loop.record_selection(writer, searched)
+    frozen = run.programs.freeze(searched)
+    loop.record_selection(writer, frozen)
+    assert not T.is_searching(frozen.params) and int(frozen.step) == 4
+    during, kept = writer.records
+    assert during["step"] == kept["step"] == 4 and kept["kind"] == "selection"
+    assert set(kept["offsets"]) == {"hidden_0", "hidden_1"} == set(during["offsets"])
+    for layer, offsets in kept["offsets"].items():
+        alpha = np.asarray(searched.params[layer]["alpha"])
+        largest = np.sort(np.argsort(-alpha, kind="stable")[: len(offsets)])
+        np.testing.assert_array_equal(offsets, largest)
+        assert len(offsets) == len(during["offsets"][layer])
+        assert frozen.params[layer]["values"].shape[0] == len(offsets)
+
+
+def test_evaluate_counts_every_example_once(run):
+    metrics = loop.evaluate(run.programs.eval_step, run.fresh(), run.eval_data, run.mesh, run.task)
+    assert metrics["count"] == 100 and 0 <= metrics["accuracy"] <= 1
+    with pytest.raises(ValueError, match="eval_data yielded no batches"):
+        loop.evaluate(run.programs.eval_step, run.fresh(), [], run.mesh, run.task)
+
+
+def test_save_and_restore_a_frozen_state_with_its_pending_metrics(run, tmp_path):
+    info = {"sparsity": 0.8, "seed": 0}
+    state, sums = run.steps(run.fresh(), 4)
+    frozen = run.programs.freeze(state)
+    writer = T.MetricWriter(tmp_path, tensorboard=False)
+    writer.write(4, "train", {"loss": 1.0})
+    ckpt = T.Checkpointer(tmp_path / "checkpoints")
+    loop.save_checkpoint(ckpt, writer, frozen, run_info=info, frozen=True, sums=sums)
+    # The log reaches the disk before the checkpoint: a resume from step 4 keeps its records.
+    assert [r["step"] for r in T.read_jsonl(tmp_path / "metrics.jsonl")] == [4]
+    totals = sums.totals()
+    sums.add({"loss": jnp.float32(100.0)})  # after the save: not in the checkpoint
+    ckpt.close()
+    writer.close()
+
+    ckpt = T.Checkpointer(tmp_path / "checkpoints")
+    restored, step, resumed = loop.restore_or_create_state(
+        ckpt, run.init, run.abstract, info, replicated(run.mesh)
+    )
+    ckpt.close()
+    assert step == 4 and resumed.totals() == totals and totals["loss"][1] == 4
+    # Restored into the frozen structure although `abstract` is the search phase's.
+    assert not T.is_searching(restored.params)
+    jax.tree.map(np.testing.assert_array_equal, restored, frozen)
+
+
+def test_a_checkpoint_of_another_run_is_refused_before_compiling(run, tmp_path):
+    ckpt = T.Checkpointer(tmp_path)
+    loop.save_checkpoint(
+        ckpt,
+        ListWriter(),
+        run.fresh(),
+        run_info={"sparsity": 0.8, "seed": 0},
+        frozen=False,
+        sums=loop.MetricSums(),
+    )
+    ckpt.wait()
+    with CompileCounter() as compiles, pytest.raises(T.CheckpointMismatch) as err:
+        loop.restore_or_create_state(
+            ckpt, run.init, run.abstract, {"sparsity": 0.9, "seed": 0}, replicated(run.mesh)
+        )
+    ckpt.close()
+    assert "sparsity: 0.8 in the checkpoint, 0.9 in this run" in str(err.value)
+    assert compiles.count == 0
+
+
+def test_without_a_checkpointer_the_state_is_fresh_and_nothing_is_saved(run):
+    variables = T.variables_of(run.fresh())
+    shifted = jax.tree.map(lambda v: v + jnp.ones_like(v), variables)
+    state, step, sums = loop.restore_or_create_state(
+        None, run.init, run.abstract, {}, replicated(run.mesh), shifted
+    )
+    assert step is None and sums.totals() == {} and int(state.step) == 0
+    jax.tree.map(np.testing.assert_array_equal, T.variables_of(state), shifted)
+    writer = ListWriter()
+    loop.save_checkpoint(None, writer, state, run_info={}, frozen=False, sums=sums)
+    assert writer.flushes == 0
+
+
+def test_stop_requests_remember_the_first_signal_and_restore_the_handlers():
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with loop.stop_requests() as stop:
+        assert not stop.is_set()
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)  # a second SIGTERM changes nothing
+        assert stop.is_set() and stop.signum == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)  # a second request by SIGINT: stop at once
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    with loop.stop_requests() as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.signum == signal.SIGINT
+
+
+def test_stop_requests_outside_the_main_thread_install_nothing():
+    seen = []
+
+    def body():
+        with loop.stop_requests() as stop:
+            seen.append((stop.is_set(), signal.getsignal(signal.SIGTERM)))
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen == [(False, signal.getsignal(signal.SIGTERM))]
