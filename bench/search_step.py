@@ -11,9 +11,10 @@ jitted forward + backward (gradients of ``sum(y^2)`` for the layer's params and 
 * ``flat``: the search phase at its start (every gate ``K / P``): all ``P`` diagonals computed.
 
 ``--permutation random`` or ``learned`` builds the layer with that input permutation
-(``DiagonalDense(permutation=...)``: a gather of ``x`` before the product; while a learned one is
-soft, ``x @ M.T`` with ``M[in, in]`` in the search variants) and adds ``plain``: the frozen layer
-without a permutation, so ``frozen / plain`` is what the permutation costs after the freeze.
+(``DiagonalDense(permutation=...)``: after the freeze the product reads ``x`` through ``perm``, on
+CPU inside the kernels; in the search variants a gather of ``x`` before the product, or, while a
+learned one is soft, ``x @ M.T`` with ``M[in, in]``) and adds ``plain``: the frozen layer without
+a permutation, so ``frozen / plain`` is what the permutation costs after the freeze.
 
 Each time is printed with its ratio to ``frozen``; the training goal is a search step at most 1.3x
 the frozen one. Writes a CSV (``--out``, default ``bench/results/search_step_<time>.csv``).

@@ -22,6 +22,8 @@ __all__ = ["custom_call_targets", "has_cpu_kernels", "has_cuda_kernels"]
 # The ABI version is part of every target name (docs/kernel_abi.md, "Versions"): a change to any
 # target's operands, results, dtypes or meaning registers the new handlers under v3, never v2.
 TARGET_PREFIX = "dynadiag_diag_matmul_v2"
+# The CPU's targets with an input permutation: the v2 operands and perm[in] s32 after offsets.
+PERMUTED_PREFIX = "dynadiag_diag_matmul_permuted_v1"
 
 try:
     from dynadiag_jax import _cpu_ext
@@ -74,7 +76,7 @@ def custom_call_targets() -> tuple[str, ...]:
     """Every custom-call target name this package registers (or would, with all kernels built)."""
     products = tuple(
         f"{prefix}_{kind}"
-        for prefix in (TARGET_PREFIX, cuda.EMULATED_PREFIX)
+        for prefix in (TARGET_PREFIX, PERMUTED_PREFIX, cuda.EMULATED_PREFIX)
         for kind in ("fwd", "dx", "dvalues", "bwd")
     )
     return (*products, ranking.TARGET)
@@ -99,6 +101,7 @@ if _cpu_ext is not None:
         fused_backward=True,
         block_diagonals=True,
         widened_dtypes=(jnp.float16,),  # no float16 arithmetic in the kernels; docs/cpu_kernels.md
+        permuted_prefix=PERMUTED_PREFIX,
     )
 if _cuda_ext is not None:
     _register(_cuda_ext, "CUDA")

@@ -218,12 +218,16 @@ class DiagonalDense(nnx.Module):
             else promote_floats(x.dtype, self.param_dtype)
         )
         x = x.astype(dtype)
+        perm = None
         if hasattr(self, "perm_soft"):
             x = perms.soft_permute(x, self._soft_matrix())
+        elif hasattr(self, "perm") and self.frozen:  # the product reads x through perm
+            perm = perms.checked_permutation(self.perm.get_value(), x.shape[-1], "DiagonalDense")
         elif hasattr(self, "perm"):
             x = perms.apply_permutation(x, self.perm.get_value(), "DiagonalDense")
         if self.frozen:
-            y = F.frozen_forward(spec, self.values.get_value(), self.offsets.get_value(), x)
+            values, offsets = self.values.get_value(), self.offsets.get_value()
+            y = F.frozen_forward(spec, values, offsets, x, perm)
         else:
             alpha = self.alpha.get_value().astype(work_dtype(self.param_dtype))
             hyper = given if given is not None else getattr(self, name).get_value()

@@ -8,7 +8,8 @@ of the 16-column tiles, wrapped diagonals split inside a tile, several workers a
 for block diagonals, rows not a multiple of the register tiles or beyond one chunk, every block
 size, K = 1, K = P_b, repeated offsets, K = 0 and no rows. Batches of a few rows (up to 8 for
 element diagonals, 16 for blocks) take the few-row kernels, which read the values in place; the
-cases include such batches with enough work to split over several tasks.
+cases include such batches with enough work to split over several tasks. Every product also runs
+with an input permutation (`perm`), which the jobs apply where they copy chunks of rows.
 """
 
 import jax
@@ -79,13 +80,32 @@ def _as_f64(out, bf16):
     return (out.view(ml_dtypes.bfloat16) if bf16 else out).astype(np.float64)
 
 
-def _run(op, isa, a, b, offsets, out_shape, in_f, out_f, workers, bf16):
+def _run(op, isa, a, b, offsets, out_shape, in_f, out_f, workers, bf16, perm=None):
     """The kernel's result as float64."""
     out = _result(out_shape, bf16)
     _cpu_ext._run_kernel(
-        op, isa, _operand(a, bf16), _operand(b, bf16), offsets, out, in_f, out_f, workers
+        op, isa, _operand(a, bf16), _operand(b, bf16), offsets, out, in_f, out_f, workers, perm
     )
     return _as_f64(out, bf16)
+
+
+def _perm(rng, in_f, permuted):
+    """A random input permutation of ``in_f`` columns, or None."""
+    return rng.permutation(in_f).astype(np.int32) if permuted else None
+
+
+def _gathered(x, perm):
+    """``x[:, perm]``: the rows the product of ``W P`` reads."""
+    return x if perm is None else x[:, perm]
+
+
+def _scattered(dx, perm):
+    """``out[:, perm[j]] = dx[:, j]``: dx of ``W P`` from dx of ``W``."""
+    if perm is None:
+        return dx
+    out = np.empty_like(dx)
+    out[:, perm] = dx
+    return out
 
 
 def _assert_close(actual, expected, bf16, what):
@@ -99,20 +119,23 @@ def _assert_close(actual, expected, bf16, what):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "{}x{}-r{}-k{}".format(*c) + "-dup" * c[4])
 @pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
 @pytest.mark.parametrize("workers", [1, 3])
-def test_kernel_family_matches_dense(isa, case, bf16, workers, rng):
+@pytest.mark.parametrize("permuted", [False, True], ids=["", "perm"])
+def test_kernel_family_matches_dense(isa, case, bf16, workers, permuted, rng):
     in_f, out_f, rows, k, duplicates = case
     x, dy, values, offsets = _case(rng, in_f, out_f, rows, k, duplicates)
     if bf16:  # the reference sees the same (rounded) inputs
         x, dy, values = (v.astype(ml_dtypes.bfloat16).astype(np.float32) for v in (x, dy, values))
     w, wr, wc = _dense(values, offsets, in_f, out_f)
     d = min(in_f, out_f)
+    perm = _perm(rng, in_f, permuted)
+    xp = _gathered(x, perm).astype(np.float64)
 
-    y = _run("fwd", isa, x, values, offsets, (rows, out_f), in_f, out_f, workers, bf16)
-    _assert_close(y, x.astype(np.float64) @ w.T, bf16, f"{isa} y")
-    dx = _run("dx", isa, dy, values, offsets, (rows, in_f), in_f, out_f, workers, bf16)
-    _assert_close(dx, dy.astype(np.float64) @ w, bf16, f"{isa} dx")
-    dvalues = _run("dvalues", isa, dy, x, offsets, (k, d), in_f, out_f, workers, bf16)
-    dw = dy.astype(np.float64).T @ x.astype(np.float64)
+    y = _run("fwd", isa, x, values, offsets, (rows, out_f), in_f, out_f, workers, bf16, perm)
+    _assert_close(y, xp @ w.T, bf16, f"{isa} y")
+    dx = _run("dx", isa, dy, values, offsets, (rows, in_f), in_f, out_f, workers, bf16, perm)
+    _assert_close(dx, _scattered(dy.astype(np.float64) @ w, perm), bf16, f"{isa} dx")
+    dvalues = _run("dvalues", isa, dy, x, offsets, (k, d), in_f, out_f, workers, bf16, perm)
+    dw = dy.astype(np.float64).T @ xp
     _assert_close(dvalues, dw[wr, wc], bf16, f"{isa} dvalues")
 
 
@@ -120,12 +143,14 @@ def test_kernel_family_matches_dense(isa, case, bf16, workers, rng):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "{}x{}-r{}-k{}".format(*c) + "-dup" * c[4])
 @pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
 @pytest.mark.parametrize("workers", [1, 3])
-def test_fused_backward_matches_dense(isa, case, bf16, workers, rng):
+@pytest.mark.parametrize("permuted", [False, True], ids=["", "perm"])
+def test_fused_backward_matches_dense(isa, case, bf16, workers, permuted, rng):
     in_f, out_f, rows, k, duplicates = case
     x, dy, values, offsets = _case(rng, in_f, out_f, rows, k, duplicates)
     if bf16:
         x, dy, values = (v.astype(ml_dtypes.bfloat16).astype(np.float32) for v in (x, dy, values))
     w, wr, wc = _dense(values, offsets, in_f, out_f)
+    perm = _perm(rng, in_f, permuted)
     dx, dvalues = _result((rows, in_f), bf16), _result((k, min(in_f, out_f)), bf16)
     _cpu_ext._run_backward(
         isa,
@@ -136,9 +161,11 @@ def test_fused_backward_matches_dense(isa, case, bf16, workers, rng):
         dx,
         dvalues,
         workers,
+        perm,
     )
-    _assert_close(_as_f64(dx, bf16), dy.astype(np.float64) @ w, bf16, f"{isa} dx")
-    dw = dy.astype(np.float64).T @ x.astype(np.float64)
+    dx_ref = _scattered(dy.astype(np.float64) @ w, perm)
+    _assert_close(_as_f64(dx, bf16), dx_ref, bf16, f"{isa} dx")
+    dw = dy.astype(np.float64).T @ _gathered(x, perm).astype(np.float64)
     _assert_close(_as_f64(dvalues, bf16), dw[wr, wc], bf16, f"{isa} dvalues")
 
 
@@ -313,26 +340,30 @@ def _block_case(rng, in_f, out_f, b, rows, kind):
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: "{}x{}-b{}-r{}-{}".format(*c))
 @pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
 @pytest.mark.parametrize("workers", [1, 3])
-def test_block_kernel_family_matches_dense(isa, case, bf16, workers, rng):
+@pytest.mark.parametrize("permuted", [False, True], ids=["", "perm"])
+def test_block_kernel_family_matches_dense(isa, case, bf16, workers, permuted, rng):
     in_f, out_f, b, rows, kind = case
     x, dy, values, offsets = _block_case(rng, in_f, out_f, b, rows, kind)
     if bf16:
         x, dy, values = (v.astype(ml_dtypes.bfloat16).astype(np.float32) for v in (x, dy, values))
     w = design_dense(values, offsets, in_f, out_f)
-    dvalues_ref = design_dvalues(dy, x, offsets, in_f, out_f, b)
+    perm = _perm(rng, in_f, permuted)
+    xp = _gathered(x, perm)
+    dvalues_ref = design_dvalues(dy, xp, offsets, in_f, out_f, b)
+    dx_ref = _scattered(dy.astype(np.float64) @ w, perm)
 
-    y = _run("fwd", isa, x, values, offsets, (rows, out_f), in_f, out_f, workers, bf16)
-    _assert_close(y, x.astype(np.float64) @ w.T, bf16, f"{isa} y")
-    dx = _run("dx", isa, dy, values, offsets, (rows, in_f), in_f, out_f, workers, bf16)
-    _assert_close(dx, dy.astype(np.float64) @ w, bf16, f"{isa} dx")
-    dvalues = _run("dvalues", isa, dy, x, offsets, values.shape, in_f, out_f, workers, bf16)
+    y = _run("fwd", isa, x, values, offsets, (rows, out_f), in_f, out_f, workers, bf16, perm)
+    _assert_close(y, xp.astype(np.float64) @ w.T, bf16, f"{isa} y")
+    dx = _run("dx", isa, dy, values, offsets, (rows, in_f), in_f, out_f, workers, bf16, perm)
+    _assert_close(dx, dx_ref, bf16, f"{isa} dx")
+    dvalues = _run("dvalues", isa, dy, x, offsets, values.shape, in_f, out_f, workers, bf16, perm)
     _assert_close(dvalues, dvalues_ref, bf16, f"{isa} dvalues")
     # The backward target: dx and dvalues from one job.
     dx, dvalues = _result((rows, in_f), bf16), _result(values.shape, bf16)
     _cpu_ext._run_backward(
-        isa, *(_operand(a, bf16) for a in (dy, x, values)), offsets, dx, dvalues, workers
+        isa, *(_operand(a, bf16) for a in (dy, x, values)), offsets, dx, dvalues, workers, perm
     )
-    _assert_close(_as_f64(dx, bf16), dy.astype(np.float64) @ w, bf16, f"{isa} bwd dx")
+    _assert_close(_as_f64(dx, bf16), dx_ref, bf16, f"{isa} bwd dx")
     _assert_close(_as_f64(dvalues, bf16), dvalues_ref, bf16, f"{isa} bwd dvalues")
 
 

@@ -16,7 +16,9 @@ import dynadiag_jax as dd
 from dynadiag_jax import _extension
 from dynadiag_jax.ops import cuda
 
-VERSIONED = re.compile(r"^dynadiag_((emu_)?diag_matmul_v\d+_(fwd|dx|dvalues|bwd)|gate_rank_v\d+)$")
+VERSIONED = re.compile(
+    r"^dynadiag_((emu_)?diag_matmul_(permuted_)?v\d+_(fwd|dx|dvalues|bwd)|gate_rank_v\d+)$"
+)
 
 
 def custom_call_targets(module_text):

@@ -270,9 +270,9 @@ class DiagonalDense(nn.Module):
                 "in_features",
                 lambda: jnp.asarray(spec.in_features, jnp.int32),
             )
-        x = self._permute(x, frozen)
+        x, perm = self._permute(x, frozen)
         if frozen:
-            y = self._frozen(spec, x)
+            y = self._frozen(spec, x, perm)
         else:
             y = self._search(spec, x, self._gate_hyper(given))
         if self.use_bias:
@@ -300,7 +300,9 @@ class DiagonalDense(nn.Module):
                 )
 
     def _permute(self, x, frozen: bool):
-        """``x`` with the layer's input permutation: hard ``perm``, soft ``perm_soft``, or none."""
+        """``(x, perm)``: ``x`` with the layer's input permutation applied (soft ``perm_soft``, or
+        a hard ``perm`` in the search phase) and None, or, for a frozen layer with a hard ``perm``,
+        ``x`` as it is and the checked ``perm``, which the product reads ``x`` through."""
         soft = self.has_variable("params", "perm_soft")
         hard = self.has_variable(F.DIAGONALS_COLLECTION, "perm")
         init = self.is_initializing()
@@ -311,7 +313,7 @@ class DiagonalDense(nn.Module):
                     f"({'params/perm_soft' if soft else 'diagonals/perm'}) but the layer has "
                     f"permutation=None; make the layer with the permutation= they were made with"
                 )
-            return x
+            return x, None
         if soft or (init and self.permutation == "learned" and not frozen):
             if self.permutation != "learned" or frozen:
                 raise ValueError(
@@ -320,7 +322,7 @@ class DiagonalDense(nn.Module):
                     f"has permutation={self.permutation!r}"
                     + (" and frozen diagonals (offsets)" if frozen else "")
                 )
-            return self._soft_permute(x)
+            return self._soft_permute(x), None
         if not (init or hard):
             raise ValueError(
                 f"{self._label()}: permutation={self.permutation!r} needs its permutation in the "
@@ -332,7 +334,9 @@ class DiagonalDense(nn.Module):
             "perm",
             lambda: perms.random_permutation(self.make_rng("params"), x.shape[-1]),
         ).value
-        return perms.apply_permutation(x, perm, self._label())
+        if frozen:
+            return x, perms.checked_permutation(perm, x.shape[-1], self._label())
+        return perms.apply_permutation(x, perm, self._label()), None
 
     def _soft_permute(self, x):
         """``x @ M.T`` with ``M = sinkhorn(|perm_soft|)``; sows the penalty of ``M``."""
@@ -410,7 +414,7 @@ class DiagonalDense(nn.Module):
             return y  # checked at trace time
         return jnp.where(stored == width, y, jnp.asarray(jnp.nan, y.dtype))
 
-    def _frozen(self, spec: F.LayerSpec, x):
+    def _frozen(self, spec: F.LayerSpec, x, perm):
         offsets = self.variable(
             F.DIAGONALS_COLLECTION,
             "offsets",
@@ -426,7 +430,7 @@ class DiagonalDense(nn.Module):
                 f"variables were frozen with"
             )
         values = self.param("values", self._values_init(spec), offsets, self.param_dtype)
-        y = F.frozen_forward(spec, values, offsets, x)
+        y = F.frozen_forward(spec, values, offsets, x, perm)
         if F.frozen_width(values.shape, self.features)[0] is not None:
             return y  # the shape fixed the width
         return self._guard_width(y, spec.in_features)

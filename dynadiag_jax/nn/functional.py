@@ -229,13 +229,20 @@ def select_diagonals(alpha, k: int):
     return jnp.sort(order[..., :k], axis=-1)
 
 
-def frozen_forward(spec: LayerSpec, values, offsets, x):
-    """``x[..., in] @ W.T`` for the ``K`` diagonals ``offsets[K]`` with ``values[K, *V]``.
+def frozen_forward(spec: LayerSpec, values, offsets, x, perm=None):
+    """``x[..., perm] @ W.T`` for the ``K`` diagonals ``offsets[K]`` with ``values[K, *V]``.
 
-    ``values`` is cast to ``x.dtype`` (the computation dtype); no bias.
+    ``values`` is cast to ``x.dtype`` (the computation dtype); no bias. ``perm``: the layer's
+    input permutation (int32 ``[in]``) or None; the product reads ``x`` through it (on CPU inside
+    the kernels, docs/design.md section 4.7).
     """
     return diag_matmul(
-        x, values.astype(x.dtype), offsets, out_features=spec.out_features, impl=spec.impl
+        x,
+        values.astype(x.dtype),
+        offsets,
+        out_features=spec.out_features,
+        impl=spec.impl,
+        perm=perm,
     )
 
 

@@ -22,13 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax._checks import finite_number
+from dynadiag_jax._checks import finite_number, permutation_problem
+from dynadiag_jax.ops.reference import gather_columns, is_permutation, scatter_columns
 
 __all__ = [
     "DEFAULT_PENALTY",
     "PERMUTATIONS",
     "SINKHORN_ITERS",
     "check_permutation_args",
+    "checked_permutation",
     "doubly_stochastic",
     "hard_permutation",
     "harden",
@@ -109,7 +111,7 @@ def soft_permute(x, m):
 
 @jax.custom_vjp
 def _gather(x, perm):
-    return jnp.take(x, perm, axis=-1, mode="clip")
+    return gather_columns(x, perm)
 
 
 def _gather_fwd(x, perm):
@@ -118,8 +120,7 @@ def _gather_fwd(x, perm):
 
 def _gather_bwd(perm, dy):
     # perm is a bijection, so the scatter-add of the plain VJP is a gather by the inverse.
-    inverse = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
-    return jnp.take(dy, inverse, axis=-1, mode="clip"), None
+    return scatter_columns(dy, perm), None
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -133,26 +134,6 @@ def permute_inputs(x, perm):
     return _gather(x, perm)
 
 
-def is_permutation(perm):
-    """Whether integer ``perm[n]`` holds each value of ``range(n)`` once (bool scalar, jit-able)."""
-    n = perm.shape[-1]
-    inside = jnp.all((perm >= 0) & (perm < n))
-    counts = jnp.zeros((n,), jnp.int32).at[jnp.clip(perm, 0, n - 1)].add(1)
-    return inside & jnp.all(counts == 1)
-
-
-def _problem(perm: np.ndarray, n: int) -> str | None:
-    """Why a concrete ``perm[n]`` is not a permutation of ``range(n)``, or None if it is one."""
-    outside = perm[(perm < 0) | (perm >= n)]
-    if outside.size:
-        return f"it holds {outside[0]}, outside [0, {n})"
-    counts = np.bincount(perm, minlength=n)
-    if np.any(counts != 1):
-        twice, missed = int(np.argmax(counts)), int(np.argmin(counts))
-        return f"it holds {twice} {int(counts[twice])} times and misses {missed}"
-    return None
-
-
 def host_array(value) -> np.ndarray | None:
     """``value`` as numpy when it can be read without a trace or a device sync, else None."""
     if isinstance(value, jax.core.Tracer):
@@ -162,15 +143,14 @@ def host_array(value) -> np.ndarray | None:
     return np.asarray(value)
 
 
-def apply_permutation(x, perm, label: str):
-    """``x[..., perm]`` after checking ``perm`` against ``x``'s width ``n`` (errors name ``label``).
+def checked_permutation(perm, n: int, label: str):
+    """``perm`` as int32 after checking it against the input width ``n`` (errors name ``label``).
 
     The shape (``[n]``) and an integer dtype are checked while tracing. A value readable on the
     host (outside ``jit``, on CPU) must be a permutation of ``range(n)`` or this raises; a traced
-    one cannot be read, so when it is not a permutation every output is NaN instead (no host
+    one cannot be read: its users make every output NaN when it is not a permutation (no host
     callback; the check is O(n) per call).
     """
-    n = x.shape[-1]
     shape, dtype = tuple(getattr(perm, "shape", ())), getattr(perm, "dtype", None)
     if shape != (n,) or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(
@@ -180,12 +160,20 @@ def apply_permutation(x, perm, label: str):
         )
     host = host_array(perm)
     if host is not None:
-        problem = _problem(host.astype(np.int64), n)
+        problem = permutation_problem(host, n)
         if problem is not None:
             raise ValueError(f"{label}: perm is not a permutation of range({n}): {problem}")
-        return permute_inputs(x, jnp.asarray(host, jnp.int32))
-    perm = perm.astype(jnp.int32)
+        return jnp.asarray(host, jnp.int32)
+    return perm.astype(jnp.int32)
+
+
+def apply_permutation(x, perm, label: str):
+    """``x[..., perm]`` after :func:`checked_permutation`; every output NaN for a traced ``perm``
+    that is not a permutation."""
+    perm = checked_permutation(perm, x.shape[-1], label)
     y = permute_inputs(x, perm)
+    if host_array(perm) is not None:
+        return y
     return jnp.where(is_permutation(perm), y, jnp.asarray(jnp.nan, y.dtype))
 
 

@@ -4,7 +4,8 @@ What ``impl="auto"`` lowers to on a platform where the kernels are not predicted
 GPU today, TPU, ROCm; :mod:`dynadiag_jax.ops.auto`). The forward is ``diag_matmul(impl="dense")``'s
 ``x @ W.T``; ``dx`` and ``dvalues`` are its transposes in ``x`` and in ``values`` (``dy @ W``, and
 the diagonals gathered from ``dy^T x``), so both are dots in the input dtype, as autodiff of the
-dense forward gives them. Leading dimensions of ``x`` / ``dy`` are rows.
+dense forward gives them. Leading dimensions of ``x`` / ``dy`` are rows. An input permutation
+is folded into ``W`` (its columns permuted once, ``W P``) instead of gathering ``x``.
 """
 
 from __future__ import annotations
@@ -16,34 +17,41 @@ from dynadiag_jax.layout import geometry
 from dynadiag_jax.ops import reference
 from dynadiag_jax.ops.products import Backend
 
-__all__ = ["BACKEND"]
+__all__ = ["BACKEND", "permuted_dense"]
 
 
-def _product(x, values, offsets, in_features, out_features):
-    """``x[..., in] @ W.T`` with ``W`` scattered from ``(values, offsets)``."""
+def permuted_dense(values, offsets, perm, *, in_features, out_features):
+    """``W P`` as a dense ``[out, in]``: column ``perm[j]`` holds ``W``'s column ``j``, so that
+    ``x @ (W P).T = x[..., perm] @ W.T``."""
     w = reference.diag_to_dense(values, offsets, in_features=in_features, out_features=out_features)
+    return reference.scatter_columns(w, perm)
+
+
+def _product(x, values, offsets, perm, in_features, out_features):
+    """``x[..., in] @ (W P).T`` with ``W`` scattered from ``(values, offsets)``."""
+    w = permuted_dense(values, offsets, perm, in_features=in_features, out_features=out_features)
     x2 = x.reshape(-1, in_features)
     return reference.dense_product(x2, w).reshape(x.shape[:-1] + (out_features,))
 
 
-def _fwd(x, values, offsets, *, out_features):
-    return _product(x, values, offsets, x.shape[-1], out_features)
+def _fwd(x, values, offsets, *, out_features, perm=None):
+    return _product(x, values, offsets, perm, x.shape[-1], out_features)
 
 
-def _dx(dy, values, offsets, *, in_features):
+def _dx(dy, values, offsets, *, in_features, perm=None):
     def product(x):
-        return _product(x, values, offsets, in_features, dy.shape[-1])
+        return _product(x, values, offsets, perm, in_features, dy.shape[-1])
 
     x = jax.ShapeDtypeStruct(dy.shape[:-1] + (in_features,), dy.dtype)
     return jax.linear_transpose(product, x)(dy)[0]
 
 
-def _dvalues(dy, x, offsets, *, block_size):
+def _dvalues(dy, x, offsets, *, block_size, perm=None):
     in_features, out_features = x.shape[-1], dy.shape[-1]
     geo = geometry(in_features, out_features, block_size)
 
     def product(values):
-        return _product(x, values, offsets, in_features, out_features)
+        return _product(x, values, offsets, perm, in_features, out_features)
 
     values = jax.ShapeDtypeStruct(offsets.shape + geo.values_shape, dy.dtype)
     return jax.linear_transpose(product, values)(dy)[0]

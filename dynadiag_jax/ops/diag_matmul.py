@@ -9,6 +9,10 @@ diagonal SDDMM, with JVP and transpose rules for every autodiff mode and order).
 Implementations: ``"jax"`` (pure JAX, any platform), ``"ffi"`` (our XLA FFI kernels: C++ on CPU,
 CUDA on GPU), ``"cuda_emulated"`` (the CUDA kernels compiled for the host; tests) and ``"dense"``
 (materialise ``W`` and use XLA's dot; a baseline, differentiated by JAX).
+
+An optional input permutation ``perm[in]`` makes the product ``W P``: ``y = x[..., perm] @ W.T``.
+The CPU kernels read ``x`` (and write ``dx``) through it; ``"dense"`` folds it into ``W``;
+``"jax"``, and the CUDA kernels, gather ``x`` first (docs/design.md section 4.7).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dynadiag_jax._checks import permutation_problem
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, geometry
-from dynadiag_jax.ops import auto, products, reference
+from dynadiag_jax.ops import auto, dense, products, reference
 
 __all__ = ["diag_matmul", "available_impls"]
 
@@ -42,17 +47,17 @@ def _as_array(a, name):
     return a
 
 
-def _host_offsets(offsets):
-    """``offsets`` as a numpy array if they are already on the host, else None.
+def _on_host(a):
+    """``a`` (offsets, perm) as a numpy array if it is already on the host, else None.
 
     Reading arrays that live on an accelerator would copy them to the host and wait for the device
-    on every eager call; the kernels check those at run time instead.
+    on every eager call; the products check those at run time instead.
     """
-    if isinstance(offsets, np.ndarray):
-        return offsets
-    if isinstance(offsets, jax.Array) and not isinstance(offsets, jax.core.Tracer):
-        if all(d.platform == "cpu" for d in offsets.devices()):
-            return np.asarray(offsets)
+    if isinstance(a, np.ndarray):
+        return a
+    if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+        if all(d.platform == "cpu" for d in a.devices()):
+            return np.asarray(a)
     return None
 
 
@@ -124,6 +129,21 @@ def _check_args(x, values, offsets, out_features, host_offsets):
     return geo
 
 
+def _check_perm(perm, host_perm, in_features):
+    """``perm`` must be an integer ``[in]``; on the host, a permutation of ``range(in)``."""
+    if perm.ndim != 1 or perm.shape[0] != in_features:
+        raise ValueError(
+            f"perm must have shape [in] = [{in_features}] (a permutation of x's {in_features} "
+            f"columns), got {perm.shape}"
+        )
+    if not jnp.issubdtype(perm.dtype, jnp.integer):
+        raise TypeError(f"perm must be an integer array, got dtype {perm.dtype}")
+    if host_perm is not None:
+        problem = permutation_problem(host_perm, in_features)
+        if problem is not None:
+            raise ValueError(f"perm must be a permutation of range({in_features}): {problem}")
+
+
 def _supports(impl: str, dtype) -> bool:
     return any(dtype == d for d in products.backend(impl).dtypes())
 
@@ -160,7 +180,7 @@ def resolve_impl(impl: str, dtype, geo, rows: int, num_diagonals: int) -> str:
     return impl
 
 
-def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
+def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto", perm=None):
     """``y = x @ W.T`` where ``W[out_features, in]`` is the sum of the given wrapped diagonals.
 
     Args:
@@ -178,6 +198,10 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
         only where the cost model predicts it faster than ``"dense"``; elsewhere ``"dense"``;
         see ``ops/auto.py``), ``"ffi"``, ``"jax"`` or ``"dense"`` (``W`` built on the device and
         XLA's dot); see :func:`available_impls`.
+      perm: None, or an integer ``[in]`` permutation of ``range(in)``: the input permutation of a
+        layer ``y = W x[..., perm]`` (the product of ``W P``); ``dx`` is scattered back through it.
+        ``"ffi"`` on CPU reads ``x`` through ``perm`` inside the kernels; ``"dense"`` permutes the
+        columns of the dense ``W`` once; ``"jax"`` and the CUDA kernels gather ``x`` first.
 
     Returns:
       ``[..., out_features]`` in ``x.dtype``; low-precision inputs accumulate in float32.
@@ -189,13 +213,18 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto"):
     outside ``[0, P)`` (``[0, P_b)``) there gives, with every impl and in both forms, a ``y`` that
     is NaN everywhere, and derivatives poisoned the same way: ``dx`` (and any tangent of ``y``)
     NaN everywhere, ``dvalues`` NaN in the rows of the bad offsets (the other rows are exact).
-    No kernel reads through a bad offset, and nothing wraps it modulo ``P``.
+    No kernel reads through a bad offset, and nothing wraps it modulo ``P``. A ``perm`` that is not
+    a permutation of ``range(in)`` raises ``ValueError`` when it is host data; traced (or on an
+    accelerator) it makes ``y``, ``dx`` and ``dvalues`` NaN everywhere, and the kernels read through
+    the identity instead.
 
     Raises:
-      TypeError, ValueError: at trace time, for bad ranks, shapes, dtypes, block sizes, or host
-        offsets out of range.
+      TypeError, ValueError: at trace time, for bad ranks, shapes, dtypes, block sizes, host
+        offsets out of range, or a host ``perm`` that is not a permutation.
     """
-    return _diag_matmul(x, values, offsets, out_features=out_features, impl=impl, guard=True)
+    return _diag_matmul(
+        x, values, offsets, out_features=out_features, impl=impl, guard=True, perm=perm
+    )
 
 
 def diag_matmul_in_range(x, values, offsets, *, out_features: int, impl: str = "auto"):
@@ -209,23 +238,29 @@ def diag_matmul_in_range(x, values, offsets, *, out_features: int, impl: str = "
     return _diag_matmul(x, values, offsets, out_features=out_features, impl=impl, guard=False)
 
 
-def _diag_matmul(x, values, offsets, *, out_features, impl, guard):
-    host_offsets = _host_offsets(offsets)  # before _as_array moves numpy data to the device
+def _diag_matmul(x, values, offsets, *, out_features, impl, guard, perm=None):
+    host_offsets = _on_host(offsets)  # before _as_array moves numpy data to the device
     x, values, offsets = (
         _as_array(a, n) for a, n in ((x, "x"), (values, "values"), (offsets, "offsets"))
     )
     geo = _check_args(x, values, offsets, out_features, host_offsets)
+    if perm is not None:
+        host_perm = _on_host(perm)
+        perm = _as_array(perm, "perm")
+        _check_perm(perm, host_perm, geo.in_features)
+        perm = perm.astype(jnp.int32)
     lead = x.shape[:-1]
     # checks the impl; "auto" goes on to the products, which decide per lowering platform
     resolve_impl(impl, x.dtype, geo, int(np.prod(lead, dtype=np.int64)), values.shape[0])
     x2 = x.reshape((-1, geo.in_features))
     if impl == "dense":
-        y2 = _dense(x2, values, offsets, geo, guard)
+        y2 = _dense(x2, values, offsets, perm, geo, guard)
     else:
         y2 = products.fwd(
             x2,
             values,
             offsets.astype(jnp.int32),
+            perm,
             out_features=geo.out_features,
             impl=impl,
             guard=guard,
@@ -233,27 +268,25 @@ def _diag_matmul(x, values, offsets, *, out_features, impl, guard):
     return y2.reshape(lead + (geo.out_features,))
 
 
-def _dense(x2, values, offsets, geo, guard):
+def _dense(x2, values, offsets, perm, geo, guard):
     """The dense baseline, with the products' rule for offsets out of range (NaN, not wrapped).
 
     A bad offset's row of ``values`` is scaled by NaN (its gradient rows become NaN) and the whole
     of ``W`` gets a NaN added (all of ``y`` and ``dx``), as in :mod:`dynadiag_jax.ops.products`;
-    ``guard=False`` (offsets known in range) builds ``W`` directly.
+    so does a ``perm`` that is not a permutation (every row). ``guard=False`` (offsets known in
+    range) builds ``W`` directly. ``perm`` is folded into ``W``'s columns.
     """
+    widths = {"in_features": geo.in_features, "out_features": geo.out_features}
     if not guard:
-        w = reference.diag_to_dense(
-            values, offsets, in_features=geo.in_features, out_features=geo.out_features
-        )
-        return reference.dense_product(x2, w)
+        return reference.dense_product(x2, dense.permuted_dense(values, offsets, perm, **widths))
     valid = (offsets >= 0) & (offsets < geo.num_candidates)
+    if perm is not None:
+        ok = reference.is_permutation(perm)
+        valid = valid & ok
+        perm = jnp.where(ok, perm, jnp.arange(geo.in_features, dtype=jnp.int32))
     nan = jnp.asarray(jnp.nan, values.dtype)
     one = jnp.asarray(1, values.dtype)
     scale = jnp.where(valid, one, nan).reshape(valid.shape + (1,) * (values.ndim - 1))
-    w = reference.diag_to_dense(
-        values * scale,
-        jnp.where(valid, offsets, 0),
-        in_features=geo.in_features,
-        out_features=geo.out_features,
-    )
+    w = dense.permuted_dense(values * scale, jnp.where(valid, offsets, 0), perm, **widths)
     w = w + jnp.where(jnp.all(valid), jnp.zeros((), values.dtype), nan)
     return reference.dense_product(x2, w)

@@ -9,6 +9,12 @@ raw call primitive with
 * a partitioner: ``jit`` over a row-sharded ``x`` with replicated ``values`` runs the kernel on
   each shard with no gather; ``dvalues`` all-reduces the per-shard partial sums.
 
+A call with an input permutation (``perm=``) takes ``perm[in]`` as one more operand after
+``offsets``. It lowers to the platform's permuted targets (``PlatformKernels.permuted_prefix``),
+whose kernels read ``x`` and write ``dx`` through ``perm``; a platform without them (CUDA, and the
+CUDA emulation) gets the separate gather of ``x`` (and gather of ``dx`` by the inverse) around
+its plain targets.
+
 The backend's functions are traced inside the lowering of the product primitives, after every
 transformation (autodiff, ``vmap``) has been applied to those.
 """
@@ -29,6 +35,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
+from dynadiag_jax.ops import reference
 from dynadiag_jax.ops.products import Backend, abstract_eval, backend, lowering_for_export
 
 __all__ = ["PlatformKernels", "make_ffi_backend", "platform_of_default_backend"]
@@ -51,6 +58,9 @@ class PlatformKernels(NamedTuple):
     # Dtypes its lowering widens to float32 around the call and rounds back (once) after it: the
     # kernels compute in float32 anyway, and the converts cost one pass over each operand.
     widened_dtypes: tuple = ()
+    # Prefix of its targets that take an input permutation (``{prefix}_{fwd,dx,dvalues,bwd}``, one
+    # operand perm[in] s32 after offsets); None: a permuted call gathers around the plain ones.
+    permuted_prefix: str | None = None
 
 
 def platform_of_default_backend() -> str:
@@ -86,7 +96,8 @@ class _Kind(NamedTuple):
     reduction: bool  # whether the row factors are a reduction in the rule
 
 
-# "k d" stands for the values' dimensions: [K, D], or [K, L_b, b, b] as "k d u v".
+# "k d" stands for the values' dimensions: [K, D], or [K, L_b, b, b] as "k d u v". An input
+# permutation is one more replicated operand, "i" (see _partitioned).
 _KINDS = {
     "fwd": _Kind((True, False, False), (False,), "R i, k d, k -> R o", False),
     "dx": _Kind((True, False, False), (False,), "R o, k d, k -> R i", False),
@@ -95,12 +106,17 @@ _KINDS = {
 }
 
 
-def _partitioned(kind: str, raw: Primitive, rank: int, blocked: bool, params: dict):
+def _partitioned(kind: str, raw: Primitive, rank: int, blocked: bool, permuted: bool, params: dict):
     """``raw.bind`` in ``custom_partitioning``, for operands with ``rank - 1`` row dimensions.
 
-    ``blocked``: the values are block diagonals ``[K, L_b, b, b]``.
+    ``blocked``: the values are block diagonals ``[K, L_b, b, b]``; ``permuted``: the last operand
+    is ``perm[in]`` (replicated).
     """
     spec = _KINDS[kind]
+    if permuted:
+        spec = spec._replace(
+            row_operands=spec.row_operands + (False,), rule=spec.rule.replace(" ->", ", i ->")
+        )
     multiple = len(spec.summed_results) > 1
 
     def call(*args):
@@ -170,18 +186,46 @@ def _values_aval(kind, avals_in, avals_out):
     return avals_out[0] if kind == "dvalues" else avals_in[2 if kind == "bwd" else 1]
 
 
+# Operands of each raw call without a permutation (one more with it).
+_NUM_OPERANDS = {"fwd": 3, "dx": 3, "dvalues": 3, "bwd": 4}
+
+
+def _split(kind: str, args):
+    """``(operands without perm, perm or None)`` of a raw call."""
+    n = _NUM_OPERANDS[kind]
+    return args[:n], (args[n] if len(args) > n else None)
+
+
 def _reference_call(kind: str, *args, width=None, block_size=1):
     """Product ``kind`` on the pure-JAX path (for a platform without block-diagonal kernels)."""
     ref = backend("jax")
+    args, perm = _split(kind, args)
     if kind == "fwd":
-        return ref.fwd(*args, out_features=width)
+        return ref.fwd(*args, out_features=width, perm=perm)
     if kind == "dx":
-        return ref.dx(*args, in_features=width)
+        return ref.dx(*args, in_features=width, perm=perm)
     if kind == "dvalues":
-        return ref.dvalues(*args, block_size=block_size)
+        return ref.dvalues(*args, block_size=block_size, perm=perm)
     dy, x, values, offsets = args
-    dx = ref.dx(dy, values, offsets, in_features=x.shape[-1])
-    return dx, ref.dvalues(dy, x, offsets, block_size=values.shape[-1])
+    dx = ref.dx(dy, values, offsets, in_features=x.shape[-1], perm=perm)
+    return dx, ref.dvalues(dy, x, offsets, block_size=values.shape[-1], perm=perm)
+
+
+def _gathered_call(raw: Primitive, kind: str, *args, **params):
+    """``raw`` with an input permutation on a platform without permuted targets: ``x`` gathered
+    through ``perm`` before the plain target, ``dx`` scattered back after it (as a gather)."""
+    args, perm = _split(kind, args)
+    args = list(args)
+    if kind == "fwd":
+        args[0] = reference.gather_columns(args[0], perm)
+    elif kind in ("dvalues", "bwd"):
+        args[1] = reference.gather_columns(args[1], perm)
+    out = raw.bind(*args, **params)
+    if kind == "dx":
+        return reference.scatter_columns(out, perm)
+    if kind == "bwd":
+        return [reference.scatter_columns(out[0], perm), out[1]]
+    return out
 
 
 def _widened_call(raw: Primitive, kind: str, *args, **params):
@@ -192,8 +236,9 @@ def _widened_call(raw: Primitive, kind: str, *args, **params):
     return [o.astype(dtype) for o in out] if kind == "bwd" else out.astype(dtype)
 
 
-def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels, raw: Primitive):
+def _custom_call_lowering(prefix: str, kind: str, kernels: PlatformKernels, raw: Primitive):
     def rule(ctx, *operands, **params):
+        permuted = len(operands) > _NUM_OPERANDS[kind]
         if len(_values_aval(kind, ctx.avals_in, ctx.avals_out).shape) == 4 and not (
             kernels.block_diagonals
         ):
@@ -201,6 +246,9 @@ def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels, raw:
             # CUDA from a CPU host): that platform runs the pure-JAX path, as impl="auto" would.
             fallback = functools.partial(_reference_call, kind, **params)
             return mlir.lower_fun(fallback, multiple_results=kind == "bwd")(ctx, *operands)
+        if permuted and kernels.permuted_prefix is None:
+            gathered = functools.partial(_gathered_call, raw, kind, **params)
+            return mlir.lower_fun(gathered, multiple_results=kind == "bwd")(ctx, *operands)
         if ctx.avals_in[0].dtype in kernels.widened_dtypes:
             widened = functools.partial(_widened_call, raw, kind, **params)
             return mlir.lower_fun(widened, multiple_results=kind == "bwd")(ctx, *operands)
@@ -208,7 +256,7 @@ def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels, raw:
         avals_out = list(ctx.avals_out)
         if kernels.workspace_bytes is not None:
             in_f, out_f = _features(kind, ctx.avals_in, avals_out)
-            a, offsets = ctx.avals_in[0], ctx.avals_in[-1]
+            a, offsets = ctx.avals_in[0], ctx.avals_in[_NUM_OPERANDS[kind] - 1]
             rows = int(np.prod(a.shape[:-1], dtype=np.int64))
             values = _values_aval(kind, ctx.avals_in, avals_out)
             blocks = {"block_size": values.shape[-1]} if len(values.shape) == 4 else {}
@@ -216,6 +264,7 @@ def _custom_call_lowering(target: str, kind: str, kernels: PlatformKernels, raw:
                 kind, rows, in_f, out_f, offsets.shape[0], a.dtype, **blocks
             )
             avals_out.append(ShapedArray((max(int(nbytes), 1),), jnp.uint8))
+        target = f"{kernels.permuted_prefix if permuted else prefix}_{kind}"
         results = jax.ffi.ffi_lowering(target)(ctx.replace(avals_out=avals_out), *operands)
         return results[: len(ctx.avals_out)]
 
@@ -230,7 +279,8 @@ def _new_primitive(name: str, kind: str) -> Primitive:
 
 
 def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> Backend:
-    """A :class:`Backend` whose products call the FFI targets ``{prefix}_{fwd,dx,dvalues}``.
+    """A :class:`Backend` whose products call the FFI targets ``{prefix}_{fwd,dx,dvalues}`` (with
+    an input permutation: the platform's ``permuted_prefix`` targets, or a gather around these).
 
     The backward pass is one primitive: it lowers to the fused ``{prefix}_bwd`` target on platforms
     whose kernels provide it (``PlatformKernels.fused_backward``), else to the two separate calls.
@@ -244,18 +294,18 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
     for kind in ("fwd", "dx", "dvalues"):
         raws[kind] = _new_primitive(f"{prefix}_{kind}_call", kind)
         for platform, kernels in platforms.items():
-            rule = _custom_call_lowering(f"{prefix}_{kind}", kind, kernels, raws[kind])
+            rule = _custom_call_lowering(prefix, kind, kernels, raws[kind])
             mlir.register_lowering(raws[kind], rule, platform=platform)
 
-    def separate_backward(dy, x, values, offsets):
-        dx = raws["dx"].bind(dy, values, offsets, width=x.shape[-1])
+    def separate_backward(dy, x, values, offsets, *perm):
+        dx = raws["dx"].bind(dy, values, offsets, *perm, width=x.shape[-1])
         block_size = values.shape[-1] if values.ndim == 4 else 1
-        return dx, raws["dvalues"].bind(dy, x, offsets, block_size=block_size)
+        return dx, raws["dvalues"].bind(dy, x, offsets, *perm, block_size=block_size)
 
     raws["bwd"] = _new_primitive(f"{prefix}_bwd_call", "bwd")
     for platform, kernels in platforms.items():
         if kernels.fused_backward:
-            rule = _custom_call_lowering(f"{prefix}_bwd", "bwd", kernels, raws["bwd"])
+            rule = _custom_call_lowering(prefix, "bwd", kernels, raws["bwd"])
         else:
             rule = mlir.lower_fun(separate_backward, multiple_results=True)
         mlir.register_lowering(raws["bwd"], rule, platform=platform)
@@ -271,7 +321,8 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
             return tuple(out) if kind == "bwd" else out
         values_rank = args[2 if kind == "bwd" else 1].ndim if kind != "dvalues" else 0
         blocked = values_rank == 4 or params.get("block_size", 1) > 1
-        return _partitioned(kind, raws[kind], args[0].ndim, blocked, params)(*args)
+        permuted = len(args) > _NUM_OPERANDS[kind]
+        return _partitioned(kind, raws[kind], args[0].ndim, blocked, permuted, params)(*args)
 
     def dtypes():
         kernels = platforms.get(platform_of_default_backend())
@@ -283,17 +334,22 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
         kernels = platforms.get(platform_of_default_backend())
         return bool(kernels and kernels.block_diagonals and block_size in KERNEL_BLOCK_SIZES)
 
+    def index(offsets, perm):
+        return (offsets,) if perm is None else (offsets, perm)
+
     return Backend(
-        fwd=lambda x, values, offsets, *, out_features: call(
-            "fwd", x, values, offsets, width=out_features
+        fwd=lambda x, values, offsets, *, out_features, perm=None: call(
+            "fwd", x, values, *index(offsets, perm), width=out_features
         ),
-        dx=lambda dy, values, offsets, *, in_features: call(
-            "dx", dy, values, offsets, width=in_features
+        dx=lambda dy, values, offsets, *, in_features, perm=None: call(
+            "dx", dy, values, *index(offsets, perm), width=in_features
         ),
-        dvalues=lambda dy, x, offsets, *, block_size: call(
-            "dvalues", dy, x, offsets, block_size=block_size
+        dvalues=lambda dy, x, offsets, *, block_size, perm=None: call(
+            "dvalues", dy, x, *index(offsets, perm), block_size=block_size
         ),
         dtypes=dtypes,
-        bwd=lambda dy, x, values, offsets: tuple(call("bwd", dy, x, values, offsets)),
+        bwd=lambda dy, x, values, offsets, perm=None: tuple(
+            call("bwd", dy, x, values, *index(offsets, perm))
+        ),
         block_size_ok=block_size_ok,
     )

@@ -18,6 +18,13 @@ fwd(x_dot, values) + fwd(x, values_dot)``, one primitive linear in ``(x_dot, val
 transpose is ``bwd(dy, x, values) = (dx(dy, values), dvalues(dy, x))``: the fused CPU kernel where
 the platform has it.
 
+Every product takes an optional input permutation ``perm[in]`` (int32) as one more operand after
+``offsets``: the product of ``W P``, ``fwd = W x[..., perm]``, ``dx`` scattered back through
+``perm``, ``dvalues`` from ``x[..., perm]``. The three still close under transposition, so every
+rule passes the trailing integer operands (``offsets``, and ``perm`` where given) through as they
+are. Backends with kernels that read ``x`` through ``perm`` get it as ``perm=``; the pure-JAX
+backend gathers and scatters.
+
 Every primitive carries the implementation name (``impl``) as a parameter and lowers through that
 :class:`Backend`'s functions, so the partitioning of the FFI kernels stays in their lowering.
 ``impl="auto"`` is decided in the lowering, by a lowering rule per platform (:func:`_auto_impl`), so
@@ -57,13 +64,17 @@ __all__ = [
 
 
 class Backend(NamedTuple):
-    """The products behind one implementation (traced inside the primitives' lowering)."""
+    """The products behind one implementation (traced inside the primitives' lowering).
 
-    fwd: Callable  # (x, values, offsets, *, out_features) -> y
-    dx: Callable  # (dy, values, offsets, *, in_features) -> dx
-    dvalues: Callable  # (dy, x, offsets, *, block_size) -> dvalues [K, D] or [K, L_b, b, b]
+    ``perm``: None, or the input permutation ``perm[in]`` (int32, a permutation of ``range(in)``).
+    """
+
+    fwd: Callable  # (x, values, offsets, *, out_features, perm=None) -> y
+    dx: Callable  # (dy, values, offsets, *, in_features, perm=None) -> dx
+    # (dy, x, offsets, *, block_size, perm=None) -> dvalues [K, D] or [K, L_b, b, b]
+    dvalues: Callable
     dtypes: Callable  # () -> dtypes supported on the current default platform
-    bwd: Callable | None = None  # (dy, x, values, offsets) -> (dx, dvalues), one pass
+    bwd: Callable | None = None  # (dy, x, values, offsets, perm=None) -> (dx, dvalues), one pass
     # (block_size) -> whether the current default platform runs it (1 = element diagonals)
     block_size_ok: Callable = lambda block_size: block_size == 1
 
@@ -72,19 +83,20 @@ def _rows(a):
     return a.reshape((-1, a.shape[-1]))
 
 
-def _jax_fwd(x, values, offsets, *, out_features):
-    y = reference.diag_matmul_fwd_reference(_rows(x), values, offsets, out_features=out_features)
+def _jax_fwd(x, values, offsets, *, out_features, perm=None):
+    x2 = reference.gather_columns(_rows(x), perm)
+    y = reference.diag_matmul_fwd_reference(x2, values, offsets, out_features=out_features)
     return y.reshape(x.shape[:-1] + (out_features,))
 
 
-def _jax_dx(dy, values, offsets, *, in_features):
+def _jax_dx(dy, values, offsets, *, in_features, perm=None):
     dx_ = reference.diag_matmul_dx_reference(_rows(dy), values, offsets, in_features=in_features)
-    return dx_.reshape(dy.shape[:-1] + (in_features,))
+    return reference.scatter_columns(dx_, perm).reshape(dy.shape[:-1] + (in_features,))
 
 
-def _jax_dvalues(dy, x, offsets, *, block_size):
+def _jax_dvalues(dy, x, offsets, *, block_size, perm=None):
     return reference.diag_matmul_dvalues_reference(
-        _rows(dy), _rows(x), offsets, block_size=block_size
+        _rows(dy), reference.gather_columns(_rows(x), perm), offsets, block_size=block_size
     )
 
 
@@ -154,15 +166,15 @@ def abstract_eval(kind: str):
 
     def abstract(*avals, width=None, block_size=1, impl=None, guard=True):
         del impl, guard
-        if kind == "dvalues":  # dy [..., out], x [..., in], offsets [K]
-            dy, x, offsets = avals
+        if kind == "dvalues":  # dy [..., out], x [..., in], offsets [K] (, perm [in])
+            dy, x, offsets, *_ = avals
             k, (n_out, n_in) = offsets.shape[0], (dy.shape[-1], x.shape[-1])
             if block_size == 1:
                 return ShapedArray((k, min(n_out, n_in)), x.dtype)
             length = max(n_out, n_in) // block_size
             return ShapedArray((k, length, block_size, block_size), x.dtype)
-        if kind == "bwd":  # dy, x, values, offsets -> (dx, dvalues)
-            _, x, values, _ = avals
+        if kind == "bwd":  # dy, x, values, offsets (, perm) -> (dx, dvalues)
+            _, x, values, *_ = avals
             return ShapedArray(x.shape, x.dtype), ShapedArray(values.shape, values.dtype)
         a = avals[0]  # fwd (x, ...), dx (dy, ...), fwd_tangent (x_dot, ...)
         return ShapedArray(a.shape[:-1] + (width,), a.dtype)
@@ -205,11 +217,20 @@ def _reaches_every_output(output: str, geo) -> bool:
 
 
 def _guarded(
-    lower: Callable, widths: Callable, values_at: tuple, outputs: tuple, moving_at: tuple = ()
+    lower: Callable,
+    num_arrays: int,
+    widths: Callable,
+    values_at: tuple,
+    outputs: tuple,
+    moving_at: tuple = (),
 ) -> Callable:
     """``lower`` on clamped offsets, its results poisoned where an offset is out of range.
 
+    A ``perm`` operand that is not a permutation of ``range(in)`` poisons every result, as if every
+    offset were out of range, and the kernels get the identity in its place.
+
     Args:
+      num_arrays: how many operands come before ``offsets`` (the floating arrays).
       widths: ``(*arrays, **params) -> (in_features, out_features, block_size)``.
       values_at: positions of the ``values``-like operands.
       outputs: per result, ``"y"``, ``"dx"`` or ``"dvalues"``.
@@ -218,13 +239,17 @@ def _guarded(
     """
 
     def guarded(impl, *operands, guard, platform, **params):
-        *arrays, offsets = operands
+        arrays, (offsets, *perm) = list(operands[:num_arrays]), operands[num_arrays:]
         geo = geometry(*widths(*arrays, **params))
         if impl == "auto":
             impl = _auto_impl(platform, geo, arrays[0], offsets)
         if not guard:
-            return lower(impl, *arrays, offsets, **params)
+            return lower(impl, *arrays, offsets, *perm, **params)
         valid = (offsets >= 0) & (offsets < geo.num_candidates)
+        if perm:
+            ok = reference.is_permutation(perm[0])
+            valid = valid & ok
+            perm = [jnp.where(ok, perm[0], jnp.arange(geo.in_features, dtype=jnp.int32))]
         all_valid = jnp.all(valid)
 
         def poison(a, ok):
@@ -249,7 +274,7 @@ def _guarded(
             arrays = [poison(a, all_valid) if i in moving_at else a for i, a in enumerate(arrays)]
         elif route == "values":
             arrays = [poison(a, rows(a)) if i in values_at else a for i, a in enumerate(arrays)]
-        out = lower(impl, *arrays, jnp.where(valid, offsets, 0), **params)
+        out = lower(impl, *arrays, jnp.where(valid, offsets, 0), *perm, **params)
         outs = out if len(outputs) > 1 else (out,)
         outs = tuple(
             o
@@ -284,30 +309,30 @@ def _auto_impl(platform, geo, first, offsets) -> str:
 # --- primitives -----------------------------------------------------------------------------
 
 
-def _lower_fwd(impl, x, values, offsets, *, width):
-    return backend(impl).fwd(x, values, offsets, out_features=width)
+def _lower_fwd(impl, x, values, offsets, perm=None, *, width):
+    return backend(impl).fwd(x, values, offsets, out_features=width, perm=perm)
 
 
-def _lower_dx(impl, dy, values, offsets, *, width):
-    return backend(impl).dx(dy, values, offsets, in_features=width)
+def _lower_dx(impl, dy, values, offsets, perm=None, *, width):
+    return backend(impl).dx(dy, values, offsets, in_features=width, perm=perm)
 
 
-def _lower_dvalues(impl, dy, x, offsets, *, block_size):
-    return backend(impl).dvalues(dy, x, offsets, block_size=block_size)
+def _lower_dvalues(impl, dy, x, offsets, perm=None, *, block_size):
+    return backend(impl).dvalues(dy, x, offsets, block_size=block_size, perm=perm)
 
 
-def _lower_bwd(impl, dy, x, values, offsets):
+def _lower_bwd(impl, dy, x, values, offsets, perm=None):
     be = backend(impl)
     if be.bwd is not None:
-        return tuple(be.bwd(dy, x, values, offsets))
-    dx_ = be.dx(dy, values, offsets, in_features=x.shape[-1])
-    return dx_, be.dvalues(dy, x, offsets, block_size=_block_size(values.shape))
+        return tuple(be.bwd(dy, x, values, offsets, perm=perm))
+    dx_ = be.dx(dy, values, offsets, in_features=x.shape[-1], perm=perm)
+    return dx_, be.dvalues(dy, x, offsets, block_size=_block_size(values.shape), perm=perm)
 
 
-def _lower_fwd_tangent(impl, x_dot, values_dot, x, values, offsets, *, width):
+def _lower_fwd_tangent(impl, x_dot, values_dot, x, values, offsets, perm=None, *, width):
     be = backend(impl)
-    return be.fwd(x_dot, values, offsets, out_features=width) + be.fwd(
-        x, values_dot, offsets, out_features=width
+    return be.fwd(x_dot, values, offsets, out_features=width, perm=perm) + be.fwd(
+        x, values_dot, offsets, out_features=width, perm=perm
     )
 
 
@@ -345,12 +370,13 @@ def _fwd_widths(x, values, *, width):
     return x.shape[-1], width, _block_size(values.shape)
 
 
-fwd_p = _primitive("fwd", "fwd", _guarded(_lower_fwd, _fwd_widths, (1,), ("y",), (0,)))
+fwd_p = _primitive("fwd", "fwd", _guarded(_lower_fwd, 2, _fwd_widths, (1,), ("y",), (0,)))
 dx_p = _primitive(
     "dx",
     "dx",
     _guarded(
         _lower_dx,
+        2,
         lambda dy, v, *, width: (width, dy.shape[-1], _block_size(v.shape)),
         (1,),
         ("dx",),
@@ -362,6 +388,7 @@ dvalues_p = _primitive(
     "dvalues",
     _guarded(
         _lower_dvalues,
+        2,
         lambda dy, x, *, block_size: (x.shape[-1], dy.shape[-1], block_size),
         (),
         ("dvalues",),
@@ -372,6 +399,7 @@ bwd_p = _primitive(
     "bwd",
     _guarded(
         _lower_bwd,
+        3,
         lambda dy, x, v: (x.shape[-1], dy.shape[-1], _block_size(v.shape)),
         (2,),
         ("dx", "dvalues"),
@@ -382,6 +410,7 @@ fwd_tangent_p = _primitive(
     "fwd",
     _guarded(
         _lower_fwd_tangent,
+        4,
         lambda x_dot, values_dot, x, values, *, width: _fwd_widths(x, values, width=width),
         (1, 3),
         ("y",),
@@ -390,27 +419,38 @@ fwd_tangent_p = _primitive(
 )
 
 
-def fwd(x, values, offsets, *, out_features: int, impl: str, guard: bool = True):
-    """``y[..., out] = x[..., in] @ W.T``.
+def fwd(x, values, offsets, perm=None, *, out_features: int, impl: str, guard: bool = True):
+    """``y[..., out] = x[..., perm] @ W.T`` (``x @ W.T`` without ``perm``).
 
     ``guard=False``: the caller guarantees ``offsets`` in range (e.g. they come from a ranking
-    of the candidates), so the lowering skips the out-of-range rule's extra passes (also for every
-    derivative of this call).
+    of the candidates) and ``perm`` a permutation, so the lowering skips the out-of-range rule's
+    extra passes (also for every derivative of this call).
     """
-    return fwd_p.bind(x, values, offsets, width=out_features, impl=impl, guard=guard)
+    return fwd_p.bind(x, values, *_index(offsets, perm), width=out_features, impl=impl, guard=guard)
 
 
-def dx(dy, values, offsets, *, in_features: int, impl: str, guard: bool = True):
-    """``dx[..., in] = dy[..., out] @ W`` (the transpose closure)."""
-    return dx_p.bind(dy, values, offsets, width=in_features, impl=impl, guard=guard)
+def dx(dy, values, offsets, perm=None, *, in_features: int, impl: str, guard: bool = True):
+    """``dx[..., perm[j]] = (dy[..., out] @ W)[..., j]`` (the transpose closure)."""
+    return dx_p.bind(dy, values, *_index(offsets, perm), width=in_features, impl=impl, guard=guard)
 
 
-def dvalues(dy, x, offsets, *, block_size: int, impl: str, guard: bool = True):
-    """The (block) SDDMM: ``[K, D]`` (``block_size`` 1) or ``[K, L_b, b, b]``."""
-    return dvalues_p.bind(dy, x, offsets, block_size=block_size, impl=impl, guard=guard)
+def dvalues(dy, x, offsets, perm=None, *, block_size: int, impl: str, guard: bool = True):
+    """The (block) SDDMM of ``dy`` and ``x[..., perm]``: ``[K, D]`` (``block_size`` 1) or
+    ``[K, L_b, b, b]``."""
+    return dvalues_p.bind(
+        dy, x, *_index(offsets, perm), block_size=block_size, impl=impl, guard=guard
+    )
+
+
+def _index(offsets, perm):
+    """The trailing integer operands of a product: ``(offsets,)`` or ``(offsets, perm)``."""
+    return (offsets,) if perm is None else (offsets, perm)
 
 
 # --- JVP rules: every product is bilinear ---------------------------------------------------
+#
+# ``index`` is the tuple of trailing integer operands, ``(offsets,)`` or ``(offsets, perm)``: every
+# rule passes it on unchanged and transposes to ``None`` for each of them.
 
 
 def _zero(t) -> bool:
@@ -432,31 +472,31 @@ def _bilinear_tangent(product, a, b, a_dot, b_dot, like):
 
 
 def _fwd_jvp(primals, tangents, *, width, impl, guard):
-    x, values, offsets = primals
-    x_dot, values_dot, _ = tangents
-    y = fwd(x, values, offsets, out_features=width, impl=impl, guard=guard)
+    x, values, *index = primals
+    x_dot, values_dot, *_ = tangents
+    y = fwd(x, values, *index, out_features=width, impl=impl, guard=guard)
     if _zero(x_dot) or _zero(values_dot):
 
         def product(a, v):
-            return fwd(a, v, offsets, out_features=width, impl=impl, guard=guard)
+            return fwd(a, v, *index, out_features=width, impl=impl, guard=guard)
 
         return y, _bilinear_tangent(product, x, values, x_dot, values_dot, y)
     # One primitive linear in both tangents: its transpose is the fused backward pass.
     y_dot = fwd_tangent_p.bind(
-        x_dot, values_dot, x, values, offsets, width=width, impl=impl, guard=guard
+        x_dot, values_dot, x, values, *index, width=width, impl=impl, guard=guard
     )
     return y, y_dot
 
 
 def _fwd_tangent_jvp(primals, tangents, *, width, impl, guard):
-    x_dot, values_dot, x, values, offsets = primals
-    t_x_dot, t_values_dot, t_x, t_values, _ = tangents
+    x_dot, values_dot, x, values, *index = primals
+    t_x_dot, t_values_dot, t_x, t_values, *_ = tangents
     y = fwd_tangent_p.bind(
-        x_dot, values_dot, x, values, offsets, width=width, impl=impl, guard=guard
+        x_dot, values_dot, x, values, *index, width=width, impl=impl, guard=guard
     )
 
     def product(a, v):
-        return fwd(a, v, offsets, out_features=width, impl=impl, guard=guard)
+        return fwd(a, v, *index, out_features=width, impl=impl, guard=guard)
 
     # d(fwd(x_dot, values) + fwd(x, values_dot)), each term bilinear
     first = _bilinear_tangent(product, x_dot, values, t_x_dot, t_values, y)
@@ -464,44 +504,46 @@ def _fwd_tangent_jvp(primals, tangents, *, width, impl, guard):
     return y, _sum([t for t in (first, second) if not _zero(t)], y)
 
 
-def _dx_tangent(dy, values, offsets, dy_dot, values_dot, like, *, width, impl, guard):
+def _dx_tangent(dy, values, index, dy_dot, values_dot, like, *, width, impl, guard):
     def product(a, v):
-        return dx(a, v, offsets, in_features=width, impl=impl, guard=guard)
+        return dx(a, v, *index, in_features=width, impl=impl, guard=guard)
 
     return _bilinear_tangent(product, dy, values, dy_dot, values_dot, like)
 
 
-def _dvalues_tangent(dy, x, offsets, dy_dot, x_dot, like, *, block_size, impl, guard):
+def _dvalues_tangent(dy, x, index, dy_dot, x_dot, like, *, block_size, impl, guard):
     def product(a, b):
-        return dvalues(a, b, offsets, block_size=block_size, impl=impl, guard=guard)
+        return dvalues(a, b, *index, block_size=block_size, impl=impl, guard=guard)
 
     return _bilinear_tangent(product, dy, x, dy_dot, x_dot, like)
 
 
 def _dx_jvp(primals, tangents, *, width, impl, guard):
-    dy, values, offsets = primals
-    out = dx(dy, values, offsets, in_features=width, impl=impl, guard=guard)
-    return out, _dx_tangent(*primals, *tangents[:2], out, width=width, impl=impl, guard=guard)
+    dy, values, *index = primals
+    out = dx(dy, values, *index, in_features=width, impl=impl, guard=guard)
+    return out, _dx_tangent(
+        dy, values, index, *tangents[:2], out, width=width, impl=impl, guard=guard
+    )
 
 
 def _dvalues_jvp(primals, tangents, *, block_size, impl, guard):
-    dy, x, offsets = primals
-    out = dvalues(dy, x, offsets, block_size=block_size, impl=impl, guard=guard)
+    dy, x, *index = primals
+    out = dvalues(dy, x, *index, block_size=block_size, impl=impl, guard=guard)
     return out, _dvalues_tangent(
-        *primals, *tangents[:2], out, block_size=block_size, impl=impl, guard=guard
+        dy, x, index, *tangents[:2], out, block_size=block_size, impl=impl, guard=guard
     )
 
 
 def _bwd_jvp(primals, tangents, *, impl, guard):
-    dy, x, values, offsets = primals
-    dy_dot, x_dot, values_dot, _ = tangents
-    out_dx, out_dv = bwd_p.bind(dy, x, values, offsets, impl=impl, guard=guard)
+    dy, x, values, *index = primals
+    dy_dot, x_dot, values_dot, *_ = tangents
+    out_dx, out_dv = bwd_p.bind(dy, x, values, *index, impl=impl, guard=guard)
     width, block_size = x.shape[-1], _block_size(values.shape)
     t_dx = _dx_tangent(
-        dy, values, offsets, dy_dot, values_dot, out_dx, width=width, impl=impl, guard=guard
+        dy, values, index, dy_dot, values_dot, out_dx, width=width, impl=impl, guard=guard
     )
     t_dv = _dvalues_tangent(
-        dy, x, offsets, dy_dot, x_dot, out_dv, block_size=block_size, impl=impl, guard=guard
+        dy, x, index, dy_dot, x_dot, out_dv, block_size=block_size, impl=impl, guard=guard
     )
     return (out_dx, out_dv), (t_dx, t_dv)
 
@@ -524,54 +566,56 @@ def _linear_in(name, *operands):
     return 0 if a else 1
 
 
-def _fwd_transpose(ct, x, values, offsets, *, width, impl, guard):
+def _fwd_transpose(ct, x, values, *index, width, impl, guard):
     ct = ad.instantiate_zeros(ct)
+    none = (None,) * len(index)
     if _linear_in("fwd", x, values) == 0:
-        return (
-            dx(ct, values, offsets, in_features=_shape(x)[-1], impl=impl, guard=guard),
-            None,
-            None,
-        )
+        in_features = _shape(x)[-1]
+        return dx(ct, values, *index, in_features=in_features, impl=impl, guard=guard), None, *none
     block_size = _block_size(_shape(values))
-    return None, dvalues(ct, x, offsets, block_size=block_size, impl=impl, guard=guard), None
+    return None, dvalues(ct, x, *index, block_size=block_size, impl=impl, guard=guard), *none
 
 
-def _fwd_tangent_transpose(ct, x_dot, values_dot, x, values, offsets, *, width, impl, guard):
+def _fwd_tangent_transpose(ct, x_dot, values_dot, x, values, *index, width, impl, guard):
     del width
     ct = ad.instantiate_zeros(ct)
+    none = (None, None) + (None,) * len(index)
     want_x, want_v = ad.is_undefined_primal(x_dot), ad.is_undefined_primal(values_dot)
     if want_x and want_v:
-        ct_x, ct_v = bwd_p.bind(ct, x, values, offsets, impl=impl, guard=guard)
-        return ct_x, ct_v, None, None, None
+        ct_x, ct_v = bwd_p.bind(ct, x, values, *index, impl=impl, guard=guard)
+        return ct_x, ct_v, *none
     ct_x = (
-        dx(ct, values, offsets, in_features=x.shape[-1], impl=impl, guard=guard) if want_x else None
+        dx(ct, values, *index, in_features=x.shape[-1], impl=impl, guard=guard) if want_x else None
     )
     block_size = _block_size(values.shape)
-    ct_v = (
-        dvalues(ct, x, offsets, block_size=block_size, impl=impl, guard=guard) if want_v else None
-    )
-    return ct_x, ct_v, None, None, None
+    ct_v = dvalues(ct, x, *index, block_size=block_size, impl=impl, guard=guard) if want_v else None
+    return ct_x, ct_v, *none
 
 
-def _dx_transpose(ct, dy, values, offsets, *, width, impl, guard):
+def _dx_transpose(ct, dy, values, *index, width, impl, guard):
     del width
     ct = ad.instantiate_zeros(ct)
+    none = (None,) * len(index)
     if _linear_in("dx", dy, values) == 0:
+        out_features = _shape(dy)[-1]
         return (
-            fwd(ct, values, offsets, out_features=_shape(dy)[-1], impl=impl, guard=guard),
+            fwd(ct, values, *index, out_features=out_features, impl=impl, guard=guard),
             None,
-            None,
+            *none,
         )
     block_size = _block_size(_shape(values))
-    return None, dvalues(dy, ct, offsets, block_size=block_size, impl=impl, guard=guard), None
+    return None, dvalues(dy, ct, *index, block_size=block_size, impl=impl, guard=guard), *none
 
 
-def _dvalues_transpose(ct, dy, x, offsets, *, block_size, impl, guard):
+def _dvalues_transpose(ct, dy, x, *index, block_size, impl, guard):
     del block_size
     ct = ad.instantiate_zeros(ct)
+    none = (None,) * len(index)
     if _linear_in("dvalues", dy, x) == 0:
-        return fwd(x, ct, offsets, out_features=_shape(dy)[-1], impl=impl, guard=guard), None, None
-    return None, dx(dy, ct, offsets, in_features=_shape(x)[-1], impl=impl, guard=guard), None
+        out_features = _shape(dy)[-1]
+        return fwd(x, ct, *index, out_features=out_features, impl=impl, guard=guard), None, *none
+    in_features = _shape(x)[-1]
+    return None, dx(dy, ct, *index, in_features=in_features, impl=impl, guard=guard), *none
 
 
 ad.primitive_transposes[fwd_p] = _fwd_transpose

@@ -12,6 +12,9 @@ The trick for wrapped indices: a diagonal touches a contiguous run of ``D`` rows
 ``[B, P + D]`` buffer that is folded once at the end turns every diagonal into one unwrapped slice.
 Block diagonals do the same on ``[B, blocks, b]`` views, with every step a batched ``b x b``
 product over the ``L_b`` blocks.
+
+An input permutation ``perm[in]`` (a product of ``W P``: ``y = W x[..., perm]``) is
+:func:`gather_columns` of ``x`` before the product and :func:`scatter_columns` of ``dx`` after it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,36 @@ __all__ = [
     "diag_matmul_fwd_reference",
     "diag_matmul_dx_reference",
     "diag_matmul_dvalues_reference",
+    "gather_columns",
+    "inverse_permutation",
+    "is_permutation",
+    "scatter_columns",
 ]
+
+
+def is_permutation(perm):
+    """Whether integer ``perm[n]`` holds each value of ``range(n)`` once (bool scalar, jit-able)."""
+    n = perm.shape[-1]
+    inside = jnp.all((perm >= 0) & (perm < n))
+    counts = jnp.zeros((n,), jnp.int32).at[jnp.clip(perm, 0, n - 1)].add(1)
+    return inside & jnp.all(counts == 1)
+
+
+def inverse_permutation(perm):
+    """``inv`` with ``inv[perm[j]] = j`` for a permutation ``perm[n]`` (int32)."""
+    n = perm.shape[-1]
+    return jnp.zeros((n,), jnp.int32).at[perm].set(jnp.arange(n, dtype=jnp.int32))
+
+
+def gather_columns(a, perm):
+    """``a[..., perm]`` (``a`` itself for ``perm=None``)."""
+    return a if perm is None else jnp.take(a, perm, axis=-1, mode="clip")
+
+
+def scatter_columns(a, perm):
+    """``out`` with ``out[..., perm[j]] = a[..., j]`` for a permutation ``perm`` (the transpose of
+    :func:`gather_columns`), as a gather by the inverse; ``a`` itself for ``perm=None``."""
+    return a if perm is None else gather_columns(a, inverse_permutation(perm))
 
 
 def _entry_indices(offsets, in_features: int, out_features: int, block_size: int):

@@ -124,6 +124,25 @@ class Scratch {
   size_t capacity_ = 0;
 };
 
+// dst[r, j] = src[r, perm[j]] for r < rows and j < width, rows src_stride and dst_stride apart:
+// a chunk of x read through the input permutation (DiagMatrix::perm).
+template <typename T>
+void GatherRows(const T* src, int64_t src_stride, int64_t rows, int64_t width,
+                const int32_t* perm, T* dst, int64_t dst_stride) {
+  for (int64_t r = 0; r < rows; ++r, src += src_stride, dst += dst_stride) {
+    for (int64_t j = 0; j < width; ++j) dst[j] = src[perm[j]];
+  }
+}
+
+// dst[r, perm[j]] = src[r, j]: a chunk of dx written back through the input permutation.
+template <typename T>
+void ScatterRows(const T* src, int64_t src_stride, int64_t rows, int64_t width,
+                 const int32_t* perm, T* dst, int64_t dst_stride) {
+  for (int64_t r = 0; r < rows; ++r, src += src_stride, dst += dst_stride) {
+    for (int64_t j = 0; j < width; ++j) dst[perm[j]] = src[j];
+  }
+}
+
 uint32_t LaneMask(int64_t begin, int64_t end) {  // lanes [begin, end) of 16
   if (end <= begin) return 0;
   return ((1u << end) - 1u) & ~((1u << begin) - 1u);
@@ -287,15 +306,19 @@ class PartialSums {
 };
 
 // out[rows, out_width] = in[rows, in_width] (x) diagonals: the forward and dx. Workers claim
-// chunks of rows; the plan and the packed values are shared read-only.
+// chunks of rows; the plan and the packed values are shared read-only. With an input permutation
+// (`forward`: read `in` through it; dx: write `out` through it) each chunk passes through the
+// task's own buffer, which stays in L2 between the copy and the kernel.
 template <typename T>
 class ProductJob : public Job {
  public:
-  ProductJob(int64_t rows, const DiagMatrix& w, bool moving_on_output, const void* in, void* out,
-             int64_t workers, const Kernels& kernels)
+  ProductJob(int64_t rows, const DiagMatrix& w, bool moving_on_output, bool forward,
+             const void* in, void* out, int64_t workers, const Kernels& kernels)
       : rows_(rows),
         in_(static_cast<const T*>(in)),
         out_(static_cast<T*>(out)),
+        gather_(forward ? w.perm : nullptr),
+        scatter_(forward ? nullptr : w.perm),
         table_(TableFor<T>(kernels)) {
     const int64_t p = std::max(w.in, w.out), len = std::min(w.in, w.out);
     in_width_ = moving_on_output ? len : p;
@@ -304,17 +327,34 @@ class ProductJob : public Job {
     vp_ = Scratch<float>(plan_.num_segs * kLanes);
     table_.pack(plan_.view(), static_cast<const T*>(w.values), vp_.get());
     workers_ = TaskCount(rows_, kProductRowChunk, plan_.num_segs, workers);
+    if (w.perm != nullptr) {
+      chunk_copy_ = Scratch<T>(workers_ * kProductRowChunk * (forward ? in_width_ : out_width_));
+    }
   }
 
   int64_t num_tasks() const override { return workers_; }
 
-  void RunTask(int64_t) override {
+  void RunTask(int64_t task) override {
     const PlanView plan = plan_.view();
+    T* copy = chunk_copy_.get() == nullptr
+                  ? nullptr
+                  : chunk_copy_.get() +
+                        task * kProductRowChunk * (gather_ != nullptr ? in_width_ : out_width_);
     for (;;) {
       const int64_t r0 = next_row_.fetch_add(kProductRowChunk, std::memory_order_relaxed);
       if (r0 >= rows_) return;
-      table_.product(plan, vp_.get(), in_ + r0 * in_width_, in_width_, out_ + r0 * out_width_,
-                     out_width_, std::min(kProductRowChunk, rows_ - r0));
+      const int64_t n = std::min(kProductRowChunk, rows_ - r0);
+      const T* in = in_ + r0 * in_width_;
+      if (gather_ != nullptr) {
+        GatherRows(in, in_width_, n, in_width_, gather_, copy, in_width_);
+        in = copy;
+      }
+      T* out = scatter_ != nullptr ? copy : out_ + r0 * out_width_;
+      table_.product(plan, vp_.get(), in, in_width_, out, out_width_, n);
+      if (scatter_ != nullptr) {
+        ScatterRows(copy, out_width_, n, out_width_, scatter_, out_ + r0 * out_width_,
+                    out_width_);
+      }
     }
   }
 
@@ -322,29 +362,35 @@ class ProductJob : public Job {
   int64_t rows_, workers_ = 1, in_width_ = 0, out_width_ = 0;
   const T* in_;
   T* out_;
+  const int32_t* gather_;   // the forward's permutation of `in`, or null
+  const int32_t* scatter_;  // dx's permutation of `out`, or null
   const KernelTable<T>& table_;
   Plan plan_;
   Scratch<float> vp_;
+  Scratch<T> chunk_copy_;  // [tasks][kProductRowChunk][permuted width] with a permutation
   std::atomic<int64_t> next_row_{0};
 };
 
 // dvalues[k, t] = sum_r fixed[r, t] * moving[r, (t + d) % P], the diagonal SDDMM. Tiles run
 // along the moving side (width P) and segments gather from the fixed side (width D = the
 // narrower operand, which stays in cache); lane l of segment s is entry vbase_s + l of dvalues.
-// Tasks accumulate row chunks into their own PartialSums block.
+// Tasks accumulate row chunks into their own PartialSums block. With an input permutation, each
+// chunk of x is gathered through it into the task's buffer first.
 template <typename T>
 class DvaluesJob : public Job {
  public:
   DvaluesJob(const DvaluesArgs& a, int64_t workers, const Kernels& kernels)
       : rows_(a.rows), out_(static_cast<T*>(a.dvalues)), table_(TableFor<T>(kernels)) {
-    const bool tall = a.w.out >= a.w.in;
-    tiled_ = static_cast<const T*>(tall ? a.dy : a.x);     // the moving side
-    gathered_ = static_cast<const T*>(tall ? a.x : a.dy);  // the fixed side
+    tall_ = a.w.out >= a.w.in;
+    tiled_ = static_cast<const T*>(tall_ ? a.dy : a.x);     // the moving side
+    gathered_ = static_cast<const T*>(tall_ ? a.x : a.dy);  // the fixed side
     gathered_width_ = std::min(a.w.in, a.w.out);
     tiled_width_ = std::max(a.w.in, a.w.out);
     plan_ = BuildPlan(a.w, /*moving_on_output=*/true);
     const int64_t tasks = TaskCount(rows_, kSddmmRowChunk, plan_.num_segs, workers);
     sums_.Init(tasks, plan_.num_segs * kLanes, tasks);
+    perm_ = a.w.perm;
+    if (perm_ != nullptr) x_copy_ = Scratch<T>(tasks * kSddmmRowChunk * a.w.in);
   }
 
   int64_t num_tasks() const override { return sums_.blocks(); }
@@ -353,18 +399,28 @@ class DvaluesJob : public Job {
     const PlanView plan = plan_.view();
     float* acc = sums_.Begin(task);
     const int64_t stride = sums_.blocks() * kSddmmRowChunk;
+    const int64_t x_width = tall_ ? gathered_width_ : tiled_width_;
+    T* x_copy = perm_ == nullptr ? nullptr : x_copy_.get() + task * kSddmmRowChunk * x_width;
     for (int64_t r0 = task * kSddmmRowChunk; r0 < rows_; r0 += stride) {
-      table_.sddmm(plan, tiled_ + r0 * tiled_width_, tiled_width_,
-                   gathered_ + r0 * gathered_width_, gathered_width_,
-                   std::min(kSddmmRowChunk, rows_ - r0), acc);
+      const int64_t n = std::min(kSddmmRowChunk, rows_ - r0);
+      const T* tiled = tiled_ + r0 * tiled_width_;
+      const T* gathered = gathered_ + r0 * gathered_width_;
+      if (perm_ != nullptr) {
+        GatherRows(tall_ ? gathered : tiled, x_width, n, x_width, perm_, x_copy, x_width);
+        (tall_ ? gathered : tiled) = x_copy;
+      }
+      table_.sddmm(plan, tiled, tiled_width_, gathered, gathered_width_, n, acc);
     }
     sums_.Finish([&](const float* sums) { WriteDvalues(plan, sums, out_); });
   }
 
  private:
   int64_t rows_, tiled_width_ = 0, gathered_width_ = 0;
+  bool tall_ = true;
   const T* tiled_ = nullptr;
   const T* gathered_ = nullptr;
+  const int32_t* perm_ = nullptr;
+  Scratch<T> x_copy_;  // [tasks][kSddmmRowChunk][in] with a permutation
   T* out_;
   const KernelTable<T>& table_;
   Plan plan_;
@@ -376,6 +432,8 @@ class DvaluesJob : public Job {
 // s pairs dx (and x) column 16 j + l with dy column c0 + l and with entry vbase + l of both values
 // and dvalues, so every dy window feeds both products. Tasks accumulate row chunks into their
 // PartialSums blocks, walking the tiles in groups whose packed values and partial sums stay in L2.
+// With an input permutation, each chunk of x is gathered into the task's buffer and its dx
+// computed into another, scattered back once the chunk is done.
 template <typename T>
 class BackwardJob : public Job {
  public:
@@ -401,6 +459,8 @@ class BackwardJob : public Job {
     group_begin_.push_back(plan.num_tiles);
     const int64_t tasks = TaskCount(rows_, kBackwardRowChunk, plan.num_segs, workers);
     sums_.Init(tasks, plan.num_segs * kLanes, tasks);
+    perm_ = a.w.perm;
+    if (perm_ != nullptr) copies_ = Scratch<T>(tasks * 2 * kBackwardRowChunk * width_);
   }
 
   int64_t num_tasks() const override { return sums_.blocks(); }
@@ -409,12 +469,22 @@ class BackwardJob : public Job {
     const PlanView plan = plan_.view();
     float* acc = sums_.Begin(task);
     const int64_t stride = sums_.blocks() * kBackwardRowChunk;
+    T* x_copy = perm_ == nullptr ? nullptr : copies_.get() + task * 2 * kBackwardRowChunk * width_;
+    T* dx_copy = perm_ == nullptr ? nullptr : x_copy + kBackwardRowChunk * width_;
     for (int64_t r0 = task * kBackwardRowChunk; r0 < rows_; r0 += stride) {
       const int64_t n = std::min(kBackwardRowChunk, rows_ - r0);
+      const T* x = x_ + r0 * width_;
+      T* dx = perm_ != nullptr ? dx_copy : dx_ + r0 * width_;
+      if (perm_ != nullptr) {
+        GatherRows(x, width_, n, width_, perm_, x_copy, width_);
+        x = x_copy;
+      }
       for (size_t g = 0; g + 1 < group_begin_.size(); ++g) {
         table_.backward(plan, group_begin_[g], group_begin_[g + 1], vp_.get(),
-                        dy_ + r0 * dy_width_, dy_width_, x_ + r0 * width_, dx_ + r0 * width_,
-                        width_, n, acc);
+                        dy_ + r0 * dy_width_, dy_width_, x, dx, width_, n, acc);
+      }
+      if (perm_ != nullptr) {
+        ScatterRows(dx_copy, width_, n, width_, perm_, dx_ + r0 * width_, width_);
       }
     }
     sums_.Finish([&](const float* sums) { WriteDvalues(plan, sums, dvalues_); });
@@ -426,6 +496,8 @@ class BackwardJob : public Job {
   const T* x_;
   T* dx_;
   T* dvalues_;
+  const int32_t* perm_ = nullptr;
+  Scratch<T> copies_;  // per task: x's chunk, then dx's, [kBackwardRowChunk][in] each
   const KernelTable<T>& table_;
   Plan plan_;
   Scratch<float> vp_;
@@ -481,12 +553,17 @@ const BlockKernelTable<Bf16>& BlockTableFor<Bf16>(const Kernels& kernels) {
   return kernels.bf16_blocks;
 }
 
-// rows x cols of src (row stride `stride`) as float32 rows of stride dst_stride in dst.
+// rows x cols of src (row stride `stride`) as float32 rows of stride dst_stride in dst; with
+// `perm`, column c of dst is column perm[c] of src.
 template <typename T>
 void CopyRows(const T* src, int64_t stride, int64_t rows, int64_t cols, float* dst,
-              int64_t dst_stride) {
+              int64_t dst_stride, const int32_t* perm = nullptr) {
   for (int64_t r = 0; r < rows; ++r, src += stride, dst += dst_stride) {
-    for (int64_t c = 0; c < cols; ++c) dst[c] = ToFloat(src[c]);
+    if (perm != nullptr) {
+      for (int64_t c = 0; c < cols; ++c) dst[c] = ToFloat(src[perm[c]]);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) dst[c] = ToFloat(src[c]);
+    }
   }
 }
 
@@ -554,6 +631,8 @@ BlockPlan BuildBlockPlan(const DiagMatrix& w, bool forward) {
 // widen it) into their own buffer first. The copy pays for itself even in float32: it streams the
 // rows in once, in order, where the kernel would take them from memory a few lines at a time in a
 // pattern the prefetchers do not follow; the buffer then stays in L2 for every output block.
+// With an input permutation the forward's copy gathers through it, and dx goes through a second
+// buffer per task that is scattered back.
 template <typename T>
 class BlockProductJob : public Job {
  public:
@@ -564,6 +643,8 @@ class BlockProductJob : public Job {
         out_width_(forward ? w.out : w.in),
         in_(static_cast<const T*>(in)),
         out_(static_cast<T*>(out)),
+        gather_(forward ? w.perm : nullptr),
+        scatter_(forward ? nullptr : w.perm),
         table_(BlockTableFor<T>(kernels)) {
     plan_ = BuildBlockPlan(w, forward);
     const int64_t bb = w.block * w.block;
@@ -576,19 +657,25 @@ class BlockProductJob : public Job {
     // A row stride of a multiple of 4 KiB would put a column of every row in one L1 set.
     stride_ = in_width_ % 1024 == 0 ? in_width_ + 16 : in_width_;
     rows_copy_ = Scratch<float>(tasks_ * chunk_ * stride_);
+    if (scatter_ != nullptr) out_copy_ = Scratch<T>(tasks_ * chunk_ * out_width_);
   }
 
   int64_t num_tasks() const override { return tasks_; }
 
   void RunTask(int64_t task) override {
+    T* out_copy = scatter_ == nullptr ? nullptr : out_copy_.get() + task * chunk_ * out_width_;
     for (;;) {
       const int64_t r0 = next_row_.fetch_add(chunk_, std::memory_order_relaxed);
       if (r0 >= rows_) return;
       const int64_t n = std::min(chunk_, rows_ - r0);
       float* rows = rows_copy_.get() + task * chunk_ * stride_;
-      CopyRows(in_ + r0 * in_width_, in_width_, n, in_width_, rows, stride_);
-      table_.product(plan_.view(), panels_.get(), rows, stride_, out_ + r0 * out_width_,
-                     out_width_, n);
+      CopyRows(in_ + r0 * in_width_, in_width_, n, in_width_, rows, stride_, gather_);
+      T* out = scatter_ != nullptr ? out_copy : out_ + r0 * out_width_;
+      table_.product(plan_.view(), panels_.get(), rows, stride_, out, out_width_, n);
+      if (scatter_ != nullptr) {
+        ScatterRows(out_copy, out_width_, n, out_width_, scatter_, out_ + r0 * out_width_,
+                    out_width_);
+      }
     }
   }
 
@@ -596,22 +683,30 @@ class BlockProductJob : public Job {
   int64_t rows_, in_width_, out_width_, chunk_ = kBlockChunkRows, tasks_ = 1, stride_ = 0;
   const T* in_;
   T* out_;
+  const int32_t* gather_;   // the forward's permutation of `in`, or null
+  const int32_t* scatter_;  // dx's permutation of `out`, or null
   const BlockKernelTable<T>& table_;
   BlockPlan plan_;
   Scratch<float> panels_;
   Scratch<float> rows_copy_;  // [tasks][chunk][stride]
+  Scratch<T> out_copy_;       // [tasks][chunk][out_width] for dx with a permutation
   std::atomic<int64_t> next_row_{0};
 };
 
 // Copies strips [s0, s1) of b columns of rows x (width) of src (row stride `width`), as float32,
-// into contiguous [rows][b] strips at dst, strip s - s0 at (s - s0) * pitch.
+// into contiguous [rows][b] strips at dst, strip s - s0 at (s - s0) * pitch; with `perm`, column
+// c of the strips is column perm[c] of src.
 template <typename T>
 void PackStrips(const T* src, int64_t width, int64_t rows, int64_t b, int64_t s0, int64_t s1,
-                float* dst, int64_t pitch) {
+                float* dst, int64_t pitch, const int32_t* perm) {
   for (int64_t r = 0; r < rows; ++r, src += width) {
     for (int64_t s = s0; s < s1; ++s) {
       float* out = dst + (s - s0) * pitch + r * b;
-      for (int64_t c = 0; c < b; ++c) out[c] = ToFloat(src[s * b + c]);
+      if (perm != nullptr) {
+        for (int64_t c = 0; c < b; ++c) out[c] = ToFloat(src[perm[s * b + c]]);
+      } else {
+        for (int64_t c = 0; c < b; ++c) out[c] = ToFloat(src[s * b + c]);
+      }
     }
   }
 }
@@ -626,7 +721,7 @@ void PackStrips(const T* src, int64_t width, int64_t rows, int64_t b, int64_t s0
 // The strips' pitch is an odd number of cache lines, so one row of consecutive strips spreads
 // over the L1 sets. Every row is copied once. The chunks are dealt out to slots (slot s: chunks s,
 // s + slots, ...), each with its own PartialSums block; tasks claim whole slots, so a task the OS
-// holds back delays one slot, not half the rows.
+// holds back delays one slot, not half the rows. An input permutation is applied in the copy of x.
 template <typename T>
 class BlockDvaluesJob : public Job {
  public:
@@ -640,6 +735,7 @@ class BlockDvaluesJob : public Job {
         sddmm_(kernels.block_sddmm) {
     long_ = static_cast<const T*>(tall_ ? a.dy : a.x);
     short_ = static_cast<const T*>(tall_ ? a.x : a.dy);
+    (tall_ ? short_perm_ : long_perm_) = a.w.perm;
     long_width_ = std::max(a.w.in, a.w.out);
     short_width_ = std::min(a.w.in, a.w.out);
     num_long_ = long_width_ / b_;
@@ -681,10 +777,11 @@ class BlockDvaluesJob : public Job {
   // acc += the products of the n rows from r0, copied through the strips.
   void Chunk(int64_t r0, int64_t n, float* shorts, float* longs, float* acc) {
     const int64_t bb = b_ * b_, num_short = short_width_ / b_;
-    PackStrips(short_ + r0 * short_width_, short_width_, n, b_, 0, num_short, shorts, pitch_);
+    PackStrips(short_ + r0 * short_width_, short_width_, n, b_, 0, num_short, shorts, pitch_,
+               short_perm_);
     for (int64_t t0 = 0; t0 < num_long_; t0 += group_) {
       const int64_t t1 = std::min(num_long_, t0 + group_);
-      PackStrips(long_ + r0 * long_width_, long_width_, n, b_, t0, t1, longs, pitch_);
+      PackStrips(long_ + r0 * long_width_, long_width_, n, b_, t0, t1, longs, pitch_, long_perm_);
       for (int64_t t = t0; t < t1; ++t) {
         const float* strip = longs + (t - t0) * pitch_;
         for (int64_t k = 0; k < k_; ++k) {
@@ -707,6 +804,8 @@ class BlockDvaluesJob : public Job {
   decltype(Kernels::block_sddmm) sddmm_;
   const T* long_ = nullptr;
   const T* short_ = nullptr;
+  const int32_t* long_perm_ = nullptr;  // x's permutation where x is the long side
+  const int32_t* short_perm_ = nullptr;
   int64_t long_width_ = 0, short_width_ = 0, num_long_ = 0;
   int64_t chunk_ = 8, pitch_ = 0, group_ = 1, task_floats_ = 0, tasks_ = 1;
   Scratch<float> strips_;  // per task: the P_b short strips, then a group of long ones
@@ -780,6 +879,7 @@ struct FewRowsWork {
 // for float32 and into a float32 copy for bfloat16 (rounded once at the end). Tasks split the
 // product by output columns (blocks) and dvalues by diagonals (blocks): every output element is
 // summed by one task, over the diagonals in order, so the result does not depend on the split.
+// An input permutation is applied in the copies: x's through it, dx's write-back scattered.
 template <typename T>
 class FewRowsJob : public Job {
  public:
@@ -799,9 +899,11 @@ class FewRowsJob : public Job {
     if (work.product) {
       src_width_ = work.forward ? w.in : w.out;
       dst_width_ = work.forward ? w.out : w.in;
-      src_ = Widened(work.in, src_width_, src_copy_);
-      // Sums go straight to a float32 output row; several rows to a copy (PaddedStride).
-      if (std::is_same_v<T, float> && rows <= 1) {
+      src_ = Widened(work.in, src_width_, src_copy_, work.forward ? w.perm : nullptr);
+      scatter_ = work.forward ? nullptr : w.perm;
+      // Sums go straight to a float32 output row; several rows (or a permuted dx) to a copy
+      // (PaddedStride).
+      if (std::is_same_v<T, float> && rows <= 1 && scatter_ == nullptr) {
         dst_ = static_cast<float*>(work.out);
         dst_stride_ = dst_width_;
       } else {
@@ -811,8 +913,8 @@ class FewRowsJob : public Job {
       }
     }
     if (work.dvalues) {
-      dy_ = work.product && !work.forward ? src_ : Widened(work.dy, w.out, dy_copy_);
-      x_ = Widened(work.x, w.in, x_copy_);
+      dy_ = work.product && !work.forward ? src_ : Widened(work.dy, w.out, dy_copy_, nullptr);
+      x_ = Widened(work.x, w.in, x_copy_, w.perm);
     }
     const int64_t macs = rows * macs_per_row * (int64_t{work.product} + int64_t{work.dvalues});
     tasks_ = std::clamp<int64_t>(macs / kFewMacsPerTask, 1, std::max<int64_t>(workers, 1));
@@ -846,7 +948,12 @@ class FewRowsJob : public Job {
         T* out = static_cast<T*>(work_.out);
         for (int64_t r = 0; r < rows_; ++r) {
           const float* sums = dst_ + r * dst_stride_;
-          for (int64_t c = lo; c < hi; ++c) FromFloat(sums[c], out + r * dst_width_ + c);
+          T* row = out + r * dst_width_;
+          if (scatter_ != nullptr) {
+            for (int64_t c = lo; c < hi; ++c) FromFloat(sums[c], row + scatter_[c]);
+          } else {
+            for (int64_t c = lo; c < hi; ++c) FromFloat(sums[c], row + c);
+          }
         }
       }
     }
@@ -866,13 +973,15 @@ class FewRowsJob : public Job {
     int64_t stride = 0;
   };
 
-  // rows x width of p as float32 rows: p itself for one float32 row, else a copy (bfloat16
-  // widened) with rows PaddedStride apart.
-  Rows Widened(const void* p, int64_t width, Scratch<float>& copy) {
-    if (std::is_same_v<T, float> && rows_ <= 1) return {static_cast<const float*>(p), width};
+  // rows x width of p as float32 rows (read through `perm` if given): p itself for one float32
+  // row in order, else a copy (bfloat16 widened) with rows PaddedStride apart.
+  Rows Widened(const void* p, int64_t width, Scratch<float>& copy, const int32_t* perm) {
+    if (std::is_same_v<T, float> && rows_ <= 1 && perm == nullptr) {
+      return {static_cast<const float*>(p), width};
+    }
     const int64_t stride = PaddedStride(width);
     copy = Scratch<float>(std::max<int64_t>(rows_ * stride, 1));
-    CopyRows(static_cast<const T*>(p), width, rows_, width, copy.get(), stride);
+    CopyRows(static_cast<const T*>(p), width, rows_, width, copy.get(), stride, perm);
     return {copy.get(), stride};
   }
 
@@ -996,6 +1105,7 @@ class FewRowsJob : public Job {
   int64_t len_ = 0, units_ = 0, tasks_ = 1, src_width_ = 0, dst_width_ = 0, dst_stride_ = 0;
   Rows src_, dy_, x_;
   float* dst_ = nullptr;
+  const int32_t* scatter_ = nullptr;  // dx's input permutation, or null
   Scratch<float> src_copy_, dy_copy_, x_copy_, dst_copy_, sums_;
 };
 
@@ -1032,8 +1142,8 @@ std::unique_ptr<Job> MakeFwdJob(const FwdArgs& a, int64_t workers, Isa isa) {
                                       KernelsFor(isa));
   }
   // Tall W moves along the output rows; wide W along the input columns.
-  return MakeTyped<ProductJob>(a.type, a.rows, a.w, a.w.out >= a.w.in, a.x, a.y, workers,
-                               KernelsFor(isa));
+  return MakeTyped<ProductJob>(a.type, a.rows, a.w, a.w.out >= a.w.in, /*forward=*/true, a.x,
+                               a.y, workers, KernelsFor(isa));
 }
 
 std::unique_ptr<Job> MakeDxJob(const DxArgs& a, int64_t workers, Isa isa) {
@@ -1046,8 +1156,8 @@ std::unique_ptr<Job> MakeDxJob(const DxArgs& a, int64_t workers, Isa isa) {
                                       KernelsFor(isa));
   }
   // dx = dy @ W: in and out swap roles, so the moving side swaps (the transpose closure).
-  return MakeTyped<ProductJob>(a.type, a.rows, a.w, a.w.out < a.w.in, a.dy, a.dx, workers,
-                               KernelsFor(isa));
+  return MakeTyped<ProductJob>(a.type, a.rows, a.w, a.w.out < a.w.in, /*forward=*/false, a.dy,
+                               a.dx, workers, KernelsFor(isa));
 }
 
 std::unique_ptr<Job> MakeDvaluesJob(const DvaluesArgs& a, int64_t workers, Isa isa) {

@@ -28,6 +28,11 @@ enum class ElemType { kF32, kBF16 };
 // Tall (out >= in): block t of diagonal d sits at block row t, block column (t + d) % nb_in.
 // Wide (out < in):  block t of diagonal d sits at block row (t + d) % nb_out, block column t.
 // values[k, t, i, j] = W[block_row * b + i, block_col * b + j].
+//
+// With `perm` (a permutation of [0, in)) the matrix is W P, input column perm[j] of the rows
+// taking the place of column j: the forward reads x[r, perm[j]], dx writes dx[r, perm[j]], and
+// dvalues reads x through perm. The jobs gather (scatter) through it where they copy a chunk of
+// rows anyway, so no pass over the whole x (dx) is added.
 struct DiagMatrix {
   int64_t in;
   int64_t out;
@@ -35,6 +40,7 @@ struct DiagMatrix {
   const int32_t* offsets;  // [k], each in [0, P) (element) or [0, P_b) (block)
   const void* values;      // [k, min(in, out)] (element) or [k, L_b, b, b] (block)
   int64_t block = 1;
+  const int32_t* perm = nullptr;  // [in], a permutation of [0, in); null: the identity
 };
 
 // y[rows, out] = x[rows, in] @ W^T.

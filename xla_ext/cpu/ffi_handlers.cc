@@ -173,106 +173,160 @@ std::optional<ffi::Error> CheckDiagShape(const char* target, const char* name, D
   return std::nullopt;
 }
 
-constexpr char kFwd[] = "dynadiag_diag_matmul_v2_fwd";
-constexpr char kDx[] = "dynadiag_diag_matmul_v2_dx";
-constexpr char kDvalues[] = "dynadiag_diag_matmul_v2_dvalues";
-constexpr char kBwd[] = "dynadiag_diag_matmul_v2_bwd";
+// perm: s32[in], a permutation of [0, in) (x's column j is input perm[j]). Fills w.perm. A
+// bijection is checked (one pass with a bitmap, like the offsets' range): dx is scattered through
+// it, and a repeated entry would leave columns of dx unwritten.
+std::optional<ffi::Error> CheckPerm(const char* target, const ffi::AnyBuffer& perm,
+                                    DiagMatrix& w) {
+  if (perm.element_type() != ffi::DataType::S32) {
+    return Invalid(target, "perm must be an S32 array of shape [in] = [" + std::to_string(w.in) +
+                               "]");
+  }
+  Dims dims = perm.dimensions();
+  if (dims.size() != 1 || dims[0] != w.in) {
+    return Invalid(target, "perm must have shape [in] = [" + std::to_string(w.in) + "], got " +
+                               ShapeString(dims));
+  }
+  const int32_t* p = static_cast<const int32_t*>(perm.untyped_data());
+  std::vector<bool> seen(w.in, false);
+  for (int64_t j = 0; j < w.in; ++j) {
+    if (p[j] < 0 || p[j] >= w.in || seen[p[j]]) {
+      return Invalid(target, "perm[" + std::to_string(j) + "] = " + std::to_string(p[j]) +
+                                 (p[j] < 0 || p[j] >= w.in
+                                      ? " is outside [0, in) = [0, " + std::to_string(w.in) + ")"
+                                      : " appears twice: perm must be a permutation of [0, in)"));
+    }
+    seen[p[j]] = true;
+  }
+  w.perm = p;
+  return std::nullopt;
+}
+
+// The targets without and with the input permutation (an extra last operand perm[in]).
+struct Names {
+  const char* fwd;
+  const char* dx;
+  const char* dvalues;
+  const char* bwd;
+};
+constexpr Names kPlain = {"dynadiag_diag_matmul_v2_fwd", "dynadiag_diag_matmul_v2_dx",
+                          "dynadiag_diag_matmul_v2_dvalues", "dynadiag_diag_matmul_v2_bwd"};
+constexpr Names kPermuted = {
+    "dynadiag_diag_matmul_permuted_v1_fwd", "dynadiag_diag_matmul_permuted_v1_dx",
+    "dynadiag_diag_matmul_permuted_v1_dvalues", "dynadiag_diag_matmul_permuted_v1_bwd"};
 
 #define DYNADIAG_RETURN_IF_ERROR(expr)      \
   if (auto error = (expr)) return *error;
 
-std::optional<ffi::Error> DecodeFwd(ffi::AnyBuffer x, ffi::AnyBuffer values,
+// `perm` is null for the targets without an input permutation.
+std::optional<ffi::Error> DecodeFwd(const char* target, const ffi::AnyBuffer* perm,
+                                    ffi::AnyBuffer x, ffi::AnyBuffer values,
                                     ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y,
                                     FwdArgs& args) {
   auto type = ElemTypeOf(x.element_type());
-  if (!type) return Invalid(kFwd, "x must be F32 or BF16 on CPU");
-  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kFwd, "values", values.element_type(), x.element_type()));
-  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kFwd, "y", y->element_type(), x.element_type()));
-  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kFwd, "x", x.dimensions(), "in"));
-  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kFwd, "y", y->dimensions(), "out"));
+  if (!type) return Invalid(target, "x must be F32 or BF16 on CPU");
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(target, "values", values.element_type(), x.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(target, "y", y->element_type(), x.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(target, "x", x.dimensions(), "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(target, "y", y->dimensions(), "out"));
   DiagMatrix w{};
   w.in = x.dimensions().back();
   w.out = y->dimensions().back();
   w.values = values.untyped_data();
-  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kFwd, "x", x.dimensions(), "y", y->dimensions(), w.out,
+  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "x", x.dimensions(), "y", y->dimensions(), w.out,
                                          "out"));
-  DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(kFwd, "values", values.dimensions(), w));
-  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kFwd, offsets, w));
-  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kFwd, "values", values.dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(target, "values", values.dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w));
+  if (perm != nullptr) {
+    DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w));
+  }
+  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "values", values.dimensions(), w));
   args = FwdArgs{*type, Rows(x.dimensions()), w, x.untyped_data(), y->untyped_data()};
   return std::nullopt;
 }
 
-std::optional<ffi::Error> DecodeDx(ffi::AnyBuffer dy, ffi::AnyBuffer values,
+std::optional<ffi::Error> DecodeDx(const char* target, const ffi::AnyBuffer* perm,
+                                   ffi::AnyBuffer dy, ffi::AnyBuffer values,
                                    ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx,
                                    DxArgs& args) {
   auto type = ElemTypeOf(dy.element_type());
-  if (!type) return Invalid(kDx, "dy must be F32 or BF16 on CPU");
-  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kDx, "values", values.element_type(), dy.element_type()));
-  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kDx, "dx", dx->element_type(), dy.element_type()));
-  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kDx, "dy", dy.dimensions(), "out"));
-  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kDx, "dx", dx->dimensions(), "in"));
+  if (!type) return Invalid(target, "dy must be F32 or BF16 on CPU");
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(target, "values", values.element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(target, "dx", dx->element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(target, "dy", dy.dimensions(), "out"));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(target, "dx", dx->dimensions(), "in"));
   DiagMatrix w{};
   w.in = dx->dimensions().back();
   w.out = dy.dimensions().back();
   w.values = values.untyped_data();
-  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kDx, "dy", dy.dimensions(), "dx", dx->dimensions(), w.in,
-                                         "in"));
-  DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(kDx, "values", values.dimensions(), w));
-  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kDx, offsets, w));
-  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kDx, "values", values.dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "dy", dy.dimensions(), "dx", dx->dimensions(),
+                                         w.in, "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(target, "values", values.dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w));
+  if (perm != nullptr) {
+    DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w));
+  }
+  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "values", values.dimensions(), w));
   args = DxArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), dx->untyped_data()};
   return std::nullopt;
 }
 
-std::optional<ffi::Error> DecodeDvalues(ffi::AnyBuffer dy, ffi::AnyBuffer x,
+std::optional<ffi::Error> DecodeDvalues(const char* target, const ffi::AnyBuffer* perm,
+                                        ffi::AnyBuffer dy, ffi::AnyBuffer x,
                                         ffi::AnyBuffer offsets,
                                         ffi::Result<ffi::AnyBuffer> dvalues,
                                         DvaluesArgs& args) {
   auto type = ElemTypeOf(dy.element_type());
-  if (!type) return Invalid(kDvalues, "dy must be F32 or BF16 on CPU");
-  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kDvalues, "x", x.element_type(), dy.element_type()));
+  if (!type) return Invalid(target, "dy must be F32 or BF16 on CPU");
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(target, "x", x.element_type(), dy.element_type()));
   DYNADIAG_RETURN_IF_ERROR(
-      CheckFloat(kDvalues, "dvalues", dvalues->element_type(), dy.element_type()));
-  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kDvalues, "dy", dy.dimensions(), "out"));
-  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kDvalues, "x", x.dimensions(), "in"));
+      CheckFloat(target, "dvalues", dvalues->element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(target, "dy", dy.dimensions(), "out"));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(target, "x", x.dimensions(), "in"));
   DiagMatrix w{};
   w.in = x.dimensions().back();
   w.out = dy.dimensions().back();
-  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kDvalues, "dy", dy.dimensions(), "x", x.dimensions(),
+  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "dy", dy.dimensions(), "x", x.dimensions(),
                                          w.in, "in"));
-  DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(kDvalues, "dvalues", dvalues->dimensions(), w));
-  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kDvalues, offsets, w));
-  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kDvalues, "dvalues", dvalues->dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(target, "dvalues", dvalues->dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w));
+  if (perm != nullptr) {
+    DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w));
+  }
+  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "dvalues", dvalues->dimensions(), w));
   args = DvaluesArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), x.untyped_data(),
                      dvalues->untyped_data()};
   return std::nullopt;
 }
 
-std::optional<ffi::Error> DecodeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer values,
+std::optional<ffi::Error> DecodeBwd(const char* target, const ffi::AnyBuffer* perm,
+                                    ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer values,
                                     ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx,
                                     ffi::Result<ffi::AnyBuffer> dvalues, BwdArgs& args) {
   auto type = ElemTypeOf(dy.element_type());
-  if (!type) return Invalid(kBwd, "dy must be F32 or BF16 on CPU");
-  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kBwd, "x", x.element_type(), dy.element_type()));
-  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kBwd, "values", values.element_type(), dy.element_type()));
-  DYNADIAG_RETURN_IF_ERROR(CheckFloat(kBwd, "dx", dx->element_type(), dy.element_type()));
+  if (!type) return Invalid(target, "dy must be F32 or BF16 on CPU");
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(target, "x", x.element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(target, "values", values.element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckFloat(target, "dx", dx->element_type(), dy.element_type()));
   DYNADIAG_RETURN_IF_ERROR(
-      CheckFloat(kBwd, "dvalues", dvalues->element_type(), dy.element_type()));
-  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kBwd, "dy", dy.dimensions(), "out"));
-  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(kBwd, "x", x.dimensions(), "in"));
+      CheckFloat(target, "dvalues", dvalues->element_type(), dy.element_type()));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(target, "dy", dy.dimensions(), "out"));
+  DYNADIAG_RETURN_IF_ERROR(CheckRowsOperand(target, "x", x.dimensions(), "in"));
   DiagMatrix w{};
   w.in = x.dimensions().back();
   w.out = dy.dimensions().back();
   w.values = values.untyped_data();
-  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kBwd, "dy", dy.dimensions(), "x", x.dimensions(), w.in,
+  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "dy", dy.dimensions(), "x", x.dimensions(), w.in,
                                          "in"));
-  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(kBwd, "dy", dy.dimensions(), "dx", dx->dimensions(),
+  DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "dy", dy.dimensions(), "dx", dx->dimensions(),
                                          w.in, "in"));
-  DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(kBwd, "values", values.dimensions(), w));
-  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(kBwd, offsets, w));
-  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kBwd, "values", values.dimensions(), w));
-  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(kBwd, "dvalues", dvalues->dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(target, "values", values.dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w));
+  if (perm != nullptr) {
+    DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w));
+  }
+  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "values", values.dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "dvalues", dvalues->dimensions(), w));
   args = BwdArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), x.untyped_data(),
                  dx->untyped_data(), dvalues->untyped_data()};
   return std::nullopt;
@@ -318,39 +372,91 @@ ffi::Future Launch(const char* target, ffi::ThreadPool& pool, MakeJob make_job) 
   return future;
 }
 
+ffi::Future Fwd(const Names& names, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                ffi::AnyBuffer offsets, const ffi::AnyBuffer* perm, ffi::Result<ffi::AnyBuffer> y) {
+  FwdArgs args;
+  if (auto error = DecodeFwd(names.fwd, perm, x, values, offsets, y, args)) {
+    return ReadyFuture(std::move(error));
+  }
+  return Launch(names.fwd, pool,
+                [&](int64_t workers) { return MakeFwdJob(args, workers, BestIsa()); });
+}
+
+ffi::Future Dx(const Names& names, ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer values,
+               ffi::AnyBuffer offsets, const ffi::AnyBuffer* perm, ffi::Result<ffi::AnyBuffer> dx) {
+  DxArgs args;
+  if (auto error = DecodeDx(names.dx, perm, dy, values, offsets, dx, args)) {
+    return ReadyFuture(std::move(error));
+  }
+  return Launch(names.dx, pool,
+                [&](int64_t workers) { return MakeDxJob(args, workers, BestIsa()); });
+}
+
+ffi::Future Dvalues(const Names& names, ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                    ffi::AnyBuffer offsets, const ffi::AnyBuffer* perm,
+                    ffi::Result<ffi::AnyBuffer> dvalues) {
+  DvaluesArgs args;
+  if (auto error = DecodeDvalues(names.dvalues, perm, dy, x, offsets, dvalues, args)) {
+    return ReadyFuture(std::move(error));
+  }
+  return Launch(names.dvalues, pool,
+                [&](int64_t workers) { return MakeDvaluesJob(args, workers, BestIsa()); });
+}
+
+ffi::Future Bwd(const Names& names, ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                ffi::AnyBuffer values, ffi::AnyBuffer offsets, const ffi::AnyBuffer* perm,
+                ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dvalues) {
+  BwdArgs args;
+  if (auto error = DecodeBwd(names.bwd, perm, dy, x, values, offsets, dx, dvalues, args)) {
+    return ReadyFuture(std::move(error));
+  }
+  return Launch(names.bwd, pool,
+                [&](int64_t workers) { return MakeBwdJob(args, workers, BestIsa()); });
+}
+
 ffi::Future FwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
                     ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y) {
-  FwdArgs args;
-  if (auto error = DecodeFwd(x, values, offsets, y, args)) return ReadyFuture(std::move(error));
-  return Launch(kFwd, pool, [&](int64_t workers) { return MakeFwdJob(args, workers, BestIsa()); });
+  return Fwd(kPlain, pool, x, values, offsets, nullptr, y);
 }
 
 ffi::Future DxImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer values,
                    ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx) {
-  DxArgs args;
-  if (auto error = DecodeDx(dy, values, offsets, dx, args)) return ReadyFuture(std::move(error));
-  return Launch(kDx, pool, [&](int64_t workers) { return MakeDxJob(args, workers, BestIsa()); });
+  return Dx(kPlain, pool, dy, values, offsets, nullptr, dx);
 }
 
 ffi::Future DvaluesImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                         ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dvalues) {
-  DvaluesArgs args;
-  if (auto error = DecodeDvalues(dy, x, offsets, dvalues, args)) {
-    return ReadyFuture(std::move(error));
-  }
-  return Launch(kDvalues, pool,
-                [&](int64_t workers) { return MakeDvaluesJob(args, workers, BestIsa()); });
+  return Dvalues(kPlain, pool, dy, x, offsets, nullptr, dvalues);
 }
 
 ffi::Future BwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                     ffi::AnyBuffer values, ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx,
                     ffi::Result<ffi::AnyBuffer> dvalues) {
-  BwdArgs args;
-  if (auto error = DecodeBwd(dy, x, values, offsets, dx, dvalues, args)) {
-    return ReadyFuture(std::move(error));
-  }
-  return Launch(kBwd, pool,
-                [&](int64_t workers) { return MakeBwdJob(args, workers, BestIsa()); });
+  return Bwd(kPlain, pool, dy, x, values, offsets, nullptr, dx, dvalues);
+}
+
+ffi::Future PermutedFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                            ffi::AnyBuffer offsets, ffi::AnyBuffer perm,
+                            ffi::Result<ffi::AnyBuffer> y) {
+  return Fwd(kPermuted, pool, x, values, offsets, &perm, y);
+}
+
+ffi::Future PermutedDxImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer values,
+                           ffi::AnyBuffer offsets, ffi::AnyBuffer perm,
+                           ffi::Result<ffi::AnyBuffer> dx) {
+  return Dx(kPermuted, pool, dy, values, offsets, &perm, dx);
+}
+
+ffi::Future PermutedDvaluesImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                                ffi::AnyBuffer offsets, ffi::AnyBuffer perm,
+                                ffi::Result<ffi::AnyBuffer> dvalues) {
+  return Dvalues(kPermuted, pool, dy, x, offsets, &perm, dvalues);
+}
+
+ffi::Future PermutedBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                            ffi::AnyBuffer values, ffi::AnyBuffer offsets, ffi::AnyBuffer perm,
+                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dvalues) {
+  return Bwd(kPermuted, pool, dy, x, values, offsets, &perm, dx, dvalues);
 }
 
 }  // namespace
@@ -387,5 +493,43 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulBwdCpu, dynadiag::BwdImpl,
                                   .Arg<ffi::AnyBuffer>()   // x[..., in]
                                   .Arg<ffi::AnyBuffer>()   // values[K, D] or [K, L_b, b, b]
                                   .Arg<ffi::AnyBuffer>()   // offsets[K] s32
+                                  .Ret<ffi::AnyBuffer>()   // dx[..., in]
+                                  .Ret<ffi::AnyBuffer>());  // dvalues[K, D] or [K, L_b, b, b]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulPermutedFwdCpu, dynadiag::PermutedFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // x[..., in]
+                                  .Arg<ffi::AnyBuffer>()   // values[K, D] or [K, L_b, b, b]
+                                  .Arg<ffi::AnyBuffer>()   // offsets[K] s32
+                                  .Arg<ffi::AnyBuffer>()   // perm[in] s32
+                                  .Ret<ffi::AnyBuffer>());  // y[..., out]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulPermutedDxCpu, dynadiag::PermutedDxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // dy[..., out]
+                                  .Arg<ffi::AnyBuffer>()   // values[K, D] or [K, L_b, b, b]
+                                  .Arg<ffi::AnyBuffer>()   // offsets[K] s32
+                                  .Arg<ffi::AnyBuffer>()   // perm[in] s32
+                                  .Ret<ffi::AnyBuffer>());  // dx[..., in]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulPermutedDvaluesCpu, dynadiag::PermutedDvaluesImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // dy[..., out]
+                                  .Arg<ffi::AnyBuffer>()   // x[..., in]
+                                  .Arg<ffi::AnyBuffer>()   // offsets[K] s32
+                                  .Arg<ffi::AnyBuffer>()   // perm[in] s32
+                                  .Ret<ffi::AnyBuffer>());  // dvalues[K, D] or [K, L_b, b, b]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagDiagMatmulPermutedBwdCpu, dynadiag::PermutedBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // dy[..., out]
+                                  .Arg<ffi::AnyBuffer>()   // x[..., in]
+                                  .Arg<ffi::AnyBuffer>()   // values[K, D] or [K, L_b, b, b]
+                                  .Arg<ffi::AnyBuffer>()   // offsets[K] s32
+                                  .Arg<ffi::AnyBuffer>()   // perm[in] s32
                                   .Ret<ffi::AnyBuffer>()   // dx[..., in]
                                   .Ret<ffi::AnyBuffer>());  // dvalues[K, D] or [K, L_b, b, b]

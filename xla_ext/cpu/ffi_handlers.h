@@ -9,6 +9,10 @@ XLA_FFI_Error* DynadiagDiagMatmulFwdCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* DynadiagDiagMatmulDxCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* DynadiagDiagMatmulDvaluesCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* DynadiagDiagMatmulBwdCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* DynadiagDiagMatmulPermutedFwdCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* DynadiagDiagMatmulPermutedDxCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* DynadiagDiagMatmulPermutedDvaluesCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* DynadiagDiagMatmulPermutedBwdCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* DynadiagGateRankCpu(XLA_FFI_CallFrame* call_frame);
 }
 

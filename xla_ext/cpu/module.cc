@@ -2,12 +2,14 @@
 // kernel family in use and a test entry point that runs one kernel family directly.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -73,6 +75,23 @@ dynadiag::DiagMatrix MatrixOf(const Array& values, const Offsets& offsets, int64
   return {in, out, static_cast<int64_t>(offsets.shape(0)), offsets.data(), nullptr, block};
 }
 
+// w.perm from a test call's optional `perm`, which must be a permutation of [0, in).
+void SetPerm(const std::optional<Offsets>& perm, dynadiag::DiagMatrix& w) {
+  if (!perm) return;
+  if (static_cast<int64_t>(perm->shape(0)) != w.in) {
+    throw std::invalid_argument("perm must have shape [in]");
+  }
+  std::vector<bool> seen(w.in, false);
+  for (int64_t j = 0; j < w.in; ++j) {
+    const int32_t p = perm->data()[j];
+    if (p < 0 || p >= w.in || seen[p]) {
+      throw std::invalid_argument("perm must be a permutation of [0, in)");
+    }
+    seen[p] = true;
+  }
+  w.perm = perm->data();
+}
+
 // values / dvalues shape: [K, min(in, out)] or [K, L_b, b, b].
 std::vector<int64_t> ValuesShape(const dynadiag::DiagMatrix& w) {
   if (w.block == 1) return {w.k, std::min(w.in, w.out)};
@@ -83,7 +102,7 @@ std::vector<int64_t> ValuesShape(const dynadiag::DiagMatrix& w) {
 // Test-only; `out` is written in place.
 void RunKernel(const std::string& op, const std::string& isa_name, Array a, Array b,
                Offsets offsets, Array out, int64_t in_features, int64_t out_features,
-               int64_t workers) {
+               int64_t workers, std::optional<Offsets> perm) {
   const dynadiag::Isa isa = IsaFromName(isa_name);
   const dynadiag::ElemType type = TypeOf(a, "a");
   if (TypeOf(b, "b") != type || TypeOf(out, "out") != type) {
@@ -91,6 +110,7 @@ void RunKernel(const std::string& op, const std::string& isa_name, Array a, Arra
   }
   const bool dvalues = op == "dvalues";
   dynadiag::DiagMatrix w = MatrixOf(dvalues ? out : b, offsets, in_features, out_features);
+  SetPerm(perm, w);
   const int64_t rows = a.ndim() == 2 ? static_cast<int64_t>(a.shape(0)) : -1;
   CheckShape(a, "a", {rows, op == "fwd" ? in_features : out_features});
   if (dvalues) {
@@ -118,7 +138,7 @@ void RunKernel(const std::string& op, const std::string& isa_name, Array a, Arra
 // The backward target's job (fused where the family has one) of family `isa`: dx and dvalues
 // from dy, x and values (test-only).
 void RunBackward(const std::string& isa_name, Array dy, Array x, Array values, Offsets offsets,
-                 Array dx, Array dvalues, int64_t workers) {
+                 Array dx, Array dvalues, int64_t workers, std::optional<Offsets> perm) {
   const dynadiag::Isa isa = IsaFromName(isa_name);
   const dynadiag::ElemType type = TypeOf(dy, "dy");
   for (const auto& [a, name] : {std::pair{&x, "x"}, {&values, "values"}, {&dx, "dx"},
@@ -130,6 +150,7 @@ void RunBackward(const std::string& isa_name, Array dy, Array x, Array values, O
   const int64_t in = static_cast<int64_t>(x.shape(1)), out = static_cast<int64_t>(dy.shape(1));
   dynadiag::DiagMatrix w = MatrixOf(values, offsets, in, out);
   w.values = values.data();
+  SetPerm(perm, w);
   CheckShape(x, "x", {rows, in});
   CheckShape(dx, "dx", {rows, in});
   CheckShape(values, "values", ValuesShape(w));
@@ -148,6 +169,10 @@ NB_MODULE(_cpu_ext, m) {
     d["dynadiag_diag_matmul_v2_dx"] = Capsule(DynadiagDiagMatmulDxCpu);
     d["dynadiag_diag_matmul_v2_dvalues"] = Capsule(DynadiagDiagMatmulDvaluesCpu);
     d["dynadiag_diag_matmul_v2_bwd"] = Capsule(DynadiagDiagMatmulBwdCpu);
+    d["dynadiag_diag_matmul_permuted_v1_fwd"] = Capsule(DynadiagDiagMatmulPermutedFwdCpu);
+    d["dynadiag_diag_matmul_permuted_v1_dx"] = Capsule(DynadiagDiagMatmulPermutedDxCpu);
+    d["dynadiag_diag_matmul_permuted_v1_dvalues"] = Capsule(DynadiagDiagMatmulPermutedDvaluesCpu);
+    d["dynadiag_diag_matmul_permuted_v1_bwd"] = Capsule(DynadiagDiagMatmulPermutedBwdCpu);
     d["dynadiag_gate_rank_v1"] = Capsule(DynadiagGateRankCpu);
     return d;
   });
@@ -162,12 +187,12 @@ NB_MODULE(_cpu_ext, m) {
   }, "Kernel families this CPU can run (for tests).");
   m.def("_run_kernel", &RunKernel, nb::arg("op"), nb::arg("isa"), nb::arg("a"), nb::arg("b"),
         nb::arg("offsets"), nb::arg("out"), nb::arg("in_features"), nb::arg("out_features"),
-        nb::arg("workers"),
+        nb::arg("workers"), nb::arg("perm") = nb::none(),
         "Test hook: runs kernel `op` of family `isa` on numpy arrays (2-D rows; values [K, D] or "
-        "[K, L_b, b, b]), writing `out`.");
+        "[K, L_b, b, b]), writing `out`; `perm` (int32 [in]) is the input permutation.");
   m.def("_run_backward", &RunBackward, nb::arg("isa"), nb::arg("dy"), nb::arg("x"),
         nb::arg("values"), nb::arg("offsets"), nb::arg("dx"), nb::arg("dvalues"),
-        nb::arg("workers"),
+        nb::arg("workers"), nb::arg("perm") = nb::none(),
         "Test hook: the backward target's job (dx and dvalues) of family `isa`, writing dx and "
-        "dvalues.");
+        "dvalues; `perm` (int32 [in]) is the input permutation.");
 }
