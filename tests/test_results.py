@@ -130,12 +130,20 @@ def test_run_plan_goal_sparsity_first_block_methods_there_only_fewer_sweep_seeds
     assert plan[: len(goal)] == goal, "the goal sparsity's runs come first"
     assert [p for p in goal if p[3] == 0] == [
         ("vit", m, 0.0 if m == "dense" else 0.9, 0)
-        for m in ("dense", "dynadiag", "static_diagonals", "rigl", "set", "dynadiag_b16")
+        for m in (
+            "dense",
+            "dynadiag",
+            "static_diagonals",
+            "rigl",
+            "set",
+            "dynadiag_b16",
+            *results_config.PERMUTED_METHODS,
+        )
     ]
     assert {p[3] for p in goal} == {0, 1, 2}
     sweep = plan[len(goal) :]
     assert {p[2] for p in sweep} == {0.8, 0.95} and {p[3] for p in sweep} == {0}
-    assert not any(parse(p[1])[1] > 1 for p in sweep)
+    assert not any(parse(p[1])[1] > 1 or results.method_permutation(p[1]) for p in sweep)
     assert len(sweep) == 2 * 4
 
 
@@ -152,6 +160,29 @@ def test_parse_method_reads_block_variants_and_refuses_unknown_names():
             parse(bad)
     cfg = results.method_dynadiag(_config().models.mlp, "dynadiag_b16")
     assert cfg.block_size == 16
+
+
+def test_permuted_methods_set_the_permutation_and_refuse_what_cannot_harden():
+    mlp = _config().models.mlp
+    for method, base, block, permutation in (
+        ("dynadiag_random_perm", "dynadiag", 1, "random"),
+        ("dynadiag_b16_learned_perm", "dynadiag", 16, "learned"),
+        ("static_diagonals_b8_random_perm", "static_diagonals", 8, "random"),
+        ("dynadiag", "dynadiag", 1, None),
+    ):
+        assert parse(method) == (base, block)
+        assert results.method_permutation(method) == permutation
+        cfg = results.method_dynadiag(mlp, method)
+        assert cfg.permutation == (permutation or "none")
+        assert cfg.get("block_size", 1) == block
+    for bad in ("static_diagonals_learned_perm", "rigl_random_perm", "dynadiag_shuffled_perm"):
+        with pytest.raises(common.ConfigError, match="unknown method"):
+            results.method_permutation(bad)
+    # a permuted method's runs are runs of their own
+    config = _config("models=mlp")
+    fp = lambda method: results.fingerprint(config, "mlp", method, 100)  # noqa: E731
+    named = fp("static_diagonals_random_perm"), fp("dynadiag_b16_learned_perm")
+    assert len({*named, fp("static_diagonals"), fp("dynadiag_b16")}) == 4
 
 
 def test_suite_selection_and_config_errors():
@@ -331,6 +362,33 @@ def test_report_tables_goals_plots_and_kept_notes(tmp_path):
     assert "Why: hand-written analysis." in path.read_text()
 
 
+def test_permutation_goals_compare_learned_with_the_baselines_and_the_random_permutation():
+    config = _config("models=mlp+gpt")
+    stats = {
+        ("mlp", "rigl", 0.9): (0.870, 0.002, 3),
+        ("mlp", "set", 0.9): (0.872, 0.002, 3),
+        ("mlp", "dynadiag_learned_perm", 0.9): (0.875, 0.001, 3),
+        ("mlp", "dynadiag_random_perm", 0.9): (0.873, 0.003, 3),
+    }
+    ppl = {
+        ("gpt", "dynadiag", 0.9): (10.0, 0.1, 2),
+        ("gpt", "dynadiag_b16_learned_perm", 0.9): (10.5, 0.2, 2),
+        ("gpt", "dynadiag_b16_random_perm", 0.9): (10.2, 0.3, 2),
+    }
+    lines = results_report.permutation_goals(config, stats, ppl)
+    assert lines == [
+        "- mlp: DynaDiag + learned permutation at least max(RigL, SET): **met** "
+        "(87.50 ± 0.10% against 87.20%).",
+        "- mlp: DynaDiag with a learned permutation better than with a random one by more than "
+        "the seed spread: **missed** (87.500 against 87.300; spread 0.300 points).",
+        "- gpt: blocks 16x16 + learned permutation within 2% of element diagonals' perplexity: "
+        "**missed** (10.500 against 10.000, +5.00%).",
+        "- gpt: DynaDiag, blocks 16x16 with a learned permutation better than with a random one "
+        "by more than the seed spread: **missed** (10.500 against 10.200; spread 0.300).",
+    ]
+    assert results_report.permutation_goals(config, {}, {}) == []
+
+
 def test_sparse_layer_density_counts_nonzeros_and_diagonals():
     params = {
         "a": {"kernel": jnp.array([[1.0, 0.0], [0.0, 2.0]])},
@@ -348,7 +406,9 @@ def test_sparse_layer_density_counts_nonzeros_and_diagonals():
 @pytest.mark.slow
 def test_end_to_end_tiny_run_and_timings(tmp_path):
     methods = (
-        "dense+dynadiag+static_diagonals+rigl+set+mest" if HAS_LAYER else "dense+rigl+set+mest"
+        "dense+dynadiag+static_diagonals+rigl+set+mest+static_diagonals_random_perm"
+        if HAS_LAYER
+        else "dense+rigl+set+mest"
     )
     config = _config(f"quick,models=mlp,methods={methods},sparsities=0.9")
     data = results.prepare(config)
@@ -367,7 +427,8 @@ def test_end_to_end_tiny_run_and_timings(tmp_path):
         assert r["density"] == pytest.approx(want, abs=0.002), r
     timings = speed.measure(config, data, progress=False)
     group = timings["models"]["mlp"]["0.9"]
-    assert set(group) == set(speed.VARIANTS)
+    # a permuted method adds its frozen layers with the permutation
+    assert set(group) == {*speed.VARIANTS, *(("diagonal_perm",) if HAS_LAYER else ())}
     assert all(t > 0 for v in group.values() for t in v.values())
     json.dumps(timings)
     path = results_report.write(tmp_path / "docs", config, records, timings, data_name=data.name)

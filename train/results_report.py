@@ -18,7 +18,7 @@ import re
 
 import numpy as np
 
-from train.results_runs import is_language_model, parse_method, suites
+from train.results_runs import is_language_model, method_permutation, parse_method, suites
 
 METHOD_NAMES = {
     "dense": "Dense",
@@ -55,14 +55,20 @@ PLOTS = {
 def method_name(method: str) -> str:
     base, block = parse_method(method)
     name = METHOD_NAMES.get(base, base)
-    return f"{name}, blocks {block}x{block}" if block > 1 else name
+    if block > 1:
+        name = f"{name}, blocks {block}x{block}"
+    permutation = method_permutation(method)
+    return f"{name}, {permutation} permutation" if permutation else name
 
 
 def variant_name(variant: str) -> str:
-    if variant.startswith("diagonal_b"):
-        b = variant[len("diagonal_b") :]
-        return f"Block diagonals {b}x{b} (DynaDiag frozen)"
-    return VARIANT_NAMES.get(variant, variant)
+    base, permuted = variant.removesuffix("_perm"), variant.endswith("_perm")
+    if base.startswith("diagonal_b"):
+        b = base[len("diagonal_b") :]
+        name = f"Block diagonals {b}x{b} (DynaDiag frozen)"
+    else:
+        name = VARIANT_NAMES.get(base, base)
+    return f"{name}, input permutation" if permuted else name
 
 
 def _metric(config, model: str) -> str:
@@ -437,7 +443,7 @@ def block_goals(config, stats, ppl_stats, sparsity=0.9) -> list[str]:
         for method in m.goal_methods:
             base, block = parse_method(method)
             ours = table.get((model, method, sparsity))
-            if base != "dynadiag" or ours is None or element is None:
+            if base != "dynadiag" or method_permutation(method) or ours is None or element is None:
                 continue
             if lm:
                 ratio = ours[0] / element[0] - 1
@@ -456,8 +462,63 @@ def block_goals(config, stats, ppl_stats, sparsity=0.9) -> list[str]:
     return out
 
 
+_PERMUTATION_GOAL_METHODS = (
+    "dynadiag",
+    "rigl",
+    "set",
+    *(f"{base}_{p}_perm" for base in ("dynadiag", "dynadiag_b16") for p in ("learned", "random")),
+)
+
+
+def permutation_goals(config, stats, ppl_stats, sparsity=0.9) -> list[str]:
+    """Input permutations at ``sparsity``: element diagonals + learned permutation at least
+    max(RigL, SET) (classification); blocks of 16 + learned permutation within 2% of element
+    diagonals' perplexity (language model); the learned permutation better than the random one
+    by more than the seed spread (the larger standard deviation)."""
+    out = []
+    for model in suites(config):
+        m = config.models[model]
+        lm = is_language_model(m)
+        table = ppl_stats if lm else stats
+        stat = {
+            method: table.get((model, method, sparsity)) for method in _PERMUTATION_GOAL_METHODS
+        }
+        get = stat.get
+        if lm:
+            ours, element = get("dynadiag_b16_learned_perm"), get("dynadiag")
+            if ours and element:
+                ratio = ours[0] / element[0] - 1
+                out.append(
+                    f"- {model}: blocks 16x16 + learned permutation within 2% of element "
+                    f"diagonals' perplexity: **{_met(ratio <= 0.02)}** ({ours[0]:.3f} against "
+                    f"{element[0]:.3f}, {100 * ratio:+.2f}%)."
+                )
+        else:
+            ours, rigl, set_ = get("dynadiag_learned_perm"), get("rigl"), get("set")
+            if ours and rigl and set_:
+                best = max(rigl[0], set_[0])
+                out.append(
+                    f"- {model}: DynaDiag + learned permutation at least max(RigL, SET): "
+                    f"**{_met(ours[0] >= best)}** ({_acc(ours)} against {100 * best:.2f}%)."
+                )
+        for base in ("dynadiag", "dynadiag_b16"):
+            learned, random = get(f"{base}_learned_perm"), get(f"{base}_random_perm")
+            if learned and random:
+                gain = (random[0] - learned[0]) if lm else (learned[0] - random[0])
+                spread = max(learned[1], random[1])
+                scale, unit = (1.0, "") if lm else (100.0, " points")
+                out.append(
+                    f"- {model}: {method_name(base)} with a learned permutation better than with "
+                    f"a random one by more than the seed spread: **{_met(gain > spread)}** "
+                    f"({scale * learned[0]:.3f} against {scale * random[0]:.3f}; spread "
+                    f"{scale * spread:.3f}{unit})."
+                )
+    return out
+
+
 def block_table(config, records, stats, ppl_stats, timings, sparsity=0.9) -> list[str]:
-    """Element and block DynaDiag side by side at ``sparsity``: quality, density, speed."""
+    """Element and block DynaDiag, with and without an input permutation, side by side at
+    ``sparsity``: quality, density, speed."""
     lines = [
         "| suite | method | accuracy (%) or perplexity | density | training step ×dense "
         "(frozen layers) | inference ×dense (largest batch) |",
@@ -479,7 +540,8 @@ def block_table(config, records, stats, ppl_stats, timings, sparsity=0.9) -> lis
                 quality = _fmt(stats[key]) if key in stats else "n/a"
             d = dens.get((method, sparsity))
             block = parse_method(method)[1]
-            variant = group.get("diagonal" if block == 1 else f"diagonal_b{block}")
+            suffix = "_perm" if method_permutation(method) else ""
+            variant = group.get(("diagonal" if block == 1 else f"diagonal_b{block}") + suffix)
             dense = group.get("dense")
             train = infer = "n/a"
             if variant and dense:
@@ -700,6 +762,7 @@ def write(docs, config, records, timings, *, data_name: str) -> pathlib.Path:
             "Block against element diagonals",
             block_goals(config, stats, ppl_stats, goal),
         ),
+        ("Input permutations", permutation_goals(config, stats, ppl_stats, goal)),
     ]
     out = [
         "# Results: DynaDiag and the sparse-training baselines",
@@ -755,7 +818,8 @@ def write(docs, config, records, timings, *, data_name: str) -> pathlib.Path:
     out += [
         f"## Block against element diagonals, {100 * goal:g}% sparse",
         "",
-        "DynaDiag with block diagonals beside element diagonals; density is what the block "
+        "DynaDiag with block diagonals beside element diagonals, and either with an input "
+        "permutation; density is what the block "
         "budget reaches (it moves in steps of b / min(in, out) per layer); speed is the frozen "
         "layers' side-by-side timing below.",
         "",

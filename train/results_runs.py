@@ -3,7 +3,8 @@
 A suite is one entry of the config's ``models``: a model, its data (Fashion-MNIST images for
 ``task="classification"``, a byte-level corpus for ``task="language_modeling"``) and one recipe
 for every method. Methods are :data:`train.baselines.METHODS` and their block-diagonal variants
-``dynadiag_b<b>`` / ``static_diagonals_b<b>`` (the same method with ``dynadiag.block_size = b``).
+``dynadiag_b<b>`` / ``static_diagonals_b<b>`` (the same method with ``dynadiag.block_size = b``),
+and those with ``_random_perm`` / ``_learned_perm`` (with ``dynadiag.permutation`` set).
 
 Kept apart from the script so tests import it without defining absl flags.
 """
@@ -32,6 +33,8 @@ ACCURACY_FILE = "accuracy.jsonl"
 SPEED_FILE = "speed.json"
 TASKS = ("classification", "language_modeling")
 _BLOCK_METHOD = re.compile(r"(dynadiag|static_diagonals)_b([1-9][0-9]*)")
+# A diagonal method with an input permutation: "<method>_random_perm", "<method>_learned_perm".
+_PERMUTED_METHOD = re.compile(r"(dynadiag\w*|static_diagonals\w*)_(random|learned)_perm")
 
 
 class Data(NamedTuple):
@@ -47,20 +50,40 @@ class Data(NamedTuple):
 
 
 def parse_method(method: str) -> tuple[str, int]:
-    """``"dynadiag_b16"`` -> ``("dynadiag", 16)``; ``"rigl"`` -> ``("rigl", 1)``.
+    """``"dynadiag_b16"`` -> ``("dynadiag", 16)``; ``"rigl"`` -> ``("rigl", 1)``; a permutation
+    suffix is read by :func:`method_permutation` (``"dynadiag_b16_random_perm"`` ->
+    ``("dynadiag", 16)``).
 
     Raises:
-      common.ConfigError: not a method of :data:`train.baselines.METHODS` or a block variant.
+      common.ConfigError: not a method of :data:`train.baselines.METHODS`, a block variant, or one
+        of those with a permutation a diagonal method can take.
     """
-    match = _BLOCK_METHOD.fullmatch(method)
+    permuted = _PERMUTED_METHOD.fullmatch(method)
+    unpermuted = permuted.group(1) if permuted else method
+    match = _BLOCK_METHOD.fullmatch(unpermuted)
     if match and int(match.group(2)) >= 2:
-        return match.group(1), int(match.group(2))
-    if method in baselines.METHODS:
-        return method, 1
-    raise common.ConfigError(
-        f"unknown method {method!r}; known: {', '.join(baselines.METHODS)}, and "
-        "dynadiag_b<b> / static_diagonals_b<b> (block diagonals of size b >= 2)"
-    )
+        base, block = match.group(1), int(match.group(2))
+    elif unpermuted in baselines.METHODS:
+        base, block = unpermuted, 1
+    else:
+        base = None
+    # static diagonals never search, so they never harden a learned permutation
+    if base is None or (permuted and (base, permuted.group(2)) == ("static_diagonals", "learned")):
+        raise common.ConfigError(
+            f"unknown method {method!r}; known: {', '.join(baselines.METHODS)}, "
+            "dynadiag_b<b> / static_diagonals_b<b> (block diagonals of size b >= 2), and those "
+            "of dynadiag with _random_perm or _learned_perm, of static_diagonals with _random_perm "
+            "(a fixed or learned input permutation)"
+        )
+    return base, block
+
+
+def method_permutation(method: str) -> str | None:
+    """The input permutation a method's name asks for (``"random"``, ``"learned"``), or None
+    when the name has no permutation suffix (the suite's ``dynadiag.permutation`` applies)."""
+    parse_method(method)
+    permuted = _PERMUTED_METHOD.fullmatch(method)
+    return permuted.group(2) if permuted else None
 
 
 def is_language_model(m) -> bool:
@@ -160,12 +183,15 @@ def steps_of(model_cfg, data: Data) -> int:
 
 def method_dynadiag(model_cfg, method: str):
     """The suite's ``dynadiag`` section as ``method`` trains it (block variants set
-    ``block_size``)."""
+    ``block_size``, permuted ones ``permutation``)."""
     _, block = parse_method(method)
+    permutation = method_permutation(method)
     cfg = model_cfg.dynadiag.copy_and_resolve_references()
-    if block > 1:
-        with cfg.unlocked():
+    with cfg.unlocked():
+        if block > 1:
             cfg.block_size = block
+        if permutation is not None:
+            cfg.permutation = permutation
     return cfg
 
 
@@ -346,8 +372,9 @@ def fingerprint(config, model_name: str, method: str, steps: int) -> str:
         parts["fan_in"] = m.dynadiag.fan_in
         if block > 1:
             parts["block_size"] = block
-        if m.dynadiag.get("permutation", "none") != "none":
-            parts["permutation"] = m.dynadiag.permutation
+        permutation = method_dynadiag(m, method).get("permutation", "none")
+        if permutation != "none":
+            parts["permutation"] = permutation
     if base in baselines.UNSTRUCTURED:
         parts["unstructured"] = config.unstructured.to_dict()
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]

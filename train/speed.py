@@ -78,9 +78,11 @@ def _train_and_infer(model, optimizer, example, batch, task, infer_inputs, gate=
     )
 
 
-def _group(config, data, name: str, sparsity: float, block_sizes=()) -> dict:
+def _group(config, data, name: str, sparsity: float, block_sizes=(), permuted=()) -> dict:
     """``{(kind, variant): fn}`` of one suite at one sparsity; ``kind`` is ``train`` or
-    ``infer_b<batch>``; ``block_sizes`` adds a ``diagonal_b<b>`` variant per block size."""
+    ``infer_b<batch>``; ``block_sizes`` adds a ``diagonal_b<b>`` variant per block size,
+    ``permuted`` (block sizes, 1 for element diagonals) a ``diagonal[_b<b>]_perm`` variant with
+    a fixed input permutation (a permuted DynaDiag layer after its freeze)."""
     m = config.models[name]
     task = R.task_of(m, data)
     batch = R.sample_batch(m, data, int(m.batch_size))
@@ -102,6 +104,9 @@ def _group(config, data, name: str, sparsity: float, block_sizes=()) -> dict:
 
     static = {"diagonal": make(method="static_diagonals")}
     static.update({f"diagonal_b{b}": make(method=f"static_diagonals_b{b}") for b in block_sizes})
+    for b in permuted:
+        block = "" if b == 1 else f"_b{b}"
+        static[f"diagonal{block}_perm"] = make(method=f"static_diagonals{block}_random_perm")
     fns = {}
     for variant, model, optimizer, infer_model in (
         ("dense", dense.model, dense.optimizer, None),
@@ -121,12 +126,16 @@ def _group(config, data, name: str, sparsity: float, block_sizes=()) -> dict:
     return fns
 
 
-def block_sizes_at(config, name: str, sparsity: float) -> tuple[int, ...]:
-    """The block sizes of the block-diagonal methods the suite trains at ``sparsity``."""
+def block_sizes_at(config, name: str, sparsity: float, *, permuted=False) -> tuple[int, ...]:
+    """The block sizes of the block-diagonal methods the suite trains at ``sparsity``; with
+    ``permuted``, those of the methods with an input permutation (1: element diagonals)."""
     plan = R.run_plan(config, [name])
-    return tuple(
-        sorted({R.parse_method(method)[1] for _, method, s, _ in plan if s == sparsity} - {1})
-    )
+    sizes = {
+        R.parse_method(method)[1]
+        for _, method, s, _ in plan
+        if s == sparsity and bool(R.method_permutation(method)) == permuted
+    }
+    return tuple(sorted(sizes if permuted else sizes - {1}))
 
 
 def measure(config, data, models=None, *, progress: bool = True) -> dict:
@@ -137,7 +146,14 @@ def measure(config, data, models=None, *, progress: bool = True) -> dict:
     names = R.suites(config) if models is None else list(models)
     groups = [(n, float(s)) for n in names for s in config.models[n].sparsities]
     for name, sparsity in tqdm.tqdm(groups, unit="group", disable=not progress, desc="timing"):
-        fns = _group(config, data, name, sparsity, block_sizes_at(config, name, sparsity))
+        fns = _group(
+            config,
+            data,
+            name,
+            sparsity,
+            block_sizes_at(config, name, sparsity),
+            block_sizes_at(config, name, sparsity, permuted=True),
+        )
         medians = _time_round_robin(fns, int(config.speed.repeats), int(config.speed.warmup))
         group = out["models"].setdefault(name, {}).setdefault(f"{sparsity:g}", {})
         for (kind, variant), seconds in medians.items():

@@ -14,8 +14,9 @@ rate); unstructured methods use RigL's schedule:
   the MLP's c_proj sparse; embeddings (tied head) dense. Validation perplexity and bits per byte.
 
 Per suite: ``methods`` train at every sparsity, ``goal_methods`` (block diagonals,
-``dynadiag_b<b>``) only at ``goal_sparsity``; ``seeds`` seeds at the goal sparsity (and dense),
-``sweep_seeds`` at the others. The widths of the ViT and the GPT are multiples of 16 with 10
+``dynadiag_b<b>``, and the methods with an input permutation, ``<method>_random_perm`` or
+``<method>_learned_perm``) only at ``goal_sparsity``; ``seeds`` seeds at the goal sparsity (and
+dense), ``sweep_seeds`` at the others. The widths of the ViT and the GPT are multiples of 16 with 10
 block-diagonal candidates per layer, so blocks of 16 keep exactly 10% of each layer at 90%.
 
   python train/results.py                                          # every suite
@@ -30,6 +31,15 @@ from train.configs.common import dynadiag, parse_arg, unstructured_defaults
 
 SUITES = ("mlp", "mixer", "vit", "gpt")
 ELEMENT_METHODS = ("dense", "dynadiag", "static_diagonals", "rigl", "set", "mest")
+# An input permutation in front of the diagonals (PA-DST), learned or fixed at random (the control
+# that says whether learning it matters), on element diagonals and blocks of 16.
+PERMUTED_METHODS = (
+    "dynadiag_learned_perm",
+    "dynadiag_random_perm",
+    "static_diagonals_random_perm",
+    "dynadiag_b16_learned_perm",
+    "dynadiag_b16_random_perm",
+)
 GOAL_SPARSITY = 0.9
 
 
@@ -64,7 +74,7 @@ def _suites():
             sparsities=sparsities,
             methods=ELEMENT_METHODS,
             # b = 32 does not divide the 784 inputs.
-            goal_methods=("dynadiag_b8", "dynadiag_b16"),
+            goal_methods=("dynadiag_b8", "dynadiag_b16", *PERMUTED_METHODS),
             inference_batches=(1, 256),
         ),
         mixer=dict(
@@ -79,7 +89,7 @@ def _suites():
             sparsities=sparsities,
             methods=ELEMENT_METHODS,
             # b = 32 does not divide the 16-token mixing layers.
-            goal_methods=("dynadiag_b8", "dynadiag_b16"),
+            goal_methods=("dynadiag_b8", "dynadiag_b16", *PERMUTED_METHODS),
             inference_batches=(1, 256),
         ),
         vit=dict(
@@ -93,7 +103,7 @@ def _suites():
             sweep_seeds=1,
             sparsities=sparsities,
             methods=ELEMENT_METHODS[:-1],
-            goal_methods=("dynadiag_b16",),
+            goal_methods=("dynadiag_b16", *PERMUTED_METHODS),
             inference_batches=(1, 256),
         ),
         gpt=dict(
@@ -113,7 +123,7 @@ def _suites():
             sweep_seeds=1,
             sparsities=sparsities,
             methods=ELEMENT_METHODS[:-1],
-            goal_methods=("dynadiag_b16",),
+            goal_methods=("dynadiag_b16", *PERMUTED_METHODS),
             inference_batches=(1, 16),
         ),
     )
