@@ -80,7 +80,8 @@ class DiagonalDense(nnx.Module):
         bias_init, fan_in, scale: as
         :class:`dynadiag_jax.nn.DiagonalDense`.
       init_phase: ``"search"``, or ``"frozen"`` for K random offsets (static diagonals).
-      permutation, permutation_penalty: as :class:`dynadiag_jax.nn.DiagonalDense`; the weighted
+      permutation, permutation_penalty, permutation_start: as
+        :class:`dynadiag_jax.nn.DiagonalDense`; the weighted
         penalty of the learned layers is :func:`permutation_penalty` (add it to the loss).
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
@@ -111,6 +112,7 @@ class DiagonalDense(nnx.Module):
         scale: str = "rms",
         permutation: str | None = None,
         permutation_penalty: float = perms.DEFAULT_PENALTY,
+        permutation_start: str = "random",
         rngs: nnx.Rngs,
     ):
         for name, value in (("in_features", in_features), ("out_features", out_features)):
@@ -129,7 +131,7 @@ class DiagonalDense(nnx.Module):
         if not slack >= 0:
             raise ValueError(f"slack must be >= 0, got {slack!r}")
         F.check_init_and_search(fan_in, scale)
-        perms.check_permutation_args(permutation, permutation_penalty)
+        perms.check_permutation_args(permutation, permutation_penalty, permutation_start)
         if gate_init is not None:
             check_gate_value(gate_init, "gate_init")
         budget = F.layer_budget(
@@ -178,7 +180,7 @@ class DiagonalDense(nnx.Module):
             self.perm = Diagonals(perms.random_permutation(rngs.params(), n))
         elif permutation == "learned":
             self.perm_soft = nnx.Param(
-                perms.init_soft(rngs.params(), (n, n), work_dtype(param_dtype))
+                perms.init_soft(rngs.params(), (n, n), work_dtype(param_dtype), permutation_start)
             )
 
     @property

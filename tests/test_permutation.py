@@ -461,11 +461,44 @@ def test_the_training_step_adds_the_sown_penalty_to_the_loss():
     np.testing.assert_allclose(moved, want, rtol=1e-3, atol=1e-6)
 
 
-def test_the_penalty_drives_the_soft_matrix_to_the_permutation_the_freeze_keeps():
+def test_the_learned_permutation_starts_half_on_a_random_permutation_or_uniform():
+    n = 32
+    soft = np.asarray(P.init_soft(jax.random.key(0), (n, n)))
+    perm = np.argmax(soft, axis=1)
+    assert sorted(perm.tolist()) == list(range(n)) and perm.tolist() != list(range(n))
+    ones = np.zeros((n, n), bool)
+    ones[np.arange(n), perm] = True
+    assert np.all((soft[ones] >= 0.5) & (soft[ones] <= 0.5 + 0.5 / n))
+    assert np.all((soft[~ones] >= 0.25 / n) & (soft[~ones] <= 0.5 / n))
+    # the hardening at the start keeps that permutation; another key draws another one
+    np.testing.assert_array_equal(P.harden(soft), perm)
+    other = np.argmax(np.asarray(P.init_soft(jax.random.key(1), (n, n))), axis=1)
+    assert other.tolist() != perm.tolist()
+    uniform = np.asarray(P.init_soft(jax.random.key(0), (n, n), start="uniform"))
+    assert np.all((uniform >= 0.5 / n) & (uniform <= 1.0 / n))
+    # the layers draw perm_soft with their permutation_start
+    x = jnp.ones((2, n))
+    for start in P.PERMUTATION_STARTS:
+        layer = DiagonalDense(n, sparsity=0.5, permutation="learned", permutation_start=start)
+        soft = layer.init(jax.random.key(0), x)["params"]["perm_soft"]
+        assert (float(jnp.max(soft)) >= 0.5) == (start == "random")
+        model = dd.nnx.DiagonalDense(
+            n, n, sparsity=0.5, permutation="learned", permutation_start=start, rngs=nnx.Rngs(0)
+        )
+        assert (float(jnp.max(model.perm_soft[...])) >= 0.5) == (start == "random")
+    for bad in ("identity", None):
+        with pytest.raises(ValueError, match="permutation_start must be one of"):
+            DiagonalDense(n, sparsity=0.5, permutation="learned", permutation_start=bad)
+        with pytest.raises(ValueError, match="permutation_start must be one of"):
+            dd.nnx.DiagonalDense(n, n, sparsity=0.5, permutation_start=bad, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("start", ["random", "uniform"])
+def test_the_penalty_drives_the_soft_matrix_to_the_permutation_the_freeze_keeps(start):
     """Minimising the penalty alone from the init ends near a permutation matrix: the hardened
     perm is then what the soft product computes (the freeze keeps the function)."""
     n = 16
-    soft = P.init_soft(jax.random.key(0), (n, n))
+    soft = P.init_soft(jax.random.key(0), (n, n), start=start)
     tx = optax.adam(0.05)
     opt = tx.init(soft)
 
@@ -479,10 +512,10 @@ def test_the_penalty_drives_the_soft_matrix_to_the_permutation_the_freeze_keeps(
             updates, opt = tx.update(g, opt)
         return optax.apply_updates(soft, updates), opt
 
-    start = float(penalty(soft))
+    uniform = float(penalty(jnp.ones((n, n))))
     for _ in range(300):
         soft, opt = step(soft, opt)
-    assert float(penalty(soft)) < 0.05 * start
+    assert float(penalty(soft)) < 0.05 * uniform
     perm = P.harden(soft)
     assert sorted(np.asarray(perm).tolist()) == list(range(n))
     x = jax.random.normal(jax.random.key(1), (4, n))
@@ -492,7 +525,10 @@ def test_the_penalty_drives_the_soft_matrix_to_the_permutation_the_freeze_keeps(
 
 
 def test_nnx_training_with_the_penalty_then_freeze_and_continue():
-    model = dd.nnx.DiagonalDense(12, 20, sparsity=0.5, permutation="learned", rngs=nnx.Rngs(0))
+    # from the uniform start, where the penalty has the most to fall
+    model = dd.nnx.DiagonalDense(
+        12, 20, sparsity=0.5, permutation="learned", permutation_start="uniform", rngs=nnx.Rngs(0)
+    )
     x = jax.random.normal(jax.random.key(1), (8, 12))
     with jax.numpy_dtype_promotion("standard"):  # nnx.Optimizer hands optax an int32 count
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)

@@ -486,18 +486,23 @@ def test_fingerprint_of_permutations_and_runs_without_one_hash_as_before():
     before = {m: fp(m) for m in methods}
     with config.unlocked():
         section = config.models.mlp.dynadiag
-        del section["permutation"], section["permutation_penalty"]
+        del section["permutation"], section["permutation_penalty"], section["permutation_start"]
     assert {m: fp(m) for m in methods} == before  # "none" is the section without the keys
     with config.unlocked():
         section.permutation, section.permutation_penalty = "random", 1e-3
     random = {m: fp(m) for m in methods}
     assert sorted(m for m in methods if random[m] != before[m]) == ["dynadiag", "static_diagonals"]
     with config.unlocked():
-        section.permutation_penalty = 0.5  # only a learned permutation reads it
+        # only a learned permutation reads them
+        section.permutation_penalty, section.permutation_start = 0.5, "uniform"
     assert fp("dynadiag") == random["dynadiag"]
     with config.unlocked():
         section.permutation = "learned"
+    uniform = fp("dynadiag")
+    with config.unlocked():
+        section.permutation_start = "random"
     learned = fp("dynadiag")
+    assert learned != uniform
     with config.unlocked():
         section.permutation_penalty = 1e-3
     assert len({learned, fp("dynadiag"), random["dynadiag"], before["dynadiag"]}) == 4

@@ -108,6 +108,7 @@ def sparse_layer(cfg) -> functools.partial:
         scale=cfg.scale,
         permutation=permutation_of(cfg),
         permutation_penalty=float(cfg.permutation_penalty),
+        permutation_start=cfg.permutation_start,
     )
     try:
         layer(1)

@@ -365,6 +365,7 @@ def fingerprint(config, model_name: str, method: str, steps: int) -> str:
         # and runs without a permutation as before permutations existed
         if section.get("permutation", "none") != "learned":
             section.pop("permutation_penalty", None)
+            section.pop("permutation_start", None)
         if section.get("permutation", "none") == "none":
             section.pop("permutation", None)
         parts["dynadiag"] = section

@@ -147,6 +147,9 @@ class DiagonalDense(nn.Module):
         ``permutation`` raises. A ``perm`` that is not a permutation of ``range(in)`` raises
         when it can be read on the host, and makes every output NaN inside ``jit``.
       permutation_penalty: the penalty's weight (lambda, >= 0), for ``"learned"``.
+      permutation_start: ``perm_soft``'s init, for ``"learned"``: ``"random"`` (default) half on
+        a random permutation matrix and half uniform, or ``"uniform"`` (PA-DST's start: every
+        input mixed into every position).
 
     Shapes: ``x[..., in] -> y[..., features]``. Element diagonals: ``P = max(in, features)``,
     ``values[P, D]`` with ``D = min(in, features)``. Block diagonals: ``P_b`` as above,
@@ -175,6 +178,7 @@ class DiagonalDense(nn.Module):
     scale: str = "rms"
     permutation: str | None = None
     permutation_penalty: float = perms.DEFAULT_PENALTY
+    permutation_start: str = "random"
 
     def __post_init__(self):
         int_at_least(self.features, "features", 1)
@@ -199,7 +203,9 @@ class DiagonalDense(nn.Module):
             raise ValueError(f"slack must be >= 0, got {self.slack!r}")
         int_at_least(self.num_buckets, "num_buckets", 1)
         F.check_init_and_search(self.fan_in, self.scale)
-        perms.check_permutation_args(self.permutation, self.permutation_penalty)
+        perms.check_permutation_args(
+            self.permutation, self.permutation_penalty, self.permutation_start
+        )
         if self.gate_init is not None:
             check_gate_value(self.gate_init, "gate_init")
         super().__post_init__()
@@ -342,7 +348,7 @@ class DiagonalDense(nn.Module):
         """``x @ M.T`` with ``M = sinkhorn(|perm_soft|)``; sows the penalty of ``M``."""
         work = work_dtype(self.param_dtype)
         n = x.shape[-1]
-        soft = self.param("perm_soft", perms.init_soft, (n, n), work)
+        soft = self.param("perm_soft", perms.init_soft, (n, n), work, self.permutation_start)
         if soft.shape != (n, n):
             raise ValueError(
                 f"{self._label()}: params/perm_soft must have shape [in, in] = [{n}, {n}], "

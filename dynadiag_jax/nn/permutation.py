@@ -28,6 +28,7 @@ from dynadiag_jax.ops.reference import gather_columns, is_permutation, scatter_c
 __all__ = [
     "DEFAULT_PENALTY",
     "PERMUTATIONS",
+    "PERMUTATION_STARTS",
     "SINKHORN_ITERS",
     "check_permutation_args",
     "checked_permutation",
@@ -47,23 +48,32 @@ __all__ = [
 PERMUTATIONS = (None, "random", "learned")
 SINKHORN_ITERS = 3
 DEFAULT_PENALTY = 1e-3
-# perm_soft's init: U(1 - SOFT_INIT_NOISE, 1) / n, PA-DST's uniform start (every input mixed into
+# perm_soft's uniform part: U(1 - SOFT_INIT_NOISE, 1) / n, PA-DST's start (every input mixed into
 # every position) with a noise that breaks the ties the penalty would otherwise keep. The 1 / n
 # puts the entries at the scale of the normalised matrix, as PA-DST's projection after every step
 # keeps them: the normalisation does not care about the scale, but Adam's steps (about the
 # learning rate each) do. At U(0.5, 1) the MLP suite's search (lr 1e-3) left the penalty within
 # 0.3% of its uniform value: nothing was learned before the freeze.
 SOFT_INIT_NOISE = 0.5
+# The starts of perm_soft: "random" puts RANDOM_START_WEIGHT on a random permutation matrix and
+# the rest on the uniform part, so the search trains through a near-permutation from its first
+# step and the freeze hardens a matrix whose rows already have an entry above 1/2; "uniform" is
+# PA-DST's start, which a budget of a few epochs leaves far from any permutation at the freeze.
+PERMUTATION_STARTS = ("random", "uniform")
+RANDOM_START_WEIGHT = 0.5
 _TINY = 1e-12  # keeps a row or column of zeros from dividing by zero
 
 
-def check_permutation_args(permutation, weight) -> None:
-    """Raises ``ValueError`` for a ``permutation`` not in :data:`PERMUTATIONS` or a negative or
-    non-finite weight, ``TypeError`` for a weight that is not a number."""
+def check_permutation_args(permutation, weight, start="random") -> None:
+    """Raises ``ValueError`` for a ``permutation`` not in :data:`PERMUTATIONS`, a ``start`` not
+    in :data:`PERMUTATION_STARTS` or a negative or non-finite weight, ``TypeError`` for a weight
+    that is not a number."""
     if not (permutation is None or (isinstance(permutation, str) and permutation in PERMUTATIONS)):
         raise ValueError(
             f"permutation must be one of {PERMUTATIONS} (None: no permutation), got {permutation!r}"
         )
+    if not (isinstance(start, str) and start in PERMUTATION_STARTS):
+        raise ValueError(f"permutation_start must be one of {PERMUTATION_STARTS}, got {start!r}")
     if finite_number(weight, "permutation_penalty") < 0:
         raise ValueError(f"permutation_penalty must be a finite float >= 0, got {weight!r}")
 
@@ -73,10 +83,17 @@ def random_permutation(key, n: int):
     return jax.random.permutation(key, n).astype(jnp.int32)
 
 
-def init_soft(key, shape, dtype=jnp.float32):
-    """``perm_soft[n, n]`` drawn from ``U(1 - SOFT_INIT_NOISE, 1) / n``."""
-    u = jax.random.uniform(key, shape, jnp.float32, 1.0 - SOFT_INIT_NOISE, 1.0)
-    return (u / shape[-1]).astype(dtype)
+def init_soft(key, shape, dtype=jnp.float32, start: str = "random"):
+    """``perm_soft[n, n]``: ``U(1 - SOFT_INIT_NOISE, 1) / n`` (``start="uniform"``), or that
+    times ``1 - RANDOM_START_WEIGHT`` plus ``RANDOM_START_WEIGHT`` on the ones of a random
+    permutation matrix (``"random"``)."""
+    noise_key, perm_key = jax.random.split(key)
+    n = shape[-1]
+    uniform = jax.random.uniform(noise_key, shape, jnp.float32, 1.0 - SOFT_INIT_NOISE, 1.0) / n
+    if start == "uniform":
+        return uniform.astype(dtype)
+    ones = jax.nn.one_hot(random_permutation(perm_key, n), n, dtype=jnp.float32)
+    return (RANDOM_START_WEIGHT * ones + (1.0 - RANDOM_START_WEIGHT) * uniform).astype(dtype)
 
 
 def doubly_stochastic(soft, iters: int = SINKHORN_ITERS):

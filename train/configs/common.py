@@ -89,6 +89,9 @@ def dynadiag(sparsity: float, layers, gate: str = "sparse_topk", block_size: int
         # "learned" (a soft matrix while searching, hardened at the freeze; DiagonalDense)
         permutation="none",
         permutation_penalty=1e-3,  # the learned permutation's l1-l2 penalty weight (lambda)
+        # the learned permutation's start: "random" (half on a random permutation matrix, half
+        # uniform) or "uniform" (PA-DST's; docs/design.md 4.7 has both measured)
+        permutation_start="random",
     )
 
 
