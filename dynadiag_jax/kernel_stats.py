@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax import gpu_cost
+from dynadiag_jax import gpu_cost, launch_plan
 from dynadiag_jax.layout import geometry
-from dynadiag_jax.ops import auto, cuda
+from dynadiag_jax.ops import auto
 
 __all__ = [
     "KernelStats",
@@ -105,21 +105,23 @@ def kernel_stats(
 def _element_stats(off, geo, dtype) -> KernelStats:
     in_f, out_f = geo.in_features, geo.out_features
 
+    const = launch_plan.constants()
+
     def product(kind):
         st = gpu_cost.element_structure(off, kind, in_f, out_f, dtype)
         tiles = int(st.n_tiles.sum())
         return ProductStats(
             output_blocks=len(st.path),
             tiles=tiles,
-            fill=float(st.entries.sum()) / (tiles * cuda.TILE * cuda.TILE) if tiles else 0.0,
-            tensor_core_blocks=int((st.path == cuda.PATH_TENSOR_CORE).sum()),
-            diagonal_blocks=int((st.path == cuda.PATH_DIAGONAL).sum()),
+            fill=float(st.entries.sum()) / (tiles * const.TILE * const.TILE) if tiles else 0.0,
+            tensor_core_blocks=int((st.path == const.PATH_TENSOR_CORE).sum()),
+            diagonal_blocks=int((st.path == const.PATH_DIAGONAL).sum()),
         )
 
     fwd, dx = product("fwd"), product("dx")
     tc = fwd.tensor_core_blocks + dx.tensor_core_blocks
     diag = fwd.diagonal_blocks + dx.diagonal_blocks
-    layout = cuda.product_layout("fwd", in_f, out_f)
+    layout = launch_plan.product_layout("fwd", in_f, out_f)
     return KernelStats(
         nonzeros=int(off.size) * geo.length,
         density=len(np.unique(off)) * geo.length / (in_f * out_f),
@@ -134,7 +136,7 @@ def _element_stats(off, geo, dtype) -> KernelStats:
 def _block_stats(off, geo, dtype) -> KernelStats:
     b = geo.block_size
     distinct = len(np.unique(off))
-    plan = cuda.block_product_plan("fwd", geo.in_features, geo.out_features, b, dtype)
+    plan = launch_plan.block_product_plan("fwd", geo.in_features, geo.out_features, b, dtype)
     tensor_cores = plan.tensor_cores
 
     def product(output_blocks):

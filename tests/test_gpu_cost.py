@@ -3,12 +3,15 @@
 Counts against the emulated kernels: tests/test_cuda_counts.py.
 """
 
+import ast
+import pathlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import dynadiag_jax as dd
-from dynadiag_jax import gpu_cost
+from dynadiag_jax import gpu_cost, launch_plan
 
 VIT_ROWS = 2048 * 197  # ViT-B/16 at batch 2048: the kernels' target shape
 BF16 = jnp.bfloat16
@@ -142,3 +145,24 @@ def test_devices_can_be_added_and_are_found_by_kind(monkeypatch):
 def test_predict_needs_k_or_offsets():
     with pytest.raises(ValueError, match="num_diagonals or offsets"):
         gpu_cost.predict(10, 16, 16, BF16)
+
+
+def _imported_modules(module) -> set:
+    """The dynadiag_jax modules a module's source imports, at any depth of its code."""
+    tree = ast.parse(pathlib.Path(module.__file__).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return {n for n in names if n.startswith("dynadiag_jax.")}
+
+
+def test_imports_run_from_the_dispatch_to_the_plan():
+    # ops/auto.py -> gpu_cost -> launch_plan: neither imports the ops back
+    for module in (gpu_cost, launch_plan):
+        ops = {n for n in _imported_modules(module) if n.startswith("dynadiag_jax.ops")}
+        assert not ops, f"{module.__name__} imports {ops}"
+    assert "dynadiag_jax.launch_plan" in _imported_modules(gpu_cost)
+    assert not any("gpu_cost" in n for n in _imported_modules(launch_plan))
