@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynadiag_jax import gpu_sass, launch_plan
-from dynadiag_jax.layout import geometry
+from dynadiag_jax.layout import DiagGeometry, geometry
 
 __all__ = [
     "DEVICES",
@@ -62,6 +62,7 @@ __all__ = [
     "device_for_kind",
     "occupancy",
     "predict",
+    "predict_layer",
     "register_device",
     "sass",
 ]
@@ -301,12 +302,11 @@ class ElementStructure(NamedTuple):
     path: np.ndarray  # PATH_TENSOR_CORE / PATH_DIAGONAL of the launch plan
 
 
-def element_structure(offsets, kind: str, in_features: int, out_features: int, dtype):
+def element_structure(offsets, kind: str, geo: DiagGeometry, dtype):
     """The device plan of the element fwd (``kind="fwd"``) or ``dx`` product for these offsets."""
     const = launch_plan.constants()
-    geo = geometry(in_features, out_features)
     p, d = geo.num_candidates, geo.length
-    layout = launch_plan.product_layout(kind, in_features, out_features, dtype=dtype)
+    layout = launch_plan.product_layout(kind, geo.in_features, geo.out_features, dtype=dtype)
     off = np.asarray(offsets, np.int64)
     k = off.size
     t = np.arange(d, dtype=np.int64)
@@ -340,10 +340,10 @@ def _slab_rows(rows: int, slab_rows: int) -> np.ndarray:
     return r
 
 
-def element_product_launches(kind, rows, in_features, out_features, offsets, dtype) -> list:
+def element_product_launches(kind, rows, geo: DiagGeometry, offsets, dtype) -> list:
     """Launches of the element fwd/dx product (plan kernel, product kernel)."""
     const = launch_plan.constants()
-    geo = geometry(in_features, out_features)
+    in_features, out_features = geo.in_features, geo.out_features
     k = len(offsets)
     layout = launch_plan.product_layout(kind, in_features, out_features, k, dtype)
     s = _itemsize(dtype)
@@ -353,7 +353,7 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
     q_dim = in_features if kind == "fwd" else out_features
     if k == 0:
         return [Launch("memset", store_bytes=rows * o_dim * s, hbm_bytes=rows * o_dim * s)]
-    st = element_structure(offsets, kind, in_features, out_features, dtype)
+    st = element_structure(offsets, kind, geo, dtype)
     om, structure = layout.lists, layout.tiles
     tc_blocks = st.path == const.PATH_TENSOR_CORE
     launches = []
@@ -389,7 +389,7 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
     mma = tiles * const.ELEM_WARPS * n_slabs
     x_tc = 0
     if tiles:  # x slices of each touched tile: valid rows x valid columns
-        per_tile_cols = _touched_tile_widths(offsets, kind, in_features, out_features, q_width)
+        per_tile_cols = _touched_tile_widths(offsets, geo, layout, q_width)
         x_tc = int(per_tile_cols[tc_blocks].sum()) * rows_sum * s
     tc_load = x_tc + tiles * n_slabs * (4 + const.TILE * const.TILE * s)
     diag = ~tc_blocks
@@ -432,11 +432,9 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
     return launches
 
 
-def _touched_tile_widths(offsets, kind, in_features, out_features, q_width) -> np.ndarray:
+def _touched_tile_widths(offsets, geo: DiagGeometry, layout, q_width) -> np.ndarray:
     """Per output block: the summed input widths of its touched tiles."""
     const = launch_plan.constants()
-    geo = geometry(in_features, out_features)
-    layout = launch_plan.product_layout(kind, in_features, out_features)
     off = np.asarray(offsets, np.int64)
     t = np.arange(geo.length, dtype=np.int64)
     moving = (t[None, :] + off[:, None]) % geo.num_candidates
@@ -455,10 +453,10 @@ def _weight_hbm(weight_bytes: int, n_slabs: int) -> int:
     return weight_bytes if weight_bytes <= WEIGHT_L2_BYTES else weight_bytes * max(n_slabs, 1)
 
 
-def element_dvalues_launches(rows, in_features, out_features, offsets, dtype) -> list:
+def element_dvalues_launches(rows, geo: DiagGeometry, offsets, dtype) -> list:
     """Launches of the element dvalues (diagonal SDDMM on CUDA cores, + split reduction)."""
     const = launch_plan.constants()
-    geo = geometry(in_features, out_features)
+    in_features, out_features = geo.in_features, geo.out_features
     s = _itemsize(dtype)
     k, d = len(offsets), geo.length
     if k == 0:
@@ -509,10 +507,10 @@ def _reduce_launch(n: int, splits: int, dtype) -> Launch:
 # --- block diagonals --------------------------------------------------------------------------
 
 
-def block_product_launches(kind, rows, in_features, out_features, offsets, dtype, b) -> list:
+def block_product_launches(kind, rows, geo: DiagGeometry, offsets, dtype) -> list:
     """Launch of the block fwd/dx product (one kernel, no workspace)."""
     const = launch_plan.constants()
-    geo = geometry(in_features, out_features, b)
+    in_features, out_features, b = geo
     plan = launch_plan.block_product_plan(kind, in_features, out_features, b, dtype)
     s = _itemsize(dtype)
     off = np.asarray(offsets, np.int64)
@@ -609,10 +607,10 @@ def block_product_launches(kind, rows, in_features, out_features, offsets, dtype
     ]
 
 
-def block_dvalues_launches(rows, in_features, out_features, offsets, dtype, b) -> list:
+def block_dvalues_launches(rows, geo: DiagGeometry, offsets, dtype) -> list:
     """Launches of the block dvalues (block SDDMM, + the fixed-order split reduction)."""
     const = launch_plan.constants()
-    geo = geometry(in_features, out_features, b)
+    in_features, out_features, b = geo
     s = _itemsize(dtype)
     off = np.asarray(offsets, np.int64)
     k = off.size
@@ -717,17 +715,16 @@ def dense_layer(rows, in_features, out_features, dtype) -> PathCost:
     )
 
 
-def kernel_path(rows, in_features, out_features, offsets, dtype, block_size=1) -> PathCost:
+def kernel_path(rows, geo: DiagGeometry, offsets, dtype) -> PathCost:
     """Our kernels: forward; backward = dx + dvalues."""
-    if block_size == 1:
-        fwd = element_product_launches("fwd", rows, in_features, out_features, offsets, dtype)
-        dx = element_product_launches("dx", rows, in_features, out_features, offsets, dtype)
-        dv = element_dvalues_launches(rows, in_features, out_features, offsets, dtype)
+    if not geo.blocked:
+        fwd = element_product_launches("fwd", rows, geo, offsets, dtype)
+        dx = element_product_launches("dx", rows, geo, offsets, dtype)
+        dv = element_dvalues_launches(rows, geo, offsets, dtype)
     else:
-        b = block_size
-        fwd = block_product_launches("fwd", rows, in_features, out_features, offsets, dtype, b)
-        dx = block_product_launches("dx", rows, in_features, out_features, offsets, dtype, b)
-        dv = block_dvalues_launches(rows, in_features, out_features, offsets, dtype, b)
+        fwd = block_product_launches("fwd", rows, geo, offsets, dtype)
+        dx = block_product_launches("dx", rows, geo, offsets, dtype)
+        dv = block_dvalues_launches(rows, geo, offsets, dtype)
     return PathCost(tuple(fwd), tuple(dx) + tuple(dv))
 
 
@@ -756,8 +753,23 @@ def predict(
       :class:`Prediction` with the paths ``kernel``, ``dense`` (build ``W`` from the diagonals,
       XLA's dot) and ``dense_layer`` (XLA's dot with ``W`` given: the layer being replaced).
     """
-    spec = _spec(device)
     geo = geometry(in_features, out_features, block_size)
+    return predict_layer(rows, geo, dtype, num_diagonals, offsets=offsets, device=device)
+
+
+def predict_layer(
+    rows: int,
+    geo: DiagGeometry,
+    dtype,
+    num_diagonals: int | None = None,
+    *,
+    offsets=None,
+    device="H100",
+) -> Prediction:
+    """:func:`predict` for a layer whose geometry the caller holds (``diag_matmul``'s dispatch
+    computes it once per call and hands it down)."""
+    spec = _spec(device)
+    in_features, out_features, block_size = geo
     if offsets is None:
         if num_diagonals is None:
             raise ValueError("give num_diagonals or offsets")
@@ -767,7 +779,7 @@ def predict(
     k = off.size
     per_diag = geo.length * (block_size * block_size if geo.blocked else 1)
     paths = {
-        "kernel": kernel_path(rows, in_features, out_features, off, dtype, block_size),
+        "kernel": kernel_path(rows, geo, off, dtype),
         "dense": dense_path(rows, in_features, out_features, k * per_diag, dtype),
         "dense_layer": dense_layer(rows, in_features, out_features, dtype),
     }

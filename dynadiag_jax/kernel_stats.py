@@ -96,19 +96,16 @@ def kernel_stats(
     stats = _block_stats(off, geo, dtype) if geo.blocked else _element_stats(off, geo, dtype)
     if rows is None:
         return stats
-    cost = gpu_cost.predict(
-        rows, in_features, out_features, dtype, block_size=block_size, offsets=off, device=device
-    )
+    cost = gpu_cost.predict_layer(rows, geo, dtype, offsets=off, device=device)
     return stats._replace(cost=cost)
 
 
 def _element_stats(off, geo, dtype) -> KernelStats:
     in_f, out_f = geo.in_features, geo.out_features
-
     const = launch_plan.constants()
 
     def product(kind):
-        st = gpu_cost.element_structure(off, kind, in_f, out_f, dtype)
+        st = gpu_cost.element_structure(off, kind, geo, dtype)
         tiles = int(st.n_tiles.sum())
         return ProductStats(
             output_blocks=len(st.path),
@@ -241,9 +238,7 @@ def _layer_path(name, in_f, y_shape, dtype, k, b, platform) -> LayerPath:
     d = auto.decide_for_lowering(platform, rows=rows, geo=geo, dtype=dtype, num_diagonals=k)
     kernel = taken = None
     if platform == "cuda":
-        pred = d.prediction or gpu_cost.predict(
-            rows, in_f, out_f, dtype, k, block_size=b, device=auto.gpu_spec()
-        )
+        pred = d.prediction or gpu_cost.predict_layer(rows, geo, dtype, k, device=auto.gpu_spec())
         kernel = pred.speedup("kernel", "dense_layer")
         taken = pred.speedup("kernel" if d.impl == "ffi" else "dense", "dense_layer")
     return LayerPath(name, platform, in_f, out_f, b, k, d.impl, d.reason, kernel, taken)

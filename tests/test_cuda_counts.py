@@ -53,14 +53,15 @@ def counted(kind, rows, in_f, out_f, offsets, dtype, b, rng):
 
 
 def modelled(kind, rows, in_f, out_f, offsets, dtype, b):
+    geo = geometry(in_f, out_f, b)
     if b == 1 and kind == "dvalues":
-        launches = gpu_cost.element_dvalues_launches(rows, in_f, out_f, offsets, dtype)
+        launches = gpu_cost.element_dvalues_launches(rows, geo, offsets, dtype)
     elif b == 1:
-        launches = gpu_cost.element_product_launches(kind, rows, in_f, out_f, offsets, dtype)
+        launches = gpu_cost.element_product_launches(kind, rows, geo, offsets, dtype)
     elif kind == "dvalues":
-        launches = gpu_cost.block_dvalues_launches(rows, in_f, out_f, offsets, dtype, b)
+        launches = gpu_cost.block_dvalues_launches(rows, geo, offsets, dtype)
     else:
-        launches = gpu_cost.block_product_launches(kind, rows, in_f, out_f, offsets, dtype, b)
+        launches = gpu_cost.block_product_launches(kind, rows, geo, offsets, dtype)
     return {la.name: {f: getattr(la, f) for f in FIELDS} for la in launches}
 
 
@@ -88,7 +89,7 @@ def test_the_element_cases_cover_both_paths():
     for _, in_f, out_f in ELEMENT:
         for kind in ("fwd", "dx"):
             offsets = band_and_lone(max(in_f, out_f))
-            st = gpu_cost.element_structure(offsets, kind, in_f, out_f, jnp.bfloat16)
+            st = gpu_cost.element_structure(offsets, kind, geometry(in_f, out_f), jnp.bfloat16)
             paths |= set(st.path.tolist())
     assert paths == {const.PATH_TENSOR_CORE, const.PATH_DIAGONAL}
 

@@ -16,7 +16,7 @@ import pytest
 
 import dynadiag_jax as dd
 from dynadiag_jax import gpu_cost, launch_plan
-from dynadiag_jax.layout import diag_indices
+from dynadiag_jax.layout import diag_indices, geometry
 from dynadiag_jax.ops import cuda
 
 pytestmark = pytest.mark.skipif(
@@ -154,10 +154,11 @@ def test_both_paths_are_exercised(in_f, out_f, rng):
     p = max(in_f, out_f)
     band = offsets_of("band", rng, p)
     lone = [p // 3]  # one diagonal: 1/16 of a tile at most
+    geo = geometry(in_f, out_f)
     for kind in ("fwd", "dx"):
-        path = gpu_cost.element_structure(band, kind, in_f, out_f, jnp.bfloat16).path
+        path = gpu_cost.element_structure(band, kind, geo, jnp.bfloat16).path
         assert (path == const.PATH_TENSOR_CORE).any()
-        path = gpu_cost.element_structure(lone, kind, in_f, out_f, jnp.bfloat16).path
+        path = gpu_cost.element_structure(lone, kind, geo, jnp.bfloat16).path
         assert (path == const.PATH_DIAGONAL).any()
 
 
@@ -211,7 +212,7 @@ def test_device_plan_equals_the_cost_models_structure(kind, in_f, out_f, rng):
     def seg(at, n, dtype=np.int32):
         return ws[at : at + np.dtype(dtype).itemsize * n].view(dtype)
 
-    st = gpu_cost.element_structure(offsets, kind, in_f, out_f, jnp.bfloat16)
+    st = gpu_cost.element_structure(offsets, kind, geometry(in_f, out_f), jnp.bfloat16)
     rows, cols = (np.asarray(x) for x in diag_indices(jnp.asarray(offsets), in_f, out_f))
     o_idx, q_idx = (rows, cols) if kind == "fwd" else (cols, rows)
     n_ob, n_qb = layout.n_ob, layout.n_qb

@@ -12,6 +12,7 @@ import pytest
 
 import dynadiag_jax as dd
 from dynadiag_jax import gpu_cost, launch_plan
+from dynadiag_jax.layout import geometry
 
 VIT_ROWS = 2048 * 197  # ViT-B/16 at batch 2048: the kernels' target shape
 BF16 = jnp.bfloat16
@@ -79,7 +80,8 @@ def test_occupancy_from_registers_and_shared_memory():
 
 def test_issue_term_is_the_sass_figures_times_the_executed_units():
     rows, b, k = 512, 16, 2
-    (launch,) = gpu_cost.block_product_launches("fwd", rows, 64, 256, np.arange(k), BF16, b)
+    geo = geometry(64, 256, b)
+    (launch,) = gpu_cost.block_product_launches("fwd", rows, geo, np.arange(k), BF16)
     # 64 -> 256 at b = 16: 4 wraps, a 64-column kernel with 256-row slabs
     fig = gpu_cost.sass("block_product_tc_kernel", BF16, (True, False, 16, 64))
     regions = fig["regions"]
@@ -98,8 +100,9 @@ def test_issue_term_is_the_sass_figures_times_the_executed_units():
 
 def test_block_products_do_exactly_the_useful_tensor_core_work():
     k, b, rows = 3, 16, 1000
+    geo = geometry(64, 256, b)
     for kind in ("fwd", "dx"):
-        (launch,) = gpu_cost.block_product_launches(kind, rows, 64, 256, np.arange(k), BF16, b)
+        (launch,) = gpu_cost.block_product_launches(kind, rows, geo, np.arange(k), BF16)
         # one MAC per non-zero of W (K * L_b * b * b) and row of the 128-row slabs (1024 rows)
         padded = -(-rows // 128) * 128
         assert launch.mma * 16**3 == padded * k * (256 // b) * b * b
