@@ -1,8 +1,8 @@
 """Roofline cost model of the GPU paths of ``diag_matmul`` (docs/gpu_cost_model.md).
 
 Every path is a list of launches, and every launch is counted from the launch plan the code really
-uses (``xla_ext/cuda/diag_launch.cuh``; the counts equal the counters of the emulated kernels,
-tests/test_cuda_counts.py):
+uses (``xla_ext/cuda/launch_plan.h``, read through :mod:`dynadiag_jax.launch_plan`; the counts equal
+the counters of the emulated kernels, tests/test_cuda_counts.py):
 
 * ``mma``: warp-level ``16x16x16`` tensor-core products (``wmma::mma_sync`` calls);
 * ``fma``: float32 CUDA-core fused multiply-adds (thread level);
@@ -50,9 +50,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax import gpu_sass
-from dynadiag_jax.layout import geometry
-from dynadiag_jax.ops import cuda
+from dynadiag_jax import gpu_sass, launch_plan
+from dynadiag_jax.layout import DiagGeometry, geometry
 
 __all__ = [
     "DEVICES",
@@ -63,6 +62,7 @@ __all__ = [
     "device_for_kind",
     "occupancy",
     "predict",
+    "predict_layer",
     "register_device",
     "sass",
 ]
@@ -125,9 +125,9 @@ DEVICES: dict[str, DeviceSpec] = {"H100": H100, "A100": A100}
 DEFAULT_DEVICE = "H100"
 
 # Warp instructions per thread-level FMA of the element diagonal walk that the kernels' path rule
-# (cuda.TILE_COST, compiled into the kernels) was derived with: a global load, the FMA and index
-# work, read off the source. The SASS counts are higher (gpu_sass); the rule stays until the
-# kernels are rebuilt with a new one (tile_cost_ratio).
+# (TILE_COST of the launch plan, compiled into the kernels) was derived with: a global load, the
+# FMA and index work, read off the source. The SASS counts are higher (gpu_sass); the rule stays
+# until the kernels are rebuilt with a new one (tile_cost_ratio).
 PATH_RULE_INSTRUCTIONS_PER_FMA = 3.0
 MMA_FLOPS = 2 * 16 * 16 * 16  # one warp-level m16n16k16 product
 WARP = 32
@@ -280,10 +280,6 @@ def _itemsize(dtype) -> int:
     return jnp.dtype(dtype).itemsize
 
 
-def _tensor_core_dtype(dtype) -> bool:
-    return jnp.dtype(dtype) in cuda.TENSOR_CORE_DTYPES
-
-
 def spread_offsets(num_diagonals: int, num_candidates: int) -> np.ndarray:
     """``K`` offsets spread evenly over ``[0, P)``: what the model assumes when offsets are unknown.
 
@@ -303,19 +299,19 @@ class ElementStructure(NamedTuple):
     n_list: np.ndarray  # diagonals touching the block (out-moving products), else K
     entries: np.ndarray  # non-zeros of M in the block's rows
     n_tiles: np.ndarray  # touched 16x16 tiles
-    path: np.ndarray  # cuda.PATH_TENSOR_CORE / cuda.PATH_DIAGONAL
+    path: np.ndarray  # PATH_TENSOR_CORE / PATH_DIAGONAL of the launch plan
 
 
-def element_structure(offsets, kind: str, in_features: int, out_features: int, dtype):
+def element_structure(offsets, kind: str, geo: DiagGeometry, dtype):
     """The device plan of the element fwd (``kind="fwd"``) or ``dx`` product for these offsets."""
-    geo = geometry(in_features, out_features)
+    const = launch_plan.constants()
     p, d = geo.num_candidates, geo.length
-    layout = cuda.product_layout(kind, in_features, out_features)
+    layout = launch_plan.product_layout(kind, geo.in_features, geo.out_features, dtype=dtype)
     off = np.asarray(offsets, np.int64)
     k = off.size
     t = np.arange(d, dtype=np.int64)
     moving = (t[None, :] + off[:, None]) % p if k else np.zeros((0, d), np.int64)
-    mb, tb = moving // cuda.TILE, np.broadcast_to(t // cuda.TILE, moving.shape)
+    mb, tb = moving // const.TILE, np.broadcast_to(t // const.TILE, moving.shape)
     counts = np.bincount(
         (mb * layout.n_tb + tb).ravel(), minlength=layout.n_mb * layout.n_tb
     ).reshape(layout.n_mb, layout.n_tb)
@@ -329,10 +325,9 @@ def element_structure(offsets, kind: str, in_features: int, out_features: int, d
         n_list = (per_diag > 0).sum(axis=0)
     else:
         n_list = np.full(layout.n_ob, k)
-    tensor_cores = _tensor_core_dtype(dtype) and layout.n_qb <= cuda.MAX_PLAN_BLOCKS
-    cheaper = n_tiles * cuda.TILE_COST <= entries * cuda.ENTRY_COST
-    on_tc = tensor_cores & (n_tiles > 0) & cheaper
-    path = np.where(on_tc, cuda.PATH_TENSOR_CORE, cuda.PATH_DIAGONAL)
+    cheaper = n_tiles * const.TILE_COST <= entries * const.ENTRY_COST
+    on_tc = layout.tiles & (n_tiles > 0) & cheaper
+    path = np.where(on_tc, const.PATH_TENSOR_CORE, const.PATH_DIAGONAL)
     return ElementStructure(n_list, entries, n_tiles, path)
 
 
@@ -345,11 +340,12 @@ def _slab_rows(rows: int, slab_rows: int) -> np.ndarray:
     return r
 
 
-def element_product_launches(kind, rows, in_features, out_features, offsets, dtype) -> list:
+def element_product_launches(kind, rows, geo: DiagGeometry, offsets, dtype) -> list:
     """Launches of the element fwd/dx product (plan kernel, product kernel)."""
-    geo = geometry(in_features, out_features)
+    const = launch_plan.constants()
+    in_features, out_features = geo.in_features, geo.out_features
     k = len(offsets)
-    layout = cuda.product_layout(kind, in_features, out_features, k, dtype)
+    layout = launch_plan.product_layout(kind, in_features, out_features, k, dtype)
     s = _itemsize(dtype)
     if rows == 0:
         return []
@@ -357,9 +353,9 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
     q_dim = in_features if kind == "fwd" else out_features
     if k == 0:
         return [Launch("memset", store_bytes=rows * o_dim * s, hbm_bytes=rows * o_dim * s)]
-    st = element_structure(offsets, kind, in_features, out_features, dtype)
+    st = element_structure(offsets, kind, geo, dtype)
     om, structure = layout.lists, layout.tiles
-    tc_blocks = st.path == cuda.PATH_TENSOR_CORE
+    tc_blocks = st.path == const.PATH_TENSOR_CORE
     launches = []
     if om or structure:
         # offsets once per block; packing re-reads the list (k and offset) and read-modify-writes
@@ -371,7 +367,7 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
         store = (
             om * 4 * int(st.n_list.sum() + layout.n_ob)
             + structure * 4 * int(st.n_tiles.sum() + 2 * layout.n_ob)
-            + s * (packed * cuda.TILE * cuda.TILE + pack_entries)
+            + s * (packed * const.TILE * const.TILE + pack_entries)
         )
         plan, plan_fields = _compiled("element_plan_kernel", dtype, (layout.out_moving,))
         launches.append(
@@ -385,26 +381,26 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
                 **plan_fields,
             )
         )
-    slab = _slab_rows(rows, cuda.ELEM_ROWS)
+    slab = _slab_rows(rows, const.ELEM_ROWS)
     n_slabs, rows_sum = len(slab), int(slab.sum())
-    q_width = np.minimum(cuda.TILE, q_dim - np.arange(layout.n_qb) * cuda.TILE)
+    q_width = np.minimum(const.TILE, q_dim - np.arange(layout.n_qb) * const.TILE)
     # Per output block: tensor-core path work per row slab, or diagonal path work.
     tiles = int(st.n_tiles[tc_blocks].sum())
-    mma = tiles * cuda.ELEM_WARPS * n_slabs
+    mma = tiles * const.ELEM_WARPS * n_slabs
     x_tc = 0
     if tiles:  # x slices of each touched tile: valid rows x valid columns
-        per_tile_cols = _touched_tile_widths(offsets, kind, in_features, out_features, q_width)
+        per_tile_cols = _touched_tile_widths(offsets, geo, layout, q_width)
         x_tc = int(per_tile_cols[tc_blocks].sum()) * rows_sum * s
-    tc_load = x_tc + tiles * n_slabs * (4 + cuda.TILE * cuda.TILE * s)
+    tc_load = x_tc + tiles * n_slabs * (4 + const.TILE * const.TILE * s)
     diag = ~tc_blocks
     entries_diag = int(st.entries[diag].sum())
-    groups = np.minimum(cuda.ELEM_GROUPS, slab)  # thread groups holding at least one row
+    groups = np.minimum(const.ELEM_GROUPS, slab)  # thread groups holding at least one row
     fma = entries_diag * rows_sum
     meta = (8 if om else 4) * int(st.n_list[diag].sum()) * n_slabs
     diag_load = meta + entries_diag * s * (rows_sum + int(groups.sum()))
     store = rows_sum * o_dim * s
     weights = k * geo.length * s
-    packed = int(st.n_tiles[tc_blocks].sum()) * cuda.TILE * cuda.TILE * s
+    packed = int(st.n_tiles[tc_blocks].sum()) * const.TILE * const.TILE * s
     hbm = rows * q_dim * s + store + _weight_hbm(weights + packed, n_slabs)
     product, product_fields = _compiled("element_product_kernel", dtype, (layout.out_moving,))
     tc_count = int(tc_blocks.sum())
@@ -413,11 +409,11 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
         product,
         mma=mma,
         # every thread loads its 8 slots of a 128 x 16 x slice (predicated past the last row)
-        x_load=tiles * n_slabs * cuda.ELEM_ROWS * cuda.TILE // WARP,
-        tc_store=tc_count * rows_sum * cuda.TILE // WARP,
+        x_load=tiles * n_slabs * const.ELEM_ROWS * const.TILE // WARP,
+        tc_store=tc_count * rows_sum * const.TILE // WARP,
         stage=int(np.sum(-(-st.n_tiles[tc_blocks] // 2))) * n_slabs * warps,
         fma=fma / WARP,
-        diag_store=(layout.n_ob - tc_count) * rows_sum * cuda.TILE // WARP,
+        diag_store=(layout.n_ob - tc_count) * rows_sum * const.TILE // WARP,
         cta=layout.n_ob * n_slabs * warps,
     )
     launches.append(
@@ -436,15 +432,14 @@ def element_product_launches(kind, rows, in_features, out_features, offsets, dty
     return launches
 
 
-def _touched_tile_widths(offsets, kind, in_features, out_features, q_width) -> np.ndarray:
+def _touched_tile_widths(offsets, geo: DiagGeometry, layout, q_width) -> np.ndarray:
     """Per output block: the summed input widths of its touched tiles."""
-    geo = geometry(in_features, out_features)
-    layout = cuda.product_layout(kind, in_features, out_features)
+    const = launch_plan.constants()
     off = np.asarray(offsets, np.int64)
     t = np.arange(geo.length, dtype=np.int64)
     moving = (t[None, :] + off[:, None]) % geo.num_candidates
     touched = np.zeros((layout.n_mb, layout.n_tb), bool)
-    touched[moving // cuda.TILE, np.broadcast_to(t // cuda.TILE, moving.shape)] = True
+    touched[moving // const.TILE, np.broadcast_to(t // const.TILE, moving.shape)] = True
     per_block = touched if layout.out_moving else touched.T
     return (per_block * q_width[None, :]).sum(axis=1)
 
@@ -458,22 +453,23 @@ def _weight_hbm(weight_bytes: int, n_slabs: int) -> int:
     return weight_bytes if weight_bytes <= WEIGHT_L2_BYTES else weight_bytes * max(n_slabs, 1)
 
 
-def element_dvalues_launches(rows, in_features, out_features, offsets, dtype) -> list:
+def element_dvalues_launches(rows, geo: DiagGeometry, offsets, dtype) -> list:
     """Launches of the element dvalues (diagonal SDDMM on CUDA cores, + split reduction)."""
-    geo = geometry(in_features, out_features)
+    const = launch_plan.constants()
+    in_features, out_features = geo.in_features, geo.out_features
     s = _itemsize(dtype)
     k, d = len(offsets), geo.length
     if k == 0:
         return []
     if rows == 0:
         return [Launch("memset", store_bytes=k * d * s, hbm_bytes=k * d * s)]
-    splits = cuda.sddmm_splits(rows, in_features, out_features, k)
+    splits = launch_plan.sddmm_splits(rows, in_features, out_features, k)
     valid = int(np.sum((np.asarray(offsets) >= 0) & (np.asarray(offsets) < geo.num_candidates)))
-    groups = _cdiv(k, cuda.SDDMM_DIAGS)
+    groups = _cdiv(k, const.SDDMM_DIAGS)
     fma = valid * d * rows
     load = (groups * d + valid * d) * rows * s
     out = k * d * (4 * splits if splits > 1 else s)  # the partial sums of every split
-    ctas = _cdiv(d, cuda.SDDMM_LANES) * groups * splits
+    ctas = _cdiv(d, const.SDDMM_LANES) * groups * splits
     sddmm, sddmm_fields = _compiled("sddmm_kernel", dtype)
     launches = [
         Launch(
@@ -494,7 +490,8 @@ def element_dvalues_launches(rows, in_features, out_features, offsets, dtype) ->
 
 def _reduce_launch(n: int, splits: int, dtype) -> Launch:
     """The fixed-order sum of ``splits`` float32 partial results of ``n`` elements."""
-    ctas = _cdiv(n, cuda.REDUCE_THREADS)
+    const = launch_plan.constants()
+    ctas = _cdiv(n, const.REDUCE_THREADS)
     reduce, reduce_fields = _compiled("sddmm_reduce_kernel", dtype)
     return Launch(
         "sddmm_reduce",
@@ -510,10 +507,11 @@ def _reduce_launch(n: int, splits: int, dtype) -> Launch:
 # --- block diagonals --------------------------------------------------------------------------
 
 
-def block_product_launches(kind, rows, in_features, out_features, offsets, dtype, b) -> list:
+def block_product_launches(kind, rows, geo: DiagGeometry, offsets, dtype) -> list:
     """Launch of the block fwd/dx product (one kernel, no workspace)."""
-    geo = geometry(in_features, out_features, b)
-    plan = cuda.block_product_plan(kind, in_features, out_features, b, dtype)
+    const = launch_plan.constants()
+    in_features, out_features, b = geo
+    plan = launch_plan.block_product_plan(kind, in_features, out_features, b, dtype)
     s = _itemsize(dtype)
     off = np.asarray(offsets, np.int64)
     k = off.size
@@ -566,7 +564,7 @@ def block_product_launches(kind, rows, in_features, out_features, offsets, dtype
         else:
             loads += x_load + w_load + 4 * k * n_slabs
             trips += k * (1 if plan.out_long else plan.wraps) * slices_per_block
-            fma += weight_blocks * b * b * cuda.BLOCK_ROWS * n_slabs
+            fma += weight_blocks * b * b * const.BLOCK_ROWS * n_slabs
     weights = k * l_b * b * b * s
     hbm = rows * (q_dim + o_dim) * s + _weight_hbm(weights, n_slabs)
     ctas = plan.n_panels * n_slabs
@@ -588,7 +586,7 @@ def block_product_launches(kind, rows, in_features, out_features, offsets, dtype
             kernel,
             fma=fma / WARP,
             # every thread loads its slots of a 128-row x slice (predicated past the last row)
-            x_load=x_slices * n_slabs * cuda.BLOCK_ROWS * 16 // WARP,
+            x_load=x_slices * n_slabs * const.BLOCK_ROWS * 16 // WARP,
             w_load=w_elements * n_slabs / WARP,
             store=stores / s / WARP,
             stage=trips * n_slabs * BLOCK_WARPS,
@@ -609,9 +607,10 @@ def block_product_launches(kind, rows, in_features, out_features, offsets, dtype
     ]
 
 
-def block_dvalues_launches(rows, in_features, out_features, offsets, dtype, b) -> list:
+def block_dvalues_launches(rows, geo: DiagGeometry, offsets, dtype) -> list:
     """Launches of the block dvalues (block SDDMM, + the fixed-order split reduction)."""
-    geo = geometry(in_features, out_features, b)
+    const = launch_plan.constants()
+    in_features, out_features, b = geo
     s = _itemsize(dtype)
     off = np.asarray(offsets, np.int64)
     k = off.size
@@ -621,12 +620,12 @@ def block_dvalues_launches(rows, in_features, out_features, offsets, dtype, b) -
     n_out = k * l_b * b * b
     if rows == 0:
         return [Launch("memset", store_bytes=n_out * s, hbm_bytes=n_out * s)]
-    plan = cuda.block_sddmm_plan(rows, in_features, out_features, k, b, dtype)
+    plan = launch_plan.block_sddmm_plan(rows, in_features, out_features, k, b, dtype)
     valid = (off >= 0) & (off < p_b)
     split_rows = _slab_rows(rows, plan.rows_per_split)
     # every split runs its rows in stages of SDDMM_STAGE_ROWS; the last stage of a split is padded
-    rows_padded = sum(_cdiv(int(r), cuda.SDDMM_STAGE_ROWS) for r in split_rows)
-    rows_padded *= cuda.SDDMM_STAGE_ROWS
+    rows_padded = sum(_cdiv(int(r), const.BLOCK_SDDMM_STAGE_ROWS) for r in split_rows)
+    rows_padded *= const.BLOCK_SDDMM_STAGE_ROWS
     loads = mma = fma = loaded = 0
     frag = (b // 16) ** 2 if plan.tensor_cores else 0
     for chunk in range(plan.wrap_chunks):
@@ -653,7 +652,7 @@ def block_dvalues_launches(rows, in_features, out_features, offsets, dtype, b) -
         fma=fma / WARP,
         load=loaded / WARP,
         store=n_out * plan.splits / WARP,
-        stage=rows_padded // cuda.SDDMM_STAGE_ROWS * base * BLOCK_WARPS,
+        stage=rows_padded // const.BLOCK_SDDMM_STAGE_ROWS * base * BLOCK_WARPS,
         cta=ctas * BLOCK_WARPS,
     )
     launches = [
@@ -716,17 +715,16 @@ def dense_layer(rows, in_features, out_features, dtype) -> PathCost:
     )
 
 
-def kernel_path(rows, in_features, out_features, offsets, dtype, block_size=1) -> PathCost:
+def kernel_path(rows, geo: DiagGeometry, offsets, dtype) -> PathCost:
     """Our kernels: forward; backward = dx + dvalues."""
-    if block_size == 1:
-        fwd = element_product_launches("fwd", rows, in_features, out_features, offsets, dtype)
-        dx = element_product_launches("dx", rows, in_features, out_features, offsets, dtype)
-        dv = element_dvalues_launches(rows, in_features, out_features, offsets, dtype)
+    if not geo.blocked:
+        fwd = element_product_launches("fwd", rows, geo, offsets, dtype)
+        dx = element_product_launches("dx", rows, geo, offsets, dtype)
+        dv = element_dvalues_launches(rows, geo, offsets, dtype)
     else:
-        b = block_size
-        fwd = block_product_launches("fwd", rows, in_features, out_features, offsets, dtype, b)
-        dx = block_product_launches("dx", rows, in_features, out_features, offsets, dtype, b)
-        dv = block_dvalues_launches(rows, in_features, out_features, offsets, dtype, b)
+        fwd = block_product_launches("fwd", rows, geo, offsets, dtype)
+        dx = block_product_launches("dx", rows, geo, offsets, dtype)
+        dv = block_dvalues_launches(rows, geo, offsets, dtype)
     return PathCost(tuple(fwd), tuple(dx) + tuple(dv))
 
 
@@ -755,8 +753,23 @@ def predict(
       :class:`Prediction` with the paths ``kernel``, ``dense`` (build ``W`` from the diagonals,
       XLA's dot) and ``dense_layer`` (XLA's dot with ``W`` given: the layer being replaced).
     """
-    spec = _spec(device)
     geo = geometry(in_features, out_features, block_size)
+    return predict_layer(rows, geo, dtype, num_diagonals, offsets=offsets, device=device)
+
+
+def predict_layer(
+    rows: int,
+    geo: DiagGeometry,
+    dtype,
+    num_diagonals: int | None = None,
+    *,
+    offsets=None,
+    device="H100",
+) -> Prediction:
+    """:func:`predict` for a layer whose geometry the caller holds (``diag_matmul``'s dispatch
+    computes it once per call and hands it down)."""
+    spec = _spec(device)
+    in_features, out_features, block_size = geo
     if offsets is None:
         if num_diagonals is None:
             raise ValueError("give num_diagonals or offsets")
@@ -766,7 +779,7 @@ def predict(
     k = off.size
     per_diag = geo.length * (block_size * block_size if geo.blocked else 1)
     paths = {
-        "kernel": kernel_path(rows, in_features, out_features, off, dtype, block_size),
+        "kernel": kernel_path(rows, geo, off, dtype),
         "dense": dense_path(rows, in_features, out_features, k * per_diag, dtype),
         "dense_layer": dense_layer(rows, in_features, out_features, dtype),
     }
@@ -788,17 +801,18 @@ def tile_cost_ratio(spec: DeviceSpec = H100, dtype=jnp.bfloat16) -> float:
     """Model cost of one tensor-core tile over one diagonal entry, per 128-row slab.
 
     The element kernels take the tensor-core path for an output block when
-    ``tiles * TILE_COST <= entries * ENTRY_COST`` (``ops/cuda.py``); this is the ratio those
-    integer constants round.
+    ``tiles * TILE_COST <= entries * ENTRY_COST`` (``xla_ext/cuda/launch_plan.h``); this is the
+    ratio those integer constants round.
     """
+    const = launch_plan.constants()
     s = _itemsize(dtype)
-    rows = cuda.ELEM_ROWS
+    rows = const.ELEM_ROWS
     tile = max(
-        rows * cuda.TILE * cuda.TILE * 2 / spec.wmma_flops,
-        (rows * cuda.TILE * s + cuda.TILE * cuda.TILE * s) / spec.l2_bandwidth,
+        rows * const.TILE * const.TILE * 2 / spec.wmma_flops,
+        (rows * const.TILE * s + const.TILE * const.TILE * s) / spec.l2_bandwidth,
     )
     entry = max(
         rows * PATH_RULE_INSTRUCTIONS_PER_FMA / WARP / spec.issue_rate,
-        (rows + cuda.ELEM_GROUPS) * s / spec.l2_bandwidth,
+        (rows + const.ELEM_GROUPS) * s / spec.l2_bandwidth,
     )
     return tile / entry

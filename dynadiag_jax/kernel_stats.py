@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax import gpu_cost
+from dynadiag_jax import gpu_cost, launch_plan
 from dynadiag_jax.layout import geometry
-from dynadiag_jax.ops import auto, cuda
+from dynadiag_jax.ops import auto
 
 __all__ = [
     "KernelStats",
@@ -96,30 +96,29 @@ def kernel_stats(
     stats = _block_stats(off, geo, dtype) if geo.blocked else _element_stats(off, geo, dtype)
     if rows is None:
         return stats
-    cost = gpu_cost.predict(
-        rows, in_features, out_features, dtype, block_size=block_size, offsets=off, device=device
-    )
+    cost = gpu_cost.predict_layer(rows, geo, dtype, offsets=off, device=device)
     return stats._replace(cost=cost)
 
 
 def _element_stats(off, geo, dtype) -> KernelStats:
     in_f, out_f = geo.in_features, geo.out_features
+    const = launch_plan.constants()
 
     def product(kind):
-        st = gpu_cost.element_structure(off, kind, in_f, out_f, dtype)
+        st = gpu_cost.element_structure(off, kind, geo, dtype)
         tiles = int(st.n_tiles.sum())
         return ProductStats(
             output_blocks=len(st.path),
             tiles=tiles,
-            fill=float(st.entries.sum()) / (tiles * cuda.TILE * cuda.TILE) if tiles else 0.0,
-            tensor_core_blocks=int((st.path == cuda.PATH_TENSOR_CORE).sum()),
-            diagonal_blocks=int((st.path == cuda.PATH_DIAGONAL).sum()),
+            fill=float(st.entries.sum()) / (tiles * const.TILE * const.TILE) if tiles else 0.0,
+            tensor_core_blocks=int((st.path == const.PATH_TENSOR_CORE).sum()),
+            diagonal_blocks=int((st.path == const.PATH_DIAGONAL).sum()),
         )
 
     fwd, dx = product("fwd"), product("dx")
     tc = fwd.tensor_core_blocks + dx.tensor_core_blocks
     diag = fwd.diagonal_blocks + dx.diagonal_blocks
-    layout = cuda.product_layout("fwd", in_f, out_f)
+    layout = launch_plan.product_layout("fwd", in_f, out_f)
     return KernelStats(
         nonzeros=int(off.size) * geo.length,
         density=len(np.unique(off)) * geo.length / (in_f * out_f),
@@ -134,7 +133,7 @@ def _element_stats(off, geo, dtype) -> KernelStats:
 def _block_stats(off, geo, dtype) -> KernelStats:
     b = geo.block_size
     distinct = len(np.unique(off))
-    plan = cuda.block_product_plan("fwd", geo.in_features, geo.out_features, b, dtype)
+    plan = launch_plan.block_product_plan("fwd", geo.in_features, geo.out_features, b, dtype)
     tensor_cores = plan.tensor_cores
 
     def product(output_blocks):
@@ -239,9 +238,7 @@ def _layer_path(name, in_f, y_shape, dtype, k, b, platform) -> LayerPath:
     d = auto.decide_for_lowering(platform, rows=rows, geo=geo, dtype=dtype, num_diagonals=k)
     kernel = taken = None
     if platform == "cuda":
-        pred = d.prediction or gpu_cost.predict(
-            rows, in_f, out_f, dtype, k, block_size=b, device=auto.gpu_spec()
-        )
+        pred = d.prediction or gpu_cost.predict_layer(rows, geo, dtype, k, device=auto.gpu_spec())
         kernel = pred.speedup("kernel", "dense_layer")
         taken = pred.speedup("kernel" if d.impl == "ffi" else "dense", "dense_layer")
     return LayerPath(name, platform, in_f, out_f, b, k, d.impl, d.reason, kernel, taken)

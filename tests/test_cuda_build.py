@@ -19,7 +19,7 @@ import pytest
 from conftest import CUDA_ARCHS, sass_counts
 
 import dynadiag_jax as dd
-from dynadiag_jax.ops import cuda
+from dynadiag_jax import launch_plan
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GUARD = ROOT / "xla_ext" / "cuda" / "cuda_plugin_guard.cmake"
@@ -178,7 +178,9 @@ def test_diag_matmul_lowers_to_the_cuda_targets_with_a_workspace():
                 if f"stablehlo.custom_call @dynadiag_diag_matmul_v2_{kind}(" in line
             ]
             assert calls, f"no {kind} custom call in the CUDA lowering ({dtype.__name__})"
-            nbytes = cuda.workspace_bytes(kind, rows, in_f, out_f, k, dtype, block_size=block_size)
+            nbytes = launch_plan.workspace_bytes(
+                kind, rows, in_f, out_f, k, dtype, block_size=block_size
+            )
             nbytes = max(1, nbytes)
             where = f"{kind} ({dtype.__name__}) workspace: {calls[0]}"
             assert all(f"tensor<{nbytes}xui8>" in c for c in calls), where

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dynadiag_jax as dd
-from dynadiag_jax import gpu_cost
+from dynadiag_jax import gpu_cost, launch_plan
 from dynadiag_jax.layout import geometry
 from dynadiag_jax.ops import cuda
 
@@ -39,7 +39,7 @@ def counted(kind, rows, in_f, out_f, offsets, dtype, b, rng):
         "dx": (dy, jnp.ones(values_shape, dtype), (rows, in_f)),
         "dvalues": (dy, x, values_shape),
     }[kind]
-    nbytes = cuda.workspace_bytes(kind, rows, in_f, out_f, k, dtype, block_size=b)
+    nbytes = launch_plan.workspace_bytes(kind, rows, in_f, out_f, k, dtype, block_size=b)
     call = jax.ffi.ffi_call(
         f"{cuda.EMULATED_PREFIX}_{kind}",
         (
@@ -53,14 +53,15 @@ def counted(kind, rows, in_f, out_f, offsets, dtype, b, rng):
 
 
 def modelled(kind, rows, in_f, out_f, offsets, dtype, b):
+    geo = geometry(in_f, out_f, b)
     if b == 1 and kind == "dvalues":
-        launches = gpu_cost.element_dvalues_launches(rows, in_f, out_f, offsets, dtype)
+        launches = gpu_cost.element_dvalues_launches(rows, geo, offsets, dtype)
     elif b == 1:
-        launches = gpu_cost.element_product_launches(kind, rows, in_f, out_f, offsets, dtype)
+        launches = gpu_cost.element_product_launches(kind, rows, geo, offsets, dtype)
     elif kind == "dvalues":
-        launches = gpu_cost.block_dvalues_launches(rows, in_f, out_f, offsets, dtype, b)
+        launches = gpu_cost.block_dvalues_launches(rows, geo, offsets, dtype)
     else:
-        launches = gpu_cost.block_product_launches(kind, rows, in_f, out_f, offsets, dtype, b)
+        launches = gpu_cost.block_product_launches(kind, rows, geo, offsets, dtype)
     return {la.name: {f: getattr(la, f) for f in FIELDS} for la in launches}
 
 
@@ -83,13 +84,14 @@ def test_element_kernels_do_what_the_model_counts(rows, in_f, out_f, kind, dtype
 
 
 def test_the_element_cases_cover_both_paths():
+    const = launch_plan.constants()
     paths = set()
     for _, in_f, out_f in ELEMENT:
         for kind in ("fwd", "dx"):
             offsets = band_and_lone(max(in_f, out_f))
-            st = gpu_cost.element_structure(offsets, kind, in_f, out_f, jnp.bfloat16)
+            st = gpu_cost.element_structure(offsets, kind, geometry(in_f, out_f), jnp.bfloat16)
             paths |= set(st.path.tolist())
-    assert paths == {cuda.PATH_TENSOR_CORE, cuda.PATH_DIAGONAL}
+    assert paths == {const.PATH_TENSOR_CORE, const.PATH_DIAGONAL}
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: d.__name__)
@@ -104,8 +106,8 @@ def test_block_kernels_do_what_the_model_counts(rows, in_f, out_f, b, kind, dtyp
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: d.__name__)
 def test_split_sddmms_and_their_reductions_are_counted(dtype, rng):
-    element = cuda.sddmm_splits(600, 40, 24, 8)
-    block = cuda.block_sddmm_plan(1100, 32, 64, 2, 16, dtype).splits
+    element = launch_plan.sddmm_splits(600, 40, 24, 8)
+    block = launch_plan.block_sddmm_plan(1100, 32, 64, 2, 16, dtype).splits
     assert element > 1 and block > 1
     for rows, in_f, out_f, offsets, b in (
         (600, 40, 24, np.arange(8), 1),

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import dynadiag_jax as dd
-from dynadiag_jax import gpu_cost
-from dynadiag_jax.layout import diag_indices
+from dynadiag_jax import gpu_cost, launch_plan
+from dynadiag_jax.layout import diag_indices, geometry
 from dynadiag_jax.ops import cuda
 
 pytestmark = pytest.mark.skipif(
@@ -144,20 +144,22 @@ def test_leading_dims_and_two_batch_tiles(dtype, rng):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_dvalues_split_over_rows(dtype, rng):
     # many rows, small K * D: the SDDMM splits the rows and sums the partials in a second kernel
-    assert cuda.sddmm_splits(600, 40, 24, 8) > 1
+    assert launch_plan.sddmm_splits(600, 40, 24, 8) > 1
     check_all(rng, (600,), 40, 24, "band", dtype)
 
 
 @pytest.mark.parametrize("in_f,out_f", [(33, 33), (48, 100), (100, 48)])
 def test_both_paths_are_exercised(in_f, out_f, rng):
+    const = launch_plan.constants()
     p = max(in_f, out_f)
     band = offsets_of("band", rng, p)
     lone = [p // 3]  # one diagonal: 1/16 of a tile at most
+    geo = geometry(in_f, out_f)
     for kind in ("fwd", "dx"):
-        path = gpu_cost.element_structure(band, kind, in_f, out_f, jnp.bfloat16).path
-        assert (path == cuda.PATH_TENSOR_CORE).any()
-        path = gpu_cost.element_structure(lone, kind, in_f, out_f, jnp.bfloat16).path
-        assert (path == cuda.PATH_DIAGONAL).any()
+        path = gpu_cost.element_structure(band, kind, geo, jnp.bfloat16).path
+        assert (path == const.PATH_TENSOR_CORE).any()
+        path = gpu_cost.element_structure(lone, kind, geo, jnp.bfloat16).path
+        assert (path == const.PATH_DIAGONAL).any()
 
 
 def emulated_call(kind, a, b, offsets, out_shape, out_dtype, in_f, out_f, nbytes=None):
@@ -170,7 +172,9 @@ def emulated_call(kind, a, b, offsets, out_shape, out_dtype, in_f, out_f, nbytes
     block_size = values_shape[-1] if len(values_shape) == 4 else 1
     if nbytes is None:
         k = offsets.shape[0]
-        nbytes = cuda.workspace_bytes(kind, rows, in_f, out_f, k, a.dtype, block_size=block_size)
+        nbytes = launch_plan.workspace_bytes(
+            kind, rows, in_f, out_f, k, a.dtype, block_size=block_size
+        )
     call = jax.ffi.ffi_call(
         f"{cuda.EMULATED_PREFIX}_{kind}",
         (
@@ -184,11 +188,12 @@ def emulated_call(kind, a, b, offsets, out_shape, out_dtype, in_f, out_f, nbytes
 @pytest.mark.parametrize("in_f,out_f", [(33, 33), (48, 100), (100, 48), (7, 130)])
 @pytest.mark.parametrize("kind", ["fwd", "dx"])
 def test_device_plan_equals_the_cost_models_structure(kind, in_f, out_f, rng):
+    const = launch_plan.constants()
     # the plan kernel's lists, touched tiles, paths and packed tiles, read back from the workspace
     p = max(in_f, out_f)
     offsets = np.concatenate([offsets_of("band", rng, p), rng.choice(p, 5), [3, 3]])
     k = len(offsets)
-    layout = cuda.product_layout(kind, in_f, out_f, k, jnp.bfloat16)
+    layout = launch_plan.product_layout(kind, in_f, out_f, k, jnp.bfloat16)
     a_f, o_f = (in_f, out_f) if kind == "fwd" else (out_f, in_f)
     a = jnp.ones((3, a_f), jnp.bfloat16)
     values = rng.integers(-4, 5, (k, min(in_f, out_f)))  # small integers: exact sums in bfloat16
@@ -207,7 +212,7 @@ def test_device_plan_equals_the_cost_models_structure(kind, in_f, out_f, rng):
     def seg(at, n, dtype=np.int32):
         return ws[at : at + np.dtype(dtype).itemsize * n].view(dtype)
 
-    st = gpu_cost.element_structure(offsets, kind, in_f, out_f, jnp.bfloat16)
+    st = gpu_cost.element_structure(offsets, kind, geometry(in_f, out_f), jnp.bfloat16)
     rows, cols = (np.asarray(x) for x in diag_indices(jnp.asarray(offsets), in_f, out_f))
     o_idx, q_idx = (rows, cols) if kind == "fwd" else (cols, rows)
     n_ob, n_qb = layout.n_ob, layout.n_qb
@@ -216,24 +221,27 @@ def test_device_plan_equals_the_cost_models_structure(kind, in_f, out_f, rng):
         lists = seg(layout.list_at, n_ob * k).reshape(n_ob, k)
         np.testing.assert_array_equal(nlist, st.n_list)
         for ob in range(n_ob):
-            touching = np.nonzero((o_idx // cuda.TILE == ob).any(axis=1))[0]
+            touching = np.nonzero((o_idx // const.TILE == ob).any(axis=1))[0]
             np.testing.assert_array_equal(lists[ob, : nlist[ob]], touching)
     ntiles = seg(layout.ntiles_at, n_ob)
     np.testing.assert_array_equal(ntiles, st.n_tiles)
     np.testing.assert_array_equal(seg(layout.path_at, n_ob), st.path)
-    assert (st.path == cuda.PATH_TENSOR_CORE).any()
+    assert (st.path == const.PATH_TENSOR_CORE).any()
     tiles = seg(layout.tiles_at, n_ob * n_qb).reshape(n_ob, n_qb)
     packed = seg(layout.packed_at, n_ob * n_qb * 256, np.uint16).astype(np.uint32) << 16
-    packed = packed.view(np.float32).reshape(n_ob, n_qb, cuda.TILE, cuda.TILE)
-    m = np.zeros((n_ob * cuda.TILE, n_qb * cuda.TILE))
+    packed = packed.view(np.float32).reshape(n_ob, n_qb, const.TILE, const.TILE)
+    m = np.zeros((n_ob * const.TILE, n_qb * const.TILE))
     np.add.at(m, (o_idx, q_idx), values)
     for ob in range(n_ob):
-        touched = np.unique(q_idx[o_idx // cuda.TILE == ob] // cuda.TILE)
+        touched = np.unique(q_idx[o_idx // const.TILE == ob] // const.TILE)
         np.testing.assert_array_equal(tiles[ob, : ntiles[ob]], touched)
-        if st.path[ob] != cuda.PATH_TENSOR_CORE:
+        if st.path[ob] != const.PATH_TENSOR_CORE:
             continue
         for slot, qb in enumerate(touched):
-            want = m[ob * cuda.TILE : (ob + 1) * cuda.TILE, qb * cuda.TILE : (qb + 1) * cuda.TILE]
+            want = m[
+                ob * const.TILE : (ob + 1) * const.TILE,
+                qb * const.TILE : (qb + 1) * const.TILE,
+            ]
             np.testing.assert_array_equal(packed[ob, slot], want)
 
 
@@ -241,11 +249,11 @@ def test_float32_products_along_the_fixed_axis_need_no_workspace(rng):
     # wide fwd: outputs on the fixed axis, every diagonal touches every output: no plan at all;
     # wide dx: outputs on the moving axis: the plan lists the diagonals of each output block
     in_f, out_f, rows = 40, 24, 5
-    assert cuda.workspace_bytes("fwd", rows, in_f, out_f, 9, jnp.float32) == 0
-    assert 0 < cuda.workspace_bytes("dx", rows, in_f, out_f, 9, jnp.float32)
-    assert cuda.workspace_bytes("dx", rows, in_f, out_f, 9, jnp.float32) < cuda.workspace_bytes(
-        "dx", rows, in_f, out_f, 9, jnp.bfloat16
-    )
+    assert launch_plan.workspace_bytes("fwd", rows, in_f, out_f, 9, jnp.float32) == 0
+    assert 0 < launch_plan.workspace_bytes("dx", rows, in_f, out_f, 9, jnp.float32)
+    assert launch_plan.workspace_bytes(
+        "dx", rows, in_f, out_f, 9, jnp.float32
+    ) < launch_plan.workspace_bytes("dx", rows, in_f, out_f, 9, jnp.bfloat16)
     offsets = offsets_of("band", rng, in_f)[:9]
     x, values, off, _ = make(rng, (rows,), in_f, out_f, offsets, jnp.float32)
     y_exact = reference(x, values, offsets, jnp.zeros((rows, out_f)), out_f)[0]
@@ -258,7 +266,7 @@ def test_dvalues_with_a_smaller_workspace_splits_less(rng):
     rows, in_f, out_f = 600, 40, 24
     offsets = offsets_of("band", rng, in_f)
     x, values, off, dy = make(rng, (rows,), in_f, out_f, offsets, jnp.float32)
-    planned = cuda.workspace_bytes("dvalues", rows, in_f, out_f, len(offsets))
+    planned = launch_plan.workspace_bytes("dvalues", rows, in_f, out_f, len(offsets))
     assert planned > 0
     exact = reference(x, values, offsets, dy, out_f)[2]
     for nbytes in (planned, planned // 2, 1):
@@ -268,8 +276,8 @@ def test_dvalues_with_a_smaller_workspace_splits_less(rng):
         assert_close(got, exact, f"dvalues with {nbytes} workspace bytes", jnp.float32)
 
 
-def test_workspace_plan_matches_the_cpp_plan():
-    from dynadiag_jax import _emu_ext  # noqa: PLC0415 - present whenever this module runs
+def test_workspace_bytes_is_the_cpp_plan_of_the_dtype():
+    from dynadiag_jax import _plan_ext  # noqa: PLC0415 - present whenever this module runs
 
     element = [(1, 1), (7, 33), (33, 7), (768, 3072), (3072, 768), (130, 130)]
     block = [(32, 64, 16), (64, 32, 8), (768, 3072, 16), (3072, 768, 32), (128, 128, 64)]
@@ -279,15 +287,20 @@ def test_workspace_plan_matches_the_cpp_plan():
                 for kind in ("fwd", "dx", "dvalues"):
                     for dtype in DTYPES:
                         tc = dtype != jnp.float32
-                        want = _emu_ext.workspace_bytes(kind, rows, in_f, out_f, k, tc, b)
-                        got = cuda.workspace_bytes(kind, rows, in_f, out_f, k, dtype, block_size=b)
+                        want = _plan_ext.workspace_bytes(kind, rows, in_f, out_f, k, tc, b)
+                        got = launch_plan.workspace_bytes(
+                            kind, rows, in_f, out_f, k, dtype, block_size=b
+                        )
                         assert got == want, (kind, rows, in_f, out_f, k, dtype, b)
                     # without a dtype: the most any dtype needs
                     most = max(
-                        _emu_ext.workspace_bytes(kind, rows, in_f, out_f, k, tc, b)
+                        _plan_ext.workspace_bytes(kind, rows, in_f, out_f, k, tc, b)
                         for tc in (False, True)
                     )
-                    assert cuda.workspace_bytes(kind, rows, in_f, out_f, k, block_size=b) == most
+                    assert (
+                        launch_plan.workspace_bytes(kind, rows, in_f, out_f, k, block_size=b)
+                        == most
+                    )
 
 
 def test_vmap_over_x_and_over_values(rng):
@@ -429,7 +442,7 @@ def test_handlers_validate_their_operands(kind, a_shape, b_shape, out_shape, mat
 
 def test_handlers_reject_a_small_workspace_and_a_foreign_dtype():
     off = jnp.asarray([0, 5], jnp.int32)
-    need = cuda.workspace_bytes("fwd", 3, 8, 12, 2)
+    need = launch_plan.workspace_bytes("fwd", 3, 8, 12, 2)
     small = jax.ffi.ffi_call(
         f"{cuda.EMULATED_PREFIX}_fwd",
         (jax.ShapeDtypeStruct((3, 12), jnp.bfloat16), jax.ShapeDtypeStruct((need - 1,), jnp.uint8)),

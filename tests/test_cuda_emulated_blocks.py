@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import dynadiag_jax as dd
+from dynadiag_jax import launch_plan
 from dynadiag_jax.layout import geometry
 from dynadiag_jax.ops import cuda
 
@@ -102,7 +103,7 @@ def test_tensor_core_path_at_every_block_size(shape, b, dtype, rng):
     # columns (b = 16: 3 blocks in a 64-column kernel; b = 64: a second panel of one block) and dx
     # entries past L_b; 37 rows: a partial row slab
     in_f, out_f = {"tall": (2 * b, 5 * b), "wide": (5 * b, 2 * b), "square": (3 * b, 3 * b)}[shape]
-    assert cuda.block_product_plan("fwd", in_f, out_f, b, dtype).tensor_cores
+    assert launch_plan.block_product_plan("fwd", in_f, out_f, b, dtype).tensor_cores
     p_b = min(in_f, out_f) // b
     check(rng, 37, in_f, out_f, b, [p_b - 1, 0, 0], dtype)
 
@@ -110,8 +111,8 @@ def test_tensor_core_path_at_every_block_size(shape, b, dtype, rng):
 def test_tensor_core_rows_across_slabs_of_both_heights(rng):
     # b = 16, 32 -> 64: 32-column panels (256-row slabs) forward, 16-column ones in dx; 300 rows
     for kind in ("fwd", "dx"):
-        assert cuda.block_product_plan(kind, 32, 64, 16, jnp.bfloat16).slab_rows == 256
-    assert cuda.block_product_plan("fwd", 32, 256, 16, jnp.bfloat16).slab_rows == 128
+        assert launch_plan.block_product_plan(kind, 32, 64, 16, jnp.bfloat16).slab_rows == 256
+    assert launch_plan.block_product_plan("fwd", 32, 256, 16, jnp.bfloat16).slab_rows == 128
     check(rng, 300, 32, 64, 16, [1, 0], jnp.bfloat16)
     check(rng, 300, 32, 256, 16, [1, 0], jnp.float16)
 
@@ -124,7 +125,7 @@ def test_cuda_core_path_in_float32(in_f, out_f, b, rng):
 
 @pytest.mark.parametrize("in_f,out_f", [(32, 64), (64, 32)])
 def test_block_size_8_runs_on_cuda_cores_in_16_bit(in_f, out_f, rng):
-    plan = cuda.block_product_plan("fwd", in_f, out_f, 8, jnp.bfloat16)
+    plan = launch_plan.block_product_plan("fwd", in_f, out_f, 8, jnp.bfloat16)
     assert not plan.tensor_cores
     check(rng, 20, in_f, out_f, 8, [3, 1], jnp.bfloat16)
 
@@ -137,7 +138,7 @@ def test_k_equal_p_b_and_rows_across_slabs(in_f, out_f, rng):
 
 def test_wide_panels_of_several_wraps(rng):
     # 32 -> 256 at b = 16: 8 wraps; a forward panel holds them all (128 columns)
-    plan = cuda.block_product_plan("fwd", 32, 256, 16, jnp.bfloat16)
+    plan = launch_plan.block_product_plan("fwd", 32, 256, 16, jnp.bfloat16)
     assert plan.out_long and plan.wraps == 8 and plan.wraps_per_panel == 8
     check(rng, 9, 32, 256, 16, [1], jnp.bfloat16)
 
@@ -146,7 +147,7 @@ def test_wide_panels_of_several_wraps(rng):
 def test_dvalues_split_over_rows_and_a_smaller_workspace(dtype, rng):
     rows, in_f, out_f, b = 1100, 32, 64, 16
     offsets = jnp.asarray([1, 0], jnp.int32)
-    plan = cuda.block_sddmm_plan(rows, in_f, out_f, 2, b, dtype)
+    plan = launch_plan.block_sddmm_plan(rows, in_f, out_f, 2, b, dtype)
     assert plan.splits > 1 and plan.workspace_bytes > 0
     x = jnp.asarray(rng.standard_normal((rows, in_f)), dtype)
     dy = jnp.asarray(rng.standard_normal((rows, out_f)), dtype)
@@ -204,4 +205,4 @@ def test_handlers_validate_block_operands(kind, a_shape, b_shape, out_shape, mat
 
 def test_layers_too_large_for_32_bit_indices_are_rejected():
     with pytest.raises(ValueError, match=r"in_features \+ out_features = .* below 2\^31"):
-        cuda.workspace_bytes("fwd", 4, 2**30, 2**30, 3, jnp.bfloat16)
+        launch_plan.workspace_bytes("fwd", 4, 2**30, 2**30, 3, jnp.bfloat16)

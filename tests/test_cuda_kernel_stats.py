@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 import dynadiag_jax as dd
-from dynadiag_jax import gpu_cost
+from dynadiag_jax import gpu_cost, launch_plan
 from dynadiag_jax.kernel_stats import describe_paths, model_paths
-from dynadiag_jax.ops import cuda
 
 
 def test_random_offsets_at_90_percent_touch_most_tiles_at_a_tenth_fill(rng):
@@ -30,15 +29,17 @@ def test_random_offsets_at_90_percent_touch_most_tiles_at_a_tenth_fill(rng):
 
 
 def test_sparse_scattered_offsets_take_the_diagonal_path(rng):
+    const = launch_plan.constants()
     # at 98% the touched tiles are ~2% full: below the 1/16 threshold
     offsets = rng.choice(768, dd.num_diagonals(768, 768, 0.98), replace=False)
     s = dd.kernel_stats(offsets, 768, 768)
-    assert s.forward.fill * cuda.TILE_COST < cuda.ENTRY_COST
+    assert s.forward.fill * const.TILE_COST < const.ENTRY_COST
     assert s.path == "diagonal" and s.forward.tensor_core_blocks == 0
 
 
 def test_the_fill_threshold_is_the_cost_models_ratio():
-    assert cuda.TILE_COST / cuda.ENTRY_COST == round(gpu_cost.tile_cost_ratio())
+    const = launch_plan.constants()
+    assert const.TILE_COST / const.ENTRY_COST == round(gpu_cost.tile_cost_ratio())
 
 
 def test_contiguous_offsets_take_tensor_cores():

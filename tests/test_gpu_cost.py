@@ -3,12 +3,16 @@
 Counts against the emulated kernels: tests/test_cuda_counts.py.
 """
 
+import ast
+import pathlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import dynadiag_jax as dd
-from dynadiag_jax import gpu_cost
+from dynadiag_jax import gpu_cost, launch_plan
+from dynadiag_jax.layout import geometry
 
 VIT_ROWS = 2048 * 197  # ViT-B/16 at batch 2048: the kernels' target shape
 BF16 = jnp.bfloat16
@@ -76,7 +80,8 @@ def test_occupancy_from_registers_and_shared_memory():
 
 def test_issue_term_is_the_sass_figures_times_the_executed_units():
     rows, b, k = 512, 16, 2
-    (launch,) = gpu_cost.block_product_launches("fwd", rows, 64, 256, np.arange(k), BF16, b)
+    geo = geometry(64, 256, b)
+    (launch,) = gpu_cost.block_product_launches("fwd", rows, geo, np.arange(k), BF16)
     # 64 -> 256 at b = 16: 4 wraps, a 64-column kernel with 256-row slabs
     fig = gpu_cost.sass("block_product_tc_kernel", BF16, (True, False, 16, 64))
     regions = fig["regions"]
@@ -95,8 +100,9 @@ def test_issue_term_is_the_sass_figures_times_the_executed_units():
 
 def test_block_products_do_exactly_the_useful_tensor_core_work():
     k, b, rows = 3, 16, 1000
+    geo = geometry(64, 256, b)
     for kind in ("fwd", "dx"):
-        (launch,) = gpu_cost.block_product_launches(kind, rows, 64, 256, np.arange(k), BF16, b)
+        (launch,) = gpu_cost.block_product_launches(kind, rows, geo, np.arange(k), BF16)
         # one MAC per non-zero of W (K * L_b * b * b) and row of the 128-row slabs (1024 rows)
         padded = -(-rows // 128) * 128
         assert launch.mma * 16**3 == padded * k * (256 // b) * b * b
@@ -142,3 +148,24 @@ def test_devices_can_be_added_and_are_found_by_kind(monkeypatch):
 def test_predict_needs_k_or_offsets():
     with pytest.raises(ValueError, match="num_diagonals or offsets"):
         gpu_cost.predict(10, 16, 16, BF16)
+
+
+def _imported_modules(module) -> set:
+    """The dynadiag_jax modules a module's source imports, at any depth of its code."""
+    tree = ast.parse(pathlib.Path(module.__file__).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return {n for n in names if n.startswith("dynadiag_jax.")}
+
+
+def test_imports_run_from_the_dispatch_to_the_plan():
+    # ops/auto.py -> gpu_cost -> launch_plan: neither imports the ops back
+    for module in (gpu_cost, launch_plan):
+        ops = {n for n in _imported_modules(module) if n.startswith("dynadiag_jax.ops")}
+        assert not ops, f"{module.__name__} imports {ops}"
+    assert "dynadiag_jax.launch_plan" in _imported_modules(gpu_cost)
+    assert not any("gpu_cost" in n for n in _imported_modules(launch_plan))

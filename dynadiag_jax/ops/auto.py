@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from dynadiag_jax import gpu_cost
-from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
+from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, DiagGeometry, geometry
 
 __all__ = [
     "MIN_SPEEDUP",
@@ -73,11 +73,8 @@ def gpu_spec() -> gpu_cost.DeviceSpec:
 
 
 @functools.lru_cache(maxsize=1024)
-def _prediction(rows, in_features, out_features, dtype_name, k, block_size, spec):
-    dtype = jnp.dtype(dtype_name)
-    return gpu_cost.predict(
-        rows, in_features, out_features, dtype, k, block_size=block_size, device=spec
-    )
+def _prediction(rows, geo, dtype_name, k, spec):
+    return gpu_cost.predict_layer(rows, geo, jnp.dtype(dtype_name), k, device=spec)
 
 
 def decide(
@@ -100,6 +97,20 @@ def decide(
       kernel_available: whether ``impl="ffi"`` runs this dtype and block size on ``platform``.
       spec: GPU to predict for (default :func:`gpu_spec`).
     """
+    geo = geometry(in_features, out_features, block_size)
+    return _decide(platform, rows, geo, dtype, num_diagonals, kernel_available, spec)
+
+
+def _decide(
+    platform: str,
+    rows: int,
+    geo: DiagGeometry,
+    dtype,
+    num_diagonals: int,
+    kernel_available: bool,
+    spec: gpu_cost.DeviceSpec | None,
+) -> Decision:
+    """:func:`decide` for a product whose geometry the caller holds."""
     if platform == "cpu":
         if kernel_available:
             return Decision("ffi", "C++ kernels")
@@ -109,12 +120,10 @@ def decide(
     if not kernel_available:
         return Decision("dense", "no CUDA kernel for this dtype or block size")
     spec = gpu_spec() if spec is None else spec
-    pred = _prediction(
-        rows, in_features, out_features, jnp.dtype(dtype).name, num_diagonals, block_size, spec
-    )
+    pred = _prediction(rows, geo, jnp.dtype(dtype).name, num_diagonals, spec)
     fwd, step = pred.speedup("kernel", "dense")
     why = f"{spec.name} model: kernel/dense speed-up {fwd:.2f}x forward, {step:.2f}x step"
-    if block_size == 1:
+    if not geo.blocked:
         # Scattered element diagonals run on CUDA cores at a twelfth of the tensor-core rate:
         # no training shape can beat cuBLAS, and the model's small-call wins (reading K/P of W)
         # rest on latency terms no GPU has measured yet.
@@ -152,15 +161,8 @@ def kernel_available(platform: str, dtype, block_size: int = 1) -> bool:
 def decide_for_lowering(platform: str, *, rows: int, geo, dtype, num_diagonals: int) -> Decision:
     """:func:`decide` for ``platform`` with the kernels this installation has for it.
 
-    ``geo``: the product's :class:`dynadiag_jax.layout.DiagGeometry`.
+    ``geo``: the product's :class:`dynadiag_jax.layout.DiagGeometry`, computed once by the caller
+    and handed on to the cost model.
     """
-    return decide(
-        platform,
-        rows=rows,
-        in_features=geo.in_features,
-        out_features=geo.out_features,
-        dtype=dtype,
-        num_diagonals=num_diagonals,
-        block_size=geo.block_size,
-        kernel_available=kernel_available(platform, dtype, geo.block_size),
-    )
+    available = kernel_available(platform, dtype, geo.block_size)
+    return _decide(platform, rows, geo, dtype, num_diagonals, available, None)

@@ -61,9 +61,10 @@ def _on_host(a):
     return None
 
 
-def _check_values(values, in_features, out_features):
-    """The geometry ``values`` describe; ``ValueError`` naming the expected shape otherwise."""
-    element = geometry(in_features, out_features)
+def _check_values(values, element):
+    """The geometry ``values`` describe (``element``: the layer's element geometry);
+    ``ValueError`` naming the expected shape otherwise."""
+    in_features, out_features = element.in_features, element.out_features
     if values.ndim not in (2, 4):
         raise ValueError(
             f"values must have shape [K, D] = [K, {element.length}] (element diagonals) or "
@@ -103,8 +104,8 @@ def _check_values(values, in_features, out_features):
 def _check_args(x, values, offsets, out_features, host_offsets):
     if x.ndim < 1:
         raise ValueError("x must have shape [..., in_features], got a scalar")
-    geometry(x.shape[-1], out_features)  # names bad widths before any shape message uses them
-    geo = _check_values(values, x.shape[-1], out_features)
+    # names bad widths before any shape message uses them
+    geo = _check_values(values, geometry(x.shape[-1], out_features))
     if offsets.ndim != 1:
         raise ValueError(f"offsets must have shape [K] = [{values.shape[0]}], got {offsets.shape}")
     if offsets.shape[0] != values.shape[0]:

@@ -38,21 +38,14 @@
 #include <type_traits>
 
 #include "cuda/kernel_common.cuh"
+#include "cuda/launch_plan.h"
 
 namespace dynadiag {
 namespace cuda {
 
-constexpr int kBlockRows = 128;
-constexpr int kBlockThreads = 256;
-constexpr int kBlockWarps = kBlockThreads / 32;
-constexpr int kBlockMaxCols = 128;                   // output columns of a panel
 constexpr int kBlockColFrags = kBlockMaxCols / 16;   // accumulator fragments per warp
-constexpr int kBlockSlice = 16;                      // contraction columns per slice
 constexpr int kSliceWeights = kBlockMaxCols * kBlockSlice;  // weight elements of one slice
 constexpr int kBlockSimtMaxRows = kBlockRows * kBlockMaxCols / kBlockThreads;  // accumulators
-constexpr int kBlockSddmmStageRows = 16;
-constexpr int kBlockSddmmMaxElems = 16384;           // accumulators of one SDDMM thread block
-constexpr int kBlockSddmmStageBytes = 16384;         // operands of one stage
 constexpr int kBlockSddmmMaxFrags = kBlockSddmmMaxElems / 256 / kBlockWarps;  // per warp
 static_assert(kBlockWarps * 16 == kBlockRows, "one 16-row wmma tile per warp");
 static_assert(kBlockRows * kBlockSlice % kBlockThreads == 0, "x slice split evenly");

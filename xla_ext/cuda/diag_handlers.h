@@ -189,7 +189,7 @@ ffi::Error product(Launcher& launch, bool transpose, ffi::AnyBuffer in, ffi::Any
   const ProductPlan plan = plan_product(in_f, out_f, transpose, K, tc);
   if (workspace->element_count() < plan.workspace_bytes)
     return invalid("workspace must have at least " + std::to_string(plan.workspace_bytes) +
-                   " bytes (dynadiag_jax.ops.cuda.workspace_bytes), got " +
+                   " bytes (dynadiag_jax.launch_plan.workspace_bytes), got " +
                    std::to_string(workspace->element_count()));
   if (const char* e = product_limits(plan, rows)) return invalid(e);
   return dispatch(dt, [&](auto tag) {

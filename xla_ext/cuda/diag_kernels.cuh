@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "cuda/kernel_common.cuh"
+#include "cuda/launch_plan.h"
 
 // Test-only variants, each with one deliberate bug that the emulation must catch (built by
 // tests/test_cuda_checks.py through emu/kernel_check.cc; docs/emulation.md): 1 reads a shared
@@ -45,29 +46,6 @@
 
 namespace dynadiag {
 namespace cuda {
-
-// ---- tiling (host plan: diag_launch.cuh; mirrored in dynadiag_jax/ops/cuda.py) ------------------
-constexpr int kTile = 16;            // structure granularity = wmma m16n16k16
-constexpr int kTileArea = kTile * kTile;
-constexpr int kElemRows = 128;       // rows of x per product thread block
-constexpr int kElemThreads = 256;    // 8 warps of 16 rows (tensor cores); 16 outputs x 16 row groups
-constexpr int kElemWarps = kElemThreads / 32;
-constexpr int kElemGroups = kElemThreads / kTile;
-constexpr int kElemRowsPerThread = kElemRows / kElemGroups;
-constexpr int kStageTiles = 2;       // tiles per pipeline stage of the tensor-core path
-constexpr int kPlanThreads = 256;
-constexpr int kMaxPlanBlocks = 4096;  // input blocks the plan counts in shared memory
-constexpr int kTileCost = 16, kEntryCost = 1;
-constexpr int kPathDiagonal = 0, kPathTensorCore = 1, kPathPoison = 2;
-// dvalues: 32 consecutive t per warp, 8 warps over rows, 8 diagonals per block.
-constexpr int kSddmmLanes = 32;
-constexpr int kSddmmWarps = 8;
-constexpr int kSddmmDiags = 8;
-constexpr int kSddmmThreads = kSddmmLanes * kSddmmWarps;
-constexpr int kReduceThreads = 256;
-static_assert(kElemWarps * kTile == kElemRows, "one 16-row wmma tile per warp");
-static_assert(kElemGroups * kElemRowsPerThread == kElemRows, "the diagonal path covers the slab");
-static_assert(kSddmmDiags == kSddmmWarps, "the SDDMM reduction maps one diagonal to one warp");
 
 // Where diagonal d puts an entry in row o of M: its input index q and fixed index t (the column of
 // values). False when the diagonal misses row o (out-moving: t would fall past D).

@@ -73,18 +73,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagEmuDvalues, dynadiag::emu_host::Dvalues,
 namespace dynadiag {
 namespace emu_host {
 
-size_t workspace_bytes(const std::string& op, int64_t rows, int64_t in_features, int64_t out_features,
-                       int64_t num_diagonals, bool tensor_cores, int64_t block_size) {
-  if (block_size > 1) {
-    if (op != "dvalues") return 0;
-    return cuda::plan_block_sddmm(rows, in_features, out_features, num_diagonals, block_size, tensor_cores ? 2 : 4,
-                                  tensor_cores)
-        .workspace_bytes;
-  }
-  if (op == "dvalues") return cuda::plan_sddmm(rows, in_features, out_features, num_diagonals).workspace_bytes;
-  return cuda::plan_product(in_features, out_features, op == "dx", num_diagonals, tensor_cores).workspace_bytes;
-}
-
 std::vector<KernelCount> kernel_counts() {
   static const char* const names[cuda::kNumCountedKernels] = {
       "element_plan", "element_product", "element_sddmm", "sddmm_reduce", "block_product", "block_sddmm"};

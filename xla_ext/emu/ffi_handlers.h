@@ -17,10 +17,6 @@ XLA_FFI_Error* DynadiagEmuDvalues(XLA_FFI_CallFrame* call_frame);
 namespace dynadiag {
 namespace emu_host {
 
-// Workspace the handlers need ("fwd", "dx" or "dvalues"); the plan the Python mirror must match.
-size_t workspace_bytes(const std::string& op, int64_t rows, int64_t in_features, int64_t out_features,
-                       int64_t num_diagonals, bool tensor_cores, int64_t block_size);
-
 // The work the emulated kernels counted since the last reset, per kernel (cuda/kernel_common.cuh).
 struct KernelCount {
   std::string kernel;

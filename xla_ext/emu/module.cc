@@ -1,6 +1,5 @@
 // nanobind module _emu_ext: the emulated CUDA targets as {target name: capsule}, for the CPU
-// platform, plus the C++ workspace plan (tests compare it with dynadiag_jax/ops/cuda.py) and the
-// kernels' work counters (tests compare them with dynadiag_jax/gpu_cost.py).
+// platform, plus the kernels' work counters (tests compare them with dynadiag_jax/gpu_cost.py).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -16,9 +15,6 @@ NB_MODULE(_emu_ext, m) {
     d["dynadiag_emu_diag_matmul_v2_dvalues"] = nb::capsule(reinterpret_cast<void*>(DynadiagEmuDvalues));
     return d;
   });
-  m.def("workspace_bytes", &dynadiag::emu_host::workspace_bytes, nb::arg("op"), nb::arg("rows"),
-        nb::arg("in_features"), nb::arg("out_features"), nb::arg("num_diagonals"), nb::arg("tensor_cores"),
-        nb::arg("block_size") = 1);
   // {kernel: {ctas, mma, fma, load_bytes, store_bytes}} counted since the last reset
   m.def("kernel_counts", [] {
     nb::dict d;
