@@ -9,10 +9,10 @@
 //   kRows       rows of accumulators per tile in the product and the fused backward (the largest
 //               tile; row counts below it take tiles of 4 rows, then single rows);
 //   kGroup      SDDMM segments accumulated together (kSegmentGroup is a multiple of it);
-//   kSumChains  independent partial sums of a segment's dvalues in the fused backward (more
+//   kSumChains  (fused backward only) independent partial sums of a segment's dvalues (more
 //               chains shorten the dependency through acc[s]);
-//   XTile<R>    the R tiles of x held while the backward walks a tile's segments: registers
-//               where the family has enough, L1 otherwise (Set(r, v), Get(r));
+//   XTile<R>    (fused backward only) the R tiles of x held while the backward walks a tile's
+//               segments: registers where the family has enough, L1 otherwise (Set(r, v), Get(r));
 //   Zero(), Fma(a, b, c) = a * b + c, Add(a, b);
 //   Load(const T*, Mask) (lanes outside the mask read nothing and give 0) and
 //   Store(T*, Reg, Mask) (bfloat16 rounded to nearest even) for T float and Bf16;
@@ -182,6 +182,12 @@ Kernels FamilyKernels(const char* name) {
     f32.backward = Backward<E, float>;
     bf16.backward = Backward<E, Bf16>;
   }
-  return {name,          f32, bf16, kBlockTableF32<B>, kBlockTableBf16<B>, BlockSddmm<B>,
-          kFewRowTable<F, float>, kFewRowTable<F, Bf16>};
+  return {name,
+          f32,
+          bf16,
+          kBlockTableF32<B>,
+          kBlockTableBf16<B>,
+          BlockSddmm<B>,
+          kFewRowTable<F, float>,
+          kFewRowTable<F, Bf16>};
 }
