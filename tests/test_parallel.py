@@ -12,6 +12,7 @@ import numpy as np
 from training_helpers import train_tiny
 
 import dynadiag_jax
+from dynadiag_jax.training import parallel
 
 HERE = pathlib.Path(__file__).resolve().parent
 FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
@@ -84,3 +85,15 @@ def test_two_processes_train_like_one(tmp_path):
     single = train_tiny(num_steps=6, eval_every=4)
     np.testing.assert_allclose(outs[0]["eval"]["loss"], single.eval_metrics["loss"], rtol=1e-5)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4", "6"]
+
+
+def test_abstract_batch_describes_the_global_batch():
+    """The compiles ahead get the batch's shapes, dtypes and shardings without a transfer."""
+    mesh = parallel.data_mesh()
+    local = {"x": np.ones((8, 3), np.float64), "y": np.arange(8, dtype=np.int32)}
+    real = parallel.global_batch(local, mesh)
+    abstract = parallel.abstract_batch(local, mesh)
+    for k, v in real.items():
+        assert (abstract[k].shape, abstract[k].dtype) == (v.shape, v.dtype)
+        assert abstract[k].sharding == v.sharding
+    assert parallel.global_batch_shape((8, 3), mesh) == (8, 3)

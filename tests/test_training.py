@@ -170,6 +170,16 @@ def test_bad_arguments_fail_before_compiling(tmp_path):
             train_tiny(batch_size=6, mesh=_fake_mesh(4))
         with pytest.raises(ValueError, match="freeze_step must be"):
             train_tiny(freeze_step=13)
+        with pytest.raises(TypeError, match="freeze_step must be an int, got float"):
+            train_tiny(freeze_step=2.0)
+        with pytest.raises(TypeError, match="num_steps must be an int, got str"):
+            train_tiny(num_steps="3")
+        with pytest.raises(ValueError, match="num_steps must be >= 1, got 0"):
+            train_tiny(num_steps=0)
+        with pytest.raises(TypeError, match=r"eval_every \(0 disables it\) must be an int"):
+            train_tiny(eval_every=1.5)
+        with pytest.raises(ValueError, match=r"log_every \(0 disables it\) must be >= 0"):
+            train_tiny(log_every=-1)
         with pytest.raises(ValueError, match="checkpoint_every needs a workdir"):
             T.train(
                 model=None,

@@ -74,7 +74,7 @@ class Run:
 
     def fresh(self):
         return loop.restore_or_create_state(
-            None, self.init, self.abstract, {}, replicated(self.mesh)
+            None, self.init, self.abstract, {}, replicated(self.mesh), step=None
         )[0]
 
     def steps(self, state, n, sums=None, timer=None):
@@ -254,7 +254,7 @@ def test_save_and_restore_a_frozen_state_with_its_pending_metrics(run, tmp_path)
 
     ckpt = T.Checkpointer(tmp_path / "checkpoints")
     restored, step, resumed = loop.restore_or_create_state(
-        ckpt, run.init, run.abstract, info, replicated(run.mesh)
+        ckpt, run.init, run.abstract, info, replicated(run.mesh), step=ckpt.latest_step()
     )
     ckpt.close()
     assert step == 4 and resumed.totals() == totals and totals["loss"][1] == 4
@@ -276,7 +276,12 @@ def test_a_checkpoint_of_another_run_is_refused_before_compiling(run, tmp_path):
     ckpt.wait()
     with CompileCounter() as compiles, pytest.raises(T.CheckpointMismatch) as err:
         loop.restore_or_create_state(
-            ckpt, run.init, run.abstract, {"sparsity": 0.9, "seed": 0}, replicated(run.mesh)
+            ckpt,
+            run.init,
+            run.abstract,
+            {"sparsity": 0.9, "seed": 0},
+            replicated(run.mesh),
+            step=ckpt.latest_step(),
         )
     ckpt.close()
     assert "sparsity: 0.8 in the checkpoint, 0.9 in this run" in str(err.value)
@@ -287,7 +292,7 @@ def test_without_a_checkpointer_the_state_is_fresh_and_nothing_is_saved(run):
     variables = T.variables_of(run.fresh())
     shifted = jax.tree.map(lambda v: v + jnp.ones_like(v), variables)
     state, step, sums = loop.restore_or_create_state(
-        None, run.init, run.abstract, {}, replicated(run.mesh), shifted
+        None, run.init, run.abstract, {}, replicated(run.mesh), shifted, step=None
     )
     assert step is None and sums.totals() == {} and int(state.step) == 0
     jax.tree.map(np.testing.assert_array_equal, T.variables_of(state), shifted)

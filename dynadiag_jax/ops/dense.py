@@ -11,11 +11,10 @@ is folded into ``W`` (its columns permuted once, ``W P``) instead of gathering `
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from dynadiag_jax.layout import geometry
 from dynadiag_jax.ops import reference
-from dynadiag_jax.ops.products import Backend
+from dynadiag_jax.ops.products import Backend, every_block_size, every_float_dtype
 
 __all__ = ["BACKEND", "permuted_dense"]
 
@@ -61,6 +60,6 @@ BACKEND = Backend(
     fwd=_fwd,
     dx=_dx,
     dvalues=_dvalues,
-    dtypes=lambda: (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64),
-    block_size_ok=lambda block_size: True,
+    dtypes=every_float_dtype,
+    block_size_ok=every_block_size,
 )

@@ -100,13 +100,23 @@ def _jax_dvalues(dy, x, offsets, *, block_size, perm=None):
     )
 
 
+def every_float_dtype() -> tuple:
+    """``Backend.dtypes`` of the implementations written in JAX: every floating dtype."""
+    return (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+def every_block_size(block_size: int) -> bool:
+    """``Backend.block_size_ok`` of the implementations written in JAX: every block size."""
+    return True
+
+
 # The reference on any platform (any floating dtype and block size); leading dims become rows.
 _JAX = Backend(
     fwd=_jax_fwd,
     dx=_jax_dx,
     dvalues=_jax_dvalues,
-    dtypes=lambda: (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64),
-    block_size_ok=lambda block_size: True,
+    dtypes=every_float_dtype,
+    block_size_ok=every_block_size,
 )
 
 # "jax" always; the extension loaders add "ffi" and "cuda_emulated" at import time.

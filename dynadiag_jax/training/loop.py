@@ -34,10 +34,12 @@ import optax
 import tqdm
 from flax import traverse_util
 
+from dynadiag_jax._checks import int_at_least
 from dynadiag_jax.training.ahead import CompileAhead
 from dynadiag_jax.training.checkpoint import Checkpointer, CheckpointMismatch
 from dynadiag_jax.training.metrics import MetricWriter
 from dynadiag_jax.training.parallel import (
+    abstract_batch,
     batch_sharded,
     check_batch_size,
     data_mesh,
@@ -210,7 +212,8 @@ def compile_ahead(
       ahead: the run's :class:`CompileAhead`.
       programs: the run's :class:`Programs`.
       state: the state (or its ``jax.eval_shape``) of the phase the run is in.
-      batch: a global training batch (only its shapes and shardings are read).
+      batch: the global training batch's :func:`abstract_batch` (shapes and shardings are all a
+        compile needs: nothing is transferred).
       mesh: the run's mesh (the state is replicated over it).
       searching: whether ``state`` is in the search phase.
       steps: the training step of this phase.
@@ -395,11 +398,13 @@ def restore_or_create_state(
     run_info: Mapping[str, Any],
     sharding,
     initial_variables=None,
+    *,
+    step: int | None,
 ) -> tuple[TrainState, int | None, MetricSums]:
-    """The newest checkpoint's state, or a fresh one.
+    """The state of checkpoint ``step``, or a fresh one.
 
     Args:
-      ckpt: where checkpoints are, or None (a fresh state).
+      ckpt: where checkpoints are (only read with a ``step``).
       init: ``variables -> TrainState``, the run's ``create_train_state``.
       abstract: ``jax.eval_shape(init, initial_variables)``; a checkpoint is restored into it, or
         into its frozen form if the checkpoint was written after the freeze.
@@ -407,6 +412,8 @@ def restore_or_create_state(
       sharding: the state's sharding.
       initial_variables: passed to ``init`` for a fresh state (an argument of the compiled init,
         not a constant).
+      step: the checkpoint to restore (the caller's ``ckpt.latest_step()``), or None for a fresh
+        state.
 
     Returns:
       ``(state, step, sums)``: the checkpoint's state, step and metric sums; or the fresh state,
@@ -416,22 +423,21 @@ def restore_or_create_state(
       CheckpointMismatch: the checkpoint was written with another ``run_info`` or other shapes
         (before any array is read or anything compiled).
     """
-    latest = None if ckpt is None else ckpt.latest_step()
-    if latest is None:
+    if step is None:
         return jax.jit(init, out_shardings=sharding)(initial_variables), None, MetricSums()
-    meta = ckpt.read_meta(latest)
+    meta = ckpt.read_meta(step)
     differences = _differences(meta.get("run", {}), run_info)
     if differences:
         shown = "\n  ".join(differences)
         raise CheckpointMismatch(
-            f"checkpoint {ckpt.directory}/{latest} was written by another run:\n  {shown}\n"
+            f"checkpoint {ckpt.directory}/{step} was written by another run:\n  {shown}\n"
             "resume with the settings it was written with, or use another workdir"
         )
     target = abstract
     if meta.get("frozen") and is_searching(abstract.params):
         target = jax.eval_shape(freeze_state, abstract)
-    state = ckpt.restore(latest, _abstract(target, sharding))
-    return state, latest, MetricSums(meta.get("interval"))
+    state = ckpt.restore(step, _abstract(target, sharding))
+    return state, step, MetricSums(meta.get("interval"))
 
 
 def _abstract(tree, sharding):
@@ -494,23 +500,17 @@ def _every(step: int, period: int) -> bool:
 def _check_args(
     num_steps, freeze_step, eval_every, checkpoint_every, log_every, selection_every, workdir
 ):
-    for name, v in (("num_steps", num_steps),):
-        if not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    int_at_least(num_steps, "num_steps", 1)
     for name, v in (
         ("eval_every", eval_every),
         ("checkpoint_every", checkpoint_every),
         ("log_every", log_every),
         ("selection_every", selection_every),
     ):
-        if not isinstance(v, (int, np.integer)) or v < 0:
-            raise ValueError(f"{name} must be an integer >= 0 (0 disables it), got {v!r}")
-    if freeze_step is not None and not (
-        isinstance(freeze_step, (int, np.integer)) and 0 <= freeze_step <= num_steps
-    ):
+        int_at_least(v, f"{name} (0 disables it)", 0)
+    if freeze_step is not None and int_at_least(freeze_step, "freeze_step", 0) > num_steps:
         raise ValueError(
-            f"freeze_step must be None or an integer in [0, num_steps={num_steps}], "
-            f"got {freeze_step!r}"
+            f"freeze_step must be None or in [0, num_steps={num_steps}], got {freeze_step!r}"
         )
     if checkpoint_every and workdir is None:
         raise ValueError("checkpoint_every needs a workdir to write checkpoints to")
@@ -580,7 +580,9 @@ def train(
       A :class:`TrainResult`.
 
     Raises:
-      ValueError: bad arguments or a batch size not divisible by the device count;
+      TypeError: a step count or period that is not an int.
+      ValueError: a step count or period out of range, other bad arguments or a batch size not
+        divisible by the device count;
         :class:`CheckpointMismatch` (a ``ValueError``): the newest checkpoint in ``workdir`` was
         written with another ``run_info``, seed or model shape — all before anything is compiled.
       Interrupted: (a ``KeyboardInterrupt``) after SIGINT/SIGTERM, once the current step is
@@ -625,7 +627,8 @@ def train(
     try:
         programs = jit_programs(model, optimizer, task, mesh, gate=gate)
         batches = None
-        if ckpt is None or ckpt.latest_step() is None:
+        latest = None if ckpt is None else ckpt.latest_step()
+        if latest is None:
             # A fresh run: its first step is compiled while its initial state is.
             batches = iter(train_data.iterate(0))
             first = next(batches)
@@ -635,7 +638,7 @@ def train(
                 ahead,
                 programs,
                 abstract,
-                global_batch(first, mesh),
+                abstract_batch(first, mesh),
                 mesh,
                 searching=sparse,
                 steps=not frozen_first,
@@ -643,7 +646,7 @@ def train(
                 eval_data=eval_data,
             )
         state, resumed_step, sums = restore_or_create_state(
-            ckpt, init, abstract, run_info, replicated(mesh), initial_variables
+            ckpt, init, abstract, run_info, replicated(mesh), initial_variables, step=latest
         )
         start = resumed_step or 0
         if workdir is not None:
@@ -695,7 +698,7 @@ def train(
                 state = train_one_step(programs.train_step, state, local, mesh, sums, timer)
                 step += 1
                 if step == start + 1:
-                    rest_of_run_ahead(state, global_batch(local, mesh))
+                    rest_of_run_ahead(state, abstract_batch(local, mesh))
                 events = schedule.after(step, searching)
                 if events.log:
                     record = log_train(

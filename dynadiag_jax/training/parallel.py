@@ -19,9 +19,11 @@ from dynadiag_jax._checks import int_at_least
 
 __all__ = [
     "DATA_AXIS",
+    "abstract_batch",
     "check_batch_size",
     "data_mesh",
     "global_batch",
+    "global_batch_shape",
     "initialize_distributed",
     "replicated",
     "batch_sharded",
@@ -90,9 +92,33 @@ def check_batch_size(batch_size: int, mesh: Mesh, *, name: str = "batch_size") -
     return batch_size // jax.process_count()
 
 
+def global_batch_shape(local_shape: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
+    """The global shape of a batch array whose share on this process has ``local_shape``: the
+    shares of the mesh's processes end to end along the first axis."""
+    processes = len({d.process_index for d in mesh.devices.flat})
+    return (local_shape[0] * processes, *local_shape[1:])
+
+
 def global_batch(local: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, Any]:
     """Assemble each process's slice of a batch into global arrays sharded over ``"data"``."""
     sharding = batch_sharded(mesh)
+    arrays = {k: np.asarray(v) for k, v in local.items()}
     return {
-        k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()
+        k: jax.make_array_from_process_local_data(sharding, v, global_batch_shape(v.shape, mesh))
+        for k, v in arrays.items()
+    }
+
+
+def abstract_batch(local: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """What :func:`global_batch` would make of ``local`` (shapes, dtypes and shardings), without
+    transferring anything: enough to compile a program that takes the batch."""
+    sharding = batch_sharded(mesh)
+    arrays = {k: np.asarray(v) for k, v in local.items()}
+    return {
+        k: jax.ShapeDtypeStruct(
+            global_batch_shape(v.shape, mesh),
+            jax.dtypes.canonicalize_dtype(v.dtype),
+            sharding=sharding,
+        )
+        for k, v in arrays.items()
     }

@@ -818,10 +818,9 @@ class BlockDvaluesJob : public Job {
 // Up to this many rows, a product reads W in place, one diagonal or block at a time, with every
 // row of the batch passing over it while it is in L1 (FewRowsJob). The jobs above first build a
 // plan and pack the values, a pass over W that costs about as much as the whole product at batch
-// 1 (element diagonals: about 250 us single-threaded at 768 -> 3072 and 90%, then 12 us a row;
-// blocks of 16: 100 us, then 6 us a row). The few-row loops cost nothing up front but more per
-// row (element diagonals: about 35 us a row, three memory operations per FMA; blocks: 10 us), so
-// each path takes the rows where it is faster (docs/cpu_kernels.md, "A few rows").
+// 1. The few-row loops cost nothing up front but more per row (three memory operations per FMA
+// for element diagonals), so each path takes the rows where it is faster (docs/cpu_kernels.md,
+// "A few rows", has the measurements).
 constexpr int64_t kFewRowsElement = 8;
 constexpr int64_t kFewRowsBlock = 16;
 

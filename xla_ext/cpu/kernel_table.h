@@ -16,6 +16,7 @@
 namespace dynadiag {
 
 constexpr int kLanes = 16;  // output columns per tile (one zmm of float32)
+constexpr uint32_t kFullMask = (1u << kLanes) - 1u;  // a segment or tile with every lane
 
 // Segments per tile are padded with empty ones (mask 0) to a multiple of this, so the SDDMM
 // kernels can take segments in fixed-size groups.
