@@ -42,6 +42,7 @@ __all__ = [
     "ProductLayout",
     "block_product_plan",
     "block_sddmm_plan",
+    "block_sddmm_stage_rows",
     "check_index_range",
     "product_layout",
     "sddmm_splits",
@@ -73,13 +74,16 @@ REDUCE_THREADS = 256
 BLOCK_ROWS = 128
 BLOCK_WARPS = 8
 BLOCK_MAX_COLS = 128
-# Block dvalues: 16-row stages, at most 16384 accumulators and 16 KiB of operands per stage per CTA.
+# Block dvalues: at most 16384 accumulators and 16 KiB of operands per stage per CTA; 16-row
+# stages on CUDA cores.
 SDDMM_STAGE_ROWS = 16
 BLOCK_SDDMM_MAX_ELEMS = 16384
 BLOCK_SDDMM_STAGE_BYTES = 16384
 BLOCK_SDDMM_TARGET_CTAS = 1024
 BLOCK_SDDMM_MAX_SPLITS = 64
 BLOCK_SDDMM_ROWS_PER_SPLIT = 512
+# Tensor-core block dvalues: 32-row stages for b <= 32, 16 above; shared rows padded by 8 elements.
+TC_SDDMM_PAD = 8
 
 EMULATED_PREFIX = "dynadiag_emu_diag_matmul_v2"
 # Input dtypes with a tensor-core path (kHasTensorCorePath in diag_launch.cuh).
@@ -205,6 +209,20 @@ class BlockSddmmPlan(NamedTuple):
     workspace_bytes: int
 
 
+def block_sddmm_stage_rows(block_size: int, tensor_cores: bool) -> int:
+    """Rows per pipeline stage of the block dvalues (tensor cores: TcSddmm::kRows)."""
+    if not tensor_cores:
+        return SDDMM_STAGE_ROWS
+    return 32 if block_size <= 32 else 16
+
+
+def _block_sddmm_stage_blocks(block_size: int, itemsize: int, tensor_cores: bool) -> int:
+    """Operand blocks one stage holds; tensor-core rows are padded by 8 elements (TcSddmm)."""
+    rows = block_sddmm_stage_rows(block_size, tensor_cores)
+    width = block_size + TC_SDDMM_PAD if tensor_cores else block_size
+    return BLOCK_SDDMM_STAGE_BYTES // (rows * width * itemsize)
+
+
 def block_sddmm_plan(
     rows, in_features, out_features, num_diagonals, block_size, dtype, available=None
 ) -> BlockSddmmPlan:
@@ -215,7 +233,8 @@ def block_sddmm_plan(
     wraps = _cdiv(geo.length, geo.num_candidates)
     cap = max(1, BLOCK_SDDMM_MAX_ELEMS // (b * b))
     per_cta = min(wraps, max(1, math.isqrt(cap)))
-    room = BLOCK_SDDMM_STAGE_BYTES // (SDDMM_STAGE_ROWS * b * itemsize) - per_cta
+    tc = _tensor_cores(dtype) and b % 16 == 0
+    room = _block_sddmm_stage_blocks(b, itemsize, tc) - per_cta
     diags = max(1, min(max(k, 1), cap // per_cta, room))
     groups, chunks = _cdiv(k, diags), _cdiv(wraps, per_cta)
     base = geo.num_candidates * chunks * max(groups, 1)
@@ -229,7 +248,6 @@ def block_sddmm_plan(
         splits = available // per_split
     if splits < 2 or per_split == 0:
         splits = 1
-    tc = _tensor_cores(dtype) and b % 16 == 0
     return BlockSddmmPlan(
         tc, per_cta, chunks, diags, groups, splits,
         _cdiv(rows, splits) if rows > 0 else 0, per_split * splits if splits > 1 else 0,

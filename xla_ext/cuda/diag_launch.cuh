@@ -167,6 +167,15 @@ struct BlockSddmmPlan {
   size_t workspace_bytes;
 };
 
+inline int64_t tc_sddmm_max_blocks(int64_t b) {
+  switch (b) {
+    case 16: return TcSddmm<16>::kMaxBlocks;
+    case 32: return TcSddmm<32>::kMaxBlocks;
+    case 64: return TcSddmm<64>::kMaxBlocks;
+    default: return TcSddmm<128>::kMaxBlocks;
+  }
+}
+
 inline BlockSddmmPlan plan_block_sddmm(int64_t rows, int64_t in_features, int64_t out_features, int64_t K,
                                        int64_t b, size_t itemsize, bool tensor_core_dtype,
                                        size_t available = std::numeric_limits<size_t>::max()) {
@@ -178,7 +187,10 @@ inline BlockSddmmPlan plan_block_sddmm(int64_t rows, int64_t in_features, int64_
   while (root * root > cap) --root;
   while ((root + 1) * (root + 1) <= cap) ++root;
   p.per_cta = static_cast<int32_t>(p.g.wraps < root ? p.g.wraps : root);
-  const int64_t room = kBlockSddmmStageBytes / (kBlockSddmmStageRows * b * int64_t(itemsize)) - p.per_cta;
+  // blocks a stage holds: the tensor-core kernel's padded stages (TcSddmm), else 16 rows of b
+  const int64_t stage_blocks = p.tensor_cores ? tc_sddmm_max_blocks(b)
+                                             : kBlockSddmmStageBytes / (kBlockSddmmStageRows * b * int64_t(itemsize));
+  const int64_t room = stage_blocks - p.per_cta;
   int64_t diags = K > 1 ? K : 1;
   if (diags > cap / p.per_cta) diags = cap / p.per_cta;
   if (diags > room) diags = room;
@@ -361,7 +373,12 @@ void launch_block_sddmm(Launcher& launch, const BlockSddmmPlan& plan, BlockSddmm
   const dim3 grid(static_cast<unsigned>(int64_t(g.P_b) * plan.chunks * plan.groups * plan.splits));
   if constexpr (kHasTensorCorePath<T>) {
     if (plan.tensor_cores) {
-      launch(grid, dim3(kBlockThreads), block_sddmm_tc_kernel<T>, a);
+      switch (g.b) {
+        case 16: launch(grid, dim3(kBlockThreads), block_sddmm_tc_kernel<T, 16>, a); break;
+        case 32: launch(grid, dim3(kBlockThreads), block_sddmm_tc_kernel<T, 32>, a); break;
+        case 64: launch(grid, dim3(kBlockThreads), block_sddmm_tc_kernel<T, 64>, a); break;
+        default: launch(grid, dim3(kBlockThreads), block_sddmm_tc_kernel<T, 128>, a); break;
+      }
     } else {
       launch(grid, dim3(kBlockThreads), block_sddmm_simt_kernel<T>, a);
     }
