@@ -82,8 +82,10 @@ BLOCK_SDDMM_STAGE_BYTES = 16384
 BLOCK_SDDMM_TARGET_CTAS = 1024
 BLOCK_SDDMM_MAX_SPLITS = 64
 BLOCK_SDDMM_ROWS_PER_SPLIT = 512
-# Tensor-core block dvalues: 32-row stages for b <= 32, 16 above; shared rows padded by 8 elements.
+# Tensor-core block dvalues: 32-row stages for b <= 32, 16 above; shared rows padded by 8 elements;
+# at most 3 16-byte chunks of a stage per thread.
 TC_SDDMM_PAD = 8
+TC_SDDMM_CHUNKS = 3
 
 EMULATED_PREFIX = "dynadiag_emu_diag_matmul_v2"
 # Input dtypes with a tensor-core path (kHasTensorCorePath in diag_launch.cuh).
@@ -217,10 +219,13 @@ def block_sddmm_stage_rows(block_size: int, tensor_cores: bool) -> int:
 
 
 def _block_sddmm_stage_blocks(block_size: int, itemsize: int, tensor_cores: bool) -> int:
-    """Operand blocks one stage holds; tensor-core rows are padded by 8 elements (TcSddmm)."""
+    """Operand blocks one stage holds (tensor cores: TcSddmm::kMaxBlocks)."""
     rows = block_sddmm_stage_rows(block_size, tensor_cores)
-    width = block_size + TC_SDDMM_PAD if tensor_cores else block_size
-    return BLOCK_SDDMM_STAGE_BYTES // (rows * width * itemsize)
+    if not tensor_cores:
+        return BLOCK_SDDMM_STAGE_BYTES // (rows * block_size * itemsize)
+    by_bytes = BLOCK_SDDMM_STAGE_BYTES // (rows * (block_size + TC_SDDMM_PAD) * itemsize)
+    by_chunks = TC_SDDMM_CHUNKS * BLOCK_WARPS * 32 // (rows * block_size // 8)
+    return min(by_bytes, by_chunks)
 
 
 def block_sddmm_plan(
