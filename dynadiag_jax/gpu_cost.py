@@ -609,7 +609,6 @@ def block_product_launches(kind, rows, geo: DiagGeometry, offsets, dtype) -> lis
 
 def block_dvalues_launches(rows, geo: DiagGeometry, offsets, dtype) -> list:
     """Launches of the block dvalues (block SDDMM, + the fixed-order split reduction)."""
-    const = launch_plan.constants()
     in_features, out_features, b = geo
     s = _itemsize(dtype)
     off = np.asarray(offsets, np.int64)
@@ -621,13 +620,16 @@ def block_dvalues_launches(rows, geo: DiagGeometry, offsets, dtype) -> list:
     if rows == 0:
         return [Launch("memset", store_bytes=n_out * s, hbm_bytes=n_out * s)]
     plan = launch_plan.block_sddmm_plan(rows, in_features, out_features, k, b, dtype)
+    tc = plan.tensor_cores
     valid = (off >= 0) & (off < p_b)
     split_rows = _slab_rows(rows, plan.rows_per_split)
-    # every split runs its rows in stages of SDDMM_STAGE_ROWS; the last stage of a split is padded
-    rows_padded = sum(_cdiv(int(r), const.BLOCK_SDDMM_STAGE_ROWS) for r in split_rows)
-    rows_padded *= const.BLOCK_SDDMM_STAGE_ROWS
+    # every split runs its rows in stages; the last stage of a split is padded (zero-filled in
+    # shared memory on tensor cores, predicated loads on CUDA cores)
+    stage_rows = plan.stage_rows
+    stages = sum(_cdiv(int(r), stage_rows) for r in split_rows)
+    rows_padded = stages * stage_rows
     loads = mma = fma = loaded = 0
-    frag = (b // 16) ** 2 if plan.tensor_cores else 0
+    frag = (b // 16) ** 2 if tc else 0
     for chunk in range(plan.wrap_chunks):
         for r in range(p_b):
             ts = [r + (chunk * plan.wraps_per_cta + w) * p_b for w in range(plan.wraps_per_cta)]
@@ -635,26 +637,38 @@ def block_dvalues_launches(rows, geo: DiagGeometry, offsets, dtype) -> list:
             for g in range(plan.groups):
                 ks = range(g * plan.diags_per_cta, min(k, (g + 1) * plan.diags_per_cta))
                 v = int(sum(valid[kk] for kk in ks))
+                if tc and u == 0:
+                    continue  # a chunk past L_b: no tiles, nothing read
                 loads += (u + v) * b * rows * s + 4 * len(ks) * plan.splits
                 loaded += (u + v) * b * rows_padded
-                if plan.tensor_cores:
+                if tc:
                     mma += u * v * frag * (rows_padded // 16)
                 else:
                     fma += u * v * b * b * rows_padded
     out_bytes = n_out * (4 * plan.splits if plan.splits > 1 else s)
     ctas = plan.wrap_chunks * p_b * plan.groups * plan.splits
-    name = "block_sddmm_tc_kernel" if plan.tensor_cores else "block_sddmm_simt_kernel"
-    kernel, kernel_fields = _compiled(name, dtype)
     base = plan.wrap_chunks * p_b * plan.groups  # thread blocks per row split
-    instructions = _instructions(
-        kernel,
-        mma=mma,
-        fma=fma / WARP,
-        load=loaded / WARP,
-        store=n_out * plan.splits / WARP,
-        stage=rows_padded // const.BLOCK_SDDMM_STAGE_ROWS * base * BLOCK_WARPS,
-        cta=ctas * BLOCK_WARPS,
-    )
+    if tc:
+        kernel, kernel_fields = _compiled("block_sddmm_tc_kernel", dtype, (b,))
+        instructions = _instructions(
+            kernel,
+            mma=mma,
+            load=loaded / 8 / WARP,  # one 16-byte cp.async (or zero fill) per 8 elements
+            # one 16-byte store per lane and 16x16 tile: 8 outputs, or 4 float32 partial sums
+            store=n_out // 256 * (2 * plan.splits if plan.splits > 1 else 1),
+            stage=stages * base * BLOCK_WARPS,
+            cta=ctas * BLOCK_WARPS,
+        )
+    else:
+        kernel, kernel_fields = _compiled("block_sddmm_simt_kernel", dtype)
+        instructions = _instructions(
+            kernel,
+            fma=fma / WARP,
+            load=loaded / WARP,
+            store=n_out * plan.splits / WARP,
+            stage=stages * base * BLOCK_WARPS,
+            cta=ctas * BLOCK_WARPS,
+        )
     launches = [
         Launch(
             "block_sddmm",

@@ -74,7 +74,6 @@ class LaunchConstants(NamedTuple):
     BLOCK_ROWS: int  # block products: rows per slab on CUDA cores (kBlockRows)
     BLOCK_WARPS: int  # warps per block-kernel thread block (kBlockWarps)
     BLOCK_SLICE: int  # block products: contraction columns per slice (kBlockSlice)
-    BLOCK_SDDMM_STAGE_ROWS: int  # block dvalues: rows per pipeline stage (kBlockSddmmStageRows)
 
 
 def _ext():
@@ -180,6 +179,7 @@ class BlockSddmmPlan(NamedTuple):
     groups: int
     splits: int
     rows_per_split: int
+    stage_rows: int  # rows per pipeline stage (tensor cores: 32 for b <= 32, else 16)
     workspace_bytes: int
 
 

@@ -41,22 +41,26 @@ def test_platforms_without_kernels_build_w_and_call_the_dot(platform):
 
 
 def test_cuda_takes_dense_on_the_headline_shapes():
-    # no step is predicted faster than dense: element diagonals never are, and the block kernels'
-    # backward is bound by the block SDDMM (dvalues)
+    # element diagonals are never predicted faster than dense; the block kernels are (up to ~2.3x
+    # at 90%), but not by the margin that the measured forward's 2.4x gap to the model asks for
     for in_f, out_f in [(768, 3072), (3072, 768), (768, 2304), (768, 768)]:
         for b in (1, 16, 32, 64):
             d = decide("cuda", in_f, out_f, b=b)
             assert d.impl == "dense" and d.prediction is not None, (in_f, out_f, b, d.reason)
             fwd, step = d.prediction.speedup("kernel", "dense")
-            assert step < 1, (in_f, out_f, b, d.reason)
+            assert min(fwd, step) < auto.MIN_SPEEDUP, (in_f, out_f, b, d.reason)
             if b == 1:
                 assert fwd < 1, (in_f, out_f, d.reason)
     assert decide("cuda", b=16, available=False).impl == "dense"
 
 
 def test_the_kernels_need_the_margin_in_forward_and_step():
-    # a GPU whose cores issue instructions 40x faster: the margin decides, per sparsity
-    fast = gpu_cost.H100._replace(name="fast", issue_rate=40 * gpu_cost.H100.issue_rate)
+    # a GPU whose cores issue instructions 40x faster and whose dense dot runs at a quarter of the
+    # H100's rate: the margin decides, per sparsity
+    h100 = gpu_cost.H100
+    fast = h100._replace(
+        name="fast", issue_rate=40 * h100.issue_rate, dense_flops_16bit=h100.dense_flops_16bit / 4
+    )
     picked = set()
     for b in (1, 16, 32, 64):
         for s in (0.5, 0.8, 0.9, 0.95, 0.98):

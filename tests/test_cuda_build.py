@@ -37,7 +37,7 @@ EXPECTED_KERNELS = {
     # half, bfloat16 x fwd/dx x (outputs on the long axis: 10 (b, panel width) pairs; short: 4 b)
     "block_product_tc_kernel": 56,
     "block_product_simt_kernel": 12,  # float, half, bfloat16 x 4
-    "block_sddmm_tc_kernel": 2,
+    "block_sddmm_tc_kernel": 8,  # half, bfloat16 x 4 b
     "block_sddmm_simt_kernel": 3,
 }
 
@@ -87,7 +87,7 @@ def test_ptxas_no_spills_and_smem_within_the_block_limit(ptxas):
 
 
 @pytest.mark.slow
-def test_tensor_core_products_fit_two_blocks_per_sm_without_divisions_or_16_bit_accesses(
+def test_tensor_core_products_and_dvalues_fit_two_blocks_per_sm_without_divisions_or_16_bit_io(
     cuda_device_build,
 ):
     nvdisasm = sass_counts.find_tool("nvdisasm")
@@ -98,14 +98,25 @@ def test_tensor_core_products_fit_two_blocks_per_sm_without_divisions_or_16_bit_
     assert sass_counts.guard_violations(log, sass) == []
 
 
-def test_the_guards_see_registers_a_division_in_the_main_loop_and_16_bit_accesses():
+@pytest.mark.parametrize(
+    "kernel,name",
+    [
+        (
+            "block_product_tc_kernel",
+            "_ZN8dynadiag4cuda23block_product_tc_kernelI13__nv_bfloat16Lb1ELb0ELi16ELi64EEEvNS0_"
+            "16BlockProductArgsIT_EE",
+        ),
+        (
+            "block_sddmm_tc_kernel",
+            "_ZN8dynadiag4cuda21block_sddmm_tc_kernelI13__nv_bfloat16Li16EEEvNS0_"
+            "14BlockSddmmArgsIT_EE",
+        ),
+    ],
+)
+def test_the_guards_see_registers_a_division_in_the_main_loop_and_16_bit_accesses(kernel, name):
     # a listing in nvdisasm's format: a division inside the pipeline loop, a 16-bit store after it
-    (loop,) = sass_counts.span_lines(sass_counts.REGIONS["block_product_tc_kernel"]["stage"][1][0])
+    (loop,) = sass_counts.span_lines(sass_counts.REGIONS[kernel]["stage"][1][0])
     file = f"/work/xla_ext/cuda/{loop[0]}"
-    name = (
-        "_ZN8dynadiag4cuda23block_product_tc_kernelI13__nv_bfloat16Lb1ELb0ELi16ELi64EEEvNS0_"
-        "16BlockProductArgsIT_EE"
-    )
     listing = f"""
 .text.{name}:
 .L_x_1:

@@ -123,3 +123,21 @@ def test_block_tensor_cores_do_only_useful_products(rng):
     rows, in_f, out_f, b = 140, 32, 64, 16
     got = counted("fwd", rows, in_f, out_f, np.array([1, 0]), jnp.bfloat16, b, rng)
     assert got["block_product"]["mma"] * 16**3 == 256 * 2 * (64 // 16) * b * b
+
+
+@pytest.mark.parametrize("b", [16, 64])
+def test_block_dvalues_reads_dy_once_and_x_once_per_diagonal(b, rng):
+    # tall 2b -> 4b: P_b = 2, L_b = 4, 2 wraps; one CTA per residue r holds both of its dy blocks
+    # (t = r, r + 2) and the x block (r + d) % 2 of each diagonal. 100 rows, one split: dy is read
+    # once, x once per diagonal, the offsets once per CTA.
+    rows, in_f, out_f, offsets = 100, 2 * b, 4 * b, [1, 0]
+    plan = launch_plan.block_sddmm_plan(rows, in_f, out_f, 2, b, jnp.bfloat16)
+    assert (plan.wrap_chunks, plan.wraps_per_cta, plan.groups, plan.splits) == (1, 2, 1, 1)
+    (got,) = counted("dvalues", rows, in_f, out_f, offsets, jnp.bfloat16, b, rng).values()
+    assert got["ctas"] == 2
+    assert got["load_bytes"] == rows * out_f * 2 + 2 * rows * in_f * 2 + 2 * 4 * 2
+    # 4 b x b tiles a CTA, (b/16)^2 MMAs each per 16 rows of the zero-padded stages: 32-row stages
+    # at b = 16 (128 rows), 16-row ones at b = 64 (112 rows)
+    padded = {16: 128, 64: 112}[b]
+    assert got["mma"] == 2 * 4 * (b // 16) ** 2 * padded // 16
+    assert got["store_bytes"] == 2 * 4 * b * b * 2  # dvalues written once, in bfloat16

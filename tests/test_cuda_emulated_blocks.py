@@ -18,6 +18,7 @@ import dynadiag_jax as dd
 from dynadiag_jax import launch_plan
 from dynadiag_jax.layout import geometry
 from dynadiag_jax.ops import cuda
+from dynadiag_jax.ops.reference import diag_matmul_dvalues_reference
 
 pytestmark = pytest.mark.skipif(
     "cuda_emulated" not in dd.available_impls(block_size=16),
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 IMPL = "cuda_emulated"
 ULPS = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11}
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
 def dense_w(values, offsets, in_f, out_f):
@@ -143,7 +145,7 @@ def test_wide_panels_of_several_wraps(rng):
     check(rng, 9, 32, 256, 16, [1], jnp.bfloat16)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 def test_dvalues_split_over_rows_and_a_smaller_workspace(dtype, rng):
     rows, in_f, out_f, b = 1100, 32, 64, 16
     offsets = jnp.asarray([1, 0], jnp.int32)
@@ -161,6 +163,90 @@ def test_dvalues_split_over_rows_and_a_smaller_workspace(dtype, rng):
         got = np.asarray(call(dy, x, offsets)[0], np.float64)
         tol = (2e-5 if dtype == jnp.float32 else 2e-2) * np.max(np.abs(want))
         assert np.max(np.abs(got - want)) <= tol, nbytes
+
+
+# one rounding of the result to the dtype, plus float32 sums in another order
+DVALUES_TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2.0**-8 + 2e-5, jnp.float16: 2.0**-11 + 2e-5}
+
+
+def emulated_dvalues(dy, x, offsets, values_shape, nbytes):
+    call = jax.ffi.ffi_call(
+        f"{cuda.EMULATED_PREFIX}_dvalues",
+        (
+            jax.ShapeDtypeStruct(values_shape, x.dtype),
+            jax.ShapeDtypeStruct((max(nbytes, 1),), jnp.uint8),
+        ),
+    )
+    return np.asarray(call(dy, x, jnp.asarray(offsets, jnp.int32))[0], np.float64)
+
+
+def check_dvalues(rng, rows, in_f, out_f, b, offsets, dtype, nbytes=None):
+    """The emulated dvalues against the pure-JAX reference; NaN for out-of-range offsets."""
+    geo = geometry(in_f, out_f, b)
+    offsets = np.asarray(offsets)
+    x = jnp.asarray(rng.standard_normal((rows, in_f)), dtype)
+    dy = jnp.asarray(rng.standard_normal((rows, out_f)), dtype)
+    if nbytes is None:
+        nbytes = launch_plan.workspace_bytes(
+            "dvalues", rows, in_f, out_f, len(offsets), dtype, block_size=b
+        )
+    got = emulated_dvalues(dy, x, offsets, (len(offsets), *geo.values_shape), nbytes)
+    ok = (offsets >= 0) & (offsets < geo.num_candidates)
+    want = np.asarray(
+        diag_matmul_dvalues_reference(
+            dy, x, jnp.asarray(offsets[ok]), block_size=b, dtype=jnp.float32
+        ),
+        np.float64,
+    )
+    assert np.isnan(got[~ok]).all()
+    tol = DVALUES_TOL[dtype] * max(1.0, float(np.max(np.abs(want))))
+    err = float(np.max(np.abs(got[ok] - want)))
+    assert err <= tol, f"{in_f}->{out_f}, b={b}, {dtype.__name__}: {err:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("shape", ["tall", "wide", "square"])
+@pytest.mark.parametrize("b", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
+def test_dvalues_at_every_block_size(shape, b, dtype, rng):
+    # 2b -> 5b: 3 wraps, the last one short; at b = 128 a CTA's wrap chunk lies past L_b. Rows: two
+    # full pipeline stages and a partial one. Offsets: a repeat and one out of range (NaN).
+    in_f, out_f = {"tall": (2 * b, 5 * b), "wide": (5 * b, 2 * b), "square": (3 * b, 3 * b)}[shape]
+    plan = launch_plan.block_sddmm_plan(64, in_f, out_f, 4, b, dtype)
+    assert plan.tensor_cores == (dtype != jnp.float32)
+    rows = 2 * plan.stage_rows + 5
+    p_b = min(in_f, out_f) // b
+    check_dvalues(rng, rows, in_f, out_f, b, [p_b - 1, 0, 0, p_b], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
+def test_dvalues_of_more_diagonals_and_wraps_than_one_cta_holds(dtype, rng):
+    # 32 -> 256 at b = 16: 8 wraps a CTA; 12 diagonals in groups (6 on tensor cores)
+    plan = launch_plan.block_sddmm_plan(70, 32, 256, 12, 16, dtype)
+    assert plan.groups > 1 and plan.wraps_per_cta == 8
+    check_dvalues(rng, 70, 32, 256, 16, rng.integers(0, 2, 12), dtype)
+    # 64 -> 320 at b = 64: wrap chunks of 2 of the 5 wraps (the last one holds one)
+    plan = launch_plan.block_sddmm_plan(40, 64, 320, 3, 64, dtype)
+    assert plan.wrap_chunks == 3
+    check_dvalues(rng, 40, 64, 320, 64, [0, 0, -1], dtype)
+
+
+@pytest.mark.parametrize("b", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
+def test_backward_matches_the_gradient_of_the_reference(b, dtype, rng):
+    # dx and dvalues of the emulated custom call against jax.grad through the pure-JAX path
+    in_f, out_f, rows = 2 * b, 3 * b, 37
+    geo = geometry(in_f, out_f, b)
+    offsets = jnp.asarray([1, 0], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((rows, in_f)), dtype)
+    values = jnp.asarray(rng.standard_normal((2, *geo.values_shape)), dtype)
+    dy = jnp.asarray(rng.standard_normal((rows, out_f)), dtype)
+    got = run(IMPL, x, values, offsets, dy, out_f)[1:]
+    want = run("jax", x.astype(jnp.float32), values.astype(jnp.float32), offsets, dy, out_f)[1:]
+    for name, g, w in zip(("dx", "dvalues"), got, want):
+        w = np.asarray(w, np.float64)
+        tol = DVALUES_TOL[dtype] * max(1.0, float(np.max(np.abs(w))))
+        assert g.dtype == dtype
+        assert float(np.max(np.abs(np.asarray(g, np.float64) - w))) <= tol, name
 
 
 def test_traced_offset_out_of_range_gives_nan(rng):

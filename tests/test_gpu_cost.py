@@ -43,26 +43,26 @@ def test_scattered_element_diagonals_lose_to_dense_at_90_percent():
 
 
 @pytest.mark.parametrize("b", [16, 32])
-def test_block_forward_fits_two_blocks_per_sm_and_the_step_is_bound_by_dvalues(b):
-    # the templated tensor-core product: <= 128 registers, faster than dense in the forward; the
-    # block SDDMM (dvalues) still divides at run time and issues far more than its bytes need
+def test_block_forward_and_dvalues_fit_two_blocks_per_sm_and_the_step_beats_dense(b):
+    # the templated tensor-core product and SDDMM: <= 128 registers; the SDDMM reads each dy row
+    # chunk once for all its diagonals, so it issues about what its bytes need (model, not measured)
     k = dd.num_diagonals(768, 3072, 0.9, block_size=b)
     p = gpu_cost.predict(VIT_ROWS, 768, 3072, BF16, k, block_size=b)
     (launch,) = p.paths["kernel"].fwd
     # still the bytes of the design: x read and y written once, ~3.1 GB
     assert launch.hbm_bytes == pytest.approx(VIT_ROWS * (768 + 3072) * 2, rel=1e-3)
-    assert launch.registers <= 128
-    assert gpu_cost.occupancy(launch.registers, launch.shared_bytes, 256, gpu_cost.H100)[0] >= 2
     sddmm = next(la for la in p.paths["kernel"].bwd if la.name == "block_sddmm")
+    for la in (launch, sddmm):
+        assert la.registers <= 128
+        assert gpu_cost.occupancy(la.registers, la.shared_bytes, 256, gpu_cost.H100)[0] >= 2
     terms = sddmm.terms(gpu_cost.H100, BF16)
-    assert terms["issue"] == max(terms.values()) and terms["issue"] > 5 * terms["hbm"]
     efficiency = gpu_cost.occupancy(sddmm.registers, sddmm.shared_bytes, 256, gpu_cost.H100)[2]
-    assert efficiency < 1
     assert terms["issue"] == pytest.approx(
         sddmm.instructions / (gpu_cost.H100.issue_rate * efficiency)
     )
+    assert terms["hbm"] < max(terms.values()) < 1.5 * terms["hbm"]
     fwd, step = p.speedup("kernel", "dense_layer")
-    assert fwd > 1 and step < 1
+    assert fwd > 1 and step > 1
 
 
 def test_occupancy_from_registers_and_shared_memory():

@@ -79,6 +79,7 @@ def test_the_table_covers_every_kernel_the_model_charges():
             if dtype == "float32":
                 continue
             for b in (16, 32, 64, 128):
+                assert ("block_sddmm_tc_kernel", dtype, (b,)) in gpu_sass.KERNELS
                 widths = [w for w in (16, 32, 64, 128) if w >= b] if flags[0] else [b]
                 for cols in widths:
                     assert ("block_product_tc_kernel", dtype, (*flags, b, cols)) in gpu_sass.KERNELS

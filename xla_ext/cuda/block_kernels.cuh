@@ -26,9 +26,11 @@
 //
 // dvalues (the block SDDMM dvalues[k, t] = out_block^T in_block over rows): one thread block per
 // (residue r, chunk of wraps t = r + w * P_b, group of diagonals, row split). All its long-axis
-// blocks t and all its diagonals' short blocks (r + d_k) % P_b are loaded once per 16-row stage and
-// every pair multiplied (tensor cores for 16-bit dtypes and b % 16 == 0). Row splits write float32
-// partial sums that a second kernel adds in split order: deterministic, no float atomics.
+// blocks t and all its diagonals' short blocks (r + d_k) % P_b are loaded once per stage of rows
+// and every pair multiplied, so the long operand is read once and the short one once per diagonal
+// (tensor cores for 16-bit dtypes and b % 16 == 0: block_sddmm_tc_kernel, templated on b; CUDA
+// cores in 16-row stages otherwise). Row splits write float32 partial sums that a second kernel
+// adds in split order: deterministic, no float atomics.
 //
 // An out-of-range offset makes the whole fwd/dx output NaN (every panel visits every diagonal) and
 // that diagonal's dvalues NaN; nothing is read through it.
@@ -203,7 +205,6 @@ __device__ __forceinline__ int weight_slot(int n, int b, int width) {
 // over the entries' 16-column slices with a two-stage cp.async pipeline into padded shared memory.
 // The epilogue converts each accumulator tile to T and writes rows of 8 outputs with 16-byte
 // stores.
-constexpr int kTcPad = 8;                // elements added to every shared row (see TcPanel)
 constexpr int kTcXLd = kBlockSlice + kTcPad;  // x slice: [row][kk]
 constexpr int kTcEpiLd = 16 + 4;         // float epilogue tile: [row][col]
 constexpr int kTcTable = kBlockThreads;  // slice-table entries built per pass (one per thread)
@@ -600,71 +601,184 @@ __device__ __forceinline__ void store_sddmm(const BlockSddmmArgs<T>& a, const Sd
   }
 }
 
-// Tensor-core SDDMM: the thread block's G x n_long result blocks are (b/16)^2 fragments each, at
-// most 64 in all; warp w owns fragments w, w + 8, ...
+// ---- tensor-core SDDMM ---------------------------------------------------------------------------
+// Templated on b (rows per stage and every index in the main loop are shifts and masks). The thread
+// block first builds its block table in shared memory: the first column of each of its blocks in
+// its operand (the n_long long-axis blocks, then the short block of each diagonal; -1 for an
+// out-of-range diagonal). Each thread then owns fixed 16-byte chunks of a stage (block, row,
+// column) and fixed result fragments: the rows of dy and x run through a two-stage cp.async
+// pipeline into padded shared memory, and each 16-row step multiplies dy^T (a column-major A
+// fragment, ldmatrix.trans) by x (a row-major B fragment) into the fragment's accumulator. Every dy
+// block of the thread block's stage is loaded once and feeds all its diagonals, every x block all
+// its wraps. Rows past the end of a split are zero-filled in shared memory (they would add to the
+// sums). The epilogue writes each 16x16 tile with 16-byte stores: 8 outputs of T, or 4 float32
+// partial sums.
+template <int kB>
+struct TcSddmm {
+  static_assert(kB % 16 == 0 && kB <= kBlockMaxCols && (kB & (kB - 1)) == 0, "b in {16, 32, 64, 128}");
+  static constexpr int kRows = tc_sddmm_stage_rows(kB);  // rows per stage (launch_plan.h)
+  static constexpr int kLogRows = ilog2(kRows);
+  static constexpr int kSteps = kRows / 16;         // m16n16k16 steps per stage
+  // Padding: as TcPanel, 8 elements per row make the row stride an odd number of 16-byte units.
+  static constexpr int kLd = kB + kTcPad;
+  static constexpr int kBlockElems = kRows * kLd;   // one block of one stage
+  static constexpr int kLogRowChunks = ilog2(kB / 8);  // 16-byte chunks per block row
+  static constexpr int kLogBlockChunks = kLogRows + kLogRowChunks;
+  // At most kPer chunks per thread and stage (a fourth spills at b = 64); the plan counts the
+  // blocks a stage holds with the same rule (launch_plan.h).
+  static constexpr int kPer = kTcSddmmChunks;
+  static constexpr int kMaxBlocks = static_cast<int>(tc_sddmm_max_blocks(kB));
+  static_assert(kMaxBlocks * kBlockElems * 2 <= kBlockSddmmStageBytes &&
+                    kMaxBlocks << kLogBlockChunks <= kPer * kBlockThreads,
+                "the plan's block count fits the stage's bytes and chunks");
+  static constexpr int kLogTileFrags = 2 * ilog2(kB / 16);  // 16x16 fragments per b x b tile
+  static_assert(kMaxBlocks >= 2 && kMaxBlocks * kBlockElems < 65536, "a stage holds 2 blocks, 16-bit offsets");
+};
+
+// The operand of table entry q (long blocks first): dy holds the output features.
 template <class T>
-__global__ void __launch_bounds__(kBlockThreads) block_sddmm_tc_kernel(BlockSddmmArgs<T> a) {
+__device__ __forceinline__ bool sddmm_reads_dy(const BlockSddmmArgs<T>& a, int q, int n_long) {
+  return (q < n_long) == (a.tall != 0);
+}
+
+template <class T, int kB>
+__global__ void __launch_bounds__(kBlockThreads, 2) block_sddmm_tc_kernel(BlockSddmmArgs<T> a) {
   namespace wmma = nvcuda::wmma;
-  constexpr int kStage = kBlockSddmmStageBytes / sizeof(T);
-  constexpr int kPer = kStage / kBlockThreads;
-  SIMT_SHARED_ALIGNED(T[2][kStage], buf, 32);
+  using S = TcSddmm<kB>;
+  SIMT_SHARED_ALIGNED(T[2][S::kMaxBlocks * S::kBlockElems], buf, 32);
   SIMT_SHARED_ALIGNED(float[kBlockWarps][256], cs, 32);
+  SIMT_SHARED(int32_t[S::kMaxBlocks], col_t);
   Tally tally;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const SddmmTile s = sddmm_tile(a);
-  const int bf = a.b / 16, F = bf * bf;
-  const int n_frags = s.n_long * s.n_diags * F;
-  const int per_block = kBlockSddmmStageRows * a.b;
-  const int n_stages = static_cast<int>((s.row1 - s.row0 + kBlockSddmmStageRows - 1) / kBlockSddmmStageRows);
-  if (tid == 0) {
-    tally.cta();
-    tally.load(4 * int64_t(s.n_diags));
+  const int n_blocks = s.n_long > 0 ? s.n_long + s.n_diags : 0;  // no long block: no tiles
+  if (tid == 0) tally.cta();
+  if (tid < n_blocks) {
+    int col = -1;
+    if (tid < s.n_long) {
+      col = (s.r + (s.chunk * a.per_cta + tid) * a.P_b) * kB;
+    } else {
+      const int d = a.offsets[s.g * a.diags + tid - s.n_long];
+      tally.load(4);
+      if (valid_offset(d, a.P_b)) col = (s.r + d < a.P_b ? s.r + d : s.r + d - a.P_b) * kB;
+    }
+    col_t[tid] = col;
   }
+  __syncthreads();
+
+  // This thread's chunks e of every stage: source (advanced by a stage per issue), destination,
+  // row within the stage; `live` is false past the table and for out-of-range diagonals.
+  const T* src[S::kPer];
+  int dst[S::kPer], row_e[S::kPer];
+  bool live[S::kPer], from_dy[S::kPer];
+#pragma unroll
+  for (int e = 0; e < S::kPer; ++e) {
+    const int c = tid + e * kBlockThreads, q = c >> S::kLogBlockChunks;
+    const int rem = c & ((1 << S::kLogBlockChunks) - 1), ch = rem & ((1 << S::kLogRowChunks) - 1);
+    row_e[e] = rem >> S::kLogRowChunks;
+    const int col = q < n_blocks ? int(col_t[q]) : -1;
+    live[e] = col >= 0;
+    from_dy[e] = sddmm_reads_dy(a, q, s.n_long);
+    const int64_t width = from_dy[e] ? a.out_f : a.in_f;
+    src[e] = (from_dy[e] ? a.dy : a.x) + (s.row0 + row_e[e]) * width + (live[e] ? col : 0) + ch * 8;
+    dst[e] = q * S::kBlockElems + row_e[e] * S::kLd + ch * 8;
+  }
+  const int64_t dy_step = int64_t(S::kRows) * a.out_f, x_step = int64_t(S::kRows) * a.in_f;
+
+  // This warp's fragments f = warp + 8 m: shared offsets of their dy (A) and x (B) columns in a
+  // stage, packed as A | B << 16; -1 for none (past the tiles, or an out-of-range diagonal).
+  const int n_frags = s.n_long * s.n_diags << S::kLogTileFrags;
+  int desc[kBlockSddmmMaxFrags];
+#pragma unroll
+  for (int m = 0; m < kBlockSddmmMaxFrags; ++m) {
+    const int f = warp + m * kBlockWarps, tile = f >> S::kLogTileFrags;
+    const int io = (f >> (S::kLogTileFrags / 2)) & (kB / 16 - 1), jo = f & (kB / 16 - 1);
+    const int jd = s.n_long > 0 ? tile / s.n_long : 0, w = tile - jd * s.n_long;  // before the loop
+    desc[m] = -1;
+    if (f < n_frags && col_t[s.n_long + jd] >= 0) {
+      const int long_at = w * S::kBlockElems, short_at = (s.n_long + jd) * S::kBlockElems;
+      const int dy_at = a.tall ? long_at : short_at, x_at = a.tall ? short_at : long_at;
+      desc[m] = (dy_at + io * 16) | (x_at + jo * 16) << 16;
+    }
+  }
+
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kBlockSddmmMaxFrags];
 #pragma unroll
   for (int m = 0; m < kBlockSddmmMaxFrags; ++m) wmma::fill_fragment(acc[m], 0.0f);
-  T regs[kPer];
-  const int n_stage = (s.n_long + s.n_diags) * per_block;
-  if (n_stages > 0) {
-    fetch_sddmm_stage(a, s, s.row0, regs, tally);
-    commit_sddmm_stage(buf[0], regs, n_stage);
-  }
-  __syncthreads();
-  for (int st = 0; st < n_stages; ++st) {
-    const int b = st & 1;
-    if (st + 1 < n_stages) fetch_sddmm_stage(a, s, s.row0 + int64_t(st + 1) * kBlockSddmmStageRows, regs, tally);
+
+  // Stage rows at or past `left` lie beyond the split: zeros instead of a copy.
+  auto issue = [&](int b, int64_t left) {
 #pragma unroll
-    for (int m = 0; m < kBlockSddmmMaxFrags; ++m) {
-      const int f = warp + m * kBlockWarps;
-      if (f >= n_frags) continue;
-      const int blk = f / F, io = (f % F) / bf, jo = f % bf;
-      const int jd = blk / s.n_long, w = blk % s.n_long;
-      if (!valid_offset(a.offsets[s.g * a.diags + jd], a.P_b)) continue;
-      // result rows = output features: the long block on tall W, the short block on wide W
-      const int long_at = w * per_block, short_at = (s.n_long + jd) * per_block;
-      const int rows_at = a.tall ? long_at : short_at, cols_at = a.tall ? short_at : long_at;
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> fa;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
-      wmma::load_matrix_sync(fa, buf[b] + rows_at + io * 16, a.b);
-      wmma::load_matrix_sync(fb, buf[b] + cols_at + jo * 16, a.b);
-      wmma::mma_sync(acc[m], fa, fb, acc[m]);
-      if (lane == 0) tally.mma(1);
+    for (int e = 0; e < S::kPer; ++e) {
+      if (!live[e]) continue;
+      if (row_e[e] < left) {
+        simt::copy_async16(&buf[b][dst[e]], src[e]);
+        tally.load(16);
+      } else {
+        *simt::pointer_cast<uint4>(&buf[b][dst[e]]) = uint4{0u, 0u, 0u, 0u};
+      }
+      src[e] += from_dy[e] ? dy_step : x_step;
     }
-    if (st + 1 < n_stages) commit_sddmm_stage(buf[b ^ 1], regs, n_stage);
-    __syncthreads();
+  };
+
+  const int64_t n_rows = s.row1 - s.row0;
+  const int n_stages = static_cast<int>((n_rows + S::kRows - 1) >> S::kLogRows);
+  if (n_stages > 0) issue(0, n_rows);
+  simt::copy_async_commit();
+  for (int st = 0; st < n_stages; ++st) {
+    simt::copy_async_wait();
+    __syncthreads();  // stage st has landed, and every warp is done with the other buffer
+    if (st + 1 < n_stages) issue((st + 1) & 1, n_rows - (int64_t(st + 1) << S::kLogRows));
+    simt::copy_async_commit();
+    const int cur = st & 1;
+#pragma unroll
+    for (int ks = 0; ks < S::kSteps; ++ks) {
+#pragma unroll
+      for (int m = 0; m < kBlockSddmmMaxFrags; ++m) {
+        if (desc[m] < 0) continue;
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
+        simt::load_shared(fa, &buf[cur][(desc[m] & 0xffff) + ks * 16 * S::kLd], S::kLd);
+        simt::load_shared(fb, &buf[cur][(desc[m] >> 16) + ks * 16 * S::kLd], S::kLd);
+        wmma::mma_sync(acc[m], fa, fb, acc[m]);
+        if (lane == 0) tally.mma(1);
+      }
+    }
   }
+
+  // Tile (io, jo) of result block (jd, w): dvalues[k, t][16 io + i][16 jo + j].
+  const int64_t n_out = int64_t(a.K) * a.L_b * kB * kB;
 #pragma unroll
   for (int m = 0; m < kBlockSddmmMaxFrags; ++m) {
-    const int f = warp + m * kBlockWarps;
+    const int f = warp + m * kBlockWarps, tile = f >> S::kLogTileFrags;
     if (f >= n_frags) continue;
-    wmma::store_matrix_sync(cs[warp] + 0, acc[m], 16, wmma::mem_row_major);
+    wmma::store_matrix_sync(&cs[warp][0], acc[m], 16, wmma::mem_row_major);
     __syncwarp();
-    const int blk = f / F, io = (f % F) / bf, jo = f % bf;
-    for (int e = lane; e < 256; e += 32) {
-      const float v = cs[warp][e];
-      store_sddmm(a, s, blk, io * 16 + e / 16, jo * 16 + e % 16, v, tally);
+    const int io = (f >> (S::kLogTileFrags / 2)) & (kB / 16 - 1), jo = f & (kB / 16 - 1);
+    const int jd = tile / s.n_long, w = tile - jd * s.n_long;
+    const int k = s.g * a.diags + jd;
+    const int64_t t = s.r + int64_t(s.chunk * a.per_cta + w) * a.P_b;
+    const bool bad = col_t[s.n_long + jd] < 0;
+    const int64_t at = ((int64_t(k) * a.L_b + t) * kB + io * 16) * kB + jo * 16;
+    if (a.splits == 1) {  // row lane / 2, columns 8 (lane % 2)..: 8 outputs of T
+      const int er = lane >> 1, eh = (lane & 1) * 8;
+      float4 lo = *simt::pointer_cast<float4>(&cs[warp][er * 16 + eh]);
+      float4 hi = *simt::pointer_cast<float4>(&cs[warp][er * 16 + eh + 4]);
+      if (bad) lo = hi = float4{quiet_nan(), quiet_nan(), quiet_nan(), quiet_nan()};
+      const uint4 v{pack2<T>(lo.x, lo.y), pack2<T>(lo.z, lo.w), pack2<T>(hi.x, hi.y), pack2<T>(hi.z, hi.w)};
+      simt::store(simt::pointer_cast<uint4>(&a.out[at + er * kB + eh]), v);
+      tally.store(16);
+    } else {  // rows lane / 4 and 8 + lane / 4, columns 4 (lane % 4)..: 4 float32 partial sums
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int er = (lane >> 2) + h * 8, ec = (lane & 3) * 4;
+        float4 v = *simt::pointer_cast<float4>(&cs[warp][er * 16 + ec]);
+        if (bad) v = float4{quiet_nan(), quiet_nan(), quiet_nan(), quiet_nan()};
+        simt::store(simt::pointer_cast<float4>(&a.partial[s.z * n_out + at + er * kB + ec]), v);
+        tally.store(16);
+      }
     }
-    __syncwarp();
+    __syncwarp();  // cs[warp] is overwritten by the next tile
   }
   tally.flush(kCountBlockSddmm);
 }

@@ -164,7 +164,12 @@ void launch_block_sddmm(Launcher& launch, const BlockSddmmPlan& plan, BlockSddmm
   const dim3 grid(static_cast<unsigned>(int64_t(g.P_b) * plan.chunks * plan.groups * plan.splits));
   if constexpr (kHasTensorCorePath<T>) {
     if (plan.tensor_cores) {
-      launch(grid, dim3(kBlockThreads), block_sddmm_tc_kernel<T>, a);
+      switch (g.b) {
+        case 16: launch(grid, dim3(kBlockThreads), block_sddmm_tc_kernel<T, 16>, a); break;
+        case 32: launch(grid, dim3(kBlockThreads), block_sddmm_tc_kernel<T, 32>, a); break;
+        case 64: launch(grid, dim3(kBlockThreads), block_sddmm_tc_kernel<T, 64>, a); break;
+        default: launch(grid, dim3(kBlockThreads), block_sddmm_tc_kernel<T, 128>, a); break;
+      }
     } else {
       launch(grid, dim3(kBlockThreads), block_sddmm_simt_kernel<T>, a);
     }

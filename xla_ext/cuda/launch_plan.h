@@ -44,9 +44,21 @@ constexpr int kBlockThreads = 256;
 constexpr int kBlockWarps = kBlockThreads / 32;
 constexpr int kBlockMaxCols = 128;                   // output columns of a panel
 constexpr int kBlockSlice = 16;                      // contraction columns per slice
-constexpr int kBlockSddmmStageRows = 16;
+constexpr int kBlockSddmmStageRows = 16;             // CUDA-core SDDMM
 constexpr int kBlockSddmmMaxElems = 16384;           // accumulators of one SDDMM thread block
 constexpr int kBlockSddmmStageBytes = 16384;         // operands of one stage
+constexpr int kTcPad = 8;                            // elements added to every tensor-core shared row
+constexpr int kTcSddmmChunks = 3;                    // tensor-core SDDMM: 16-byte chunks per thread and stage
+
+// Tensor-core block SDDMM (TcSddmm): rows per stage, and the operand blocks one stage holds (its
+// padded rows within kBlockSddmmStageBytes, at most kTcSddmmChunks chunks per thread; 2-byte types).
+constexpr int tc_sddmm_stage_rows(int64_t b) { return b <= 32 ? 32 : 16; }
+constexpr int64_t tc_sddmm_max_blocks(int64_t b) {
+  const int64_t rows = tc_sddmm_stage_rows(b);
+  const int64_t by_bytes = kBlockSddmmStageBytes / (rows * (b + kTcPad) * 2);
+  const int64_t by_chunks = int64_t(kTcSddmmChunks) * kBlockThreads / (rows * b / 8);
+  return by_bytes < by_chunks ? by_bytes : by_chunks;
+}
 
 // ---- grids and workspaces ----------------------------------------------------------------------
 constexpr size_t kWorkspaceAlign = 256;
@@ -186,7 +198,7 @@ inline BlockProductPlan plan_block_product(int64_t in_features, int64_t out_feat
 struct BlockSddmmPlan {
   BlockGeometry g;
   bool tensor_cores;
-  int32_t per_cta, chunks, diags, groups, splits;
+  int32_t per_cta, chunks, diags, groups, splits, stage_rows;
   int64_t rows_per_split;
   size_t workspace_bytes;
 };
@@ -202,7 +214,11 @@ inline BlockSddmmPlan plan_block_sddmm(int64_t rows, int64_t in_features, int64_
   while (root * root > cap) --root;
   while ((root + 1) * (root + 1) <= cap) ++root;
   p.per_cta = static_cast<int32_t>(p.g.wraps < root ? p.g.wraps : root);
-  const int64_t room = kBlockSddmmStageBytes / (kBlockSddmmStageRows * b * int64_t(itemsize)) - p.per_cta;
+  p.stage_rows = p.tensor_cores ? tc_sddmm_stage_rows(b) : kBlockSddmmStageRows;
+  const int64_t stage_blocks = p.tensor_cores
+                                   ? tc_sddmm_max_blocks(b)
+                                   : kBlockSddmmStageBytes / (kBlockSddmmStageRows * b * int64_t(itemsize));
+  const int64_t room = stage_blocks - p.per_cta;
   int64_t diags = K > 1 ? K : 1;
   if (diags > cap / p.per_cta) diags = cap / p.per_cta;
   if (diags > room) diags = room;

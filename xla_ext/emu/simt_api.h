@@ -76,11 +76,12 @@ __device__ __forceinline__ void load_shared(nvcuda::wmma::fragment<Use, 16, 16, 
   else if constexpr (std::is_same<Use, wmma::matrix_b>::value && std::is_same<Layout, wmma::col_major>::value)
     asm volatile("wmma.load.b.sync.aligned.col.m16n16k16.shared.bf16 {%0, %1, %2, %3}, [%4], %5;"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at), "r"(ldm));
+  else if constexpr (std::is_same<Use, wmma::matrix_a>::value)  // column-major: ldmatrix.trans
+    asm volatile("wmma.load.a.sync.aligned.col.m16n16k16.shared.bf16 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at), "r"(ldm));
   else
     asm volatile("wmma.load.b.sync.aligned.row.m16n16k16.shared.bf16 {%0, %1, %2, %3}, [%4], %5;"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at), "r"(ldm));
-  static_assert(!(std::is_same<Use, wmma::matrix_a>::value && std::is_same<Layout, wmma::col_major>::value),
-                "column-major A fragments are not used");
 }
 template <class F>
 __device__ __forceinline__ void load_shared(F& f, const __half* p, unsigned ldm) {

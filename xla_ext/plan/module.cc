@@ -35,7 +35,6 @@ nb::dict constants() {
   d["BLOCK_ROWS"] = c::kBlockRows;
   d["BLOCK_WARPS"] = c::kBlockWarps;
   d["BLOCK_SLICE"] = c::kBlockSlice;
-  d["BLOCK_SDDMM_STAGE_ROWS"] = c::kBlockSddmmStageRows;
   return d;
 }
 
@@ -89,6 +88,7 @@ nb::dict block_sddmm_plan(int64_t rows, int64_t in_features, int64_t out_feature
   d["groups"] = p.groups;
   d["splits"] = p.splits;
   d["rows_per_split"] = p.rows_per_split;
+  d["stage_rows"] = p.stage_rows;
   d["workspace_bytes"] = p.workspace_bytes;
   return d;
 }
