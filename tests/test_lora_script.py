@@ -165,3 +165,28 @@ def test_lm_run_with_a_lora_phase_and_lora_fa_on_its_checkpoint(run_python, tmp_
     last = [r for r in T.read_jsonl(frozen / "metrics.jsonl") if r["kind"] == "eval"][-1]
     assert before["perplexity"] == pytest.approx(last["perplexity"], rel=1e-5)
     assert after["perplexity"] != before["perplexity"] and after["adapter"] > 0
+
+
+def test_lm_lora_phase_is_checked_before_training():
+    from train import lm
+    from train.configs import gpt2_lm
+
+    dense = gpt2_lm.get_config("runlocal,sparsity=0")
+    dense.lora.steps = 2
+    with pytest.raises(common.ConfigError, match="method 'dense' has none"):
+        lm.prepare(dense)
+    config = gpt2_lm.get_config("runlocal")
+    config.lora.update(steps=2, layers=[r".*/nowhere"])
+    with pytest.raises(common.ConfigError, match=r"lora.layers / lora.rank: .*nowhere"):
+        lm.prepare(config)
+    config.lora.update(layers=list(gpt2_lm.SPARSE_LAYERS), rank=0)
+    with pytest.raises(common.ConfigError, match="trains nothing"):
+        lm.prepare(config)
+    config.lora.update(rank=2, steps=3)
+    *_, phase, num_steps = lm.prepare(config)
+    assert phase.start_step == 6 and num_steps == 9 and phase.trained == (r".*/lora_b",)
+    # Without a phase the lora section is no part of the recipe (old checkpoints still resume).
+    plain = gpt2_lm.get_config("runlocal")
+    method = lm.prepare(plain)[0]
+    assert not any(k.startswith("lora.") for k in common.recipe(plain, method))
+    assert "lora.rank" in common.recipe(config, method)
