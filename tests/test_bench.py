@@ -356,3 +356,31 @@ def test_compile_benchmark_times_both_methods_in_fresh_processes(run_python, tmp
         assert float(r["ratio"]) == pytest.approx(
             float(r["dynadiag_s"]) / float(r["dense_s"]), rel=1e-2
         )
+
+
+def test_lora_cost_benchmark_prints_every_rank_batch_and_fine_tune(run_python):
+    """The MLP on the small digits at r = 2: inference at the suite's batches with and without
+    the adapter, the three fine-tunes, and the weight counts (r * (in + out) per layer)."""
+    script = str(ROOT / "bench" / "lora_cost.py")
+    args = ["--suite", "mlp", "--data", "mnist5k", "--ranks", "2", "--repeats", "1"]
+    out = run_python([script, *args], timeout=600).stdout.splitlines()
+    rows = [
+        line.split() for line in out[out.index(next(x for x in out if x.startswith("what"))) + 1 :]
+    ]
+    got = [(" ".join(r[:-7]), r[-7], r[-6]) for r in rows]
+    assert got == [
+        ("inference", "0", "1"),
+        ("inference", "0", "256"),
+        ("inference", "2", "1"),
+        ("inference", "2", "256"),
+        ("step, values", "0", "128"),
+        ("step, B", "2", "128"),
+        ("step, B + values", "2", "128"),
+    ]
+    adapter = 2 * (784 + 256) + 2 * (256 + 256)
+    for r in rows:
+        assert float(r[-5]) > 0 and r[-4].endswith("x") and r[-3] == "26880", r
+        assert r[-2] == ("0" if r[-7] == "0" else str(adapter)), r
+    trained = {" ".join(r[:-7]): int(r[-1]) for r in rows}
+    assert trained["step, B"] == 2 * 256 * 2 and trained["step, values"] == 26880
+    assert trained["step, B + values"] == 2 * 256 * 2 + 26880

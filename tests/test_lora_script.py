@@ -8,26 +8,21 @@ import numpy as np
 import pytest
 
 from dynadiag_jax import training as T
-from train import common
+from train import common, finetuning
 from train import lora_fa as script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "train" / "configs"
 
 
-def test_with_adapters_takes_the_checkpoint_and_keeps_the_adapters():
-    template = {
-        "params": {"fc": {"values": jnp.zeros((3, 4)), "lora_b": jnp.ones((4, 2))}},
-        "lora_frozen": {"fc": {"lora_a": jnp.ones((2, 4))}},
-    }
-    frozen = {"params": {"fc": {"values": jnp.full((3, 4), 7.0)}}}
-    merged = script.with_adapters(template, frozen)
-    assert np.all(merged["params"]["fc"]["values"] == 7.0)
-    assert merged["params"]["fc"]["lora_b"] is template["params"]["fc"]["lora_b"]
-    assert merged["lora_frozen"] is not None and "lora_a" in merged["lora_frozen"]["fc"]
+def test_check_fits_names_the_variables_that_differ():
+    template = {"params": {"fc": {"values": jnp.zeros((3, 4))}}}
+    script.check_fits(template, {"params": {"fc": {"values": jnp.full((3, 4), 7.0)}}})
     wrong = {"params": {"fc": {"values": jnp.zeros((5, 4))}, "extra": {"kernel": jnp.zeros(2)}}}
+    with pytest.raises(common.ConfigError, match=r"params/extra/kernel: \(2,\) in the checkpoint"):
+        script.check_fits(template, wrong)
     with pytest.raises(common.ConfigError, match=r"params/fc/values: \(5, 4\) in the checkpoint"):
-        script.with_adapters(template, wrong)
+        script.check_fits(template, wrong)
 
 
 def test_counts_split_diagonals_adapters_and_trained():
@@ -39,9 +34,9 @@ def test_counts_split_diagonals_adapters_and_trained():
         "lora_frozen": {"fc": {"lora_a": jnp.zeros((2, 4))}},
         "diagonals": {"fc": {"offsets": jnp.zeros(3, jnp.int32)}},
     }
-    got = script.counts(variables, [r".*/lora_b"])
+    got = finetuning.counts(variables, [r".*/lora_b"])
     assert got == {"diagonal": 12, "adapter": 16, "other": 12, "trained": 8}
-    assert script.counts(variables, [r".*/lora_b", r".*/values"])["trained"] == 20
+    assert finetuning.counts(variables, [r".*/lora_b", r".*/values"])["trained"] == 20
 
 
 def test_lora_fa_script_fine_tunes_a_frozen_run(run_python, tmp_path):
@@ -108,3 +103,90 @@ def test_lora_fa_script_fine_tunes_a_frozen_run(run_python, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "does not fit the frozen model" in last and "params/hidden_0/values" in last, last
+
+
+def test_lm_run_with_a_lora_phase_and_lora_fa_on_its_checkpoint(run_python, tmp_path):
+    """train/lm.py with lora.steps: the LoRA-FA phase after the run's steps (evaluated at the
+    switch, B in the checkpoint, the values as they were at the switch); then train/lora_fa.py
+    with suite=gpt on a run of the same model (validation perplexity before and after)."""
+    run = tmp_path / "lm"
+    proc = run_python(
+        [
+            str(ROOT / "train" / "lm.py"),
+            f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal",
+            "--config.lora.steps=4",
+            "--config.lora.rank=2",
+            "--config.train.keep_checkpoints=10",
+            f"--workdir={run}",
+            "--noprogress",
+        ],
+        timeout=600,
+    )
+    assert "LoRA-FA phase (+ LoRA-FA r=2 (B), 4 steps): validation perplexity" in proc.stdout
+    evals = [r["step"] for r in T.read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals == [6, 10]  # at the switch (after the run's 6 steps) and at the end
+    ckpt = T.Checkpointer(run / "checkpoints")
+    switched, end = ckpt.restore_variables(6), ckpt.restore_variables(10)
+    layer = ("block_0", "attn", "c_attn")
+    pick = lambda v, name: v["params"][layer[0]][layer[1]][layer[2]][name]  # noqa: E731
+    assert not np.any(pick(switched, "lora_b")) and np.any(pick(end, "lora_b"))
+    np.testing.assert_array_equal(pick(switched, "values"), pick(end, "values"))
+    frozen = tmp_path / "frozen"
+    run_python(
+        [
+            str(ROOT / "train" / "lm.py"),
+            f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal",
+            f"--workdir={frozen}",
+            "--noprogress",
+        ],
+        timeout=600,
+    )
+    small = [
+        "--config.model.variant=mu",
+        "--config.data.seq_len=32",
+        "--config.data.eval_windows=16",
+        "--config.train.batch_size=8",
+        "--config.train.eval_batch_size=8",
+        "--config.train.num_steps=8",
+    ]
+    out = tmp_path / "ft"
+    run_python(
+        [
+            str(ROOT / "train" / "lora_fa.py"),
+            f"--config={CONFIGS / 'lora_fa.py'}:suite=gpt,rank=2,train_values,checkpoint={frozen}",
+            *small,
+            f"--workdir={out}",
+            "--noprogress",
+        ],
+        timeout=600,
+    )
+    before, after = json.loads((out / "lora_fa.json").read_text())
+    assert after["model"] == "+ LoRA-FA r=2 (B + values)" and after["steps"] == 2  # 25% of 8
+    last = [r for r in T.read_jsonl(frozen / "metrics.jsonl") if r["kind"] == "eval"][-1]
+    assert before["perplexity"] == pytest.approx(last["perplexity"], rel=1e-5)
+    assert after["perplexity"] != before["perplexity"] and after["adapter"] > 0
+
+
+def test_lm_lora_phase_is_checked_before_training():
+    from train import lm
+    from train.configs import gpt2_lm
+
+    dense = gpt2_lm.get_config("runlocal,sparsity=0")
+    dense.lora.steps = 2
+    with pytest.raises(common.ConfigError, match="method 'dense' has none"):
+        lm.prepare(dense)
+    config = gpt2_lm.get_config("runlocal")
+    config.lora.update(steps=2, layers=[r".*/nowhere"])
+    with pytest.raises(common.ConfigError, match=r"lora.layers / lora.rank: .*nowhere"):
+        lm.prepare(config)
+    config.lora.update(layers=list(gpt2_lm.SPARSE_LAYERS), rank=0)
+    with pytest.raises(common.ConfigError, match="trains nothing"):
+        lm.prepare(config)
+    config.lora.update(rank=2, steps=3)
+    *_, phase, num_steps = lm.prepare(config)
+    assert phase.start_step == 6 and num_steps == 9 and phase.trained == (r".*/lora_b",)
+    # Without a phase the lora section is no part of the recipe (old checkpoints still resume).
+    plain = gpt2_lm.get_config("runlocal")
+    method = lm.prepare(plain)[0]
+    assert not any(k.startswith("lora.") for k in common.recipe(plain, method))
+    assert "lora.rank" in common.recipe(config, method)

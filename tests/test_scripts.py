@@ -323,7 +323,7 @@ def test_imagenet_trains_the_baseline_its_config_names(tmp_path, method):
 def test_lm_trains_the_baseline_its_config_names(tmp_path):
     config = gpt2_lm.get_config("runlocal,sparsity=0.9,method=mest")
     config.unstructured.update_every = 2
-    built, _, _, _, example = lm.prepare(config)
+    built, _, _, _, example, *_ = lm.prepare(config)
     result, _ = lm.train_and_evaluate(config, tmp_path, progress=False)
     assert built.name == "mest" and 1.0 < result.eval_metrics["perplexity"] < 256.0
     density = _sparse_layer_density(built, example, config, result.state.params)

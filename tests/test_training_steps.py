@@ -115,6 +115,7 @@ def test_schedule_names_the_steps_of_each_event():
         "log": [4, 8, 12],
         "evaluate": [3, 6, 9],  # the last step's evaluation comes after the loop
         "freeze": [6],
+        "finetune": [],
         "select": [2, 4, 6],  # at the freeze: what it kept; none once frozen
         "save": [4, 6, 8],  # the freeze saves; the last step is saved after the loop
     }
@@ -123,13 +124,34 @@ def test_schedule_names_the_steps_of_each_event():
 def test_schedule_at_the_edges():
     # Nothing periodic: the last step is still logged; a freeze at the last step does not save.
     quiet = loop.Schedule(6, 6, log_every=0, eval_every=0, selection_every=0, checkpoint_every=0)
-    assert events_of(quiet) == {"log": [6], "evaluate": [], "freeze": [6], "select": [], "save": []}
+    assert events_of(quiet) == {
+        "log": [6],
+        "evaluate": [],
+        "freeze": [6],
+        "finetune": [],
+        "select": [],
+        "save": [],
+    }
     # A selection record does not replace the save due at the same step.
     both = loop.Schedule(8, None, log_every=8, eval_every=0, selection_every=2, checkpoint_every=2)
     assert events_of(both)["select"] == [2, 4, 6, 8] and events_of(both)["save"] == [2, 4, 6]
     # A dense run never freezes nor records selections.
     dense = both.after(4, searching=False)
     assert not dense.freeze and not dense.select and dense.save
+
+
+def test_schedule_of_a_fine_tuning_phase():
+    # The freeze at 4, the phase from 6: evaluated and saved at the switch, then periodic again.
+    schedule = loop.Schedule(
+        10, 4, log_every=0, eval_every=4, selection_every=0, checkpoint_every=4, finetune_step=6
+    )
+    tuning, steps = False, []
+    for step in range(1, 11):
+        events = schedule.after(step, step < 4, tuning)
+        tuning = tuning or events.finetune
+        steps.append((step, events.evaluate, events.finetune, events.save))
+    picked = {name: [s for s, *flags in steps if flags[i]] for i, name in enumerate("efs")}
+    assert picked == {"e": [4, 6, 8], "f": [6], "s": [4, 6, 8]}
 
 
 def test_metric_sums_average_each_metric_over_the_steps_that_report_it():

@@ -84,10 +84,12 @@ def train_tiny(
     log_every: int = 1,
     run_info=None,
     mesh=None,
+    model=None,
     **kwargs,
 ) -> T.TrainResult:
-    """Train :func:`tiny_mlp` on :func:`blobs` (evaluated on a second draw of blobs)."""
-    model = tiny_mlp(sparsity)
+    """Train :func:`tiny_mlp` (or ``model``) on :func:`blobs` (evaluated on a second draw of
+    blobs)."""
+    model = tiny_mlp(sparsity) if model is None else model
     gate = None
     if sparsity is not None:
         gate = T.GateSchedule(

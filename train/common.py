@@ -319,11 +319,14 @@ NOT_RECIPE = frozenset(
 def recipe(config, method) -> dict[str, Any]:
     """What decides the result of a run of ``method`` (a :class:`train.baselines.Method`), flat:
     ``{"method": name, "optimizer.learning_rate": 1e-3, ...}``: every config entry but
-    :data:`NOT_RECIPE`, and of the ``dynadiag`` and ``unstructured`` sections only what the method
-    reads. Stored with the run's checkpoints; resuming with another recipe is refused."""
+    :data:`NOT_RECIPE` (and the ``lora`` section of a run without a LoRA-FA phase), and of the
+    ``dynadiag`` and ``unstructured`` sections only what the method reads. Stored with the run's
+    checkpoints; resuming with another recipe is refused."""
+    # A config without a LoRA-FA phase (lora.steps = 0) computes the same whatever its settings.
+    no_phase = "lora" in config and int(config.lora.get("steps", 1)) == 0
 
     def kept(key):
-        if key in NOT_RECIPE:
+        if key in NOT_RECIPE or (no_phase and key.startswith("lora.")):
             return False
         if key.split(".")[0] in ("dynadiag", "unstructured"):
             return any(key == r or key.startswith(r + ".") for r in method.reads)
@@ -344,10 +347,12 @@ def train_from_config(
     workdir,
     progress: bool,
     initial_variables=None,
+    finetune: T.Finetune | None = None,
 ) -> T.TrainResult:
     """:func:`dynadiag_jax.training.train` of ``method`` (a :class:`train.baselines.Method`: the
     model, optimizer, freeze step and gate schedule) with the ``train`` section of ``config``,
-    from the model's init or from ``initial_variables``.
+    from the model's init or from ``initial_variables``, ending with the ``finetune`` phase if
+    given (train/finetuning.py).
 
     Raises:
       ConfigError: ``workdir`` holds a checkpoint of another recipe (:func:`recipe`) or seed.
@@ -378,6 +383,7 @@ def train_from_config(
             run_info=recipe(config, method),
             progress=progress,
             initial_variables=initial_variables,
+            finetune=finetune,
         )
     except T.CheckpointMismatch as e:
         raise ConfigError(f"{e} (--workdir)") from None

@@ -29,7 +29,7 @@ from absl import app, flags
 
 from dynadiag_jax import data as D
 from dynadiag_jax import training as T
-from train import baselines, cli, common
+from train import baselines, cli, common, finetuning
 from train.configs import gpt2_lm
 
 FLAGS = flags.FLAGS
@@ -39,8 +39,9 @@ FLAGS = flags.FLAGS
 def prepare(config):
     """Check the config, corpus and batch sizes; build the model and the token batches.
 
-    Returns ``(method, corpus, train_data, eval_data, example_input)``: ``method`` is the
-    :class:`train.baselines.Method` that ``config.method`` names.
+    Returns ``(method, corpus, train_data, eval_data, example_input, phase, num_steps)``:
+    ``method`` is the :class:`train.baselines.Method` that ``config.method`` names, ``phase`` the
+    LoRA-FA phase after ``train.num_steps`` (``lora.steps`` > 0) or None, ``num_steps`` the total.
 
     Raises:
       common.ConfigError: for any of these problems (nothing has been compiled yet).
@@ -73,12 +74,20 @@ def prepare(config):
         config.dynadiag,
         block_size=baselines.block_size(method, config.dynadiag),
     )
-    return method, corpus, train_data, eval_data, example
+    phase, num_steps = finetuning.run_phase(
+        config,
+        method,
+        int(config.train.num_steps),
+        example,
+        vocab_size=D.BYTE_VOCAB_SIZE,
+        block_size=seq_len,
+    )
+    return method, corpus, train_data, eval_data, example, phase, num_steps
 
 
 def train_and_evaluate(config, workdir, *, progress: bool = True):
     """Train and evaluate as ``config`` says; returns ``(TrainResult, corpus name)``."""
-    method, corpus, train_data, eval_data, example = prepare(config)
+    method, corpus, train_data, eval_data, example, phase, num_steps = prepare(config)
     print(f"corpus: {corpus.name}")
     result = common.train_from_config(
         config,
@@ -86,10 +95,11 @@ def train_and_evaluate(config, workdir, *, progress: bool = True):
         task=T.LanguageModeling(),
         train_data=train_data,
         eval_data=eval_data,
-        num_steps=int(config.train.num_steps),
+        num_steps=num_steps,
         example_input=example,
         workdir=workdir,
         progress=progress,
+        finetune=phase,
     )
     return result, corpus.name
 
@@ -108,6 +118,17 @@ def main(argv):
         f"{counts.total:,} parameters: validation perplexity {m['perplexity']:.3f} per byte "
         f"({m['bits_per_token']:.3f} bits/byte, {m['count']:,} bytes)"
     )
+    if int(config.lora.steps):
+        start = int(config.train.num_steps)
+        before = [
+            r["perplexity"]
+            for r in T.read_jsonl(pathlib.Path(FLAGS.workdir) / "metrics.jsonl")
+            if r["kind"] == "eval" and r["step"] == start
+        ]
+        print(
+            f"LoRA-FA phase ({finetuning.row_name(config.lora)}, {config.lora.steps} steps): "
+            f"validation perplexity {before[-1]:.3f} at step {start} -> {m['perplexity']:.3f}"
+        )
 
 
 if __name__ == "__main__":  # flags exist only when run as a script (tests import this module)

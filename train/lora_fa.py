@@ -1,29 +1,32 @@
 """LoRA-FA on a frozen DynaDiag run: low-rank adapters fine-tuned on top of the frozen diagonals.
 
 Reads a frozen DynaDiag run's Orbax checkpoint (``--config`` ``checkpoint``: its workdir, e.g. a
-``dynadiag`` run of ``train/results.py``), adds a LoRA-FA adapter (``dd.nn.lora_fa``: ``A[r, in]``
-random and frozen, ``B[out, r]`` zero) to every layer ``lora.layers`` matches, trains ``B`` (and
-the diagonal values with ``lora.train_values``) for ``train.finetune_fraction`` of the suite's
-from-scratch steps at ``optimizer.learning_rate``, and writes the adapted checkpoint
-(``--workdir/checkpoints``) and a before/after table with parameter counts (printed, and
-``--workdir/lora_fa.json``). The diagonal layers keep running through ``dd.diag_matmul``; the
-adapters cannot be merged into them, so their weights are counted separately. ``lora.rank=0``
-with ``lora.train_values`` is the control: the same fine-tune of the diagonal values, no adapter.
+``dynadiag`` run of ``train/results.py``; ``suite``: mlp, mixer, vit or gpt), and trains the
+LoRA-FA phase of the ``lora`` section on it (train/finetuning.py, the same phase a training run
+adds with ``lora.steps``): a LoRA-FA adapter (``dd.nn.lora_fa``: ``A[r, in]`` random and frozen,
+``B[out, r]`` zero) on every layer ``lora.layers`` matches, ``B`` (and the diagonal values with
+``lora.train_values``) trained for ``train.finetune_fraction`` of the suite's from-scratch steps at
+``lora.learning_rate``; only those params are differentiated. Writes the adapted checkpoint
+(``--workdir/checkpoints``) and a before/after table (test accuracy, or validation perplexity for
+gpt) with parameter counts (printed, and ``--workdir/lora_fa.json``). The diagonal layers keep
+running through ``dd.diag_matmul``; the adapters cannot be merged into them, so their weights are
+counted separately. ``lora.rank=0`` with ``lora.train_values`` is the control: the same fine-tune
+of the diagonal values, no adapter.
 
   python train/lora_fa.py --workdir=runs/lora_mlp_r8 \\
       --config=train/configs/lora_fa.py:checkpoint=runs/results/mlp/<dynadiag run>,rank=8
-  python train/lora_fa.py --workdir=runs/lora_mlp_values \
-      --config=train/configs/lora_fa.py:checkpoint=<dynadiag run>,rank=0,train_values
+  python train/lora_fa.py --workdir=runs/lora_gpt_values \\
+      --config=train/configs/lora_fa.py:suite=gpt,checkpoint=<dynadiag run>,rank=0,train_values
 
 A checkpoint of another model, size or sparsity, or one still in the search phase, is refused.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import pathlib
 import sys
+from typing import Any, NamedTuple
 
 if __package__ in (None, ""):  # run as a file: make `train` importable from the repository root
     # Appended: the installed dynadiag_jax (with the compiled kernels) must win over the checkout.
@@ -35,52 +38,85 @@ import numpy as np
 from absl import app, flags
 from flax import traverse_util
 
-import dynadiag_jax as dd
 from dynadiag_jax import data as D
 from dynadiag_jax import training as T
-from train import baselines, cli, common
+from train import baselines, cli, common, finetuning
 from train.configs import lora_fa as default_config
 
 FLAGS = flags.FLAGS
 
-ADAPTER_LEAVES = ("lora_a", "lora_b")
 
-
-def trained_patterns(lora_cfg) -> list[str]:
-    """The params the fine-tune trains: every ``B``, and the diagonal values if asked."""
-    return [r".*/lora_b"] + ([r".*/values"] if bool(lora_cfg.train_values) else [])
-
-
-def with_adapters(template, frozen) -> dict:
-    """``template`` (the adapted model's init) with every variable but the adapters' taken from
-    ``frozen``; raises naming the variables where the two models differ."""
+def check_fits(template, frozen) -> None:
+    """Raise :class:`common.ConfigError` naming the variables where ``frozen`` (the checkpoint's)
+    and ``template`` (the frozen model's init) differ."""
     have = traverse_util.flatten_dict(frozen, sep="/")
     want = traverse_util.flatten_dict(template, sep="/")
     problems = [
         f"{key}: {np.shape(have[key]) if key in have else 'absent'} in the checkpoint, "
         f"{np.shape(want[key]) if key in want else 'absent'} in the model"
         for key in sorted(set(have) | set(want))
-        if key.split("/")[-1] not in ADAPTER_LEAVES
-        and (key not in have or key not in want or np.shape(have[key]) != np.shape(want[key]))
+        if key not in have or key not in want or np.shape(have[key]) != np.shape(want[key])
     ]
     if problems:
         raise common.ConfigError(
             "the checkpoint does not fit the frozen model of this config (another model, "
             "sparsity or block size?): " + "; ".join(problems[:6]) + ("; ..." * (len(problems) > 6))
         )
-    merged = {k: have.get(k, v) for k, v in want.items()}
-    return traverse_util.unflatten_dict(merged, sep="/")
+
+
+class Prepared(NamedTuple):
+    """What :func:`run` trains: the frozen model and its checkpoint's variables, the phase, the
+    data, the task and the name of the metric the table reports."""
+
+    base: Any
+    frozen: dict
+    phase: T.Finetune
+    steps: int
+    train_data: Any
+    eval_data: Any
+    example: Any
+    task: Any
+    metric: str
+
+
+def suite_data(config):
+    """``(train batches, eval batches, example input, from-scratch steps, task, metric,
+    model kwargs)`` of the config's suite: the fortunes corpus for gpt, else the images."""
+    batch = int(config.train.batch_size)
+    if config.suite == "gpt":
+        corpus = D.load_corpus(config.data.corpus, config.data.path or None)
+        seq_len = int(config.data.seq_len)
+        return (
+            D.TokenWindows(corpus.train, seq_len, batch, seed=int(config.seed)),
+            D.WindowEvalBatches(
+                corpus.valid,
+                seq_len,
+                int(config.train.eval_batch_size),
+                max_windows=int(config.data.eval_windows) or None,
+            ),
+            jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+            int(config.train.num_steps),
+            T.LanguageModeling(),
+            "perplexity",
+            dict(vocab_size=D.BYTE_VOCAB_SIZE, block_size=seq_len),
+        )
+    data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
+    return (
+        D.ArrayBatches(data.train, batch, seed=int(config.seed)),
+        D.EvalBatches(data.test, int(config.train.eval_batch_size)),
+        jax.ShapeDtypeStruct((batch, *data.train["image"].shape[1:]), jnp.float32),
+        int(config.train.epochs) * (len(data.train["label"]) // batch),
+        T.Classification(data.num_classes, float(config.optimizer.label_smoothing)),
+        "accuracy",
+        dict(num_classes=data.num_classes),
+    )
 
 
 @common.reports_config_errors
-def prepare(config):
-    """Check the config, load the data and the frozen variables, build the adapted model: every
-    input problem (a checkpoint of another model included) surfaces here, before training.
-
-    Returns ``(data, frozen model, frozen variables, adapted variables, baselines.Method, steps,
-    example)``.
-    """
-    common.check_config(config, default_config.get_config())
+def prepare(config) -> Prepared:
+    """Check the config, load the data and the frozen variables, build the phase: every input
+    problem (a checkpoint of another model included) surfaces here, before training."""
+    common.check_config(config, default_config.get_config(f"suite={config.suite}"))
     common.check_train_section(config.train)
     if not config.checkpoint:
         raise common.ConfigError("checkpoint= (the frozen DynaDiag run's workdir) is required")
@@ -89,30 +125,15 @@ def prepare(config):
         raise common.ConfigError(f"train.finetune_fraction must be in (0, 1], got {fraction}")
     if not common.sparsity_of(config.dynadiag):
         raise common.ConfigError("dynadiag.sparsity must be in (0, 1): the checkpoint's")
-    data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
-    batch, mesh = int(config.train.batch_size), T.data_mesh()
-    T.check_batch_size(batch, mesh)
+    finetuning.check_lora(config.lora)
+    mesh = T.data_mesh()
+    T.check_batch_size(int(config.train.batch_size), mesh)
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
-    steps = max(1, round(fraction * int(config.train.epochs) * (len(data.train["label"]) // batch)))
-    # The diagonal layers in their frozen form, so that init has the checkpoint's structure.
-    layer = functools.partial(common.sparse_layer(config.dynadiag), init_phase="frozen")
-    base = baselines.model_with_layer(
-        config.model, config.dynadiag, layer, num_classes=data.num_classes
-    )
-    example = jax.ShapeDtypeStruct((batch, *data.train["image"].shape[1:]), jnp.float32)
+    train_data, eval_data, example, scratch, task, metric, model_kwargs = suite_data(config)
+    steps = max(1, round(fraction * scratch))
+    base = finetuning.frozen_model(config.model, config.dynadiag, **model_kwargs)
     common.check_layer_patterns(
         base, example, config.dynadiag, block_size=int(config.dynadiag.block_size)
-    )
-    lora = config.lora
-    if int(lora.rank) == 0 and not bool(lora.train_values):
-        raise common.ConfigError(
-            "lora.rank=0 (no adapters) trains nothing: it is the control run that fine-tunes the "
-            "diagonal values alone, with lora.train_values=True"
-        )
-    model = (
-        dd.nn.lora_fa(base, tuple(lora.layers), rank=int(lora.rank), alpha=float(lora.alpha))
-        if int(lora.rank)
-        else base
     )
     frozen = common.restore_run_variables(config.checkpoint, int(config.step))
     if T.is_searching(frozen["params"]):
@@ -120,78 +141,66 @@ def prepare(config):
             f"checkpoint {config.checkpoint} holds a DynaDiag model still in the search phase "
             f"(alpha): give a frozen one (the end of a dynadiag run, or train/sparsify.py's)"
         )
-    template = model.init(jax.random.key(int(config.seed)), jnp.zeros(example.shape))
-    template = {k: v for k, v in template.items() if k != "intermediates"}
-    initial = with_adapters(template, frozen)
-    tx, lr = common.build_optimizer(config.optimizer, config.dynadiag, steps, 0)
-    method = baselines.Method(
-        "lora_fa", model, T.train_only(tx, trained_patterns(lora)), lr, None, None, ("dynadiag",)
+    template = base.init(jax.random.key(0), jnp.zeros(example.shape, example.dtype), train=False)
+    check_fits({k: v for k, v in template.items() if k != "intermediates"}, frozen)
+    phase = finetuning.lora_phase(
+        config.lora, base, config.optimizer, config.dynadiag, example, start_step=0, steps=steps
     )
-    return data, base, frozen, initial, method, steps, example
+    return Prepared(base, frozen, phase, steps, train_data, eval_data, example, task, metric)
 
 
-def counts(variables, trained: list[str]) -> dict[str, int]:
-    """Weights of ``variables`` by role: diagonal values, adapters (``A`` + ``B``), the rest, and
-    the ones the fine-tune trains."""
-    params = variables["params"]
-    flat = traverse_util.flatten_dict(params, sep="/")
-    sizes = {k: int(np.prod(np.shape(v))) for k, v in flat.items()}
-    b = sum(n for k, n in sizes.items() if k.endswith("/lora_b"))
-    a = sum(int(np.prod(np.shape(v))) for v in jax.tree.leaves(variables.get("lora_frozen", {})))
-    by_role = T.parameter_counts(params)
-    hits = traverse_util.flatten_dict(dd.optim.path_mask(trained)(params), sep="/")
-    return {
-        "diagonal": by_role.diagonal,
-        "adapter": a + b,
-        "other": by_role.other - b,
-        "trained": sum(sizes[k] for k, hit in hits.items() if hit),
-    }
+def evaluate(model, variables, eval_data, task) -> dict:
+    """``model``'s evaluation with ``variables`` over ``eval_data``."""
+    collections = {k: v for k, v in variables.items() if k != "params"}
+    state = T.TrainState(jnp.zeros((), jnp.int32), variables["params"], None, collections, None)
+    eval_step = jax.jit(T.make_eval_step(model, task))
+    return T.evaluate(eval_step, state, eval_data, T.data_mesh(), task)
 
 
 def run(config, workdir, *, progress: bool = True) -> list[dict]:
-    """The frozen checkpoint's accuracy, then LoRA-FA's after the fine-tune; returns the table's
-    rows (``model``, ``accuracy``, ``steps``, and the weight counts of :func:`counts`)."""
-    data, base, frozen, initial, method, steps, example = prepare(config)
+    """The frozen checkpoint's metric, then the fine-tuned model's; returns the table's rows
+    (``model``, the metric, ``steps``, and the weight counts of :func:`finetuning.counts`)."""
+    p = prepare(config)
     workdir = pathlib.Path(workdir)
-    task = T.Classification(data.num_classes, float(config.optimizer.label_smoothing))
-    eval_batch = int(config.train.eval_batch_size)
+    # The run's own optimizer is never stepped: the phase starts at step 0.
+    method = baselines.Method(
+        "lora_fa", p.base, p.phase.optimizer, p.phase.learning_rate, None, None, ("dynadiag",)
+    )
     result = common.train_from_config(
         config,
         method=method,
-        task=task,
-        train_data=D.ArrayBatches(data.train, int(config.train.batch_size), seed=int(config.seed)),
-        eval_data=D.EvalBatches(data.test, eval_batch),
-        num_steps=steps,
-        example_input=example,
+        task=p.task,
+        train_data=p.train_data,
+        eval_data=p.eval_data,
+        num_steps=p.steps,
+        example_input=p.example,
         workdir=workdir,
         progress=progress,
-        initial_variables=initial,
+        initial_variables=p.frozen,
+        finetune=p.phase,
     )
-    s, lora = round(100 * float(config.dynadiag.sparsity)), config.lora
-    trained = trained_patterns(lora)
-    what = "B + values" if bool(lora.train_values) else "B"
-    name = f"+ LoRA-FA r={int(lora.rank)} ({what})" if int(lora.rank) else "+ values, no adapter"
+    s = round(100 * float(config.dynadiag.sparsity))
     rows = [
         {
             "model": f"dynadiag_s{s} frozen",
-            "accuracy": common.eval_accuracy(base, frozen, data.test, eval_batch, task),
+            p.metric: float(evaluate(p.base, p.frozen, p.eval_data, p.task)[p.metric]),
             "steps": 0,
-            **counts(frozen, []),
+            **finetuning.counts(p.frozen, []),
         },
         {
-            "model": name,
-            "accuracy": float(result.eval_metrics["accuracy"]),
-            "steps": steps,
-            **counts(T.variables_of(result.state), trained),
+            "model": finetuning.row_name(config.lora),
+            p.metric: float(result.eval_metrics[p.metric]),
+            "steps": p.steps,
+            **finetuning.counts(T.variables_of(result.state), list(p.phase.trained)),
         },
     ]
     print(
-        f"\n{'model':<28} {'accuracy':>8} {'steps':>6} {'diagonal':>9} {'adapter':>8} "
+        f"\n{'model':<28} {p.metric:>10} {'steps':>6} {'diagonal':>9} {'adapter':>8} "
         f"{'other':>7} {'trained':>8}"
     )
     for r in rows:
         print(
-            f"{r['model']:<28} {r['accuracy']:>8.4f} {r['steps']:>6} {r['diagonal']:>9} "
+            f"{r['model']:<28} {r[p.metric]:>10.4f} {r['steps']:>6} {r['diagonal']:>9} "
             f"{r['adapter']:>8} {r['other']:>7} {r['trained']:>8}"
         )
     workdir.mkdir(parents=True, exist_ok=True)

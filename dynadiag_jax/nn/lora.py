@@ -6,9 +6,11 @@ Fine-tuning", 2023, https://arxiv.org/abs/2308.03303) adds a rank-``r`` term to 
     y = layer(x) + (alpha / r) * (x @ A.T) @ B.T,   A[r, in] random and frozen, B[out, r] zero.
 
 Only ``B`` is trained, so the adapter's backward pass needs the ``r``-wide ``x @ A.T``, not ``x``,
-and at the start (``B = 0``) the adapted model computes exactly what the base model does. (That
-activation saving needs a gradient taken for ``B`` alone: ``dynadiag_jax.training.train`` takes it
-for every param and :func:`dynadiag_jax.training.train_only` zeroes the frozen ones' updates.)
+and at the start (``B = 0``) the adapted model computes exactly what the base model does. That
+activation saving needs a gradient taken for ``B`` alone: ``make_train_step(trained=...)`` and a
+run's :class:`dynadiag_jax.training.Finetune` phase differentiate only the trained params, so a
+diagonal layer's ``values`` get no gradient product (:func:`dynadiag_jax.training.train_only`
+zeroes the frozen params' updates but still computes their gradients).
 
 ``lora_fa(module, layers, rank=...)`` wraps ``module`` as :func:`dynadiag_jax.nn.sparsify` does (a
 subclass of its class whose calls run under a method interceptor): every ``nn.Dense`` and

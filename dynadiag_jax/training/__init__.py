@@ -1,7 +1,8 @@
 """The training library behind every script in ``train/``: explicit arguments, no configs.
 
-:func:`train` runs the loop (search phase with a gate schedule, freeze, evaluation, metrics to
-TensorBoard and JSONL, Orbax checkpoints, data parallelism over every device).
+:func:`train` runs the loop (search phase with a gate schedule, freeze, an optional fine-tuning
+phase (:class:`Finetune`), evaluation, metrics to TensorBoard and JSONL, Orbax checkpoints, data
+parallelism over every device).
 """
 
 from dynadiag_jax import _train_extra
@@ -9,10 +10,17 @@ from dynadiag_jax import _train_extra
 _train_extra.require(__name__, ("orbax.checkpoint", "tensorboardX", "tqdm"))
 
 from dynadiag_jax.training.checkpoint import Checkpointer, CheckpointMismatch
+from dynadiag_jax.training.finetune import Finetune, enter_finetune
 from dynadiag_jax.training.loop import BatchSource, Interrupted, TrainResult, evaluate, train
 from dynadiag_jax.training.metrics import MetricWriter, read_jsonl
 from dynadiag_jax.training.mixup import MixupCutmix
-from dynadiag_jax.training.optimizer import NO_DECAY, adamw, train_only
+from dynadiag_jax.training.optimizer import (
+    NO_DECAY,
+    adamw,
+    merge_params,
+    split_params,
+    train_only,
+)
 from dynadiag_jax.training.parallel import (
     check_batch_size,
     data_mesh,
@@ -38,6 +46,7 @@ __all__ = [
     "CheckpointMismatch",
     "Checkpointer",
     "Classification",
+    "Finetune",
     "GateSchedule",
     "Interrupted",
     "LanguageModeling",
@@ -52,6 +61,7 @@ __all__ = [
     "check_batch_size",
     "create_train_state",
     "data_mesh",
+    "enter_finetune",
     "evaluate",
     "freeze_state",
     "global_batch",
@@ -61,8 +71,10 @@ __all__ = [
     "layer_metrics",
     "make_eval_step",
     "make_train_step",
+    "merge_params",
     "parameter_counts",
     "read_jsonl",
+    "split_params",
     "train",
     "train_only",
     "variables_of",

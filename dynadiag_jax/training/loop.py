@@ -5,8 +5,9 @@ small steps, each usable on its own: :func:`restore_or_create_state`, :func:`jit
 jitted step, evaluation and freeze), :func:`compile_ahead` (the programs a phase will need,
 compiled on a background thread while the run goes on), :func:`train_one_step` (with
 :class:`MetricSums` and :class:`StepTimer`), :func:`log_train`, :func:`evaluate`,
-:func:`record_selection`, :func:`save_checkpoint` and :func:`stop_requests`; :class:`Schedule` says
-which of them follow each step.
+:func:`record_selection`, :func:`save_checkpoint`, :func:`finetune_programs` (a fine-tuning phase
+at the end of the run, e.g. LoRA-FA) and :func:`stop_requests`; :class:`Schedule` says which of
+them follow each step.
 
 A run with a ``workdir`` resumes from the newest checkpoint there; because data order, dropout and
 augmentation depend only on ``(seed, step)`` and the gate schedule only on the step, a resumed run
@@ -37,6 +38,7 @@ from flax import traverse_util
 from dynadiag_jax._checks import int_at_least
 from dynadiag_jax.training.ahead import CompileAhead
 from dynadiag_jax.training.checkpoint import Checkpointer, CheckpointMismatch
+from dynadiag_jax.training.finetune import Finetune, enter_finetune
 from dynadiag_jax.training.metrics import MetricWriter
 from dynadiag_jax.training.parallel import (
     abstract_batch,
@@ -61,6 +63,7 @@ __all__ = [
     "StopRequest",
     "TrainResult",
     "evaluate",
+    "finetune_programs",
     "jit_programs",
     "log_train",
     "record_selection",
@@ -173,12 +176,13 @@ class Programs(NamedTuple):
     freeze: Callable
 
 
-def jit_programs(model: nn.Module, optimizer, task, mesh, *, gate=None) -> Programs:
-    """The jitted step, evaluation and freeze of a run (each compiles at its first call)."""
+def jit_programs(model: nn.Module, optimizer, task, mesh, *, gate=None, trained=None) -> Programs:
+    """The jitted step, evaluation and freeze of a run (each compiles at its first call);
+    ``trained``: the step differentiates only these params (:func:`make_train_step`)."""
     rep, data_sharding = replicated(mesh), batch_sharded(mesh)
     return Programs(
         train_step=jax.jit(
-            make_train_step(model, optimizer, task, gate=gate),
+            make_train_step(model, optimizer, task, gate=gate, trained=trained),
             in_shardings=(rep, data_sharding),
             out_shardings=(rep, rep),
             donate_argnums=0,
@@ -188,6 +192,28 @@ def jit_programs(model: nn.Module, optimizer, task, mesh, *, gate=None) -> Progr
         ),
         freeze=jax.jit(freeze_state, in_shardings=rep, out_shardings=rep),
     )
+
+
+def finetune_programs(
+    finetune: Finetune | None, abstract: TrainState, task, mesh, *, example_input, seed: int
+) -> tuple[Programs | None, Callable | None, TrainState | None]:
+    """``(programs, enter, abstract state)`` of a run's fine-tuning phase (all None without one):
+    its jitted step (differentiating only ``finetune.trained``) and evaluation, the jitted
+    switch ``state -> state`` (:func:`enter_finetune`) and the phase's abstract state, reached
+    from ``abstract`` (the run's initial state) through the freeze if it is searching."""
+    if finetune is None:
+        return None, None, None
+    rep = replicated(mesh)
+    programs = jit_programs(
+        finetune.model, finetune.optimizer, task, mesh, trained=tuple(finetune.trained)
+    )
+    enter = jax.jit(
+        functools.partial(enter_finetune, phase=finetune, example_input=example_input, seed=seed),
+        in_shardings=rep,
+        out_shardings=rep,
+    )
+    frozen = jax.eval_shape(freeze_state, abstract) if is_searching(abstract.params) else abstract
+    return programs, enter, jax.eval_shape(enter, frozen)
 
 
 def compile_ahead(
@@ -380,15 +406,18 @@ def save_checkpoint(
     run_info: Mapping[str, Any],
     frozen: bool,
     sums: MetricSums,
+    finetune: bool = False,
 ) -> None:
-    """Save ``state`` with what a resume needs besides it: the run's description, the phase and the
-    metric sums not logged yet. The log is flushed first, so that every record up to the
-    checkpoint's step is on disk when it commits (a resume keeps those). Nothing without ``ckpt``.
+    """Save ``state`` with what a resume needs besides it: the run's description, the phase
+    (``frozen``, ``finetune``: in the fine-tuning phase) and the metric sums not logged yet. The
+    log is flushed first, so that every record up to the checkpoint's step is on disk when it
+    commits (a resume keeps those). Nothing without ``ckpt``.
     """
     if ckpt is None:
         return
     writer.flush()
-    ckpt.save(state, meta={"run": run_info, "frozen": frozen, "interval": sums.totals()})
+    meta = {"run": run_info, "frozen": frozen, "interval": sums.totals()}
+    ckpt.save(state, meta={**meta, "finetune": True} if finetune else meta)
 
 
 def restore_or_create_state(
@@ -398,6 +427,7 @@ def restore_or_create_state(
     run_info: Mapping[str, Any],
     sharding,
     initial_variables=None,
+    finetuned=None,
     *,
     step: int | None,
 ) -> tuple[TrainState, int | None, MetricSums]:
@@ -412,6 +442,8 @@ def restore_or_create_state(
       sharding: the state's sharding.
       initial_variables: passed to ``init`` for a fresh state (an argument of the compiled init,
         not a constant).
+      finetuned: the abstract state of the run's fine-tuning phase (None: it has none); a
+        checkpoint written in that phase is restored into it.
       step: the checkpoint to restore (the caller's ``ckpt.latest_step()``), or None for a fresh
         state.
 
@@ -434,7 +466,14 @@ def restore_or_create_state(
             "resume with the settings it was written with, or use another workdir"
         )
     target = abstract
-    if meta.get("frozen") and is_searching(abstract.params):
+    if meta.get("finetune"):
+        if finetuned is None:
+            raise CheckpointMismatch(
+                f"checkpoint {ckpt.directory}/{step} was written in a fine-tuning phase, which "
+                "this run does not have: use another workdir"
+            )
+        target = finetuned
+    elif meta.get("frozen") and is_searching(abstract.params):
         target = jax.eval_shape(freeze_state, abstract)
     state = ckpt.restore(step, _abstract(target, sharding))
     return state, step, MetricSums(meta.get("interval"))
@@ -446,18 +485,20 @@ def _abstract(tree, sharding):
 
 class Events(NamedTuple):
     """What the loop does after a step, in this order: write the training record, evaluate,
-    freeze, write a selection record, save."""
+    freeze, start the fine-tuning phase, write a selection record, save."""
 
     log: bool
     evaluate: bool
     freeze: bool
+    finetune: bool
     select: bool
     save: bool
 
 
 class Schedule(NamedTuple):
     """When the loop does what: every ``*_every`` is a period in steps, 0 for never
-    (``eval_every`` is 0 without evaluation data)."""
+    (``eval_every`` is 0 without evaluation data); ``finetune_step``: the step the fine-tuning
+    phase starts at (None: the run has none)."""
 
     num_steps: int
     freeze_step: int | None
@@ -465,23 +506,29 @@ class Schedule(NamedTuple):
     eval_every: int
     selection_every: int
     checkpoint_every: int
+    finetune_step: int | None = None
 
-    def after(self, step: int, searching: bool) -> Events:
-        """The events after step ``step``; ``searching``: the state is not frozen yet.
+    def after(self, step: int, searching: bool, tuning: bool = False) -> Events:
+        """The events after step ``step``; ``searching``: the state is not frozen yet;
+        ``tuning``: it is in the fine-tuning phase.
 
         The last step is logged, but evaluated and saved only after the loop: its checkpoint comes
         after the final evaluation's record, so a run resumed from it finds that record. The freeze
-        step saves the frozen state, and its selection record is what the freeze kept.
+        step saves the frozen state, and its selection record is what the freeze kept. The
+        fine-tuning phase's start is evaluated (the model before it; the loop evaluates only with
+        evaluation data) and saved once switched.
         """
         last = step == self.num_steps
         freeze = searching and step == self.freeze_step
+        finetune = not tuning and step == self.finetune_step
         return Events(
             log=_every(step, self.log_every) or last,
-            evaluate=_every(step, self.eval_every) and not last,
+            evaluate=(_every(step, self.eval_every) or finetune) and not last,
             freeze=freeze,
+            finetune=finetune,
             select=bool(self.selection_every)
             and (freeze or (searching and _every(step, self.selection_every))),
-            save=not last and (freeze or _every(step, self.checkpoint_every)),
+            save=not last and (freeze or finetune or _every(step, self.checkpoint_every)),
         )
 
     def evaluates_between(self, step: int, end: int) -> bool:
@@ -498,7 +545,14 @@ def _every(step: int, period: int) -> bool:
 
 
 def _check_args(
-    num_steps, freeze_step, eval_every, checkpoint_every, log_every, selection_every, workdir
+    num_steps,
+    freeze_step,
+    eval_every,
+    checkpoint_every,
+    log_every,
+    selection_every,
+    workdir,
+    finetune=None,
 ):
     int_at_least(num_steps, "num_steps", 1)
     for name, v in (
@@ -514,6 +568,18 @@ def _check_args(
         )
     if checkpoint_every and workdir is None:
         raise ValueError("checkpoint_every needs a workdir to write checkpoints to")
+    if finetune is not None:
+        start = finetune.start_step
+        if not (isinstance(start, (int, np.integer)) and 0 <= start < num_steps):
+            raise ValueError(
+                f"finetune.start_step must be an integer in [0, num_steps={num_steps}), "
+                f"got {start!r}"
+            )
+        if freeze_step is not None and start < freeze_step:
+            raise ValueError(
+                f"finetune.start_step={start} comes before freeze_step={freeze_step}: the "
+                "fine-tuning phase starts from the frozen model"
+            )
 
 
 def train(
@@ -541,6 +607,7 @@ def train(
     tensorboard: bool = True,
     hooks: Sequence[Callable[[int, TrainState], None]] = (),
     initial_variables=None,
+    finetune: Finetune | None = None,
 ) -> TrainResult:
     """Train ``model`` for ``num_steps`` optimizer steps (resuming from ``workdir`` if possible).
 
@@ -575,6 +642,11 @@ def train(
       initial_variables: the model's variables to start from instead of its init (e.g.
         :func:`dynadiag_jax.from_dense`'s, to fine-tune); a checkpoint in ``workdir`` still
         wins, so an interrupted fine-tune resumes.
+      finetune: the run's last phase (:class:`~dynadiag_jax.training.Finetune`, e.g. LoRA-FA
+        adapters on the frozen model), from its ``start_step`` to ``num_steps``: the state
+        switches to it (:func:`~dynadiag_jax.training.enter_finetune`) after an evaluation of the
+        model before it, is saved, and trains only the phase's params with its optimizer;
+        checkpoints of the phase resume into it.
 
     Returns:
       A :class:`TrainResult`.
@@ -589,7 +661,14 @@ def train(
         checkpointed; its ``signum`` says which.
     """
     _check_args(
-        num_steps, freeze_step, eval_every, checkpoint_every, log_every, selection_every, workdir
+        num_steps,
+        freeze_step,
+        eval_every,
+        checkpoint_every,
+        log_every,
+        selection_every,
+        workdir,
+        finetune,
     )
     mesh = data_mesh() if mesh is None else mesh
     check_batch_size(train_data.global_batch_size, mesh, name="batch_size")
@@ -605,6 +684,8 @@ def train(
         )
     if gate is not None:
         gate.check()
+    if sparse and finetune is not None and freeze_step is None:
+        raise ValueError("a fine-tuning phase needs the frozen model: pass freeze_step")
     # As the checkpoint's JSON gives it back (tuples become lists), to compare on resume.
     run_info = json.loads(json.dumps({**dict(run_info or {}), "seed": int(seed)}))
     is_main = jax.process_index() == 0
@@ -615,6 +696,7 @@ def train(
         eval_every if eval_data is not None else 0,
         selection_every,
         checkpoint_every,
+        None if finetune is None else finetune.start_step,
     )
 
     ckpt = (
@@ -626,6 +708,9 @@ def train(
     ahead = CompileAhead()
     try:
         programs = jit_programs(model, optimizer, task, mesh, gate=gate)
+        tuned_programs, enter, tuned_abstract = finetune_programs(
+            finetune, abstract, task, mesh, example_input=example_input, seed=seed
+        )
         batches = None
         latest = None if ckpt is None else ckpt.latest_step()
         if latest is None:
@@ -634,6 +719,7 @@ def train(
             first = next(batches)
             batches = itertools.chain([first], batches)
             frozen_first = sparse and freeze_step == 0
+            tuned_first = finetune is not None and finetune.start_step == 0
             compile_ahead(
                 ahead,
                 programs,
@@ -641,27 +727,62 @@ def train(
                 abstract_batch(first, mesh),
                 mesh,
                 searching=sparse,
-                steps=not frozen_first,
+                steps=not (frozen_first or tuned_first),
                 freezes=frozen_first,
                 eval_data=eval_data,
             )
         state, resumed_step, sums = restore_or_create_state(
-            ckpt, init, abstract, run_info, replicated(mesh), initial_variables, step=latest
+            ckpt,
+            init,
+            abstract,
+            run_info,
+            replicated(mesh),
+            initial_variables,
+            tuned_abstract,
+            step=latest,
         )
         start = resumed_step or 0
         if workdir is not None:
             writer = MetricWriter(
                 workdir, start_step=resumed_step, tensorboard=tensorboard, enabled=is_main
             )
-        save = functools.partial(save_checkpoint, ckpt, writer, run_info=run_info, sums=sums)
 
         searching = is_searching(state.params)
+        # A checkpoint at or after the phase's start was written after the switch (the switch
+        # comes before the save of its step).
+        tuning = finetune is not None and resumed_step is not None and start >= finetune.start_step
+
+        def save(state):
+            save_checkpoint(
+                ckpt,
+                writer,
+                state,
+                run_info=run_info,
+                frozen=not searching and sparse,
+                sums=sums,
+                finetune=tuning,
+            )
+
         if searching and start == 0 and selection_every:
             record_selection(writer, state)
         if searching and freeze_step == start:
             ahead.wait("freeze")
             state, searching = programs.freeze(state), False
-            save(state, frozen=True)
+            save(state)
+        if finetune is not None and not tuning and finetune.start_step == start:
+            state, tuning = enter(state), True
+            save(state)
+
+        def phase():
+            """The programs and compile-ahead key of the phase the run is in."""
+            return (tuned_programs, "finetune") if tuning else (programs, searching)
+
+        def phase_learning_rate():
+            """The schedule to log: the fine-tuning phase's counts from its start."""
+            if not tuning:
+                return learning_rate
+            rate = finetune.learning_rate
+            return None if rate is None else (lambda t: rate(t - finetune.start_step))
 
         def rest_of_run_ahead(state, batch):
             # After the phase's first step, so that its compile does not compete with them.
@@ -686,20 +807,21 @@ def train(
             unit="step",
             dynamic_ncols=True,
             disable=not (progress and is_main),
-            desc="search" if searching else "train",
+            desc="finetune" if tuning else "search" if searching else "train",
         )
         with stop_requests() as stop, contextlib.closing(bar):
             if batches is None:
                 batches = iter(train_data.iterate(start))
             timer = StepTimer()
             while step < num_steps and not stop.is_set():
-                ahead.wait(("step", searching))
+                progs, key = phase()
+                ahead.wait(("step", key))
                 local = next(batches)
-                state = train_one_step(programs.train_step, state, local, mesh, sums, timer)
+                state = train_one_step(progs.train_step, state, local, mesh, sums, timer)
                 step += 1
-                if step == start + 1:
+                if step == start + 1 and not tuning:
                     rest_of_run_ahead(state, abstract_batch(local, mesh))
-                events = schedule.after(step, searching)
+                events = schedule.after(step, searching, tuning)
                 if events.log:
                     record = log_train(
                         writer,
@@ -707,13 +829,13 @@ def train(
                         sums,
                         timer,
                         batch_size=train_data.global_batch_size,
-                        learning_rate=learning_rate,
+                        learning_rate=phase_learning_rate(),
                     )
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-                if events.evaluate:
-                    ahead.wait(("eval", searching))
+                if events.evaluate and eval_data is not None:
+                    ahead.wait(("eval", key))
                     writer.write(
-                        step, "eval", evaluate(programs.eval_step, state, eval_data, mesh, task)
+                        step, "eval", evaluate(progs.eval_step, state, eval_data, mesh, task)
                     )
                     timer.restart()
                 if events.freeze:
@@ -721,16 +843,20 @@ def train(
                     state, searching = programs.freeze(state), False
                     timer.new_phase()
                     bar.set_description("frozen")
+                if events.finetune:
+                    state, tuning = enter(state), True
+                    timer.new_phase()
+                    bar.set_description("finetune")
                 if events.select:
                     record_selection(writer, state)
                 if events.save:
-                    save(state, frozen=not searching and sparse)
+                    save(state)
                     timer.restart()
                 for hook in hooks:
                     hook(step, state)
                 bar.update(1)
             if step < num_steps:
-                save(state, frozen=not searching and sparse)
+                save(state)
                 raise Interrupted(
                     f"stopped at step {step} of {num_steps}; "
                     f"{'saved in ' + str(workdir) if workdir else 'no workdir, nothing saved'}",
@@ -738,11 +864,12 @@ def train(
                 )
         eval_metrics = {}
         if eval_data is not None:
-            ahead.wait(("eval", searching))
-            eval_metrics = evaluate(programs.eval_step, state, eval_data, mesh, task)
+            progs, key = phase()
+            ahead.wait(("eval", key))
+            eval_metrics = evaluate(progs.eval_step, state, eval_data, mesh, task)
             if step > start:  # a run resumed at its last step already logged this evaluation
                 writer.write(step, "eval", eval_metrics)
-        save(state, frozen=not searching and sparse)
+        save(state)
         return TrainResult(state, eval_metrics, start)
     finally:
         ahead.close()

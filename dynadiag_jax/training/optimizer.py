@@ -11,10 +11,11 @@ from collections.abc import Sequence
 
 import jax
 import optax
+from flax import traverse_util
 
 import dynadiag_jax as dd
 
-__all__ = ["NO_DECAY", "adamw", "train_only"]
+__all__ = ["NO_DECAY", "adamw", "merge_params", "split_params", "train_only"]
 
 # Parameters never decayed (DeiT/timm): biases, norm scales, position embeddings, the class token.
 # Matched with re.fullmatch against "/"-joined parameter paths; alpha is never decayed either.
@@ -60,10 +61,33 @@ def adamw(
 
 def train_only(tx: optax.GradientTransformation, patterns: Sequence[str]):
     """``tx`` on the params whose "/"-joined path fully matches a pattern; every other param gets
-    a zero update and no optimizer state (e.g. ``(r".*/lora_b",)``: a LoRA-FA fine-tune)."""
+    a zero update and no optimizer state (e.g. ``(r".*/lora_b",)``: a LoRA-FA fine-tune). Their
+    gradients are still computed: to skip them, give the patterns to the training step instead
+    (``dynadiag_jax.training.train``'s ``finetune``, ``make_train_step(trained=...)``)."""
     trained = dd.optim.path_mask(patterns)
 
     def labels(params):
         return jax.tree.map(lambda hit: "trained" if hit else "fixed", trained(params))
 
     return optax.multi_transform({"trained": tx, "fixed": optax.set_to_zero()}, labels)
+
+
+def split_params(params, patterns: Sequence[str]) -> tuple[dict, dict]:
+    """``(trained, fixed)``: the params whose "/"-joined path fully matches a pattern, and the
+    others, each nested as in ``params`` (so path-based masks see the same names);
+    :func:`merge_params` joins them back. Raises ``ValueError`` if no param matches."""
+    flat = traverse_util.flatten_dict(params, keep_empty_nodes=True)
+    hits = traverse_util.flatten_dict(dd.optim.path_mask(patterns)(params), keep_empty_nodes=True)
+    picked = {k for k, v in flat.items() if v is not traverse_util.empty_node and hits[k] is True}
+    if not picked:
+        raise ValueError(f"trained: the patterns {list(patterns)} match no param")
+    trained = {k: v for k, v in flat.items() if k in picked}
+    fixed = {k: v for k, v in flat.items() if k not in picked}
+    return traverse_util.unflatten_dict(trained), traverse_util.unflatten_dict(fixed)
+
+
+def merge_params(trained, fixed) -> dict:
+    """The params :func:`split_params` split into ``trained`` and ``fixed``."""
+    flat = traverse_util.flatten_dict(fixed, keep_empty_nodes=True)
+    flat.update(traverse_util.flatten_dict(trained))
+    return traverse_util.unflatten_dict(flat)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from dynadiag_jax.baselines import SparseState, apply_masks
+from dynadiag_jax.training.optimizer import split_params
 
 __all__ = ["TrainState", "create_train_state", "variables_of"]
 
@@ -46,6 +47,7 @@ def create_train_state(
     *,
     seed: int,
     variables=None,
+    trained=None,
 ) -> TrainState:
     """Initialise parameters from ``seed`` (or take ``variables``) and the optimizer state.
 
@@ -57,6 +59,8 @@ def create_train_state(
         from ``jax.random.key(seed)``.
       variables: the model's variables to start from instead of its init (e.g.
         :func:`dynadiag_jax.from_dense`'s); they must have the init's structure and shapes.
+      trained: path regexes: the optimizer state covers only the params they match (as
+        :func:`dynadiag_jax.training.make_train_step`'s ``trained``); None: every param.
 
     Works under ``jax.eval_shape`` (for abstract checkpoint targets).
     """
@@ -70,7 +74,7 @@ def create_train_state(
         initial = variables
     variables = dict(initial)
     params = variables.pop("params")
-    opt_state = optimizer.init(params)
+    opt_state = optimizer.init(params if trained is None else split_params(params, trained)[0])
     if isinstance(opt_state, SparseState):  # unstructured baselines: train from the masked weights
         params = apply_masks(params, opt_state.masks)
     return TrainState(

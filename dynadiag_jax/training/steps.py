@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from dynadiag_jax.nn.functional import GATE_COLLECTION
+from dynadiag_jax.training.optimizer import merge_params, split_params
 from dynadiag_jax.training.sparsity import (
     GateSchedule,
     apply_gate,
@@ -29,6 +30,7 @@ def make_train_step(
     task,
     *,
     gate: GateSchedule | None = None,
+    trained: Sequence[str] | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
     """``(state, batch) -> (state, metrics)``: one optimizer step on a (global) batch.
 
@@ -40,6 +42,12 @@ def make_train_step(
     differentiated; the metric ``loss`` stays the task's, ``aux_loss`` is their sum. The same
     function serves both phases: the frozen state has another structure, so ``jax.jit`` compiles
     it once more after the freeze.
+
+    ``trained`` (path regexes, as :func:`dynadiag_jax.training.split_params` reads them): only
+    those params are differentiated and updated, and ``optimizer`` (and ``state.opt_state``) sees
+    only them; the others are constants of the loss, so no gradient is computed for them (with
+    LoRA-FA's ``B`` alone, a diagonal layer's backward computes no ``values`` gradient and keeps
+    no ``x`` for one). ``None``: every param. ``grad_norm`` is the trained params' gradient norm.
     """
 
     def train_step(state: TrainState, batch):
@@ -57,9 +65,11 @@ def make_train_step(
             else ["intermediates", "losses"]
         )
 
-        def loss_fn(params):
+        fit, fixed = split_params(params, trained) if trained is not None else (params, {})
+
+        def loss_fn(fit):
             logits, updated = model.apply(
-                {"params": params, **collections},
+                {"params": merge_params(fit, fixed) if trained is not None else fit, **collections},
                 inputs,
                 train=True,
                 rngs={"dropout": k_drop},
@@ -73,12 +83,13 @@ def make_train_step(
                 loss, metrics = loss + aux, {**metrics, "aux_loss": aux}
             return loss, (metrics, updated)
 
-        (_, (metrics, updated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (_, (metrics, updated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(fit)
         # optax mixes Python floats with int32 step counts (bias correction), which strict dtype
         # promotion rejects; the arithmetic is well defined under the standard rules.
         with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = optimizer.update(grads, state.opt_state, params)
-        params = optax.apply_updates(params, updates)
+            updates, opt_state = optimizer.update(grads, state.opt_state, fit)
+        fit = optax.apply_updates(fit, updates)
+        params = merge_params(fit, fixed) if trained is not None else fit
         updated = dict(updated)
         metrics = {
             **metrics,

@@ -98,20 +98,22 @@ def dynadiag(sparsity: float, layers, gate: str = "sparse_topk", block_size: int
 FINETUNE_SUITES = ("mlp", "mixer", "vit")
 
 
-def finetune(arg, *, selection_every: int) -> ml_collections.ConfigDict:
+def finetune(arg, *, selection_every: int, suites=FINETUNE_SUITES) -> ml_collections.ConfigDict:
     """The part every fine-tune config shares (train/sparsify.py, train/lora_fa.py).
 
-    ``arg`` (from :func:`parse_arg`) has ``checkpoint``, ``suite`` (a classification suite of
+    ``arg`` (from :func:`parse_arg`) has ``checkpoint``, ``suite`` (one of ``suites`` of
     train/configs/results.py, whose model, layers, recipe and data are taken), ``sparsity``,
     ``block_size``, ``finetune_fraction`` (the fine-tune's length as a fraction of the suite's
-    from-scratch steps) and ``runlocal`` (the small local digits, one epoch).
+    from-scratch steps) and ``runlocal`` (the small local digits, one epoch). The ``gpt`` suite's
+    ``train`` section has the from-scratch ``num_steps`` where the image suites have ``epochs``.
     """
     from train.configs import results  # noqa: PLC0415 - results imports this module
 
-    if arg.suite not in FINETUNE_SUITES:
-        raise ValueError(f"unknown suite {arg.suite!r}; known: {', '.join(FINETUNE_SUITES)}")
+    if arg.suite not in suites:
+        raise ValueError(f"unknown suite {arg.suite!r}; known: {', '.join(suites)}")
     suite = results.get_config(f"models={arg.suite}").models[arg.suite]
     config = ml_collections.ConfigDict()
+    config.suite = arg.suite
     # The source run's workdir (or its checkpoints/ directory) and the step (0: the newest).
     config.checkpoint = arg.checkpoint
     config.step = 0
@@ -119,12 +121,8 @@ def finetune(arg, *, selection_every: int) -> ml_collections.ConfigDict:
     config.model = suite.model.to_dict()
     config.dynadiag = suite.dynadiag.to_dict()
     config.dynadiag.update(sparsity=arg.sparsity, block_size=arg.block_size)
-    config.data = dict(source="mnist5k" if arg.runlocal else "auto", data_dir="")
-    config.train = dict(
+    common_train = dict(
         batch_size=suite.batch_size,
-        eval_batch_size=1000,
-        # the from-scratch run's length, which finetune_fraction scales
-        epochs=1 if arg.runlocal else suite.epochs,
         finetune_fraction=arg.finetune_fraction,
         log_every=50,
         eval_every=0,
@@ -132,8 +130,30 @@ def finetune(arg, *, selection_every: int) -> ml_collections.ConfigDict:
         checkpoint_every=0,
         keep_checkpoints=1,
     )
+    if suite.task == "language_modeling":
+        config.data = dict(
+            corpus="auto", path="", seq_len=suite.seq_len, eval_windows=suite.eval_windows
+        )
+        # num_steps: the from-scratch run's length, which finetune_fraction scales
+        config.train = dict(
+            common_train, eval_batch_size=suite.eval_batch_size, num_steps=suite.steps
+        )
+    else:
+        config.data = dict(source="mnist5k" if arg.runlocal else "auto", data_dir="")
+        # epochs: the from-scratch run's length, which finetune_fraction scales
+        config.train = dict(
+            common_train, eval_batch_size=1000, epochs=1 if arg.runlocal else suite.epochs
+        )
     config.optimizer = suite.optimizer.to_dict()
     return config
+
+
+def lora_section(layers, *, steps: int | None = 0) -> dict:
+    """A config's ``lora`` section: the defaults (r = 8, alpha 16, B alone at 1e-2, which beat
+    the suites' 1e-3 on the MLP: docs/training.md) on ``layers``; ``steps`` is the in-run phase's
+    length (0: none; None: no such entry, for train/lora_fa.py, whose length is a fraction)."""
+    section = dict(rank=8, alpha=16.0, layers=list(layers), train_values=False, learning_rate=1e-2)
+    return section if steps is None else dict(section, steps=steps)
 
 
 def unstructured_defaults() -> ml_collections.ConfigDict:

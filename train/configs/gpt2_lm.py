@@ -9,6 +9,7 @@ GPT-2 small/medium on WikiText-103 (raw files wiki.{train,valid,test}.raw in a d
       --config=train/configs/gpt2_lm.py:corpus=stdlib,sparsity=0
   python train/lm.py --workdir=runs/lm_rigl90 --config=train/configs/gpt2_lm.py:method=rigl
   python train/lm.py --workdir=/tmp/lm_smoke --config=train/configs/gpt2_lm.py:runlocal  # smoke run
+  python train/lm.py --workdir=runs/lm_s90_lora --config.lora.steps=250  # + a LoRA-FA phase
   python train/lm.py --workdir=runs/gpt2s_wt103_s90 \\
       --config=train/configs/gpt2_lm.py:variant=small,corpus=wikitext,sparsity=0.9 \\
       --config.data.path=/data/wikitext-103-raw --config.data.seq_len=1024 \\
@@ -18,7 +19,7 @@ GPT-2 small/medium on WikiText-103 (raw files wiki.{train,valid,test}.raw in a d
 
 import ml_collections
 
-from train.configs.common import dynadiag, parse_arg, unstructured_defaults
+from train.configs.common import dynadiag, lora_section, parse_arg, unstructured_defaults
 
 SPARSE_LAYERS = (r".*/attn/(c_attn|c_proj)", r".*/mlp/(c_fc|c_proj)")
 
@@ -54,6 +55,9 @@ def get_config(arg=None):
         keep_checkpoints=2,
         selection_every=100,
     )
+    # A LoRA-FA phase after the run's num_steps (steps 0: none; train/finetuning.py): adapters on
+    # the frozen diagonal layers, B (and with train_values the diagonal values) trained.
+    config.lora = lora_section(SPARSE_LAYERS)
     config.optimizer = dict(
         learning_rate=1e-3,
         end_learning_rate=1e-4,
