@@ -6,25 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from training_helpers import FEATURES, blobs, comparable, tiny_mlp, train_tiny
+from training_helpers import FEATURES, Crash, blobs, comparable, crash_at, tiny_mlp, train_tiny
 
 import dynadiag_jax as dd
 from dynadiag_jax import training as T
 
 SPARSITY = 0.8
 LAYERS = [r"hidden_\d+"]
-
-
-class Crash(Exception):
-    pass
-
-
-def crash_at(step):
-    def hook(s, state):
-        if s == step:
-            raise Crash(s)
-
-    return hook
 
 
 def phase(start_step=6, *, rank=2, trained=(r".*/lora_b",)):

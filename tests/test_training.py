@@ -8,23 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from training_helpers import CompileCounter, blobs, comparable, train_tiny
+from training_helpers import CompileCounter, Crash, blobs, comparable, crash_at, train_tiny
 
 from dynadiag_jax import data as D
 from dynadiag_jax import models
 from dynadiag_jax import training as T
-
-
-class Crash(Exception):
-    pass
-
-
-def crash_at(step):
-    def hook(s, state):
-        if s == step:
-            raise Crash(s)
-
-    return hook
 
 
 def test_loss_goes_down_and_eval_is_reported(tmp_path):

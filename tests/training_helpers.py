@@ -1,4 +1,5 @@
-"""Shared pieces of the training tests: tiny data, tiny models, a compilation counter."""
+"""Shared pieces of the training tests: tiny data, tiny models, a compilation counter, a hook
+that crashes a run at a step."""
 
 from __future__ import annotations
 
@@ -131,3 +132,17 @@ def fast_compile():
     jax.config.update("jax_disable_most_optimizations", True)
     yield
     jax.config.update("jax_disable_most_optimizations", before)
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_at(step):
+    """A ``train(hooks=...)`` hook that raises :class:`Crash` after step ``step``."""
+
+    def hook(s, state):
+        if s == step:
+            raise Crash(s)
+
+    return hook
