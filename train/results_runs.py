@@ -49,17 +49,15 @@ class Data(NamedTuple):
         return "; ".join(x.name for x in (self.images, self.corpus) if x is not None)
 
 
-def parse_method(method: str) -> tuple[str, int]:
-    """``"dynadiag_b16"`` -> ``("dynadiag", 16)``; ``"rigl"`` -> ``("rigl", 1)``; a permutation
-    suffix is read by :func:`method_permutation` (``"dynadiag_b16_random_perm"`` ->
-    ``("dynadiag", 16)``).
+def _split_method(method: str) -> tuple[str, int, str | None]:
+    """``(base, block size, permutation or None)`` of a method name.
 
     Raises:
       common.ConfigError: not a method of :data:`train.baselines.METHODS`, a block variant, or one
         of those with a permutation a diagonal method can take.
     """
     permuted = _PERMUTED_METHOD.fullmatch(method)
-    unpermuted = permuted.group(1) if permuted else method
+    unpermuted, permutation = permuted.groups() if permuted else (method, None)
     match = _BLOCK_METHOD.fullmatch(unpermuted)
     if match and int(match.group(2)) >= 2:
         base, block = match.group(1), int(match.group(2))
@@ -68,22 +66,31 @@ def parse_method(method: str) -> tuple[str, int]:
     else:
         base = None
     # static diagonals never search, so they never harden a learned permutation
-    if base is None or (permuted and (base, permuted.group(2)) == ("static_diagonals", "learned")):
+    if base is None or (base, permutation) == ("static_diagonals", "learned"):
         raise common.ConfigError(
             f"unknown method {method!r}; known: {', '.join(baselines.METHODS)}, "
             "dynadiag_b<b> / static_diagonals_b<b> (block diagonals of size b >= 2), and those "
             "of dynadiag with _random_perm or _learned_perm, of static_diagonals with _random_perm "
             "(a fixed or learned input permutation)"
         )
-    return base, block
+    return base, block, permutation
+
+
+def parse_method(method: str) -> tuple[str, int]:
+    """``"dynadiag_b16"`` -> ``("dynadiag", 16)``; ``"rigl"`` -> ``("rigl", 1)``; a permutation
+    suffix is read by :func:`method_permutation` (``"dynadiag_b16_random_perm"`` ->
+    ``("dynadiag", 16)``).
+
+    Raises:
+      common.ConfigError: as :func:`_split_method`.
+    """
+    return _split_method(method)[:2]
 
 
 def method_permutation(method: str) -> str | None:
     """The input permutation a method's name asks for (``"random"``, ``"learned"``), or None
     when the name has no permutation suffix (the suite's ``dynadiag.permutation`` applies)."""
-    parse_method(method)
-    permuted = _PERMUTED_METHOD.fullmatch(method)
-    return permuted.group(2) if permuted else None
+    return _split_method(method)[2]
 
 
 def is_language_model(m) -> bool:
@@ -184,8 +191,7 @@ def steps_of(model_cfg, data: Data) -> int:
 def method_dynadiag(model_cfg, method: str):
     """The suite's ``dynadiag`` section as ``method`` trains it (block variants set
     ``block_size``, permuted ones ``permutation``)."""
-    _, block = parse_method(method)
-    permutation = method_permutation(method)
+    _, block, permutation = _split_method(method)
     cfg = model_cfg.dynadiag.copy_and_resolve_references()
     with cfg.unlocked():
         if block > 1:
