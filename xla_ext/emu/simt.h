@@ -78,6 +78,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -517,17 +518,37 @@ struct Warp {
   int lanes = 0;
 };
 
+// A thread's cp.async copies not yet landed: the open group and the committed groups, oldest
+// first. A copy lands (its bytes are written to shared memory) only when a wait retires its group,
+// so a read that a kernel's pipeline lets run ahead of its wait finds the old bytes, as it may on
+// the GPU.
+struct AsyncCopy {
+  SharedArray* array;
+  ptrdiff_t offset;
+  uint4 value;
+};
+struct AsyncCopies {
+  std::vector<AsyncCopy> open;
+  std::deque<std::vector<AsyncCopy>> committed;
+};
+
 // One resident block: what its threads share.
 struct Block {
   uint3 idx{0, 0, 0};
   Barrier barrier;
   std::vector<std::unique_ptr<Warp>> warps;  // grown while no thread of the block runs
   SharedStore shared;
+  std::vector<AsyncCopies> copies;  // per thread of the block
   bool upward = true;  // fibers: which end of the block runs ahead
 
   void begin(uint3 i, int nthreads) {
     idx = i;
     barrier.reset(nthreads, "__syncthreads");
+    copies.resize(nthreads);
+    for (AsyncCopies& c : copies) {
+      c.open.clear();
+      c.committed.clear();
+    }
     while (static_cast<int>(warps.size()) * warpSize < nthreads) warps.push_back(std::make_unique<Warp>());
     for (int w = 0; w * warpSize < nthreads; ++w) {
       warps[w]->lanes = std::min(warpSize, nthreads - w * warpSize);
@@ -562,6 +583,12 @@ inline void enter_thread(Block& b, int id) {
 inline void leave_thread() {
   tls.warp->barrier.drop();
   tls.block->barrier.drop();
+}
+
+// The running thread's cp.async copies.
+inline AsyncCopies& thread_copies() {
+  if (tls.block == nullptr) fail("cp.async outside a kernel launched by emu::launch");
+  return tls.block->copies[threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)];
 }
 
 // What both schedulers share.
@@ -1314,8 +1341,9 @@ inline shared_ptr<U> pointer_cast(const emu::SharedArrayView<A>& v) {
   return pointer_cast<U>(emu::SharedPtr<std::remove_extent_t<A>>(v));
 }
 
-// cp.async of 16 bytes: here a copy at issue time, which is what the GPU's copy looks like to code
-// that waits (copy_async_wait) and then passes a barrier before reading the destination.
+// cp.async of 16 bytes: the source is read at issue time, the destination written when a wait
+// retires the copy's committed group (see AsyncCopies), so a pipeline that reads a stage before
+// waiting for it reads stale bytes here too.
 template <class D, class T>
 inline void copy_async16(D dst, const T* src) {
   if (reinterpret_cast<uintptr_t>(src) % 16 != 0) {
@@ -1325,10 +1353,30 @@ inline void copy_async16(D dst, const T* src) {
   }
   uint4 v;
   std::memcpy(&v, src, sizeof v);
-  *pointer_cast<uint4>(dst) = v;
+  const shared_ptr<uint4> to = pointer_cast<uint4>(dst);
+  if (to.offset() % 16 != 0) {
+    *to = v;  // the checked store reports the misaligned destination
+    return;
+  }
+  emu::detail::thread_copies().open.push_back({to.array(), to.offset(), v});
 }
-inline void copy_async_commit() {}
-inline void copy_async_wait() {}
+// Closes this thread's open group of copies (an empty group is a group, as on the GPU).
+inline void copy_async_commit() {
+  emu::detail::AsyncCopies& c = emu::detail::thread_copies();
+  c.committed.push_back(std::move(c.open));
+  c.open.clear();
+}
+// Waits until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+inline void copy_async_wait_prior() {
+  static_assert(kPending >= 0, "a number of groups");
+  emu::detail::AsyncCopies& c = emu::detail::thread_copies();
+  while (c.committed.size() > static_cast<size_t>(kPending)) {
+    for (const emu::detail::AsyncCopy& a : c.committed.front()) *shared_ptr<uint4>(a.array, a.offset) = a.value;
+    c.committed.pop_front();
+  }
+}
+inline void copy_async_wait() { copy_async_wait_prior<0>(); }
 
 }  // namespace simt
 

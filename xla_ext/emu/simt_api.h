@@ -16,6 +16,8 @@
 //   simt::copy_async_commit()               closes this thread's group of cp.async copies
 //   simt::copy_async_wait()                 waits for all of this thread's committed copies; a
 //                                           __syncthreads() after it publishes them to the block
+//   simt::copy_async_wait_prior<N>()        the same for all but the N most recent groups (a
+//                                           pipeline keeps N stages in flight)
 // simt::store may write several consecutive output elements at once (e.g. a uint4 of 8 bfloat16),
 // each of them exactly once.
 #pragma once
@@ -88,6 +90,10 @@ __device__ __forceinline__ void load_shared(F& f, const __half* p, unsigned ldm)
   nvcuda::wmma::load_matrix_sync(f, p, ldm);
 }
 __device__ __forceinline__ void copy_async_wait() { __pipeline_wait_prior(0); }
+template <int kPending>
+__device__ __forceinline__ void copy_async_wait_prior() {
+  __pipeline_wait_prior(kPending);
+}
 
 }  // namespace simt
 

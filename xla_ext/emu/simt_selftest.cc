@@ -54,6 +54,23 @@ __global__ void unaligned_vector_kernel(const uint4* in, float* out) {
   out[threadIdx.x] = 0.0f;
 }
 
+// Two cp.async stages; with `early` the second stage is read after waiting for all but the newest
+// group, i.e. before it has landed.
+__global__ void early_stage_kernel(const uint4* in, float* out, int early) {
+  SIMT_SHARED_ALIGNED(float[2][128], stage, 16);
+  for (int s = 0; s < 2; ++s) {
+    simt::copy_async16(&stage[s][4 * threadIdx.x], &in[s * 32 + threadIdx.x]);
+    simt::copy_async_commit();
+  }
+  if (early)
+    simt::copy_async_wait_prior<1>();
+  else
+    simt::copy_async_wait();
+  __syncthreads();
+  const float v = stage[1][(4 * threadIdx.x + 4) % 128];
+  out[threadIdx.x] = v;
+}
+
 enum WriteFault { kNone, kSkip, kTwice, kPastEnd };
 
 __global__ void write_kernel(float* out, int n, int fault) {
@@ -113,6 +130,13 @@ void check_shared_memory() {
                 "misaligned 16-byte access to shared halves at byte offset ");
   expect_report("vector access to an unaligned shared array", emu::last_error_message(),
                 ": it needs 16-byte alignment, the declaration guarantees 2 (");
+  // a stage read before the wait that lands it holds no bytes yet
+  std::vector<uint4> staged(64);
+  expect_report("a cp.async stage read before its wait",
+                launch_report(dim3(1), dim3(32), early_stage_kernel, staged.data(), out.data(), 1),
+                "read of shared stage[1][");
+  expect_report("a cp.async stage read after its wait",
+                launch_report(dim3(1), dim3(32), early_stage_kernel, staged.data(), out.data(), 0) + "<none>", "<none>");
 }
 
 void check_outputs() {
