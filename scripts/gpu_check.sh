@@ -21,7 +21,13 @@
 # nanobind, pytest, tqdm), USE_PYTHON_JAX=1 builds dynadiag-jax against that JAX into $VENV/site
 # without downloading anything. STEPS (default "1 2 3 4 5") picks the steps, SANITIZER_TOOLS
 # (default all four) the compute-sanitizer tools, DEFAULT_BENCH=0 leaves out the benchmark at the
-# default shapes (the target shape always runs in step 4); CUDAARCHS (e.g. 90) limits the build.
+# default shapes (the target shape always runs in step 4); CUDAARCHS (e.g. 90) limits the build;
+# STEP_TIMEOUT (seconds) stops any one test, benchmark or profile that runs longer, so that on a
+# lent machine with a time budget a hang costs one step, not the rest of the check;
+# GOAL_SPARSITIES (default 0.9, comma-separated) are the target shape's sparsities in step 4;
+# GOAL_BLOCK_SIZES (default 1,16,32) its block sizes; GPU_TEST_WORKERS (default 0: one process)
+# runs step 2 in that many pytest-xdist workers, which share the GPU and compile in parallel
+# (pytest-benchmark, where installed, is switched off: it refuses to run beside xdist).
 #
 #   USE_PYTHON_JAX=1 CUDAARCHS=90 STEPS="1 2 4 5" bash scripts/gpu_check.sh "$OUT"
 set -euo pipefail
@@ -34,6 +40,7 @@ PY=${PYTHON:-python3}
 STEPS=${STEPS:-1 2 3 4 5}
 log() { echo "== $*" | tee -a "$OUT/gpu_check.log"; }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
+limited() { if [ -n "${STEP_TIMEOUT:-}" ]; then timeout -k 10 "$STEP_TIMEOUT" "$@"; else "$@"; fi; }
 
 command -v nvcc > /dev/null || { echo "nvcc is not on PATH (needed to build the CUDA kernels)" >&2; exit 2; }
 command -v nvidia-smi > /dev/null && nvidia-smi | tee "$OUT/nvidia-smi.txt"
@@ -76,7 +83,7 @@ status=0
 
 if want 2; then
   log "2. pytest -m gpu"
-  "$VENV/bin/python" -m pytest -m gpu -p no:cacheprovider -q -rf "$REPO/tests/test_gpu.py" \
+  limited "$VENV/bin/python" -m pytest -m gpu -n "${GPU_TEST_WORKERS:-0}" -p no:cacheprovider -p no:benchmark -q -rf "$REPO/tests/test_gpu.py" \
     2>&1 | tee "$OUT/pytest_gpu.log" || status=1
 fi
 
@@ -94,7 +101,7 @@ else
   "$SANITIZER" --help 2>&1 | grep -q -- "--kernel-name" && filter=(--kernel-name kns=dynadiag)
   for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
     log "compute-sanitizer --tool $tool"
-    "$SANITIZER" --tool "$tool" --error-exitcode 17 "${filter[@]}" \
+    limited "$SANITIZER" --tool "$tool" --error-exitcode 17 "${filter[@]}" \
       "$VENV/bin/python" -m pytest -m "gpu and not large" -p no:cacheprovider -q -x \
       "$REPO/tests/test_gpu.py" -k "match_the_reference and (64-256 or 48-80)" \
       > "$OUT/sanitizer_$tool.log" 2>&1 || { status=1; log "$tool FAILED (see sanitizer_$tool.log)"; }
@@ -105,11 +112,11 @@ fi
 if want 4; then
   log "4. benchmarks"
   if [ "${DEFAULT_BENCH:-1}" != 0 ]; then
-    "$VENV/bin/python" "$REPO/bench/diag_matmul_gpu.py" --out "$OUT/diag_matmul_gpu.csv" \
+    limited "$VENV/bin/python" "$REPO/bench/diag_matmul_gpu.py" --out "$OUT/diag_matmul_gpu.csv" \
       2>&1 | tee "$OUT/bench_default.log" || status=1
   fi
-  "$VENV/bin/python" "$REPO/bench/diag_matmul_gpu.py" --batch 403456 --shapes 768:3072 \
-    --sparsities 0.9 --block-sizes 1,16,32 --layouts random --impls ffi,auto,dense \
+  limited "$VENV/bin/python" "$REPO/bench/diag_matmul_gpu.py" --batch 403456 --shapes 768:3072 \
+    --sparsities "${GOAL_SPARSITIES:-0.9}" --block-sizes "${GOAL_BLOCK_SIZES:-1,16,32}" --layouts random --impls ffi,auto,dense \
     --out "$OUT/diag_matmul_gpu_goal.csv" 2>&1 | tee "$OUT/bench_goal.log" || status=1
   "$VENV/bin/python" "$REPO/bench/gpu_decision_table.py" --csv "$OUT/decision_table.csv" \
     > "$OUT/decision_table.md" || status=1
@@ -138,7 +145,7 @@ else
   done
   # One call of each jitted function (no warm-up): ncu replays every launch it profiles. Clocks
   # are left as the GPU runs them (not locked to base), as the model's issue rate assumes.
-  "$NCU" --target-processes all --csv --page raw --print-units base --clock-control none \
+  limited "$NCU" --target-processes all --csv --page raw --print-units base --clock-control none \
     --kernel-name-base demangled --kernel-name "regex:dynadiag::cuda::" \
     --print-kernel-base demangled --metrics "$metrics" --log-file "$OUT/ncu_goal.csv" \
     "$VENV/bin/python" "$REPO/bench/diag_matmul_gpu.py" --batch 403456 --shapes 768:3072 \

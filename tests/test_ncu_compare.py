@@ -367,6 +367,7 @@ def test_the_profile_step_runs_with_a_stand_in_ncu(nc, headline, tmp_path):
     path, model = headline
     text = GPU_CHECK.read_text()
     step = text[text.index('log "5. ') : text.index("\nfi\n", text.index('log "5. ')) + 4]
+    limited = next(line for line in text.splitlines() if line.startswith("limited() "))
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     out.mkdir()
@@ -389,6 +390,7 @@ while [ $# -gt 0 ]; do [ "$1" = --log-file ] && cp {path} "$2"; shift; done
 OUT={out}; REPO={ROOT}; VENV={venv}; status=0
 log() {{ echo "== $*" | tee -a "$OUT/gpu_check.log"; }}
 want() {{ true; }}
+{limited}
 {step}
 echo "status $status"
 """)
