@@ -67,7 +67,7 @@ EDIAG = "element_diagonal_tile(const ProductArgs"
 REGIONS = {
     "block_product_tc_kernel": {
         "mma": ("HMMA", [(B, TC, "wmma::fragment<wmma::matrix_a", "tally.mma(S::kRowFrags);")]),
-        "store": ("STG", [(B, TC, "const int64_t col0 =", "__syncwarp();  // cs[warp]")]),
+        "store": ("STG", [(B, TC, "const int64_t col0 =", "__syncwarp();  // this warp's tile")]),
         "stage": ("trip", [(B, TC, "for (int i = 0; i < n_slices; ++i) {", "")]),
     },
     "block_product_simt_kernel": {
@@ -83,7 +83,7 @@ REGIONS = {
     "block_sddmm_tc_kernel": {
         "mma": ("HMMA", [(B, SDDMM_TC, "if (desc[m] < 0) continue;", "tally.mma(1);")]),
         "load": ("LDG", [(B, SDDMM_TC, "auto issue = [&]", "src[e] += from_dy[e]")]),
-        "store": ("STG", [(B, SDDMM_TC, "wmma::store_matrix_sync(&cs[warp][0], acc[m]",
+        "store": ("STG", [(B, SDDMM_TC, "wmma::store_matrix_sync(cs, acc[m]",
                                         "tally.flush(kCountBlockSddmm);")]),
         "stage": ("trip", [(B, SDDMM_TC, "for (int st = 0; st < n_stages; ++st) {", "")]),
     },

@@ -202,9 +202,11 @@ __device__ __forceinline__ int weight_slot(int n, int b, int width) {
 // The thread block first builds its slice table in shared memory, one entry per x block it reads
 // (per diagonal, or per diagonal and wrap): the block's first x column (-1: a wrap past L_b,
 // -2: an out-of-range offset) and the element offset of its weights; the contraction then runs
-// over the entries' 16-column slices with a two-stage cp.async pipeline into padded shared memory.
-// The epilogue converts each accumulator tile to T and writes rows of 8 outputs with 16-byte
-// stores.
+// over the entries' 16-column slices with a kTcStages-deep cp.async pipeline into padded shared
+// memory: kTcStages - 1 slices load while one is multiplied (on an H100 three stages ran within
+// -5%..+1% of two: what sets the time per stage is not one stage's load latency,
+// docs/gpu_cost_model.md). The epilogue converts each accumulator tile to T, through a float tile that reuses the x stages,
+// and writes rows of 8 outputs with 16-byte stores.
 constexpr int kTcXLd = kBlockSlice + kTcPad;  // x slice: [row][kk]
 constexpr int kTcEpiLd = 16 + 4;         // float epilogue tile: [row][col]
 constexpr int kTcTable = kBlockThreads;  // slice-table entries built per pass (one per thread)
@@ -260,9 +262,10 @@ __global__ void __launch_bounds__(kBlockThreads, 2) block_product_tc_kernel(Bloc
   using S = TcPanel<kB, kCols>;
   using BLayout = typename std::conditional<kTranspose, wmma::row_major, wmma::col_major>::type;
   constexpr int kWLd = kTranspose ? S::kWLdDx : S::kWLdFwd;
-  SIMT_SHARED_ALIGNED(T[2][S::kRows * kTcXLd], xs, 32);
-  SIMT_SHARED_ALIGNED(T[2][S::kWElems], ws, 32);
-  SIMT_SHARED_ALIGNED(float[kBlockWarps][16 * kTcEpiLd], cs, 32);
+  static_assert(kBlockWarps * 16 * kTcEpiLd * 4 <= kTcStages * S::kRows * kTcXLd * int(sizeof(T)),
+                "the epilogue tiles fit in the x stages");
+  SIMT_SHARED_ALIGNED(T[kTcStages][S::kRows * kTcXLd], xs, 32);
+  SIMT_SHARED_ALIGNED(T[kTcStages][S::kWElems], ws, 32);
   SIMT_SHARED(int32_t[kTcTable], xcol_t);
   SIMT_SHARED(int64_t[kTcTable], wofs_t);
   Tally tally;
@@ -364,37 +367,47 @@ __global__ void __launch_bounds__(kBlockThreads, 2) block_product_tc_kernel(Bloc
     }
     __syncthreads();
     const int n_slices = n_here << S::kLogSpb;
-    int xcol_next = xcol_t[0];
-    issue(0, xcol_next, 0);
-    simt::copy_async_commit();
-    for (int i = 0; i < n_slices; ++i) {
-      const int xcol = xcol_next;
-      simt::copy_async_wait();
-      __syncthreads();  // slice i has landed, and every warp is done with the other buffer
-      if (i + 1 < n_slices) {
-        xcol_next = xcol_t[(i + 1) >> S::kLogSpb];
-        issue(i + 1, xcol_next, (i + 1) & 1);
-      }
+    // Slices 0 .. kTcStages - 2 go out first; the one group per trip after them keeps the count
+    // of committed groups fixed, so that waiting for all but the newest kTcStages - 2 means
+    // slice i has landed.
+#pragma unroll
+    for (int j = 0; j < kTcStages - 1; ++j) {
+      if (j < n_slices) issue(j, xcol_t[j >> S::kLogSpb], j);
       simt::copy_async_commit();
+    }
+    int buf = 0, next = kTcStages - 1;  // stages of slice i and of slice i + kTcStages - 1
+    for (int i = 0; i < n_slices; ++i) {
+      simt::copy_async_wait_prior<kTcStages - 2>();
+      __syncthreads();  // slice i has landed, and every warp is done with slice i - 1's stage
+      const int ahead = i + kTcStages - 1;
+      if (ahead < n_slices) issue(ahead, xcol_t[ahead >> S::kLogSpb], next);
+      simt::copy_async_commit();
+      next = next == kTcStages - 1 ? 0 : next + 1;
+      const int xcol = xcol_t[i >> S::kLogSpb];
+      const int here = buf;
+      buf = buf == kTcStages - 1 ? 0 : buf + 1;
       bad = bad || xcol == -2;
       if (xcol < 0) continue;
-      const int buf = i & 1;
       wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[S::kRowFrags];
 #pragma unroll
       for (int rf = 0; rf < S::kRowFrags; ++rf)
-        simt::load_shared(fa[rf], &xs[buf][(warp * S::kRowFrags + rf) * 16 * kTcXLd], kTcXLd);
+        simt::load_shared(fa[rf], &xs[here][(warp * S::kRowFrags + rf) * 16 * kTcXLd], kTcXLd);
 #pragma unroll
       for (int f = 0; f < S::kColFrags; ++f) {
         if (f >= n_frags) continue;
         // output columns 16 f.. of the panel: [kk][n] columns or [n][kk] rows of the weights
         wmma::fragment<wmma::matrix_b, 16, 16, 16, T, BLayout> fb;
-        simt::load_shared(fb, &ws[buf][kTranspose ? f * 16 : f * 16 * kWLd], kWLd);
+        simt::load_shared(fb, &ws[here][kTranspose ? f * 16 : f * 16 * kWLd], kWLd);
 #pragma unroll
         for (int rf = 0; rf < S::kRowFrags; ++rf) wmma::mma_sync(acc[rf][f], fa[rf], fb, acc[rf][f]);
         if (lane == 0) tally.mma(S::kRowFrags);
       }
     }
   }
+
+  simt::copy_async_wait();  // the trailing groups are empty; nothing may land in the tiles below
+  __syncthreads();          // every warp is done with the stages the epilogue tiles reuse
+  const auto cs = simt::pointer_cast<float>(&xs[0][0]) + warp * 16 * kTcEpiLd;
 
   // Panel column c = 16 f + 8 h of use u = c / b is output feature col0 + u P_b b + c % b.
   const int64_t col0 = kOutLong ? (int64_t(p.s) + int64_t(p.chunk) * a.per_panel * a.P_b) * kB : int64_t(p.s) * kB;
@@ -405,10 +418,10 @@ __global__ void __launch_bounds__(kBlockThreads, 2) block_product_tc_kernel(Bloc
 #pragma unroll
     for (int f = 0; f < S::kColFrags; ++f) {
       if (f >= n_frags) continue;
-      wmma::store_matrix_sync(&cs[warp][0], acc[rf][f], kTcEpiLd, wmma::mem_row_major);
+      wmma::store_matrix_sync(cs, acc[rf][f], kTcEpiLd, wmma::mem_row_major);
       __syncwarp();
-      float4 lo = *simt::pointer_cast<float4>(&cs[warp][er * kTcEpiLd + eh]);
-      float4 hi = *simt::pointer_cast<float4>(&cs[warp][er * kTcEpiLd + eh + 4]);
+      float4 lo = *simt::pointer_cast<float4>(cs + er * kTcEpiLd + eh);
+      float4 hi = *simt::pointer_cast<float4>(cs + er * kTcEpiLd + eh + 4);
       const int r = (warp * S::kRowFrags + rf) * 16 + er;
       if (r < p.rows_here) {
         if (bad) lo = hi = float4{quiet_nan(), quiet_nan(), quiet_nan(), quiet_nan()};
@@ -420,7 +433,7 @@ __global__ void __launch_bounds__(kBlockThreads, 2) block_product_tc_kernel(Bloc
         simt::store(simt::pointer_cast<uint4>(&a.out[(p.r0 + r) * a.o_dim + col]), v);
         tally.store(16);
       }
-      __syncwarp();  // cs[warp] is overwritten by the next tile
+      __syncwarp();  // this warp's tile is overwritten by the next one
     }
   }
   tally.flush(kCountBlockProduct);
@@ -606,13 +619,13 @@ __device__ __forceinline__ void store_sddmm(const BlockSddmmArgs<T>& a, const Sd
 // block first builds its block table in shared memory: the first column of each of its blocks in
 // its operand (the n_long long-axis blocks, then the short block of each diagonal; -1 for an
 // out-of-range diagonal). Each thread then owns fixed 16-byte chunks of a stage (block, row,
-// column) and fixed result fragments: the rows of dy and x run through a two-stage cp.async
-// pipeline into padded shared memory, and each 16-row step multiplies dy^T (a column-major A
-// fragment, ldmatrix.trans) by x (a row-major B fragment) into the fragment's accumulator. Every dy
-// block of the thread block's stage is loaded once and feeds all its diagonals, every x block all
-// its wraps. Rows past the end of a split are zero-filled in shared memory (they would add to the
-// sums). The epilogue writes each 16x16 tile with 16-byte stores: 8 outputs of T, or 4 float32
-// partial sums.
+// column) and fixed result fragments: the rows of dy and x run through a kTcStages-deep cp.async
+// pipeline into padded shared memory (as the product's), and each 16-row step multiplies dy^T (a
+// column-major A fragment, ldmatrix.trans) by x (a row-major B fragment) into the fragment's
+// accumulator. Every dy block of the thread block's stage is loaded once and feeds all its
+// diagonals, every x block all its wraps. Rows past the end of a split are zero-filled in shared
+// memory (they would add to the sums). The epilogue writes each 16x16 tile, through a float tile that reuses the stages, with
+// 16-byte stores: 8 outputs of T, or 4 float32 partial sums.
 template <int kB>
 struct TcSddmm {
   static_assert(kB % 16 == 0 && kB <= kBlockMaxCols && (kB & (kB - 1)) == 0, "b in {16, 32, 64, 128}");
@@ -645,8 +658,9 @@ template <class T, int kB>
 __global__ void __launch_bounds__(kBlockThreads, 2) block_sddmm_tc_kernel(BlockSddmmArgs<T> a) {
   namespace wmma = nvcuda::wmma;
   using S = TcSddmm<kB>;
-  SIMT_SHARED_ALIGNED(T[2][S::kMaxBlocks * S::kBlockElems], buf, 32);
-  SIMT_SHARED_ALIGNED(float[kBlockWarps][256], cs, 32);
+  static_assert(kBlockWarps * 256 * 4 <= kTcStages * S::kMaxBlocks * S::kBlockElems * int(sizeof(T)),
+                "the epilogue tiles fit in the stages");
+  SIMT_SHARED_ALIGNED(T[kTcStages][S::kMaxBlocks * S::kBlockElems], buf, 32);
   SIMT_SHARED(int32_t[S::kMaxBlocks], col_t);
   Tally tally;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -723,14 +737,19 @@ __global__ void __launch_bounds__(kBlockThreads, 2) block_sddmm_tc_kernel(BlockS
 
   const int64_t n_rows = s.row1 - s.row0;
   const int n_stages = static_cast<int>((n_rows + S::kRows - 1) >> S::kLogRows);
-  if (n_stages > 0) issue(0, n_rows);
-  simt::copy_async_commit();
-  for (int st = 0; st < n_stages; ++st) {
-    simt::copy_async_wait();
-    __syncthreads();  // stage st has landed, and every warp is done with the other buffer
-    if (st + 1 < n_stages) issue((st + 1) & 1, n_rows - (int64_t(st + 1) << S::kLogRows));
+  // As in the product: stages 0 .. kTcStages - 2 first, then one group per trip.
+#pragma unroll
+  for (int j = 0; j < kTcStages - 1; ++j) {
+    if (j < n_stages) issue(j, n_rows - (int64_t(j) << S::kLogRows));
     simt::copy_async_commit();
-    const int cur = st & 1;
+  }
+  int cur = 0;  // buffer of stage st; stage st + kTcStages - 1 goes to the one before it
+  for (int st = 0; st < n_stages; ++st) {
+    simt::copy_async_wait_prior<kTcStages - 2>();
+    __syncthreads();  // stage st has landed, and every warp is done with stage st - 1's buffer
+    const int ahead = st + kTcStages - 1;
+    if (ahead < n_stages) issue(cur == 0 ? kTcStages - 1 : cur - 1, n_rows - (int64_t(ahead) << S::kLogRows));
+    simt::copy_async_commit();
 #pragma unroll
     for (int ks = 0; ks < S::kSteps; ++ks) {
 #pragma unroll
@@ -744,7 +763,11 @@ __global__ void __launch_bounds__(kBlockThreads, 2) block_sddmm_tc_kernel(BlockS
         if (lane == 0) tally.mma(1);
       }
     }
+    cur = cur == kTcStages - 1 ? 0 : cur + 1;
   }
+  simt::copy_async_wait();  // the trailing groups are empty; nothing may land in the tiles below
+  __syncthreads();          // every warp is done with the stages the epilogue tiles reuse
+  const auto cs = simt::pointer_cast<float>(&buf[0][0]) + warp * 256;
 
   // Tile (io, jo) of result block (jd, w): dvalues[k, t][16 io + i][16 jo + j].
   const int64_t n_out = int64_t(a.K) * a.L_b * kB * kB;
@@ -752,7 +775,7 @@ __global__ void __launch_bounds__(kBlockThreads, 2) block_sddmm_tc_kernel(BlockS
   for (int m = 0; m < kBlockSddmmMaxFrags; ++m) {
     const int f = warp + m * kBlockWarps, tile = f >> S::kLogTileFrags;
     if (f >= n_frags) continue;
-    wmma::store_matrix_sync(&cs[warp][0], acc[m], 16, wmma::mem_row_major);
+    wmma::store_matrix_sync(cs, acc[m], 16, wmma::mem_row_major);
     __syncwarp();
     const int io = (f >> (S::kLogTileFrags / 2)) & (kB / 16 - 1), jo = f & (kB / 16 - 1);
     const int jd = tile / s.n_long, w = tile - jd * s.n_long;
@@ -762,8 +785,8 @@ __global__ void __launch_bounds__(kBlockThreads, 2) block_sddmm_tc_kernel(BlockS
     const int64_t at = ((int64_t(k) * a.L_b + t) * kB + io * 16) * kB + jo * 16;
     if (a.splits == 1) {  // row lane / 2, columns 8 (lane % 2)..: 8 outputs of T
       const int er = lane >> 1, eh = (lane & 1) * 8;
-      float4 lo = *simt::pointer_cast<float4>(&cs[warp][er * 16 + eh]);
-      float4 hi = *simt::pointer_cast<float4>(&cs[warp][er * 16 + eh + 4]);
+      float4 lo = *simt::pointer_cast<float4>(cs + er * 16 + eh);
+      float4 hi = *simt::pointer_cast<float4>(cs + er * 16 + eh + 4);
       if (bad) lo = hi = float4{quiet_nan(), quiet_nan(), quiet_nan(), quiet_nan()};
       const uint4 v{pack2<T>(lo.x, lo.y), pack2<T>(lo.z, lo.w), pack2<T>(hi.x, hi.y), pack2<T>(hi.z, hi.w)};
       simt::store(simt::pointer_cast<uint4>(&a.out[at + er * kB + eh]), v);
@@ -772,13 +795,13 @@ __global__ void __launch_bounds__(kBlockThreads, 2) block_sddmm_tc_kernel(BlockS
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int er = (lane >> 2) + h * 8, ec = (lane & 3) * 4;
-        float4 v = *simt::pointer_cast<float4>(&cs[warp][er * 16 + ec]);
+        float4 v = *simt::pointer_cast<float4>(cs + er * 16 + ec);
         if (bad) v = float4{quiet_nan(), quiet_nan(), quiet_nan(), quiet_nan()};
         simt::store(simt::pointer_cast<float4>(&a.partial[s.z * n_out + at + er * kB + ec]), v);
         tally.store(16);
       }
     }
-    __syncwarp();  // cs[warp] is overwritten by the next tile
+    __syncwarp();  // this warp's tile is overwritten by the next one
   }
   tally.flush(kCountBlockSddmm);
 }

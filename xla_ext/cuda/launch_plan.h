@@ -48,6 +48,8 @@ constexpr int kBlockSddmmStageRows = 16;             // CUDA-core SDDMM
 constexpr int kBlockSddmmMaxElems = 16384;           // accumulators of one SDDMM thread block
 constexpr int kBlockSddmmStageBytes = 16384;         // operands of one stage
 constexpr int kTcPad = 8;                            // elements added to every tensor-core shared row
+constexpr int kTcStages = 3;                         // tensor-core product and SDDMM: stages in shared
+                                                     // memory (kTcStages - 1 load while one is used)
 constexpr int kTcSddmmChunks = 3;                    // tensor-core SDDMM: 16-byte chunks per thread and stage
 
 // Tensor-core block SDDMM (TcSddmm): rows per stage, and the operand blocks one stage holds (its
