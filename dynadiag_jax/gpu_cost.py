@@ -17,10 +17,11 @@ the counters of the emulated kernels, tests/test_cuda_counts.py):
   ``K * L_b * b * b`` elements) fit in :data:`WEIGHT_L2_BYTES`; beyond that the model charges one
   weight read from HBM per row slab.
 
-A launch takes ``max(tensor, issue, hbm, l2) + launch_seconds``: its tensor-core FLOPs at the rate
-of its engine (``wmma`` for our kernels, ``dense`` for XLA's dot), its HBM bytes at the HBM
+A launch takes ``max(tensor, issue, hbm, l2, stages) + launch_seconds``: its tensor-core FLOPs at
+the rate of its engine (``wmma`` for our kernels, ``dense`` for XLA's dot), its HBM bytes at the HBM
 bandwidth, its global loads and stores at the L2 bandwidth, and - for our kernels - the warp
-instructions it issues at the issue rate derated by its occupancy:
+instructions it issues at the issue rate derated by its occupancy, and the time its pipeline stages
+take:
 
 * ``instructions``: counted from the compiled code. :mod:`dynadiag_jax.gpu_sass` holds, per kernel
   and region of its source, the SASS instructions a warp issues per unit (per MMA, per FMA
@@ -30,11 +31,18 @@ instructions it issues at the issue rate derated by its occupancy:
 * occupancy (:func:`occupancy`): thread blocks per SM from the registers and shared memory that
   ``ptxas -v`` reports; below ``latency_warps`` warps per scheduler a scheduler cannot hide the
   latency of dependent instructions, so the issue rate is scaled by ``warps / latency_warps``.
+* ``stages``: a pipelined kernel's thread block runs its stages (one slice of x and weights loaded
+  by cp.async, then multiplied) one after the other; the resident thread blocks (occupancy x SMs)
+  share the launch's stages, so the term is ``stages x stage_seconds / resident blocks``.
+  ``stage_seconds`` is measured, not derived: on an H100 the tensor-core block kernels completed a
+  stage every 1.1-1.8 us per resident thread block (Nsight Compute, 403,456 x 768 -> 3072,
+  docs/gpu_cost_model.md), with two stages in the pipeline and with three alike - so it is not the
+  latency of one stage's loads - and the bytes-and-instructions terms alone under-predicted these
+  kernels by 1.6-2.3x.
 
 A path's time is the sum over its launches; a training step of the layer takes ``fwd + bwd``.
 
-What it ignores: memory latency at low occupancy (the double-buffered stages keep about 16 KiB per
-SM in flight), wave quantisation, L1 hits (the L2 term is an upper bound), clock throttling, the
+What it ignores: wave quantisation, L1 hits (the L2 term is an upper bound), clock throttling, the
 sm_80 code (A100 predictions reuse the sm_90 instruction counts). It is a ranking model for
 ``impl="auto"``; only a GPU run (``scripts/gpu_check.sh``) measures.
 
@@ -88,6 +96,10 @@ class DeviceSpec(NamedTuple):
     # Warps per scheduler (4 per SM) needed to issue every cycle: dependent integer and shared
     # memory instructions take 4-30 cycles, the runtime divisions chain a dozen of them.
     latency_warps: int = 4
+    sms: int = 132
+    # Seconds a resident thread block of the tensor-core block kernels takes per pipeline stage:
+    # the geometric mean of the H100 profile (1.1-1.8 us); the A100 has not been measured.
+    stage_seconds: float = 1.4e-6
 
 
 # H100 SXM5 80 GB: 132 SMs at ~1.75 GHz sustained; 989 TFLOP/s bf16 peak of which cuBLAS sustains
@@ -120,6 +132,7 @@ A100 = DeviceSpec(
     l2_bytes=40 * 2**20,
     launch_seconds=3e-6,
     sm_shared_bytes=164 * 1024,
+    sms=108,
 )
 DEVICES: dict[str, DeviceSpec] = {"H100": H100, "A100": A100}
 DEFAULT_DEVICE = "H100"
@@ -131,7 +144,6 @@ DEFAULT_DEVICE = "H100"
 PATH_RULE_INSTRUCTIONS_PER_FMA = 3.0
 MMA_FLOPS = 2 * 16 * 16 * 16  # one warp-level m16n16k16 product
 WARP = 32
-BLOCK_WARPS = 8  # every kernel runs blocks of 256 threads
 
 
 def register_device(spec: DeviceSpec) -> None:
@@ -172,12 +184,15 @@ def sass(kernel: str, dtype, flags: tuple = ()) -> dict:
     return gpu_sass.KERNELS[(kernel, jnp.dtype(dtype).name, tuple(flags))]
 
 
-def _compiled(kernel: str, dtype, flags: tuple = ()) -> tuple:
+def _compiled(kernel: str, dtype, flags: tuple, warps: int) -> tuple:
     """``(figures, fields)``: a kernel's SASS figures, and the fields its :class:`Launch` records
-    (registers, shared memory, the kernel's key)."""
+    (registers, shared memory, threads per block of ``warps``, the kernel's key)."""
     figures = sass(kernel, dtype, flags)
     fields = dict(
-        registers=figures["registers"], shared_bytes=figures["smem"], kernel=(kernel, tuple(flags))
+        registers=figures["registers"],
+        shared_bytes=figures["smem"],
+        threads=warps * WARP,
+        kernel=(kernel, tuple(flags)),
     )
     return figures, fields
 
@@ -211,7 +226,8 @@ class Launch(NamedTuple):
     instructions: float = 0.0  # warp instructions issued (SASS figures x executed units)
     registers: int = 0  # per thread (ptxas -v)
     shared_bytes: int = 0  # static shared memory per block (ptxas -v)
-    threads: int = 256  # per block
+    threads: int = 0  # per block (the launch plan's); 0 for XLA ops and memsets
+    stages: int = 0  # pipeline stages of the tensor-core kernels, all thread blocks together
     # the CUDA kernel that runs it: ``(template, template flags)``, its gpu_sass key less the
     # dtype; () for XLA ops and memsets. bench/ncu_compare.py joins profiles on it.
     kernel: tuple = ()
@@ -221,21 +237,26 @@ class Launch(NamedTuple):
         return max(self.terms(spec, dtype).values()) + spec.launch_seconds
 
     def terms(self, spec: DeviceSpec, dtype) -> dict:
-        """Seconds of each engine: ``tensor``, ``issue`` (occupancy-derated), ``hbm``, ``l2``."""
+        """Seconds of each engine: ``tensor``, ``issue`` (occupancy-derated), ``hbm``, ``l2``,
+        ``stages`` (of the pipeline)."""
         tensor = self.mma * MMA_FLOPS / spec.wmma_flops
         if self.dense_flops:
             wide = jnp.dtype(dtype).itemsize >= 4
             rate = spec.dense_flops_f32 if wide else spec.dense_flops_16bit
             tensor += self.dense_flops / rate
-        issue = 0.0
-        if self.instructions:
-            efficiency = occupancy(self.registers, self.shared_bytes, self.threads, spec)[2]
+        issue = stages = 0.0
+        if self.threads:
+            blocks, _, efficiency = occupancy(self.registers, self.shared_bytes, self.threads, spec)
             issue = self.instructions / (spec.issue_rate * efficiency)
+            resident = min(self.ctas, blocks * spec.sms)
+            if self.stages and resident:
+                stages = self.stages * spec.stage_seconds / resident
         return {
             "tensor": tensor,
             "issue": issue,
             "hbm": self.hbm_bytes / spec.hbm_bandwidth,
             "l2": (self.load_bytes + self.store_bytes) / spec.l2_bandwidth,
+            "stages": stages,
         }
 
 
@@ -369,7 +390,9 @@ def element_product_launches(kind, rows, geo: DiagGeometry, offsets, dtype) -> l
             + structure * 4 * int(st.n_tiles.sum() + 2 * layout.n_ob)
             + s * (packed * const.TILE * const.TILE + pack_entries)
         )
-        plan, plan_fields = _compiled("element_plan_kernel", dtype, (layout.out_moving,))
+        plan, plan_fields = _compiled(
+            "element_plan_kernel", dtype, (layout.out_moving,), const.PLAN_WARPS
+        )
         launches.append(
             Launch(
                 "element_plan",
@@ -377,7 +400,7 @@ def element_product_launches(kind, rows, geo: DiagGeometry, offsets, dtype) -> l
                 load_bytes=load,
                 store_bytes=store,
                 hbm_bytes=4 * k + s * pack_entries + store,
-                instructions=_instructions(plan, cta=layout.n_ob * BLOCK_WARPS),
+                instructions=_instructions(plan, cta=layout.n_ob * const.PLAN_WARPS),
                 **plan_fields,
             )
         )
@@ -402,9 +425,11 @@ def element_product_launches(kind, rows, geo: DiagGeometry, offsets, dtype) -> l
     weights = k * geo.length * s
     packed = int(st.n_tiles[tc_blocks].sum()) * const.TILE * const.TILE * s
     hbm = rows * q_dim * s + store + _weight_hbm(weights + packed, n_slabs)
-    product, product_fields = _compiled("element_product_kernel", dtype, (layout.out_moving,))
+    warps = const.ELEM_WARPS
+    product, product_fields = _compiled(
+        "element_product_kernel", dtype, (layout.out_moving,), warps
+    )
     tc_count = int(tc_blocks.sum())
-    warps = BLOCK_WARPS
     instructions = _instructions(
         product,
         mma=mma,
@@ -470,7 +495,7 @@ def element_dvalues_launches(rows, geo: DiagGeometry, offsets, dtype) -> list:
     load = (groups * d + valid * d) * rows * s
     out = k * d * (4 * splits if splits > 1 else s)  # the partial sums of every split
     ctas = _cdiv(d, const.SDDMM_LANES) * groups * splits
-    sddmm, sddmm_fields = _compiled("sddmm_kernel", dtype)
+    sddmm, sddmm_fields = _compiled("sddmm_kernel", dtype, (), const.SDDMM_WARPS)
     launches = [
         Launch(
             "element_sddmm",
@@ -479,7 +504,7 @@ def element_dvalues_launches(rows, geo: DiagGeometry, offsets, dtype) -> list:
             load_bytes=load,
             store_bytes=out,
             hbm_bytes=rows * (in_features + out_features) * s + out,
-            instructions=_instructions(sddmm, fma=fma / WARP, cta=ctas * BLOCK_WARPS),
+            instructions=_instructions(sddmm, fma=fma / WARP, cta=ctas * const.SDDMM_WARPS),
             **sddmm_fields,
         )
     ]
@@ -492,14 +517,15 @@ def _reduce_launch(n: int, splits: int, dtype) -> Launch:
     """The fixed-order sum of ``splits`` float32 partial results of ``n`` elements."""
     const = launch_plan.constants()
     ctas = _cdiv(n, const.REDUCE_THREADS)
-    reduce, reduce_fields = _compiled("sddmm_reduce_kernel", dtype)
+    warps = const.REDUCE_THREADS // WARP
+    reduce, reduce_fields = _compiled("sddmm_reduce_kernel", dtype, (), warps)
     return Launch(
         "sddmm_reduce",
         ctas=ctas,
         load_bytes=splits * n * 4,
         store_bytes=n * _itemsize(dtype),
         hbm_bytes=splits * n * 4 + n * _itemsize(dtype),
-        instructions=_instructions(reduce, load=splits * n / WARP, cta=ctas * BLOCK_WARPS),
+        instructions=_instructions(reduce, load=splits * n / WARP, cta=ctas * warps),
         **reduce_fields,
     )
 
@@ -568,19 +594,20 @@ def block_product_launches(kind, rows, geo: DiagGeometry, offsets, dtype) -> lis
     weights = k * l_b * b * b * s
     hbm = rows * (q_dim + o_dim) * s + _weight_hbm(weights, n_slabs)
     ctas = plan.n_panels * n_slabs
+    warps = const.BLOCK_WARPS
     if plan.tensor_cores:
         flags = (plan.out_long, kind == "dx", b, plan.cols)
-        kernel, kernel_fields = _compiled("block_product_tc_kernel", dtype, flags)
+        kernel, kernel_fields = _compiled("block_product_tc_kernel", dtype, flags, warps)
         instructions = _instructions(
             kernel,
             mma=mma,
-            stage=trips * n_slabs * BLOCK_WARPS,
+            stage=trips * n_slabs * warps,
             store=tiles * n_slabs,  # one 16-byte store per lane and stored 16x16 tile
-            cta=ctas * BLOCK_WARPS,
+            cta=ctas * warps,
         )
     else:
         kernel, kernel_fields = _compiled(
-            "block_product_simt_kernel", dtype, (plan.out_long, kind == "dx")
+            "block_product_simt_kernel", dtype, (plan.out_long, kind == "dx"), warps
         )
         instructions = _instructions(
             kernel,
@@ -589,8 +616,8 @@ def block_product_launches(kind, rows, geo: DiagGeometry, offsets, dtype) -> lis
             x_load=x_slices * n_slabs * const.BLOCK_ROWS * 16 // WARP,
             w_load=w_elements * n_slabs / WARP,
             store=stores / s / WARP,
-            stage=trips * n_slabs * BLOCK_WARPS,
-            cta=ctas * BLOCK_WARPS,
+            stage=trips * n_slabs * warps,
+            cta=ctas * warps,
         )
     return [
         Launch(
@@ -602,6 +629,7 @@ def block_product_launches(kind, rows, geo: DiagGeometry, offsets, dtype) -> lis
             store_bytes=stores,
             hbm_bytes=hbm,
             instructions=instructions,
+            stages=trips * n_slabs if plan.tensor_cores else 0,
             **kernel_fields,
         )
     ]
@@ -648,26 +676,27 @@ def block_dvalues_launches(rows, geo: DiagGeometry, offsets, dtype) -> list:
     out_bytes = n_out * (4 * plan.splits if plan.splits > 1 else s)
     ctas = plan.wrap_chunks * p_b * plan.groups * plan.splits
     base = plan.wrap_chunks * p_b * plan.groups  # thread blocks per row split
+    warps = launch_plan.constants().BLOCK_WARPS
     if tc:
-        kernel, kernel_fields = _compiled("block_sddmm_tc_kernel", dtype, (b,))
+        kernel, kernel_fields = _compiled("block_sddmm_tc_kernel", dtype, (b,), warps)
         instructions = _instructions(
             kernel,
             mma=mma,
             load=loaded / 8 / WARP,  # one 16-byte cp.async (or zero fill) per 8 elements
             # one 16-byte store per lane and 16x16 tile: 8 outputs, or 4 float32 partial sums
             store=n_out // 256 * (2 * plan.splits if plan.splits > 1 else 1),
-            stage=stages * base * BLOCK_WARPS,
-            cta=ctas * BLOCK_WARPS,
+            stage=stages * base * warps,
+            cta=ctas * warps,
         )
     else:
-        kernel, kernel_fields = _compiled("block_sddmm_simt_kernel", dtype)
+        kernel, kernel_fields = _compiled("block_sddmm_simt_kernel", dtype, (), warps)
         instructions = _instructions(
             kernel,
             fma=fma / WARP,
             load=loaded / WARP,
             store=n_out * plan.splits / WARP,
-            stage=stages * base * BLOCK_WARPS,
-            cta=ctas * BLOCK_WARPS,
+            stage=stages * base * warps,
+            cta=ctas * warps,
         )
     launches = [
         Launch(
@@ -679,6 +708,7 @@ def block_dvalues_launches(rows, geo: DiagGeometry, offsets, dtype) -> list:
             store_bytes=out_bytes,
             hbm_bytes=rows * (in_features + out_features) * s + out_bytes,
             instructions=instructions,
+            stages=stages * base if tc else 0,
             **kernel_fields,
         )
     ]

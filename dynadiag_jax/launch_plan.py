@@ -74,6 +74,8 @@ class LaunchConstants(NamedTuple):
     BLOCK_ROWS: int  # block products: rows per slab on CUDA cores (kBlockRows)
     BLOCK_WARPS: int  # warps per block-kernel thread block (kBlockWarps)
     BLOCK_SLICE: int  # block products: contraction columns per slice (kBlockSlice)
+    PLAN_WARPS: int  # warps per element plan thread block (kPlanThreads / 32)
+    SDDMM_WARPS: int  # warps per element dvalues thread block (kSddmmWarps)
 
 
 def _ext():

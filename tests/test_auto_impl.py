@@ -40,32 +40,32 @@ def test_platforms_without_kernels_build_w_and_call_the_dot(platform):
     assert d.impl == "dense" and platform in d.reason
 
 
-def test_cuda_takes_dense_on_the_headline_shapes():
-    # element diagonals are never predicted faster than dense; the block kernels are (up to ~2.3x
-    # at 90%), but not by the margin that the measured forward's 2.4x gap to the model asks for
+def test_cuda_takes_the_block_kernels_past_the_margin_and_element_diagonals_never():
+    # element diagonals are never predicted faster than dense; the block kernels are taken exactly
+    # where the model predicts the margin in forward and step: not at 90% on ViT-B's fc1 (a
+    # profiled H100 ran its step at 0.77x cuBLAS, docs/gpu_cost_model.md), at 98% with b = 16
     for in_f, out_f in [(768, 3072), (3072, 768), (768, 2304), (768, 768)]:
         for b in (1, 16, 32, 64):
             d = decide("cuda", in_f, out_f, b=b)
-            assert d.impl == "dense" and d.prediction is not None, (in_f, out_f, b, d.reason)
+            assert d.prediction is not None, (in_f, out_f, b, d.reason)
             fwd, step = d.prediction.speedup("kernel", "dense")
-            assert min(fwd, step) < auto.MIN_SPEEDUP, (in_f, out_f, b, d.reason)
+            margin = min(fwd, step) >= auto.MIN_SPEEDUP
+            assert (d.impl == "ffi") == margin, (in_f, out_f, b, d.reason)
             if b == 1:
-                assert fwd < 1, (in_f, out_f, d.reason)
+                assert d.impl == "dense" and fwd < 1, (in_f, out_f, d.reason)
+    assert decide("cuda", sparsity=0.98, b=16).impl == "ffi"
+    assert decide("cuda", sparsity=0.5, b=16).impl == "dense"
     assert decide("cuda", b=16, available=False).impl == "dense"
 
 
 def test_the_kernels_need_the_margin_in_forward_and_step():
-    # a GPU whose cores issue instructions 40x faster and whose dense dot runs at a quarter of the
-    # H100's rate: the margin decides, per sparsity
-    h100 = gpu_cost.H100
-    fast = h100._replace(
-        name="fast", issue_rate=40 * h100.issue_rate, dense_flops_16bit=h100.dense_flops_16bit / 4
-    )
+    # on the H100 the margin decides per sparsity and b: dense up to 90%, the kernels above for
+    # some b
     picked = set()
-    for b in (1, 16, 32, 64):
+    for b in (16, 32, 64):  # element diagonals stay dense whatever the model says (below)
         for s in (0.5, 0.8, 0.9, 0.95, 0.98):
             k = dd.num_diagonals(768, 3072, s, block_size=b)
-            d = auto.decide_for_gpu(VIT, 768, 3072, BF16, k, b, fast)
+            d = auto.decide_for_gpu(VIT, 768, 3072, BF16, k, b, gpu_cost.H100)
             fwd, step = d.prediction.speedup("kernel", "dense")
             margin = fwd >= auto.MIN_SPEEDUP and step >= auto.MIN_SPEEDUP
             assert (d.impl == "ffi") == margin, (b, s, d.reason)

@@ -35,6 +35,8 @@ nb::dict constants() {
   d["BLOCK_ROWS"] = c::kBlockRows;
   d["BLOCK_WARPS"] = c::kBlockWarps;
   d["BLOCK_SLICE"] = c::kBlockSlice;
+  d["PLAN_WARPS"] = c::kPlanThreads / 32;
+  d["SDDMM_WARPS"] = c::kSddmmWarps;
   return d;
 }
 
