@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from dynadiag_jax.ops.diag_matmul import diag_matmul_in_range, resolve_impl
 from dynadiag_jax.ops.ranking import gate_rank
@@ -236,6 +237,8 @@ def _ranked_product(sizes: tuple, out_features: int, impl: str):
     out, so the branches keep no residuals (autodiff of a switch returns every branch's residuals
     from every branch); each branch scatters ``dvalues = gate * G`` and ``dgate = <values, G>``
     of its diagonals into zeros of the full shapes (``order`` is a permutation: no index repeats).
+    Where ``x`` needs no gradient (a model's first layer, reading the data), the backward computes
+    ``dvalues`` alone: the kernel that also computes ``dx`` costs about twice as much there.
     """
 
     def switch(fn, branch, *args):
@@ -249,14 +252,21 @@ def _ranked_product(sizes: tuple, out_features: int, impl: str):
         w = _selected_weights(gate, values, idx, x.dtype)
         return diag_matmul_in_range(x, w, idx, out_features=out_features, impl=impl)
 
-    def backward(s, x, values, gate, order, dy):
+    def backward(with_dx, s, x, values, gate, order, dy):
         idx = order[:s]
-        _, pull = jax.vjp(
-            lambda a, v: diag_matmul_in_range(a, v, idx, out_features=out_features, impl=impl),
-            x,
-            _selected_weights(gate, values, idx, x.dtype),
-        )
-        dx, g = pull(dy)
+        w = _selected_weights(gate, values, idx, x.dtype)
+        if with_dx:
+            _, pull = jax.vjp(
+                lambda a, v: diag_matmul_in_range(a, v, idx, out_features=out_features, impl=impl),
+                x,
+                w,
+            )
+            dx, g = pull(dy)
+        else:
+            _, pull = jax.vjp(
+                lambda v: diag_matmul_in_range(x, v, idx, out_features=out_features, impl=impl), w
+            )
+            dx, (g,) = None, pull(dy)
         g = g.astype(gate.dtype)
         rows = values[idx].astype(gate.dtype)
         dgate = jnp.sum(rows * g, axis=tuple(range(1, values.ndim)))
@@ -273,14 +283,21 @@ def _ranked_product(sizes: tuple, out_features: int, impl: str):
         return switch(product, branch, x, values, gate, order)
 
     def f_fwd(x, values, gate, order, branch):
-        return f(x, values, gate, order, branch), (x, values, gate, order, branch)
+        args = [a.value for a in (x, values, gate, order, branch)]
+        # the residuals' structure carries whether x needs its gradient (a static fact)
+        flag = (None,) if x.perturbed else ()
+        return f(*args), (*args, flag)
 
     def f_bwd(res, dy):
-        x, values, gate, order, branch = res
-        dx, dvalues, dgate = switch(backward, branch, x, values, gate, order, dy)
+        *args, flag = res
+        x, values, gate, order, branch = args
+        if isinstance(dy, SymbolicZero):
+            dy = jnp.zeros(dy.shape, dy.dtype)
+        step = functools.partial(backward, bool(flag))
+        dx, dvalues, dgate = switch(step, branch, x, values, gate, order, dy)
         return dx, dvalues, dgate, None, None
 
-    f.defvjp(f_fwd, f_bwd)
+    f.defvjp(f_fwd, f_bwd, symbolic_zeros=True)
     return f
 
 
