@@ -235,8 +235,9 @@ def _ranked_product(sizes: tuple, out_features: int, impl: str):
     it computes, so a narrow search step reads ``s`` rows of ``values``, not all ``P`` (on a small
     layer those passes over ``values[P, ...]`` cost as much as the product). The VJP is written
     out, so the branches keep no residuals (autodiff of a switch returns every branch's residuals
-    from every branch); each branch scatters ``dvalues = gate * G`` and ``dgate = <values, G>``
-    of its diagonals into zeros of the full shapes (``order`` is a permutation: no index repeats).
+    from every branch); each branch spreads ``dvalues = gate * G`` and ``dgate = <values, G>``
+    of its diagonals over the full shapes by one gather through ``rank`` (the inverse of
+    ``order``), zeros elsewhere: one write of ``[P, ...]``, where zeros and a scatter took two.
     Where ``x`` needs no gradient (a model's first layer, reading the data), the backward computes
     ``dvalues`` alone: the kernel that also computes ``dx`` costs about twice as much there.
     """
@@ -252,7 +253,12 @@ def _ranked_product(sizes: tuple, out_features: int, impl: str):
         w = _selected_weights(gate, values, idx, x.dtype)
         return diag_matmul_in_range(x, w, idx, out_features=out_features, impl=impl)
 
-    def backward(with_dx, s, x, values, gate, order, dy):
+    def spread(compact, rank, s):
+        """``compact[s, ...]`` (rows in ``order``) at every candidate's row; zero past ``s``."""
+        padded = jnp.concatenate([compact, jnp.zeros((1, *compact.shape[1:]), compact.dtype)])
+        return padded[jnp.minimum(rank, s)]
+
+    def backward(with_dx, s, x, values, gate, order, rank, dy):
         idx = order[:s]
         w = _selected_weights(gate, values, idx, x.dtype)
         if with_dx:
@@ -271,12 +277,7 @@ def _ranked_product(sizes: tuple, out_features: int, impl: str):
         rows = values[idx].astype(gate.dtype)
         dgate = jnp.sum(rows * g, axis=tuple(range(1, values.ndim)))
         dvalues = (_per_row(gate[idx], values.ndim) * g).astype(values.dtype)
-        scatter = dict(unique_indices=True, mode="promise_in_bounds")
-        return (
-            dx,
-            jnp.zeros_like(values).at[idx].set(dvalues, **scatter),
-            jnp.zeros_like(gate).at[idx].set(dgate, **scatter),
-        )
+        return dx, spread(dvalues, rank, s), spread(dgate, rank, s)
 
     @jax.custom_vjp
     def f(x, values, gate, order, branch):
@@ -294,7 +295,9 @@ def _ranked_product(sizes: tuple, out_features: int, impl: str):
         if isinstance(dy, SymbolicZero):
             dy = jnp.zeros(dy.shape, dy.dtype)
         step = functools.partial(backward, bool(flag))
-        dx, dvalues, dgate = switch(step, branch, x, values, gate, order, dy)
+        every = jnp.arange(order.shape[0], dtype=order.dtype)
+        rank = jnp.zeros_like(order).at[order].set(every, unique_indices=True)
+        dx, dvalues, dgate = switch(step, branch, x, values, gate, order, rank, dy)
         return dx, dvalues, dgate, None, None
 
     f.defvjp(f_fwd, f_bwd, symbolic_zeros=True)
