@@ -4,10 +4,14 @@ to compile, beside static diagonals and dense.
 Builds a suite of ``train/configs/results.py`` (model, recipe, data) at one sparsity, trains the
 DynaDiag state on real batches until ``--fraction`` of its search phase (so the gate has narrowed as
 in a run), then times, interleaved (median of ``--repeats``), its jitted training step there and
-after the freeze - with the suite's optimizer and with plain SGD, which shows what the optimizer's
-pass over the search phase's ``values[P, ...]`` costs. It also reports the XLA compile time of
-each program a run compiles (initial state, search step, freeze, frozen step; static diagonals' and
-dense's step). Prints a table; writes a CSV (``--out``, default
+after the freeze - with the suite's optimizer, with plain SGD and with no update at all
+(``optax.set_to_zero``: the forward, backward and search mechanics alone), which shows what the
+optimizer's pass over the search phase's ``values[P, ...]`` costs. Beside each step time it reports
+the bytes the compiled step accesses (XLA's cost analysis of the program the run jits, state
+donated; a conditional counts every branch, the kernels' custom calls count nothing), which unlike
+the times does not depend on the host's load, and the load average while timing. It also reports
+the XLA compile time of each program a run compiles (initial state, search step, freeze, frozen
+step; static diagonals' and dense's step). Prints a table; writes a CSV (``--out``, default
 ``bench/results/suite_step_<time>.csv``).
 
 Example::
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import os
 import pathlib
 import sys
 import time
@@ -36,6 +41,9 @@ from dynadiag_jax import data as D  # noqa: E402
 from dynadiag_jax import training as T  # noqa: E402
 from train import results_runs as R  # noqa: E402
 from train.configs import results as results_config  # noqa: E402
+
+# The step's optimizers: None is the suite's own; "none" makes no update (the mechanics alone).
+OPTIMIZERS = {"suite optimizer": None, "sgd": optax.sgd(1e-3), "none": optax.set_to_zero()}
 
 
 def _compile_seconds(fn, *args) -> float:
@@ -75,18 +83,31 @@ def measure(config, suite: str, sparsity: float, fraction: float, repeats: int) 
         other = jax.jit(init(method, b.optimizer))()
         fn = T.make_train_step(b.model, b.optimizer, task)
         rows.append((f"compile: {method} step", _compile_seconds(fn, other, batch), "s"))
-    calls = {}
-    for name, optimizer in (("suite optimizer", dyn.optimizer), ("sgd", optax.sgd(1e-3))):
-        fn = jax.jit(T.make_train_step(dyn.model, optimizer, task, gate=dyn.gate))
+    calls, accessed = {}, []
+    for name, optimizer in OPTIMIZERS.items():
+        optimizer = optimizer or dyn.optimizer
+        step_fn = T.make_train_step(dyn.model, optimizer, task, gate=dyn.gate)
+        fn = jax.jit(step_fn)
         opt_state = optimizer.init(state.params)
         search = state._replace(opt_state=opt_state)
         after = jax.jit(T.freeze_state)(search)
-        calls[f"search step, {name}"] = (fn, (search, batch))
-        calls[f"frozen step, {name}"] = (fn, (after, batch))
+        for phase, phase_state in (("search", search), ("frozen", after)):
+            calls[f"{phase} step, {name}"] = (fn, (phase_state, batch))
+            donated = jax.jit(step_fn, donate_argnums=0).lower(phase_state, batch).compile()
+            accessed.append((f"bytes: {phase} step, {name}", _bytes_accessed(donated) / 1e6, "MB"))
     with tqdm(total=repeats * len(calls), unit="call", leave=False) as progress:
+        load = os.getloadavg()[0]
         times = time_interleaved(calls, repeats, progress)
+        load = max(load, os.getloadavg()[0])
     rows += [(name, 1e3 * t, "ms") for name, t in times.items()]
+    rows += [*accessed, ("load average while timing", load, "")]
     return [{"what": w, "value": v, "unit": u} for w, v, u in rows]
+
+
+def _bytes_accessed(compiled) -> float:
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    return float(analysis.get("bytes accessed", float("nan")))
 
 
 def main(argv=None) -> None:
@@ -108,9 +129,10 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"  {r['what']:<36} {r['value']:9.3f} {r['unit']}")
     by = {r["what"]: r["value"] for r in rows}
-    for name in ("suite optimizer", "sgd"):
+    for name in OPTIMIZERS:
         ratio = by[f"search step, {name}"] / by[f"frozen step, {name}"]
-        print(f"  search / frozen step, {name}: {ratio:.2f}x")
+        traffic = by[f"bytes: search step, {name}"] / by[f"bytes: frozen step, {name}"]
+        print(f"  search / frozen step, {name}: {ratio:.2f}x (bytes accessed {traffic:.1f}x)")
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
     out = pathlib.Path(args.out or f"bench/results/suite_step_{stamp}.csv")
     out.parent.mkdir(parents=True, exist_ok=True)

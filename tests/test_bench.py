@@ -187,21 +187,31 @@ def test_search_step_benchmark_refuses_bad_options(run_python, option):
 
 
 def test_suite_step_benchmark_times_both_phases_and_every_compilation(run_python, tmp_path):
-    """The small digits' MLP suite: step times of both phases with both optimizers, and the
-    compile time of every program a DynaDiag, static or dense run compiles."""
+    """The small digits' MLP suite: step times and bytes accessed of both phases with each
+    optimizer (none: no update), and the compile time of every program a DynaDiag, static or dense
+    run compiles."""
     out = tmp_path / "suite.csv"
     args = ["--data", "mnist5k", "--fraction", "0.1", "--repeats", "2", "--out", str(out)]
     proc = run_python([str(ROOT / "bench" / "suite_step.py"), *args])
     _, rows = read_rows(out)
     programs = ["initial state", "search step", "freeze", "frozen step"]
-    steps = [f"{p} step, {o}" for o in ("suite optimizer", "sgd") for p in ("search", "frozen")]
+    optimizers = ("suite optimizer", "sgd", "none")
+    steps = [f"{p} step, {o}" for o in optimizers for p in ("search", "frozen")]
     assert [r["what"] for r in rows] == [
         *(f"compile: {p}" for p in programs),
         "compile: static_diagonals step",
         "compile: dense step",
         *steps,
+        *(f"bytes: {s}" for s in steps),
+        "load average while timing",
     ]
-    assert all(math.isfinite(float(r["value"])) and float(r["value"]) > 0 for r in rows)
+    *measured, load = (float(r["value"]) for r in rows)
+    assert all(math.isfinite(v) and v > 0 for v in measured) and load >= 0
+    moved = {r["what"]: float(r["value"]) for r in rows if r["what"].startswith("bytes: ")}
+    # the search phase's optimizer updates all P candidates' values, the frozen one K of them
+    for phase in ("search", "frozen"):
+        assert moved[f"bytes: {phase} step, suite optimizer"] > moved[f"bytes: {phase} step, none"]
+    assert moved["bytes: search step, none"] > moved["bytes: frozen step, none"]
     assert "search / frozen step, sgd:" in proc.stdout
 
 

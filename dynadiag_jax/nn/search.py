@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from dynadiag_jax.ops.diag_matmul import diag_matmul_in_range, resolve_impl
 from dynadiag_jax.ops.ranking import gate_rank
@@ -234,8 +235,11 @@ def _ranked_product(sizes: tuple, out_features: int, impl: str):
     it computes, so a narrow search step reads ``s`` rows of ``values``, not all ``P`` (on a small
     layer those passes over ``values[P, ...]`` cost as much as the product). The VJP is written
     out, so the branches keep no residuals (autodiff of a switch returns every branch's residuals
-    from every branch); each branch scatters ``dvalues = gate * G`` and ``dgate = <values, G>``
-    of its diagonals into zeros of the full shapes (``order`` is a permutation: no index repeats).
+    from every branch); each branch spreads ``dvalues = gate * G`` and ``dgate = <values, G>``
+    of its diagonals over the full shapes by one gather through ``rank`` (the inverse of
+    ``order``), zeros elsewhere: one write of ``[P, ...]``, where zeros and a scatter took two.
+    Where ``x`` needs no gradient (a model's first layer, reading the data), the backward computes
+    ``dvalues`` alone: the kernel that also computes ``dx`` costs about twice as much there.
     """
 
     def switch(fn, branch, *args):
@@ -249,38 +253,54 @@ def _ranked_product(sizes: tuple, out_features: int, impl: str):
         w = _selected_weights(gate, values, idx, x.dtype)
         return diag_matmul_in_range(x, w, idx, out_features=out_features, impl=impl)
 
-    def backward(s, x, values, gate, order, dy):
+    def spread(compact, rank, s):
+        """``compact[s, ...]`` (rows in ``order``) at every candidate's row; zero past ``s``."""
+        padded = jnp.concatenate([compact, jnp.zeros((1, *compact.shape[1:]), compact.dtype)])
+        return padded[jnp.minimum(rank, s)]
+
+    def backward(with_dx, s, x, values, gate, order, rank, dy):
         idx = order[:s]
-        _, pull = jax.vjp(
-            lambda a, v: diag_matmul_in_range(a, v, idx, out_features=out_features, impl=impl),
-            x,
-            _selected_weights(gate, values, idx, x.dtype),
-        )
-        dx, g = pull(dy)
+        w = _selected_weights(gate, values, idx, x.dtype)
+        if with_dx:
+            _, pull = jax.vjp(
+                lambda a, v: diag_matmul_in_range(a, v, idx, out_features=out_features, impl=impl),
+                x,
+                w,
+            )
+            dx, g = pull(dy)
+        else:
+            _, pull = jax.vjp(
+                lambda v: diag_matmul_in_range(x, v, idx, out_features=out_features, impl=impl), w
+            )
+            dx, (g,) = None, pull(dy)
         g = g.astype(gate.dtype)
         rows = values[idx].astype(gate.dtype)
         dgate = jnp.sum(rows * g, axis=tuple(range(1, values.ndim)))
         dvalues = (_per_row(gate[idx], values.ndim) * g).astype(values.dtype)
-        scatter = dict(unique_indices=True, mode="promise_in_bounds")
-        return (
-            dx,
-            jnp.zeros_like(values).at[idx].set(dvalues, **scatter),
-            jnp.zeros_like(gate).at[idx].set(dgate, **scatter),
-        )
+        return dx, spread(dvalues, rank, s), spread(dgate, rank, s)
 
     @jax.custom_vjp
     def f(x, values, gate, order, branch):
         return switch(product, branch, x, values, gate, order)
 
     def f_fwd(x, values, gate, order, branch):
-        return f(x, values, gate, order, branch), (x, values, gate, order, branch)
+        args = [a.value for a in (x, values, gate, order, branch)]
+        # the residuals' structure carries whether x needs its gradient (a static fact)
+        flag = (None,) if x.perturbed else ()
+        return f(*args), (*args, flag)
 
     def f_bwd(res, dy):
-        x, values, gate, order, branch = res
-        dx, dvalues, dgate = switch(backward, branch, x, values, gate, order, dy)
+        *args, flag = res
+        x, values, gate, order, branch = args
+        if isinstance(dy, SymbolicZero):
+            dy = jnp.zeros(dy.shape, dy.dtype)
+        step = functools.partial(backward, bool(flag))
+        every = jnp.arange(order.shape[0], dtype=order.dtype)
+        rank = jnp.zeros_like(order).at[order].set(every, unique_indices=True)
+        dx, dvalues, dgate = switch(step, branch, x, values, gate, order, rank, dy)
         return dx, dvalues, dgate, None, None
 
-    f.defvjp(f_fwd, f_bwd)
+    f.defvjp(f_fwd, f_bwd, symbolic_zeros=True)
     return f
 
 
