@@ -208,16 +208,16 @@ def test_per_example_gradients_with_vmap_of_grad(impl, rng):
 def test_auto_uses_the_kernel_when_built():
     assert "ffi" in dd.available_impls(), "the C++ extension is part of every install"
 
-    def lowered(dtype, rows=auto.CPU_JAX_FORWARD_MAX_ROWS + 1):
+    def lowered(dtype, rows=2, out_f=4):
         x = jnp.ones((rows, 4), dtype)
         v, o = jnp.ones((1, 4), dtype), jnp.zeros((1,), jnp.int32)
-        f = jax.jit(lambda x: dd.diag_matmul(x, v, o, out_features=4))
+        f = jax.jit(lambda x: dd.diag_matmul(x, v, o, out_features=out_f))
         return f.lower(x).as_text()
 
     # "auto" stays in the program and is decided in the lowering, for the platform lowered for
     assert "dynadiag_diag_matmul_v2_fwd" in lowered(jnp.float32)
-    # the element forward of a few rows runs the pure-JAX path (faster there)
-    assert "custom_call" not in lowered(jnp.float32, rows=2)
+    # the forward of a tall element layer at a few rows runs the pure-JAX path (faster there)
+    assert "custom_call" not in lowered(jnp.float32, rows=auto.CPU_JAX_FORWARD_ROWS[0], out_f=8)
     # float64 has no compiled kernel: auto falls back to the pure-JAX path.
     with jax.enable_x64(True):
         assert "custom_call" not in lowered(jnp.float64)

@@ -7,10 +7,10 @@ lowering, once per platform lowered for (``ops/products.py``), so a program expo
 CUDA on a CPU host gets CUDA's choice, and one lowered for ``("cpu", "cuda")`` holds both.
 
 * **cpu**: the C++ kernels where they are built and take the dtype and block size, else ``"jax"``;
-  except the forward of element diagonals at up to :data:`CPU_JAX_FORWARD_MAX_ROWS` rows, where the
-  pure-JAX path is faster (docs/cpu_kernels.md, "impl=auto on CPU", has the measurements). XLA's
-  dense dot is slower than one of the two at every measured shape from 80% sparsity, so the CPU
-  never takes ``"dense"``.
+  except the forward of a tall layer of element diagonals at :data:`CPU_JAX_FORWARD_ROWS` rows,
+  where the pure-JAX path is faster (docs/cpu_kernels.md, "impl=auto on CPU", has the
+  measurements). XLA's dense dot was slower than one of the two at every measured shape from 80%
+  sparsity, so the CPU never takes ``"dense"``.
 * **cuda**: the CUDA kernels only where the cost model (:mod:`dynadiag_jax.gpu_cost`, for the GPU
   found, H100 figures when none is visible) predicts them at least :data:`MIN_SPEEDUP` times
   faster than building ``W`` and calling XLA's dot, in the forward product and in the whole step
@@ -33,7 +33,7 @@ from dynadiag_jax import gpu_cost
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, DiagGeometry, geometry
 
 __all__ = [
-    "CPU_JAX_FORWARD_MAX_ROWS",
+    "CPU_JAX_FORWARD_ROWS",
     "MIN_SPEEDUP",
     "Decision",
     "current_platform",
@@ -50,11 +50,13 @@ __all__ = [
 # that until a GPU times the rest.
 MIN_SPEEDUP = 2.5
 
-# Up to this many rows, the forward of element diagonals on CPU runs the pure-JAX path: XLA fuses
-# its loop over the diagonals into one multi-threaded pass that beat the few-row kernel 1.3x-2.3x
-# at 2-16 rows (90%, 768 <-> 3072 and 768 -> 768, interleaved with dense), while the kernels'
-# backward beat the JAX one at every batch size. Blocks run the kernels at every batch size.
-CPU_JAX_FORWARD_MAX_ROWS = 16
+# The batch sizes (rows, first and last) at which the forward of a tall layer of element
+# diagonals (out > in) on CPU runs the pure-JAX path: measured with each path timed as often right
+# after XLA's dense dot as not (90%, 768 <-> 3072 and 768 -> 768, docs/cpu_kernels.md), XLA's fused
+# loop over the diagonals ran 1.2x-1.3x faster than the few-row kernel there; at 1-2 rows, on
+# square and wide layers, and in the backward at every batch size, the kernels were as fast or
+# faster. Blocks run the kernels at every batch size.
+CPU_JAX_FORWARD_ROWS = (4, 16)
 
 
 class Decision(NamedTuple):
@@ -131,8 +133,10 @@ def _decide(
     if platform == "cpu":
         if not kernel_available:
             return Decision("jax", "no C++ kernel for this dtype or block size")
-        if not geo.blocked and outputs == ("y",) and rows <= CPU_JAX_FORWARD_MAX_ROWS:
-            return Decision("jax", f"element forward at <= {CPU_JAX_FORWARD_MAX_ROWS} rows")
+        first, last = CPU_JAX_FORWARD_ROWS
+        tall = geo.out_features > geo.in_features
+        if not geo.blocked and tall and outputs == ("y",) and first <= rows <= last:
+            return Decision("jax", f"forward of a tall element layer at {first}-{last} rows")
         return Decision("ffi", "C++ kernels")
     if platform != "cuda":
         return Decision("dense", f"no kernels on {platform}: XLA's dot on W built on the device")
