@@ -9,9 +9,10 @@ phases of a diagonal-sparse layer ``y = x @ W.T`` with ``x[batch, in]``:
 * ``bwd``: the VJP alone, ``(dx, dvalues)`` from ``dy`` (``(dx, dW)`` for the dense layer);
 * ``fwd+bwd``: both in one jitted call (one training step of the layer).
 
-Implementations: ``ffi`` (our XLA FFI kernels), ``jax`` (the pure-JAX path), ``dense`` (XLA's
-``x @ W.T`` on a dense ``W[out, in]``, differentiated by JAX: the dense layer being replaced) and
-``bcoo`` (``jax.experimental.sparse`` with the same ``K * D`` non-zeros). All calls of one case
+Implementations: ``ffi`` (our XLA FFI kernels), ``auto`` (what ``impl="auto"`` picks per product;
+not run unless named), ``jax`` (the pure-JAX path), ``dense`` (XLA's ``x @ W.T`` on a dense
+``W[out, in]``, differentiated by JAX: the dense layer being replaced) and ``bcoo``
+(``jax.experimental.sparse`` with the same ``K * D`` non-zeros). All calls of one case
 run interleaved in one process, each time is the median of ``--repeats`` calls, and every time is
 reported as a speed-up over ``dense`` measured in the same loop (``dense_ms / ms``); the block
 sizes of one shape, sparsity and batch size share that loop and its dense timing. BCOO is the
@@ -75,7 +76,8 @@ except ImportError:
 
 VIT_B_SHAPES = ((768, 768), (768, 2304), (768, 3072), (3072, 768))
 SPARSITIES = (0.5, 0.8, 0.9, 0.95)
-IMPLS = ("ffi", "jax", "dense", "bcoo")
+IMPLS = ("ffi", "auto", "jax", "dense", "bcoo")
+DEFAULT_IMPLS = ("ffi", "jax", "dense", "bcoo")
 PHASES = ("fwd", "bwd", "fwd+bwd")
 BLOCKS = (1,)
 QUICK = dict(
@@ -142,7 +144,7 @@ def _phases(layer: Callable, x, param, dy) -> dict[str, tuple[Callable, tuple]]:
 def build(impl: str, case: Case) -> dict[str, tuple[Callable, tuple]]:
     """The three timed functions of one implementation."""
     out_f, in_f = case.out_features, case.in_features
-    if impl in ("ffi", "jax"):
+    if impl in ("ffi", "auto", "jax"):
 
         def layer(x, values):
             return dd.diag_matmul(x, values, case.offsets, out_features=out_f, impl=impl)
@@ -304,7 +306,7 @@ def parse_args(argv):
     parser.add_argument(
         "--impls",
         type=_names,
-        default=IMPLS,
+        default=DEFAULT_IMPLS,
         help=f"comma separated subset of {','.join(IMPLS)} (dense always runs)",
     )
     parser.add_argument(

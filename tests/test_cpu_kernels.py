@@ -46,6 +46,10 @@ CASES = [  # (in, out, rows, k, duplicate offsets)
     (17, 9, 0, 4, False),  # no rows
     (300, 700, 5, 400, False),  # a few rows, split over several tasks
     (700, 300, 8, 400, True),
+    (70, 331, 16, 60, False),  # the forward writes the long side: a few rows up to 16
+    (331, 70, 12, 60, True),  # dx writes the long side
+    (33, 257, 2, 257, False),  # two rows, K = P: spans of every length
+    (257, 33, 3, 40, False),
 ]
 
 
@@ -172,7 +176,14 @@ def test_fused_backward_matches_dense(isa, case, bf16, workers, permuted, rng):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(
     "in_f,out_f,block,rows",
-    [(300, 700, 1, 8), (700, 300, 1, 5), (256, 512, 16, 16), (512, 256, 32, 4)],
+    [
+        (300, 700, 1, 8),
+        (700, 300, 1, 5),
+        (300, 700, 1, 16),
+        (1500, 4000, 1, 1),  # one row, enough work for several tasks
+        (256, 512, 16, 16),
+        (512, 256, 32, 4),
+    ],
 )
 def test_few_row_results_do_not_depend_on_the_task_split(isa, in_f, out_f, block, rows, rng):
     """The few-row kernels split the outputs (and dvalues) between tasks, never a sum: one task or
@@ -288,6 +299,47 @@ def test_ffi_op_at_block_sized_batches(in_f, out_f, sparsity, batch, rng):
     _assert_close(np.asarray(y).reshape(-1, out_f), x64 @ w.T, False, "y")
     _assert_close(np.asarray(dx).reshape(-1, in_f), dy64 @ w, False, "dx")
     _assert_close(np.asarray(dvalues), (dy64.T @ x64)[wr, wc], False, "dvalues")
+
+
+SMALL_BATCH_LAYERS = [  # (in, out, b): tall, wide and square, sizes no tile divides
+    (70, 331, 1),
+    (331, 70, 1),
+    (131, 131, 1),
+    (48, 208, 16),
+    (208, 48, 16),
+    (96, 96, 16),
+    (64, 224, 32),
+    (224, 64, 32),
+]
+
+
+@pytest.mark.parametrize("in_f,out_f,b", SMALL_BATCH_LAYERS, ids=lambda v: str(v))
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_small_batches_match_the_pure_jax_path(in_f, out_f, b, rows, dtype, rng):
+    """Batches of 1-16 rows (the few-row kernels, or the planned ones past their limit) through
+    dd.diag_matmul: the forward and both gradients agree with impl="jax"."""
+    k = dd.num_diagonals(in_f, out_f, 0.7, block_size=b)
+    if b == 1:
+        x, dy, values, offsets = _case(rng, in_f, out_f, rows, k, False)
+    else:
+        x, dy, values, offsets = _block_case(rng, in_f, out_f, b, rows, "all")
+        values = values[:k]
+        offsets = offsets[:k]
+    x, dy, values = (jnp.asarray(a, dtype) for a in (x, dy, values))
+    offsets = jnp.asarray(offsets)
+
+    def run(impl):
+        def layer(x, values):
+            return dd.diag_matmul(x, values, offsets, out_features=out_f, impl=impl)
+
+        y, vjp = jax.vjp(jax.jit(layer), x, values)
+        return [np.asarray(a, np.float64) for a in (y, *vjp(dy))]
+
+    bf16 = dtype == jnp.bfloat16
+    for name, got, want in zip(("y", "dx", "dvalues"), run("ffi"), run("jax")):
+        # Both paths round once from float32 sums: at most an ulp of bfloat16 apart.
+        _assert_close(got, want, bf16, f"{name} (rows={rows})")
 
 
 def test_run_kernel_rejects_inconsistent_operands():

@@ -7,6 +7,7 @@ import pytest
 
 import dynadiag_jax as dd
 from dynadiag_jax.layout import diag_indices
+from dynadiag_jax.ops import auto
 
 # Implementations under test: "ffi" must exist (the extension is part of every install).
 KERNEL_IMPLS = [i for i in dd.available_impls() if i not in ("auto", "dense", "jax")]
@@ -207,14 +208,16 @@ def test_per_example_gradients_with_vmap_of_grad(impl, rng):
 def test_auto_uses_the_kernel_when_built():
     assert "ffi" in dd.available_impls(), "the C++ extension is part of every install"
 
-    def lowered(dtype):
-        x = jnp.ones((2, 4), dtype)
+    def lowered(dtype, rows=2, out_f=4):
+        x = jnp.ones((rows, 4), dtype)
         v, o = jnp.ones((1, 4), dtype), jnp.zeros((1,), jnp.int32)
-        f = jax.jit(lambda x: dd.diag_matmul(x, v, o, out_features=4))
+        f = jax.jit(lambda x: dd.diag_matmul(x, v, o, out_features=out_f))
         return f.lower(x).as_text()
 
     # "auto" stays in the program and is decided in the lowering, for the platform lowered for
     assert "dynadiag_diag_matmul_v2_fwd" in lowered(jnp.float32)
+    # the forward of a tall element layer at a few rows runs the pure-JAX path (faster there)
+    assert "custom_call" not in lowered(jnp.float32, rows=auto.CPU_JAX_FORWARD_ROWS[0], out_f=8)
     # float64 has no compiled kernel: auto falls back to the pure-JAX path.
     with jax.enable_x64(True):
         assert "custom_call" not in lowered(jnp.float64)

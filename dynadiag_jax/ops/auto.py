@@ -6,7 +6,11 @@ b; the offsets are traced (they change during the search), so the cost model ass
 lowering, once per platform lowered for (``ops/products.py``), so a program exported or lowered for
 CUDA on a CPU host gets CUDA's choice, and one lowered for ``("cpu", "cuda")`` holds both.
 
-* **cpu**: the C++ kernels where they are built and take the dtype and block size, else ``"jax"``.
+* **cpu**: the C++ kernels where they are built and take the dtype and block size, else ``"jax"``;
+  except the forward of a tall layer of element diagonals at :data:`CPU_JAX_FORWARD_ROWS` rows,
+  where the pure-JAX path is faster (docs/cpu_kernels.md, "impl=auto on CPU", has the
+  measurements). XLA's dense dot was slower than one of the two at every measured shape from 80%
+  sparsity, so the CPU never takes ``"dense"``.
 * **cuda**: the CUDA kernels only where the cost model (:mod:`dynadiag_jax.gpu_cost`, for the GPU
   found, H100 figures when none is visible) predicts them at least :data:`MIN_SPEEDUP` times
   faster than building ``W`` and calling XLA's dot, in the forward product and in the whole step
@@ -29,6 +33,7 @@ from dynadiag_jax import gpu_cost
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, DiagGeometry, geometry
 
 __all__ = [
+    "CPU_JAX_FORWARD_ROWS",
     "MIN_SPEEDUP",
     "Decision",
     "current_platform",
@@ -43,6 +48,14 @@ __all__ = [
 # margin for what the model does not see: with its stage term it puts each profiled H100 block
 # kernel within 30% of its measured time (docs/gpu_cost_model.md).
 MIN_SPEEDUP = 1.25
+
+# The batch sizes (rows, first and last) at which the forward of a tall layer of element
+# diagonals (out > in) on CPU runs the pure-JAX path: measured with each path timed as often right
+# after XLA's dense dot as not (90%, 768 <-> 3072 and 768 -> 768, docs/cpu_kernels.md), XLA's fused
+# loop over the diagonals ran 1.2x-1.3x faster than the few-row kernel there; at 1-2 rows, on
+# square and wide layers, and in the backward at every batch size, the kernels were as fast or
+# faster. Blocks run the kernels at every batch size.
+CPU_JAX_FORWARD_ROWS = (4, 16)
 
 
 class Decision(NamedTuple):
@@ -89,6 +102,7 @@ def decide(
     block_size: int = 1,
     kernel_available: bool,
     spec: gpu_cost.DeviceSpec | None = None,
+    outputs: tuple[str, ...] = ("y",),
 ) -> Decision:
     """The implementation for these static facts.
 
@@ -97,9 +111,11 @@ def decide(
       rows, in_features, out_features, dtype, num_diagonals, block_size: the product.
       kernel_available: whether ``impl="ffi"`` runs this dtype and block size on ``platform``.
       spec: GPU to predict for (default :func:`gpu_spec`).
+      outputs: what the product computes: ``("y",)`` (the forward), ``("dx",)``,
+        ``("dvalues",)`` or ``("dx", "dvalues")`` (the backward).
     """
     geo = geometry(in_features, out_features, block_size)
-    return _decide(platform, rows, geo, dtype, num_diagonals, kernel_available, spec)
+    return _decide(platform, rows, geo, dtype, num_diagonals, kernel_available, spec, outputs)
 
 
 def _decide(
@@ -110,12 +126,17 @@ def _decide(
     num_diagonals: int,
     kernel_available: bool,
     spec: gpu_cost.DeviceSpec | None,
+    outputs: tuple[str, ...] = ("y",),
 ) -> Decision:
     """:func:`decide` for a product whose geometry the caller holds."""
     if platform == "cpu":
-        if kernel_available:
-            return Decision("ffi", "C++ kernels")
-        return Decision("jax", "no C++ kernel for this dtype or block size")
+        if not kernel_available:
+            return Decision("jax", "no C++ kernel for this dtype or block size")
+        first, last = CPU_JAX_FORWARD_ROWS
+        tall = geo.out_features > geo.in_features
+        if not geo.blocked and tall and outputs == ("y",) and first <= rows <= last:
+            return Decision("jax", f"forward of a tall element layer at {first}-{last} rows")
+        return Decision("ffi", "C++ kernels")
     if platform != "cuda":
         return Decision("dense", f"no kernels on {platform}: XLA's dot on W built on the device")
     if not kernel_available:
@@ -159,11 +180,13 @@ def kernel_available(platform: str, dtype, block_size: int = 1) -> bool:
     return block_size == 1 or (kernels.block_diagonals and block_size in KERNEL_BLOCK_SIZES)
 
 
-def decide_for_lowering(platform: str, *, rows: int, geo, dtype, num_diagonals: int) -> Decision:
+def decide_for_lowering(
+    platform: str, *, rows: int, geo, dtype, num_diagonals: int, outputs=("y",)
+) -> Decision:
     """:func:`decide` for ``platform`` with the kernels this installation has for it.
 
     ``geo``: the product's :class:`dynadiag_jax.layout.DiagGeometry`, computed once by the caller
-    and handed on to the cost model.
+    and handed on to the cost model; ``outputs`` as for :func:`decide`.
     """
     available = kernel_available(platform, dtype, geo.block_size)
-    return _decide(platform, rows, geo, dtype, num_diagonals, available, None)
+    return _decide(platform, rows, geo, dtype, num_diagonals, available, None, tuple(outputs))

@@ -818,21 +818,22 @@ class BlockDvaluesJob : public Job {
 // Up to this many rows, a product reads W in place, one diagonal or block at a time, with every
 // row of the batch passing over it while it is in L1 (FewRowsJob). The jobs above first build a
 // plan and pack the values, a pass over W that costs about as much as the whole product at batch
-// 1. The few-row loops cost nothing up front but more per row (three memory operations per FMA
-// for element diagonals), so each path takes the rows where it is faster (docs/cpu_kernels.md,
-// "A few rows", has the measurements).
+// 1. The few-row loops cost nothing up front but more per row, so each path takes the rows where
+// it is faster (docs/cpu_kernels.md, "A few rows", has the measurements): an element product
+// that writes the long side (the forward of a tall W, dx of a wide one) to 16 rows, the others
+// (and dvalues) to 8.
 constexpr int64_t kFewRowsElement = 8;
+constexpr int64_t kFewRowsElementLong = 16;
 constexpr int64_t kFewRowsBlock = 16;
 
-bool FewRows(int64_t rows, const DiagMatrix& w) {
-  return rows <= (w.block > 1 ? kFewRowsBlock : kFewRowsElement);
+bool FewRows(int64_t rows, const DiagMatrix& w, bool writes_long_side = false) {
+  if (w.block > 1) return rows <= kFewRowsBlock;
+  return rows <= (writes_long_side ? kFewRowsElementLong : kFewRowsElement);
 }
 
 // Multiply-adds per task below which a few-row job runs in one task, inline: handing a task to
 // another thread costs about as much as this many FMAs of the one-row loops.
 constexpr int64_t kFewMacsPerTask = int64_t{1} << 18;
-// Output floats of all rows an element product keeps in L1 while the diagonals pass.
-constexpr int64_t kFewTileFloats = 4096;
 
 // A row stride of at least `width` floats, a multiple of 16, and not a multiple of 256 (1 KiB):
 // rows a multiple of 4 KiB apart fall in one L1 set, and a store to one row delays loads from the
@@ -994,24 +995,26 @@ class FewRowsJob : public Job {
     run(split, len_, d - p);
   }
 
-  // dst columns [lo, hi) of the element-diagonal product, a tile of columns at a time: the
-  // tile of every row stays in L1 while the diagonals pass (each adds one or two runs to it).
+  // dst columns [lo, hi) of the element-diagonal product: one row a diagonal at a time (each
+  // adds one or two runs), several output-stationary (FewRowTable::product).
   void ElementProduct(int64_t lo, int64_t hi) {
     // The forward of a tall W and dx of a wide one write the long side.
     const bool long_dst = work_.forward == tall_;
     const T* values = static_cast<const T*>(w_.values);
-    const int64_t tile = std::max<int64_t>(kLanes, kFewTileFloats / std::max<int64_t>(rows_, 1));
-    for (int64_t t0 = lo; t0 < hi; t0 += tile) {
-      const int64_t t1 = std::min(hi, t0 + tile);
-      for (int64_t k = 0; k < w_.k; ++k) {
-        Pieces(k, [&](int64_t j0, int64_t j1, int64_t shift) {
-          const int64_t dst_shift = long_dst ? shift : 0, src_shift = long_dst ? 0 : shift;
-          const int64_t a = std::max(j0, t0 - dst_shift), e = std::min(j1, t1 - dst_shift);
-          if (a >= e) return;
-          table_.triad(values + k * len_ + a, src_.data + a + src_shift, src_.stride,
-                       dst_ + a + dst_shift, dst_stride_, rows_, e - a);
-        });
-      }
+    if (rows_ != 1) {
+      const FewElements<T> e{values, w_.offsets, w_.k, len_, std::max(w_.in, w_.out), long_dst};
+      table_.product(e, src_.data, src_.stride, dst_, dst_stride_, rows_, lo, hi);
+      return;
+    }
+    for (int64_t k = 0; k < w_.k; ++k) {
+      Pieces(k, [&](int64_t j0, int64_t j1, int64_t shift) {
+        const int64_t dst_shift = long_dst ? shift : 0, src_shift = long_dst ? 0 : shift;
+        const int64_t a = std::max(j0, lo - dst_shift), e = std::min(j1, hi - dst_shift);
+        if (a < e) {
+          table_.triad(values + k * len_ + a, src_.data + a + src_shift, dst_ + a + dst_shift,
+                       e - a);
+        }
+      });
     }
   }
 
@@ -1132,7 +1135,7 @@ Isa BestIsa() {
 const char* IsaName(Isa isa) { return KernelsFor(isa).name; }
 
 std::unique_ptr<Job> MakeFwdJob(const FwdArgs& a, int64_t workers, Isa isa) {
-  if (FewRows(a.rows, a.w)) {
+  if (FewRows(a.rows, a.w, /*writes_long_side=*/a.w.out >= a.w.in)) {
     return MakeTyped<FewRowsJob>(a.type, a.rows, a.w, FewRowsWork::Product(true, a.x, a.y),
                                  workers, KernelsFor(isa));
   }
@@ -1146,7 +1149,7 @@ std::unique_ptr<Job> MakeFwdJob(const FwdArgs& a, int64_t workers, Isa isa) {
 }
 
 std::unique_ptr<Job> MakeDxJob(const DxArgs& a, int64_t workers, Isa isa) {
-  if (FewRows(a.rows, a.w)) {
+  if (FewRows(a.rows, a.w, /*writes_long_side=*/a.w.out < a.w.in)) {
     return MakeTyped<FewRowsJob>(a.type, a.rows, a.w, FewRowsWork::Product(false, a.dy, a.dx),
                                  workers, KernelsFor(isa));
   }

@@ -109,12 +109,27 @@ struct BlockKernelTable {
 };
 
 // The few-row kernels (few_rows_body.h): W read in place, one diagonal or block at a time.
+//
+// Element diagonals as the few-row product sees them: diagonal k pairs short-side index j in
+// [0, len) with long-side index (j + offsets[k]) % p through values[k * len + j]. `long_dst`: the
+// product writes the long side (the forward of a tall W, dx of a wide one) and reads the short.
+template <typename T>
+struct FewElements {
+  const T* values;  // [k, len]
+  const int32_t* offsets;  // [k], each in [0, p)
+  int64_t k, len, p;
+  bool long_dst;
+};
+
 template <typename T>
 struct FewRowTable {
-  // dst[r, j] += v[j] * src[r, j] for r < rows, j < n, rows src_stride and dst_stride apart
-  // (one straight run of an element diagonal).
-  void (*triad)(const T* v, const float* src, int64_t src_stride, float* dst, int64_t dst_stride,
-                int64_t rows, int64_t n);
+  // dst[j] += v[j] * src[j] for j < n (one straight run of an element diagonal, one row).
+  void (*triad)(const T* v, const float* src, float* dst, int64_t n);
+  // dst[r, o] += sum_k values[k, j] * src[r, s] over the diagonals' entries (j, s) of output
+  // column o, for r < rows and o in [lo, hi) (lo a multiple of 16; hi too or the row's end);
+  // float32 rows src_stride and dst_stride apart.
+  void (*product)(const FewElements<T>& e, const float* src, int64_t src_stride, float* dst,
+                  int64_t dst_stride, int64_t rows, int64_t lo, int64_t hi);
   // dst[j] += sum_{r < rows} a[r, j] * b[r, j] for j < n (dvalues of one run; float32 rows).
   void (*dot)(const float* a, int64_t a_stride, const float* b, int64_t b_stride, float* dst,
               int64_t rows, int64_t n);
