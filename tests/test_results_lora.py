@@ -1,0 +1,88 @@
+"""The results command's LoRA-FA methods: the name grammar, a tiny run's row, resumption."""
+
+import functools
+
+import pytest
+from test_results import _config, needs_layer, parse
+from training_helpers import Crash, crash_at
+
+from train import common, results_report
+from train import results_runs as results
+
+TINY = "quick,models=mlp,methods=dynadiag_lorafa_r4,sparsities=0.9"
+
+
+def test_lorafa_methods_parse_to_their_diagonal_method_and_rank():
+    for method, base, block, permutation, rank in (
+        ("dynadiag_lorafa_r8", "dynadiag", 1, None, 8),
+        ("dynadiag_b16_lorafa_r16", "dynadiag", 16, None, 16),
+        ("dynadiag_b16_random_perm_lorafa_r4", "dynadiag", 16, "random", 4),
+        ("static_diagonals_lorafa_r4", "static_diagonals", 1, None, 4),
+        ("dynadiag", "dynadiag", 1, None, 0),
+    ):
+        assert parse(method) == (base, block)
+        assert results.method_permutation(method) == permutation
+        assert results.method_rank(method) == rank
+    for bad in ("rigl_lorafa_r4", "dynadiag_lorafa_r0", "dynadiag_lorafa", "dynadiag_lorafa_r8_b8"):
+        with pytest.raises(common.ConfigError, match="unknown method"):
+            results.method_rank(bad)
+    assert results_report.method_name("dynadiag_lorafa_r8") == "DynaDiag + LoRA-FA r=8"
+
+
+def test_the_phase_length_and_fingerprint_follow_the_lora_section():
+    config = _config("models=mlp")
+    m = config.models.mlp
+    assert results.lora_steps(m, "dynadiag_lorafa_r8", 1000) == 250
+    assert results.lora_steps(m, "dynadiag", 1000) == 0
+    fp = lambda method: results.fingerprint(config, "mlp", method, 100)  # noqa: E731
+    before = {x: fp(x) for x in ("dynadiag", "dynadiag_lorafa_r4", "dynadiag_lorafa_r8")}
+    assert len(set(before.values())) == 3
+    with config.unlocked():
+        m.lora.learning_rate = 1e-3
+    assert fp("dynadiag") == before["dynadiag"]
+    assert fp("dynadiag_lorafa_r8") != before["dynadiag_lorafa_r8"]
+
+
+@pytest.mark.parametrize(
+    "field, value, match", [("fraction", 0.0, "lora.fraction"), ("learning_rate", 0.0, "lora")]
+)
+def test_a_bad_lora_section_is_a_config_error(field, value, match):
+    config = _config(TINY)
+    with config.unlocked():
+        config.models.mlp.lora[field] = value
+    with pytest.raises(common.ConfigError, match=match):
+        results.prepare(config)
+
+
+def _run(config, data, workdir):
+    (spec,) = results.run_plan(config)
+    steps = results.steps_of(config.models.mlp, data)
+    fp = results.fingerprint(config, "mlp", spec[1], steps)
+    return steps, results.train_run(config, data, spec, steps, workdir, fp)
+
+
+@needs_layer
+@pytest.mark.slow
+def test_a_tiny_lorafa_run_counts_its_adapters_and_resumes_inside_the_phase(tmp_path, monkeypatch):
+    config = _config(TINY)
+    data = results.prepare(config)
+    steps, full = _run(config, data, tmp_path / "full")
+    phase = round(0.25 * steps)
+    assert (full["steps"], full["lora_steps"]) == (steps + phase, phase)
+    assert 0.0 <= full["accuracy_before_lora"] <= 1.0 and 0.0 <= full["accuracy"] <= 1.0
+    # 784 -> 256 -> 256 at 90%, plus A[4, in] and B[out, 4] on both layers
+    shapes = {"hidden_0": (784, 256), "hidden_1": (256, 256)}
+    dense = sum(i * o for i, o in shapes.values())
+    adapters = sum(4 * (i + o) for i, o in shapes.values())
+    assert full["density"] == pytest.approx(0.1 + adapters / dense, abs=0.002)
+
+    train = results.T.train
+    monkeypatch.setattr(results.T, "train", functools.partial(train, hooks=[crash_at(steps + 2)]))
+    with pytest.raises(Crash):
+        _run(config, data, tmp_path / "cut")
+    monkeypatch.setattr(results.T, "train", train)
+    _, resumed = _run(config, data, tmp_path / "cut")
+    # from the checkpoint saved as the phase began
+    assert resumed["resumed_at"] == steps
+    for key in ("accuracy", "accuracy_before_lora", "loss", "density", "steps"):
+        assert resumed[key] == full[key], key
