@@ -138,12 +138,16 @@ def test_run_plan_goal_sparsity_first_block_methods_there_only_fewer_sweep_seeds
             "set",
             "dynadiag_b16",
             *results_config.PERMUTED_METHODS,
+            *results_config.LORA_METHODS,
         )
     ]
     assert {p[3] for p in goal} == {0, 1, 2}
     sweep = plan[len(goal) :]
     assert {p[2] for p in sweep} == {0.8, 0.95} and {p[3] for p in sweep} == {0}
-    assert not any(parse(p[1])[1] > 1 or results.method_permutation(p[1]) for p in sweep)
+    assert not any(
+        parse(p[1])[1] > 1 or results.method_permutation(p[1]) or results.method_rank(p[1])
+        for p in sweep
+    )
     assert len(sweep) == 2 * 4
 
 
