@@ -447,10 +447,13 @@ def test_fashion_mnist_script_selects_the_method_by_config(method):
     config = fashion_config.get_config(f"method={method}")
     with config.unlocked():
         config.data.source = "mnist5k"
-    _, _, _, models = fashion_mnist.prepare(config)
+    _, steps, _, models = fashion_mnist.prepare(config)
     assert list(models) == (["dense"] if method == "dense" else ["dense", f"{method}_s90"])
-    built, dyn = models[list(models)[-1]]
-    assert built.name == method and dyn.sparsity == (0.0 if method == "dense" else 0.9)
+    run = models[list(models)[-1]]
+    assert run.method.name == method and run.dynadiag.sparsity == (
+        0.0 if method == "dense" else 0.9
+    )
+    assert run.phase is None and run.num_steps == steps
 
 
 def test_fingerprint_changes_only_for_methods_that_read_the_changed_setting():

@@ -6,8 +6,9 @@ import pytest
 from test_results import _config, needs_layer, parse
 from training_helpers import Crash, crash_at
 
-from train import common, results_report
+from train import common, fashion_mnist, results_report
 from train import results_runs as results
+from train.configs import fashion_mnist as fashion_config
 
 TINY = "quick,models=mlp,methods=dynadiag_lorafa_r4,sparsities=0.9"
 
@@ -86,3 +87,40 @@ def test_a_tiny_lorafa_run_counts_its_adapters_and_resumes_inside_the_phase(tmp_
     assert resumed["resumed_at"] == steps
     for key in ("accuracy", "accuracy_before_lora", "loss", "density", "steps"):
         assert resumed[key] == full[key], key
+
+
+def _fashion(arg="", **lora):
+    config = fashion_config.get_config(arg)
+    config.data.source = "mnist5k"
+    config.lora.update(lora)
+    return config
+
+
+def test_fashion_mnist_continues_the_sparse_run_with_the_configured_phase():
+    _, steps, _, models = fashion_mnist.prepare(_fashion(steps=5, rank=4))
+    assert list(models) == ["dense", "dynadiag_s90_lorafa_r4"]
+    dense, ours = models.values()
+    assert dense.phase is None and dense.num_steps == steps
+    assert ours.phase.start_step == steps and ours.num_steps == steps + 5
+    assert ours.phase.trained == (r".*/lora_b",)
+    for arg in ("method=rigl", "sparsity=0"):
+        with pytest.raises(common.ConfigError, match="frozen diagonal model"):
+            fashion_mnist.prepare(_fashion(arg, steps=5))
+
+
+@needs_layer
+@pytest.mark.slow
+def test_fashion_mnist_phase_run_counts_the_adapters(tmp_path, capsys):
+    """The same sparse run without and with a phase: the printed weights differ by A and B."""
+    runs = {}
+    for arg, lora in (("runlocal", {}), ("runlocal", dict(steps=4, rank=4))):
+        config = _fashion(arg, **lora)
+        config.compare_dense = False
+        ((name, acc, params, _),) = fashion_mnist.run(
+            config, tmp_path / str(len(runs)), progress=False
+        )
+        assert 0.0 <= acc <= 1.0
+        runs[name] = params
+    assert list(runs) == ["dynadiag_s90", "dynadiag_s90_lorafa_r4"]
+    assert runs["dynadiag_s90_lorafa_r4"] == runs["dynadiag_s90"] + 4 * (784 + 256 + 256 + 256)
+    assert "LoRA-FA phase (+ LoRA-FA r=4 (B), 4 steps): test accuracy" in capsys.readouterr().out

@@ -600,12 +600,8 @@ def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: s
     if phase is not None:
         record["lora_steps"] = total - steps
         record["lora_step_time_s"] = mean_step_time(metrics_path, steps)
-        # The same run without the phase: the evaluation the loop makes as it enters the phase.
-        before = [
-            r for r in T.read_jsonl(metrics_path) if r.get("kind") == "eval" and r["step"] == steps
-        ]
         metric = "perplexity" if lm else "accuracy"
-        record[f"{metric}_before_lora"] = before[-1][metric] if before else None
+        record[f"{metric}_before_lora"] = finetuning.metric_before(metrics_path, steps, metric)
     return record
 
 
