@@ -124,3 +124,27 @@ def test_fashion_mnist_phase_run_counts_the_adapters(tmp_path, capsys):
     assert list(runs) == ["dynadiag_s90", "dynadiag_s90_lorafa_r4"]
     assert runs["dynadiag_s90_lorafa_r4"] == runs["dynadiag_s90"] + 4 * (784 + 256 + 256 + 256)
     assert "LoRA-FA phase (+ LoRA-FA r=4 (B), 4 steps): test accuracy" in capsys.readouterr().out
+
+
+def test_lora_goals_compare_each_rank_with_rigl_and_set():
+    config = _config("models=mlp+gpt")
+    stats = {
+        ("mlp", "rigl", 0.9): (0.870, 0.002, 3),
+        ("mlp", "set", 0.9): (0.872, 0.002, 3),
+        ("mlp", "dynadiag_lorafa_r4", 0.9): (0.871, 0.001, 3),
+        ("mlp", "dynadiag_lorafa_r16", 0.9): (0.875, 0.001, 3),
+    }
+    ppl = {
+        ("gpt", "rigl", 0.9): (10.3, 0.1, 2),
+        ("gpt", "set", 0.9): (10.1, 0.1, 2),
+        ("gpt", "dynadiag_lorafa_r8", 0.9): (9.9, 0.1, 2),
+    }
+    assert results_report.lora_goals(config, stats, ppl) == [
+        "- mlp: DynaDiag + LoRA-FA r=4 at least max(RigL, SET): **missed** "
+        "(87.10 ± 0.10% against 87.20%).",
+        "- mlp: DynaDiag + LoRA-FA r=16 at least max(RigL, SET): **met** "
+        "(87.50 ± 0.10% against 87.20%).",
+        "- gpt: DynaDiag + LoRA-FA r=8 perplexity below RigL's and SET's: **met** "
+        "(9.900 against 10.100).",
+    ]
+    assert results_report.lora_goals(config, {}, {}) == []
