@@ -138,12 +138,16 @@ def test_run_plan_goal_sparsity_first_block_methods_there_only_fewer_sweep_seeds
             "set",
             "dynadiag_b16",
             *results_config.PERMUTED_METHODS,
+            *results_config.LORA_METHODS,
         )
     ]
     assert {p[3] for p in goal} == {0, 1, 2}
     sweep = plan[len(goal) :]
     assert {p[2] for p in sweep} == {0.8, 0.95} and {p[3] for p in sweep} == {0}
-    assert not any(parse(p[1])[1] > 1 or results.method_permutation(p[1]) for p in sweep)
+    assert not any(
+        parse(p[1])[1] > 1 or results.method_permutation(p[1]) or results.method_rank(p[1])
+        for p in sweep
+    )
     assert len(sweep) == 2 * 4
 
 
@@ -443,10 +447,13 @@ def test_fashion_mnist_script_selects_the_method_by_config(method):
     config = fashion_config.get_config(f"method={method}")
     with config.unlocked():
         config.data.source = "mnist5k"
-    _, _, _, models = fashion_mnist.prepare(config)
+    _, steps, _, models = fashion_mnist.prepare(config)
     assert list(models) == (["dense"] if method == "dense" else ["dense", f"{method}_s90"])
-    built, dyn = models[list(models)[-1]]
-    assert built.name == method and dyn.sparsity == (0.0 if method == "dense" else 0.9)
+    run = models[list(models)[-1]]
+    assert run.method.name == method and run.dynadiag.sparsity == (
+        0.0 if method == "dense" else 0.9
+    )
+    assert run.phase is None and run.num_steps == steps
 
 
 def test_fingerprint_changes_only_for_methods_that_read_the_changed_setting():

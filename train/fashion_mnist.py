@@ -24,6 +24,7 @@ from __future__ import annotations
 import pathlib
 import sys
 import time
+from typing import NamedTuple
 
 if __package__ in (None, ""):  # run as a file: make `train` importable from the repository root
     # Appended: the installed dynadiag_jax (with the compiled kernels) must win over the checkout.
@@ -35,7 +36,7 @@ from absl import app, flags
 
 from dynadiag_jax import data as D
 from dynadiag_jax import training as T
-from train import baselines, cli, common, plots
+from train import baselines, cli, common, finetuning, plots
 from train.configs import fashion_mnist as default_config
 
 FLAGS = flags.FLAGS
@@ -46,7 +47,8 @@ def prepare(config):
     """Validate the config, load the data and build the models: every input problem surfaces
     here, as a :class:`common.ConfigError`, before anything is compiled.
 
-    Returns ``(data, num_steps, example_input, {run name: (baselines.Method, dynadiag section)})``.
+    Returns ``(data, num_steps, example_input, {run name: Run})``: ``num_steps`` of the
+    recipe, which the sparse run's LoRA-FA phase (``lora.steps`` > 0) follows.
     """
     common.check_config(config, default_config.get_config())
     common.check_train_section(config.train)
@@ -80,10 +82,27 @@ def prepare(config):
         )
         block = baselines.block_size(built, dyn)
         common.check_layer_patterns(built.model, example, dyn, block_size=block)
+        phase, total = None, steps
+        if run_method == method:  # the config's method, which lora.steps may continue
+            phase, total = finetuning.run_phase(
+                config, built, steps, example, num_classes=data.num_classes
+            )
         if run_method != "dense":  # dynadiag_s90, dynadiag_b16_s90 (as results.py names blocks)
             name = f"{name}{f'_b{block}' if block > 1 else ''}_s{round(100 * run_sparsity)}"
-        models[name] = (built, dyn)
+        if phase is not None and int(config.lora.rank):  # dynadiag_s90_lorafa_r8 (results.py's)
+            name += f"_lorafa_r{config.lora.rank}"
+        models[name] = Run(built, dyn, phase, total)
     return data, steps, example, models
+
+
+class Run(NamedTuple):
+    """One model of the script: its method, ``dynadiag`` section, LoRA-FA phase (or None) and
+    steps in all."""
+
+    method: baselines.Method
+    dynadiag: object
+    phase: T.Finetune | None
+    num_steps: int
 
 
 def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int, float]]:
@@ -95,7 +114,7 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
         f"{steps} steps of batch {config.train.batch_size} on {common.device_summary()}"
     )
     summary = []
-    for name, (built, dyn) in models.items():
+    for name, (built, dyn, phase, total) in models.items():
         print(f"== {name}")
         start = time.perf_counter()
         result = common.train_from_config(
@@ -106,20 +125,30 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
                 data.train, int(config.train.batch_size), seed=int(config.seed)
             ),
             eval_data=D.EvalBatches(data.test, int(config.train.eval_batch_size)),
-            num_steps=steps,
+            num_steps=total,
             example_input=example,
             workdir=workdir / name,
             progress=progress,
+            finetune=phase,
         )
         seconds = time.perf_counter() - start
-        counts = T.parameter_counts(result.state.params)
+        # the adapters' A (not a param) counted with the params
+        counts = finetuning.counts(T.variables_of(result.state), [])
+        params = counts["diagonal"] + counts["adapter"] + counts["other"]
         acc = result.eval_metrics["accuracy"]
         resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
+        adapters = f", {counts['adapter']:,} in adapters" if counts["adapter"] else ""
         print(
-            f"{name}: test accuracy {acc:.4f}, {counts.total:,} parameters "
-            f"({counts.diagonal:,} in diagonals), {seconds:.0f}s{resumed}"
+            f"{name}: test accuracy {acc:.4f}, {params:,} parameters "
+            f"({counts['diagonal']:,} in diagonals{adapters}), {seconds:.0f}s{resumed}"
         )
-        summary.append((name, acc, counts.total, seconds))
+        if phase is not None:
+            before = finetuning.metric_before(workdir / name / "metrics.jsonl", steps, "accuracy")
+            print(
+                f"LoRA-FA phase ({finetuning.row_name(config.lora)}, {total - steps} steps): "
+                f"test accuracy {before:.4f} at step {steps} -> {acc:.4f}"
+            )
+        summary.append((name, acc, params, seconds))
         if built.name == "dynadiag":
             png = plots.plot_diagonals(
                 workdir / name / "metrics.jsonl",

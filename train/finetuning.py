@@ -107,6 +107,15 @@ def run_phase(config, method, num_steps: int, example_input, **model_kwargs):
     return phase, num_steps + steps
 
 
+def metric_before(metrics_path, step: int, metric: str):
+    """``metric`` of the evaluation a run logged at ``step`` (the model as the phase that starts
+    there found it: the run without its phase), or None when it logged none."""
+    before = [
+        r[metric] for r in T.read_jsonl(metrics_path) if r["kind"] == "eval" and r["step"] == step
+    ]
+    return before[-1] if before else None
+
+
 def counts(variables, trained: list[str]) -> dict[str, int]:
     """Weights of ``variables`` by role: diagonal values, adapters (``A`` + ``B``), the rest, and
     the ones the fine-tune trains."""

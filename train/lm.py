@@ -120,14 +120,11 @@ def main(argv):
     )
     if int(config.lora.steps):
         start = int(config.train.num_steps)
-        before = [
-            r["perplexity"]
-            for r in T.read_jsonl(pathlib.Path(FLAGS.workdir) / "metrics.jsonl")
-            if r["kind"] == "eval" and r["step"] == start
-        ]
+        metrics = pathlib.Path(FLAGS.workdir) / "metrics.jsonl"
+        before = finetuning.metric_before(metrics, start, "perplexity")
         print(
             f"LoRA-FA phase ({finetuning.row_name(config.lora)}, {config.lora.steps} steps): "
-            f"validation perplexity {before[-1]:.3f} at step {start} -> {m['perplexity']:.3f}"
+            f"validation perplexity {before:.3f} at step {start} -> {m['perplexity']:.3f}"
         )
 
 

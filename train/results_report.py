@@ -18,7 +18,13 @@ import re
 
 import numpy as np
 
-from train.results_runs import is_language_model, method_permutation, parse_method, suites
+from train.results_runs import (
+    is_language_model,
+    method_permutation,
+    method_rank,
+    parse_method,
+    suites,
+)
 
 METHOD_NAMES = {
     "dense": "Dense",
@@ -58,7 +64,9 @@ def method_name(method: str) -> str:
     if block > 1:
         name = f"{name}, blocks {block}x{block}"
     permutation = method_permutation(method)
-    return f"{name}, {permutation} permutation" if permutation else name
+    name = f"{name}, {permutation} permutation" if permutation else name
+    rank = method_rank(method)
+    return f"{name} + LoRA-FA r={rank}" if rank else name
 
 
 def variant_name(variant: str) -> str:
@@ -443,7 +451,13 @@ def block_goals(config, stats, ppl_stats, sparsity=0.9) -> list[str]:
         for method in m.goal_methods:
             base, block = parse_method(method)
             ours = table.get((model, method, sparsity))
-            if base != "dynadiag" or method_permutation(method) or ours is None or element is None:
+            if (
+                base != "dynadiag"
+                or method_permutation(method)
+                or method_rank(method)
+                or ours is None
+                or element is None
+            ):
                 continue
             if lm:
                 ratio = ours[0] / element[0] - 1
@@ -468,6 +482,35 @@ _PERMUTATION_GOAL_METHODS = (
     "set",
     *(f"{base}_{p}_perm" for base in ("dynadiag", "dynadiag_b16") for p in ("learned", "random")),
 )
+
+
+def lora_goals(config, stats, ppl_stats, sparsity=0.9) -> list[str]:
+    """DynaDiag + LoRA-FA at ``sparsity`` (each rank the suite trains, adapters counted in its
+    density): at least max(RigL, SET) (classification), a perplexity below both (language
+    model)."""
+    out = []
+    for model in suites(config):
+        m = config.models[model]
+        lm = is_language_model(m)
+        table = ppl_stats if lm else stats
+        rigl, set_ = table.get((model, "rigl", sparsity)), table.get((model, "set", sparsity))
+        for method in _methods(m):
+            ours = table.get((model, method, sparsity))
+            if not (method_rank(method) and ours and rigl and set_):
+                continue
+            if lm:
+                best = min(rigl[0], set_[0])
+                out.append(
+                    f"- {model}: {method_name(method)} perplexity below RigL's and SET's: "
+                    f"**{_met(ours[0] < best)}** ({ours[0]:.3f} against {best:.3f})."
+                )
+            else:
+                best = max(rigl[0], set_[0])
+                out.append(
+                    f"- {model}: {method_name(method)} at least max(RigL, SET): "
+                    f"**{_met(ours[0] >= best)}** ({_acc(ours)} against {100 * best:.2f}%)."
+                )
+    return out
 
 
 def permutation_goals(config, stats, ppl_stats, sparsity=0.9) -> list[str]:
@@ -526,7 +569,9 @@ def block_table(config, records, stats, ppl_stats, timings, sparsity=0.9) -> lis
     ]
     for model in suites(config):
         m = config.models[model]
-        blocks = [x for x in m.goal_methods if parse_method(x)[0] == "dynadiag"]
+        blocks = [
+            x for x in m.goal_methods if parse_method(x)[0] == "dynadiag" and not method_rank(x)
+        ]
         if not blocks:
             continue
         lm = is_language_model(m)
@@ -763,6 +808,7 @@ def write(docs, config, records, timings, *, data_name: str) -> pathlib.Path:
             block_goals(config, stats, ppl_stats, goal),
         ),
         ("Input permutations", permutation_goals(config, stats, ppl_stats, goal)),
+        ("LoRA-FA", lora_goals(config, stats, ppl_stats, goal)),
     ]
     out = [
         "# Results: DynaDiag and the sparse-training baselines",

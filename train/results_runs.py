@@ -4,7 +4,9 @@ A suite is one entry of the config's ``models``: a model, its data (Fashion-MNIS
 ``task="classification"``, a byte-level corpus for ``task="language_modeling"``) and one recipe
 for every method. Methods are :data:`train.baselines.METHODS` and their block-diagonal variants
 ``dynadiag_b<b>`` / ``static_diagonals_b<b>`` (the same method with ``dynadiag.block_size = b``),
-and those with ``_random_perm`` / ``_learned_perm`` (with ``dynadiag.permutation`` set).
+those with ``_random_perm`` / ``_learned_perm`` (with ``dynadiag.permutation`` set), and any of
+those with ``_lorafa_r<r>``: the run as usual, then ``lora.fraction`` of its steps more of a LoRA-FA
+phase at rank ``r`` (train/finetuning.py) with the suite's ``lora`` section.
 
 Kept apart from the script so tests import it without defining absl flags.
 """
@@ -21,12 +23,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from flax import traverse_util
 
 from dynadiag_jax import data as D
 from dynadiag_jax import training as T
-from train import baselines, common
+from train import baselines, common, finetuning
 from train.configs import results as default_config
 
 ACCURACY_FILE = "accuracy.jsonl"
@@ -35,6 +38,19 @@ TASKS = ("classification", "language_modeling")
 _BLOCK_METHOD = re.compile(r"(dynadiag|static_diagonals)_b([1-9][0-9]*)")
 # A diagonal method with an input permutation: "<method>_random_perm", "<method>_learned_perm".
 _PERMUTED_METHOD = re.compile(r"(dynadiag\w*|static_diagonals\w*)_(random|learned)_perm")
+# A diagonal method with a LoRA-FA phase of rank r after its run: "<method>_lorafa_r<r>".
+_LORA_METHOD = re.compile(r"(dynadiag\w*|static_diagonals\w*)_lorafa_r([1-9][0-9]*)")
+
+
+class MethodParts(NamedTuple):
+    """What a method's name says: ``base`` (of :data:`train.baselines.METHODS`), ``block`` size
+    (1: element diagonals), ``permutation`` (``"random"``, ``"learned"`` or None) and the
+    ``rank`` of its LoRA-FA phase (0: none)."""
+
+    base: str
+    block: int
+    permutation: str | None
+    rank: int
 
 
 class Data(NamedTuple):
@@ -49,15 +65,17 @@ class Data(NamedTuple):
         return "; ".join(x.name for x in (self.images, self.corpus) if x is not None)
 
 
-def _split_method(method: str) -> tuple[str, int, str | None]:
-    """``(base, block size, permutation or None)`` of a method name.
+def _split_method(method: str) -> MethodParts:
+    """The :class:`MethodParts` of a method name.
 
     Raises:
       common.ConfigError: not a method of :data:`train.baselines.METHODS`, a block variant, or one
-        of those with a permutation a diagonal method can take.
+        of those with a permutation a diagonal method can take, or with a LoRA-FA phase.
     """
-    permuted = _PERMUTED_METHOD.fullmatch(method)
-    unpermuted, permutation = permuted.groups() if permuted else (method, None)
+    adapted = _LORA_METHOD.fullmatch(method)
+    unadapted, rank = (adapted.group(1), int(adapted.group(2))) if adapted else (method, 0)
+    permuted = _PERMUTED_METHOD.fullmatch(unadapted)
+    unpermuted, permutation = permuted.groups() if permuted else (unadapted, None)
     match = _BLOCK_METHOD.fullmatch(unpermuted)
     if match and int(match.group(2)) >= 2:
         base, block = match.group(1), int(match.group(2))
@@ -71,26 +89,33 @@ def _split_method(method: str) -> tuple[str, int, str | None]:
             f"unknown method {method!r}; known: {', '.join(baselines.METHODS)}, "
             "dynadiag_b<b> / static_diagonals_b<b> (block diagonals of size b >= 2), and those "
             "of dynadiag with _random_perm or _learned_perm, of static_diagonals with _random_perm "
-            "(a fixed or learned input permutation)"
+            "(a fixed or learned input permutation), and any diagonal one of these with "
+            "_lorafa_r<r> (a LoRA-FA phase of rank r >= 1 after the run)"
         )
-    return base, block, permutation
+    return MethodParts(base, block, permutation, rank)
 
 
 def parse_method(method: str) -> tuple[str, int]:
     """``"dynadiag_b16"`` -> ``("dynadiag", 16)``; ``"rigl"`` -> ``("rigl", 1)``; a permutation
     suffix is read by :func:`method_permutation` (``"dynadiag_b16_random_perm"`` ->
-    ``("dynadiag", 16)``).
+    ``("dynadiag", 16)``), a LoRA-FA one by :func:`method_rank`.
 
     Raises:
       common.ConfigError: as :func:`_split_method`.
     """
-    return _split_method(method)[:2]
+    return tuple(_split_method(method)[:2])
 
 
 def method_permutation(method: str) -> str | None:
     """The input permutation a method's name asks for (``"random"``, ``"learned"``), or None
     when the name has no permutation suffix (the suite's ``dynadiag.permutation`` applies)."""
-    return _split_method(method)[2]
+    return _split_method(method).permutation
+
+
+def method_rank(method: str) -> int:
+    """The rank of the LoRA-FA phase a method's name asks for (``"dynadiag_lorafa_r8"`` -> 8),
+    or 0 when it has none."""
+    return _split_method(method).rank
 
 
 def is_language_model(m) -> bool:
@@ -191,7 +216,7 @@ def steps_of(model_cfg, data: Data) -> int:
 def method_dynadiag(model_cfg, method: str):
     """The suite's ``dynadiag`` section as ``method`` trains it (block variants set
     ``block_size``, permuted ones ``permutation``)."""
-    _, block, permutation = _split_method(method)
+    _, block, permutation, _ = _split_method(method)
     cfg = model_cfg.dynadiag.copy_and_resolve_references()
     with cfg.unlocked():
         if block > 1:
@@ -199,6 +224,39 @@ def method_dynadiag(model_cfg, method: str):
         if permutation is not None:
             cfg.permutation = permutation
     return cfg
+
+
+def lora_steps(model_cfg, method: str, steps: int) -> int:
+    """The length of ``method``'s LoRA-FA phase after its ``steps`` (0: it has none)."""
+    return round(float(model_cfg.lora.fraction) * steps) if method_rank(method) else 0
+
+
+def lora_phase(config, model_name: str, method: str, sparsity: float, data: Data, steps: int):
+    """``method``'s LoRA-FA phase (:class:`dynadiag_jax.training.Finetune`) from step ``steps``,
+    or None when its name asks for none: rank from the name, the rest from the suite's ``lora``
+    section, adapters on its diagonal layers.
+
+    Raises:
+      common.ConfigError: a bad ``lora`` section, or a rank above a diagonal layer's width.
+    """
+    m = config.models[model_name]
+    rank = method_rank(method)
+    if not rank:
+        return None
+    lora = m.lora.to_dict()
+    del lora["fraction"]
+    lora_cfg = ml_collections.ConfigDict(dict(lora, rank=rank, layers=list(m.dynadiag.layers)))
+    dyn = baselines.with_sparsity(method_dynadiag(m, method), sparsity)
+    base = finetuning.frozen_model(m.model, dyn, **model_kwargs(m, data))
+    return finetuning.lora_phase(
+        lora_cfg,
+        base,
+        m.optimizer,
+        dyn,
+        example_input(m, data),
+        start_step=steps,
+        steps=lora_steps(m, method, steps),
+    )
 
 
 def build(
@@ -286,6 +344,11 @@ def _check_suite(name: str, m, mesh) -> None:
         raise common.ConfigError(
             f"models.{name}: need seeds >= 1, sweep_seeds >= 0 and at least one sparsity"
         )
+    if not 0.0 < float(m.lora.fraction) <= 1.0:
+        raise common.ConfigError(
+            f"models.{name}.lora.fraction (the LoRA-FA phase's length as a fraction of the run's "
+            f"steps) must lie in (0, 1], got {m.lora.fraction}"
+        )
     if not all(0.0 < float(s) < 1.0 for s in m.sparsities):
         raise common.ConfigError(
             f"models.{name}.sparsities must lie in (0, 1), got {tuple(m.sparsities)}"
@@ -335,6 +398,7 @@ def prepare(config) -> Data:
                 dyn = baselines.with_sparsity(method_dynadiag(m, method), sparsity)
                 block = baselines.block_size(built, dyn)
                 common.check_layer_patterns(built.model, example, dyn, block_size=block)
+                lora_phase(config, model, method, sparsity, data, steps)
             except ValueError as e:
                 raise common.ConfigError(f"model {name}, method {method}: {e}") from None
     return data
@@ -384,16 +448,23 @@ def fingerprint(config, model_name: str, method: str, steps: int) -> str:
             parts["permutation"] = permutation
     if base in baselines.UNSTRUCTURED:
         parts["unstructured"] = config.unstructured.to_dict()
+    if method_rank(method):
+        parts["lora"] = m.lora.to_dict()
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def sparse_layer_density(params, shapes: dict[str, tuple[int, int]]) -> float:
+def sparse_layer_density(params, shapes: dict[str, tuple[int, int]], adapters=None) -> float:
     """Non-zero over dense weights in the replaceable layers (frozen diagonals: every entry of
-    ``values``, i.e. ``K*D`` for element and ``K*max(in, out)*b`` for block diagonals)."""
+    ``values``, i.e. ``K*D`` for element and ``K*max(in, out)*b`` for block diagonals), LoRA-FA
+    adapters included: ``B`` (``<path>/lora_b`` in ``params``) and ``A`` (``<path>/lora_a`` in
+    ``adapters``, the ``"lora_frozen"`` collection), ``r * (in + out)`` weights per layer."""
     flat = traverse_util.flatten_dict(params, sep="/")
+    frozen = traverse_util.flatten_dict(adapters or {}, sep="/")
     nonzero = total = 0
     for path, (n_in, n_out) in shapes.items():
         total += n_in * n_out
+        for key in (f"{path}/lora_b", f"{path}/lora_a"):
+            nonzero += int(np.size(flat.get(key, frozen.get(key, ()))))
         if f"{path}/kernel" in flat:
             nonzero += int(np.count_nonzero(np.asarray(flat[f"{path}/kernel"])))
         elif f"{path}/values" in flat and f"{path}/alpha" not in flat:
@@ -437,10 +508,19 @@ def validation_curve(metrics_path) -> list[tuple[int, float]]:
 
 
 def train_built(
-    config, data: Data, model_name: str, built, seed: int, steps: int, workdir, run_info=None
+    config,
+    data: Data,
+    model_name: str,
+    built,
+    seed: int,
+    steps: int,
+    workdir,
+    run_info=None,
+    finetune=None,
 ):
     """``T.train`` of a built method (:class:`train.baselines.Method`) with suite ``model_name``'s
-    recipe, data and logging: what every results run trains, whatever its model."""
+    recipe, data and logging: what every results run trains, whatever its model; ``steps`` in
+    all, the last ones ``finetune``'s phase if given."""
     m = config.models[model_name]
     lm = is_language_model(m)
     return T.train(
@@ -463,20 +543,26 @@ def train_built(
         progress=False,
         tensorboard=False,
         run_info=run_info,
+        finetune=finetune,
     )
 
 
 def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: str) -> dict:
-    """Train one ``(model, method, sparsity, seed)`` run and return its record."""
+    """Train one ``(model, method, sparsity, seed)`` run of ``steps`` (more with a LoRA-FA
+    phase: :func:`lora_steps`) and return its record."""
     model_name, method, sparsity, seed = spec
     m = config.models[model_name]
     lm = is_language_model(m)
     built = build(config, model_name, method, sparsity, seed, data, steps)
+    phase = lora_phase(config, model_name, method, sparsity, data, steps)
+    total = steps + lora_steps(m, method, steps)
     example = example_input(m, data)
     load_before = os.getloadavg()[0]
     start, cpu_start = time.perf_counter(), time.process_time()
     run_info = {"model": model_name, "method": method, "sparsity": sparsity, "fingerprint": fp}
-    result = train_built(config, data, model_name, built, seed, steps, workdir, run_info)
+    result = train_built(
+        config, data, model_name, built, seed, total, workdir, run_info, finetune=phase
+    )
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     shapes = common.layer_shapes(built.model, example)
     metrics_path = workdir / "metrics.jsonl"
@@ -488,13 +574,15 @@ def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: s
         "seed": seed,
         "fingerprint": fp,
         "loss": ev["loss"],
-        "steps": steps,
+        "steps": total,
         "seconds": seconds,
         # Processor time of every thread: less sensitive to other programs than wall time.
         "cpu_seconds": cpu_seconds,
         "load_average": [load_before, os.getloadavg()[0]],
         "resumed_at": result.start_step,
-        "density": sparse_layer_density(result.state.params, shapes),
+        "density": sparse_layer_density(
+            result.state.params, shapes, result.state.collections.get("lora_frozen")
+        ),
         "step_time_s": mean_step_time(metrics_path),
         "loss_curve": loss_curve(metrics_path),
     }
@@ -508,7 +596,12 @@ def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: s
         record["accuracy"] = ev["accuracy"]
     if built.freeze_step is not None:
         record["search_step_time_s"] = mean_step_time(metrics_path, 0, built.freeze_step)
-        record["frozen_step_time_s"] = mean_step_time(metrics_path, built.freeze_step)
+        record["frozen_step_time_s"] = mean_step_time(metrics_path, built.freeze_step, steps)
+    if phase is not None:
+        record["lora_steps"] = total - steps
+        record["lora_step_time_s"] = mean_step_time(metrics_path, steps)
+        metric = "perplexity" if lm else "accuracy"
+        record[f"{metric}_before_lora"] = finetuning.metric_before(metrics_path, steps, metric)
     return record
 
 

