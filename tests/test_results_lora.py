@@ -163,3 +163,20 @@ def test_lora_goals_compare_each_rank_with_rigl_and_set():
         "(9.900 against 10.100).",
     ]
     assert results_report.lora_goals(config, {}, {}) == []
+
+
+def test_steps_replace_the_epochs_of_an_image_suite_for_a_same_steps_control():
+    config = _config(TINY)
+    data = results.prepare(config)
+    m = config.models.mlp
+    by_epochs = results.steps_of(m, data)
+    assert by_epochs == int(m.epochs) * (len(data.images.train["label"]) // int(m.batch_size))
+    fp = results.fingerprint(config, "mlp", "dynadiag", by_epochs)
+    with config.unlocked():
+        m.steps = by_epochs + 7
+    assert results.steps_of(m, data) == by_epochs + 7
+    assert results.fingerprint(config, "mlp", "dynadiag", by_epochs + 7) != fp
+    with config.unlocked():
+        m.steps = -1
+    with pytest.raises(common.ConfigError, match="steps must be > 0"):
+        results.steps_of(m, data)

@@ -729,7 +729,8 @@ def plot_speed(timings, models, path):
 def _suite_section(config, model, records, stats, ppl_stats, bpb_stats) -> list[str]:
     m = config.models[model]
     methods, sparsities = _methods(m), _sparsities(m)
-    length = f"{m.steps} steps" if is_language_model(m) else f"{m.epochs} epochs"
+    by_steps = is_language_model(m) or int(m.get("steps", 0)) > 0
+    length = f"{m.steps} steps" if by_steps else f"{m.epochs} epochs"
     seeds = f"{m.seeds} seeds at {100 * float(config.goal_sparsity):g}% and for dense"
     if m.sweep_seeds != m.seeds:
         seeds += f", {m.sweep_seeds} at the other sparsities"

@@ -208,8 +208,11 @@ def check_full_campaign(config, data, workdir, *, trained, timed) -> None:
 
 
 def steps_of(model_cfg, data: Data) -> int:
-    if is_language_model(model_cfg):
-        return int(model_cfg.steps)
+    steps = int(model_cfg.get("steps", 0))
+    if steps < 0 or (is_language_model(model_cfg) and steps == 0):
+        raise common.ConfigError(f"steps must be > 0 (or 0 to train by epochs), got {steps}")
+    if steps:
+        return steps
     return int(model_cfg.epochs) * (len(data.images.train["label"]) // int(model_cfg.batch_size))
 
 

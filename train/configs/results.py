@@ -16,7 +16,9 @@ rate); unstructured methods use RigL's schedule:
 Per suite: ``methods`` train at every sparsity, ``goal_methods`` (block diagonals,
 ``dynadiag_b<b>``, and the methods with an input permutation, ``<method>_random_perm`` or
 ``<method>_learned_perm``) only at ``goal_sparsity``; ``seeds`` seeds at the goal sparsity (and
-dense), ``sweep_seeds`` at the others. ``<method>_lorafa_r<r>`` (the MLP's, ViT's and GPT's
+dense), ``sweep_seeds`` at the others. An image suite trains ``epochs`` epochs unless ``steps``
+is above 0 (a control trained as long as a LoRA-FA row: ``--config.models.vit.steps=1171``).
+``<method>_lorafa_r<r>`` (the MLP's, ViT's and GPT's
 ``goal_methods`` at r = 4, 8, 16) is the diagonal method trained as usual, then a LoRA-FA phase of
 rank ``r`` (train/finetuning.py) on its frozen model for ``lora.fraction`` of the run's steps
 *more*: ``B`` alone (``lora.train_values``) at ``lora.learning_rate``, adapters of scale
@@ -85,6 +87,7 @@ def _suites():
             optimizer=_optimizer(1e-3, 1e-4),
             batch_size=128,
             epochs=8,
+            steps=0,  # > 0: this many steps instead of `epochs` (a same-steps control)
             seeds=3,
             sweep_seeds=3,
             sparsities=sparsities,
@@ -101,6 +104,7 @@ def _suites():
             optimizer=_optimizer(2e-3, 0.05),
             batch_size=128,
             epochs=4,
+            steps=0,  # > 0: this many steps instead of `epochs` (a same-steps control)
             seeds=3,
             sweep_seeds=3,
             sparsities=sparsities,
@@ -117,6 +121,7 @@ def _suites():
             optimizer=_optimizer(1e-3, 0.05, warmup_steps=50, label_smoothing=0.1),
             batch_size=64,
             epochs=1,
+            steps=0,  # > 0: this many steps instead of `epochs` (a same-steps control)
             seeds=3,
             sweep_seeds=1,
             sparsities=sparsities,
