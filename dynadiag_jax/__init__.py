@@ -16,6 +16,7 @@ from dynadiag_jax.from_dense import from_dense
 from dynadiag_jax.kernel_stats import kernel_stats
 from dynadiag_jax.layout import num_diagonals
 from dynadiag_jax.ops import available_impls, diag_matmul, diag_to_dense
+from dynadiag_jax.refit import refit
 from dynadiag_jax.topk import capped_simplex_projection, softmax_topk, sparse_soft_topk
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "nn",
     "num_diagonals",
     "optim",
+    "refit",
     "schedules",
     "select_diagonals",
     "softmax_topk",

@@ -623,11 +623,17 @@ def test_sparsify_script_one_shot_and_fine_tune_from_a_dense_run(run_python, tmp
     assert [row["model"] for row in table] == [
         "dense (checkpoint)",
         "dynadiag_s90 one-shot",
+        "dynadiag_s90 refit",
         "dynadiag_s90 fine-tuned",
     ], proc.stdout
-    assert table[0]["accuracy"] > 0.7 and table[2]["steps"] == 3  # 10% of 31 steps
+    assert table[0]["accuracy"] > 0.7 and table[3]["steps"] == 3  # 10% of 31 steps
+    assert table[2]["accuracy"] > table[1]["accuracy"] + 0.1  # refit to the dense layers
     assert (tmp_path / "tuned" / "checkpoints" / "3").is_dir()
     run_python([*args, "--config.train.finetune_fraction=0", f"--workdir={tmp_path / 'once'}"])
+    proc = run_python(
+        [*args, "--config.refit_ridge=-1", f"--workdir={tmp_path / 'r'}"], check=False
+    )
+    assert proc.returncode == 2 and "refit_ridge >= 0" in proc.stderr, proc.stderr[-2000:]
     variables = T.Checkpointer(tmp_path / "once" / "checkpoints").restore_variables()
     assert variables["params"]["hidden_0"]["values"].shape == (79, 64)  # frozen: K of 784
     assert variables["diagonals"]["hidden_0"]["offsets"].shape == (79,)

@@ -3,9 +3,11 @@
 Reads a dense run's Orbax checkpoint (``--config`` ``checkpoint``: its workdir, e.g. a dense run of
 ``train/results.py``), starts the suite's model with DiagonalDense layers from it
 (``dd.from_dense``: values from each diagonal's weights, alpha from its energy), evaluates the
-one-shot model (the K highest-energy diagonals of every layer, frozen at once), then fine-tunes
-for ``train.finetune_fraction`` of the from-scratch steps (a short search, the freeze, training
-of the frozen diagonals), and writes the frozen DynaDiag checkpoint (``--workdir/checkpoints``)
+one-shot model (the K highest-energy diagonals of every layer, frozen at once) and the same
+diagonals refitted to the dense layers' outputs (``dd.refit``, on ``refit_examples`` training
+images), then fine-tunes the refitted model for ``train.finetune_fraction`` of the from-scratch
+steps (training of the frozen diagonals; ``dynadiag.search_fraction`` > 0 searches first), and
+writes the frozen DynaDiag checkpoint (``--workdir/checkpoints``)
 and a before/after accuracy table (printed, and ``--workdir/sparsify.json``).
 
   python train/sparsify.py --workdir=runs/sparsify_mlp \\
@@ -45,8 +47,9 @@ def prepare(config):
     """Check the config, load the data and the dense variables, build both models: every input
     problem (a checkpoint of another model included) surfaces here, before training.
 
-    Returns ``(data, dense model, dense variables, search-phase variables from them,
-    baselines.Method, fine-tune steps, example)``.
+    Returns ``(data, dense model, dense variables, search-phase variables from them, the same
+    refitted by ``dd.refit`` (None without ``refit_examples``), baselines.Method, fine-tune steps,
+    example)``.
     """
     common.check_config(config, default_config.get_config())
     common.check_train_section(config.train)
@@ -55,6 +58,11 @@ def prepare(config):
     fraction = float(config.train.finetune_fraction)
     if not 0.0 <= fraction <= 1.0:
         raise common.ConfigError(f"train.finetune_fraction must be in [0, 1], got {fraction}")
+    examples, ridge = int(config.refit_examples), float(config.refit_ridge)
+    if examples < 0 or not ridge >= 0.0:
+        raise common.ConfigError(
+            f"refit_examples must be >= 0 and refit_ridge >= 0, got {examples} and {ridge}"
+        )
     sparsity = common.sparsity_of(config.dynadiag)
     if not sparsity:
         raise common.ConfigError("dynadiag.sparsity must be in (0, 1): the model to make")
@@ -88,7 +96,11 @@ def prepare(config):
     template = {k: v for k, v in template.items() if k != "intermediates"}
     # a checkpoint of another model fails here
     search = dd.from_dense(dense, template, keep_norm=bool(config.keep_norm))
-    return data, dense_model, dense, search, built, steps, example
+    fitted = None
+    if examples:
+        calibration = jnp.asarray(data.train["image"][:examples], jnp.float32)
+        fitted = dd.refit(built.model, search, dense_model, dense, calibration, ridge=ridge)
+    return data, dense_model, dense, search, fitted, built, steps, example
 
 
 def _accuracy(model, variables, data, config, task) -> float:
@@ -98,7 +110,7 @@ def _accuracy(model, variables, data, config, task) -> float:
 def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int]]:
     """One-shot and fine-tuned DynaDiag from the dense checkpoint; returns the table's rows
     ``(name, test accuracy, steps trained after the dense run)``."""
-    data, dense_model, dense, search, built, steps, example = prepare(config)
+    data, dense_model, dense, search, fitted, built, steps, example = prepare(config)
     workdir = pathlib.Path(workdir)
     task = T.Classification(data.num_classes, float(config.optimizer.label_smoothing))
     seed = int(config.seed)
@@ -108,6 +120,12 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
         ("dense (checkpoint)", _accuracy(dense_model, dense, data, config, task), 0),
         (f"dynadiag_s{s} one-shot", _accuracy(built.model, one_shot, data, config, task), 0),
     ]
+    if fitted is not None:
+        refitted = dd.freeze_tree(fitted)
+        rows.append(
+            (f"dynadiag_s{s} refit", _accuracy(built.model, refitted, data, config, task), 0)
+        )
+        search = fitted
     if steps:
         result = common.train_from_config(
             config,

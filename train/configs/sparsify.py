@@ -2,9 +2,11 @@
 
 ``suite`` takes the model, layers, recipe and data of a classification suite of
 ``train/configs/results.py`` (mlp, mixer, vit), so the dense runs of ``train/results.py`` feed it
-as they are. ``finetune_fraction`` is the fine-tune's length as a fraction of the suite's
-from-scratch steps (0: the one-shot model only); ``dynadiag.search_fraction`` of it searches
-(0: freeze at once, then train the frozen diagonals).
+as they are. ``refit_examples`` training examples refit the kept diagonals to the dense layers'
+outputs (``dd.refit``; 0: keep the dense entries). ``finetune_fraction`` is the fine-tune's length
+as a fraction of the suite's from-scratch steps (0: the one-shot model only);
+``dynadiag.search_fraction`` of it searches (0, the default: freeze at once, then train the frozen
+diagonals).
 
   python train/sparsify.py --workdir=runs/sparsify_mlp \\
       --config=train/configs/sparsify.py:checkpoint=runs/results/mlp/<dense run>
@@ -29,7 +31,16 @@ def get_config(arg=None):
     # Scale each layer's values so that its K kept diagonals carry the dense kernel's Frobenius
     # norm (dd.from_dense keep_norm): docs/training.md has the measured effect.
     config.keep_norm = True
-    # 90% of a trained kernel is gone at once: the fine-tune retrains more than it adjusts, and
-    # 1e-2 beat each suite's own rate on the MLP, the Mixer and the ViT (docs/training.md).
-    config.optimizer.learning_rate = 1e-2
+    # Refit the kept diagonals to the dense layers' outputs on this many training examples
+    # (dd.refit, ridge relative to the activations' scale; 0 examples: no refit). The fine-tune
+    # then starts frozen (a search would re-mix every diagonal and lose the fit).
+    config.refit_examples = 2048
+    config.refit_ridge = 1e-3
+    config.dynadiag.search_fraction = 0.0
+    # From the refitted model the MLP and the Mixer fine-tune best at 1e-2, the ViT at 3e-3
+    # (docs/training.md, "From a dense checkpoint").
+    config.optimizer.learning_rate = FINETUNE_RATES[arg.suite]
     return config
+
+
+FINETUNE_RATES = {"mlp": 1e-2, "mixer": 1e-2, "vit": 3e-3}
