@@ -634,6 +634,8 @@ def test_sparsify_script_one_shot_and_fine_tune_from_a_dense_run(run_python, tmp
         [*args, "--config.refit_ridge=-1", f"--workdir={tmp_path / 'r'}"], check=False
     )
     assert proc.returncode == 2 and "refit_ridge >= 0" in proc.stderr, proc.stderr[-2000:]
+    proc = run_python([*args, "--config.distill=1.5", f"--workdir={tmp_path / 'd'}"], check=False)
+    assert proc.returncode == 2 and "distill must be in [0, 1]" in proc.stderr, proc.stderr[-2000:]
     variables = T.Checkpointer(tmp_path / "once" / "checkpoints").restore_variables()
     assert variables["params"]["hidden_0"]["values"].shape == (79, 64)  # frozen: K of 784
     assert variables["diagonals"]["hidden_0"]["offsets"].shape == (79,)

@@ -6,9 +6,10 @@ Reads a dense run's Orbax checkpoint (``--config`` ``checkpoint``: its workdir, 
 one-shot model (the K highest-energy diagonals of every layer, frozen at once) and the same
 diagonals refitted to the dense layers' outputs (``dd.refit``, on ``refit_examples`` training
 images), then fine-tunes the refitted model for ``train.finetune_fraction`` of the from-scratch
-steps (training of the frozen diagonals; ``dynadiag.search_fraction`` > 0 searches first), and
-writes the frozen DynaDiag checkpoint (``--workdir/checkpoints``)
-and a before/after accuracy table (printed, and ``--workdir/sparsify.json``).
+steps (training of the frozen diagonals, towards the labels and the dense model's outputs:
+``distill``; ``dynadiag.search_fraction`` > 0 searches first), and writes the frozen DynaDiag
+checkpoint (``--workdir/checkpoints``) and a before/after accuracy table (printed, and
+``--workdir/sparsify.json``).
 
   python train/sparsify.py --workdir=runs/sparsify_mlp \\
       --config=train/configs/sparsify.py:checkpoint=runs/results/mlp/<dense run>
@@ -20,6 +21,7 @@ A checkpoint of another model, size or method is refused with the layer and shap
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import sys
@@ -62,6 +64,11 @@ def prepare(config):
     if examples < 0 or not ridge >= 0.0:
         raise common.ConfigError(
             f"refit_examples must be >= 0 and refit_ridge >= 0, got {examples} and {ridge}"
+        )
+    if not 0.0 <= float(config.distill) <= 1.0 or not float(config.distill_temperature) > 0.0:
+        raise common.ConfigError(
+            f"distill must be in [0, 1] and distill_temperature > 0, got {config.distill} and "
+            f"{config.distill_temperature}"
         )
     sparsity = common.sparsity_of(config.dynadiag)
     if not sparsity:
@@ -113,6 +120,13 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
     data, dense_model, dense, search, fitted, built, steps, example = prepare(config)
     workdir = pathlib.Path(workdir)
     task = T.Classification(data.num_classes, float(config.optimizer.label_smoothing))
+    if float(config.distill):
+        teacher = functools.partial(dense_model.apply, dense)
+        tuning = T.Distillation(
+            task, teacher, float(config.distill), float(config.distill_temperature)
+        )
+    else:
+        tuning = task
     seed = int(config.seed)
     one_shot = dd.freeze_tree(search)
     s = round(100 * float(config.dynadiag.sparsity))
@@ -130,7 +144,7 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
         result = common.train_from_config(
             config,
             method=built,
-            task=task,
+            task=tuning,
             train_data=D.ArrayBatches(data.train, int(config.train.batch_size), seed=seed),
             eval_data=D.EvalBatches(data.test, int(config.train.eval_batch_size)),
             num_steps=steps,

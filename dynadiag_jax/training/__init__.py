@@ -39,13 +39,14 @@ from dynadiag_jax.training.sparsity import (
 )
 from dynadiag_jax.training.state import TrainState, create_train_state, variables_of
 from dynadiag_jax.training.steps import make_eval_step, make_train_step
-from dynadiag_jax.training.tasks import Classification, LanguageModeling
+from dynadiag_jax.training.tasks import Classification, Distillation, LanguageModeling
 
 __all__ = [
     "BatchSource",
     "CheckpointMismatch",
     "Checkpointer",
     "Classification",
+    "Distillation",
     "Finetune",
     "GateSchedule",
     "Interrupted",

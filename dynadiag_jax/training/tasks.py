@@ -7,7 +7,9 @@ evaluation set counts only its real examples: batches carry a ``"mask"`` of 1s a
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -16,7 +18,7 @@ import optax
 
 from dynadiag_jax.training.mixup import MixupCutmix
 
-__all__ = ["Classification", "LanguageModeling"]
+__all__ = ["Classification", "Distillation", "LanguageModeling"]
 
 
 def _mask(batch, n):
@@ -83,6 +85,62 @@ class Classification(NamedTuple):
             "accuracy": float(sums["correct"]) / n,
             "count": int(sums["count"]),
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class Distillation:
+    """A classification task trained towards a teacher's outputs too (knowledge distillation).
+
+    The training loss is ``(1 - weight) * task loss + weight * T^2 * CE(softmax(t / T), s / T)``
+    with ``s`` the model's logits, ``t = teacher(inputs)`` the teacher's on the same (augmented)
+    inputs, without gradient, and ``T`` the temperature (the ``T^2`` keeps the soft term's
+    gradient at the scale of the hard one). Evaluation is the task's.
+
+    Attributes:
+      task: the :class:`Classification` task (its targets, label smoothing and mixup).
+      teacher: ``inputs -> logits [B, num_classes]``, e.g. ``functools.partial(dense_model.apply,
+        dense_variables)``; traced into the training step, so the teacher's variables are
+        constants of the compiled step.
+      weight: in ``[0, 1]``, the soft term's share.
+      temperature: ``> 0``.
+    """
+
+    task: Classification
+    teacher: Callable
+    weight: float = 0.9
+    temperature: float = 2.0
+
+    def __post_init__(self):
+        if not 0.0 <= float(self.weight) <= 1.0:
+            raise ValueError(f"Distillation: weight must be in [0, 1], got {self.weight!r}")
+        if not float(self.temperature) > 0.0:
+            raise ValueError(f"Distillation: temperature must be > 0, got {self.temperature!r}")
+
+    def train_inputs(self, batch, key):
+        """``(inputs, (the task's targets, the teacher's logits))``."""
+        inputs, targets = self.task.train_inputs(batch, key)
+        teacher = jax.lax.stop_gradient(self.teacher(inputs)).astype(jnp.float32)
+        return inputs, (targets, teacher)
+
+    def loss(self, logits, targets, batch):
+        """The mixed loss; ``loss`` and ``soft_loss`` and the task's other metrics."""
+        hard, teacher = targets
+        task_loss, metrics = self.task.loss(logits, hard, batch)
+        t = float(self.temperature)
+        soft = optax.softmax_cross_entropy(
+            logits.astype(jnp.float32) / t, jax.nn.softmax(teacher / t)
+        ).mean() * (t * t)
+        loss = (1.0 - self.weight) * task_loss + self.weight * soft
+        return loss, {**metrics, "loss": loss, "soft_loss": soft}
+
+    def eval_inputs(self, batch):
+        return self.task.eval_inputs(batch)
+
+    def eval_sums(self, logits, batch):
+        return self.task.eval_sums(logits, batch)
+
+    def summarise(self, sums):
+        return self.task.summarise(sums)
 
 
 class LanguageModeling(NamedTuple):

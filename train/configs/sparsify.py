@@ -6,7 +6,8 @@ as they are. ``refit_examples`` training examples refit the kept diagonals to th
 outputs (``dd.refit``; 0: keep the dense entries). ``finetune_fraction`` is the fine-tune's length
 as a fraction of the suite's from-scratch steps (0: the one-shot model only);
 ``dynadiag.search_fraction`` of it searches (0, the default: freeze at once, then train the frozen
-diagonals).
+diagonals). ``distill`` is the share of the fine-tune's loss that is distillation from the dense
+model (``T.Distillation``, at ``distill_temperature``; 0: the labels alone).
 
   python train/sparsify.py --workdir=runs/sparsify_mlp \\
       --config=train/configs/sparsify.py:checkpoint=runs/results/mlp/<dense run>
@@ -37,6 +38,10 @@ def get_config(arg=None):
     config.refit_examples = 2048
     config.refit_ridge = 1e-3
     config.dynadiag.search_fraction = 0.0
+    # The fine-tune also learns from the dense model's outputs (knowledge distillation: this share
+    # of the loss is the cross-entropy to its softened predictions; 0: labels only).
+    config.distill = 0.9
+    config.distill_temperature = 2.0
     # From the refitted model the MLP and the Mixer fine-tune best at 1e-2, the ViT at 3e-3
     # (docs/training.md, "From a dense checkpoint").
     config.optimizer.learning_rate = FINETUNE_RATES[arg.suite]
