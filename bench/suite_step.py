@@ -6,7 +6,12 @@ DynaDiag state on real batches until ``--fraction`` of its search phase (so the 
 in a run), then times, interleaved (median of ``--repeats``), its jitted training step there and
 after the freeze - with the suite's optimizer, with plain SGD and with no update at all
 (``optax.set_to_zero``: the forward, backward and search mechanics alone), which shows what the
-optimizer's pass over the search phase's ``values[P, ...]`` costs. Beside each step time it reports
+optimizer's pass over the search phase's ``values[P, ...]`` costs. With ``--working-set c`` (1.25 by
+default, 0: off) it also times the step of the same search state in the working-set form
+(``dynadiag_jax.training.enter_working_set``: each layer's top ``ceil(c K)`` candidates) and its
+refresh program (``refresh_working_set``, which a run calls every ``R`` steps; timed without
+donation, so it includes a copy of the stored ``values[P, ...]`` that a run does not make).
+Beside each step time it reports
 the bytes the compiled step accesses (XLA's cost analysis of the program the run jits, state
 donated; a conditional counts every branch, the kernels' custom calls count nothing), which unlike
 the times does not depend on the host's load, and the load average while timing. It also reports
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import os
 import pathlib
 import sys
@@ -52,8 +58,11 @@ def _compile_seconds(fn, *args) -> float:
     return time.perf_counter() - start
 
 
-def measure(config, suite: str, sparsity: float, fraction: float, repeats: int) -> list[dict]:
-    """Rows ``{"what", "value", "unit"}``: step times (ms) and compile times (s)."""
+def measure(
+    config, suite: str, sparsity: float, fraction: float, repeats: int, working_set: float = 0.0
+) -> list[dict]:
+    """Rows ``{"what", "value", "unit"}``: step times (ms), compile times (s) and bytes (MB);
+    ``working_set``: the factor of the working-set form also timed (0: not)."""
     data = R.prepare(config)
     m = config.models[suite]
     steps, task = R.steps_of(m, data), R.task_of(m, data)
@@ -78,6 +87,13 @@ def measure(config, suite: str, sparsity: float, fraction: float, repeats: int) 
     rows.append(("compile: freeze", _compile_seconds(T.freeze_state, state), "s"))
     frozen = jax.jit(T.freeze_state)(state)
     rows.append(("compile: frozen step", _compile_seconds(step, frozen, batch), "s"))
+    enter = functools.partial(T.enter_working_set, factor=working_set)
+    if working_set:
+        rows.append(("compile: enter working set", _compile_seconds(enter, state), "s"))
+        narrow = jax.jit(enter)(state)
+        rows.append(("compile: working-set step", _compile_seconds(step, narrow, batch), "s"))
+        refresh = T.refresh_working_set
+        rows.append(("compile: refresh working set", _compile_seconds(refresh, narrow), "s"))
     for method in ("static_diagonals", "dense"):
         b = built[method]
         other = jax.jit(init(method, b.optimizer))()
@@ -91,10 +107,18 @@ def measure(config, suite: str, sparsity: float, fraction: float, repeats: int) 
         opt_state = optimizer.init(state.params)
         search = state._replace(opt_state=opt_state)
         after = jax.jit(T.freeze_state)(search)
-        for phase, phase_state in (("search", search), ("frozen", after)):
+        phases = [("search", search), ("frozen", after)]
+        if working_set:
+            phases.append(("working-set", jax.jit(enter)(search)))
+        for phase, phase_state in phases:
             calls[f"{phase} step, {name}"] = (fn, (phase_state, batch))
             donated = jax.jit(step_fn, donate_argnums=0).lower(phase_state, batch).compile()
             accessed.append((f"bytes: {phase} step, {name}", _bytes_accessed(donated) / 1e6, "MB"))
+        if working_set and name == "suite optimizer":
+            narrow = phases[-1][1]
+            calls["refresh working set"] = (jax.jit(T.refresh_working_set), (narrow,))
+            donated = jax.jit(T.refresh_working_set, donate_argnums=0).lower(narrow).compile()
+            accessed.append(("bytes: refresh working set", _bytes_accessed(donated) / 1e6, "MB"))
     with tqdm(total=repeats * len(calls), unit="call", leave=False) as progress:
         load = os.getloadavg()[0]
         times = time_interleaved(calls, repeats, progress)
@@ -117,14 +141,22 @@ def main(argv=None) -> None:
     parser.add_argument("--fraction", type=float, default=0.5, help="of the search phase trained")
     parser.add_argument("--repeats", type=int, default=101)
     parser.add_argument("--data", default="auto", help="the suites' data.source (mnist5k: small)")
+    parser.add_argument(
+        "--working-set",
+        type=float,
+        default=1.25,
+        help="also time the working-set form of this factor (>= 1; 0: not)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not 0.0 < args.sparsity < 1.0 or not 0.0 <= args.fraction < 1.0 or args.repeats < 1:
         parser.error("need 0 < --sparsity < 1, 0 <= --fraction < 1 and --repeats >= 1")
+    if args.working_set and not args.working_set >= 1.0:
+        parser.error("need --working-set >= 1 (or 0: off)")
     config = results_config.get_config(f"models={args.suite}")
     config.data.source = args.data
     config.unstructured.update_every = 1
-    rows = measure(config, args.suite, args.sparsity, args.fraction, args.repeats)
+    rows = measure(config, args.suite, args.sparsity, args.fraction, args.repeats, args.working_set)
     print(f"{args.suite} at {args.sparsity:g}, {args.fraction:g} of the search trained")
     for r in rows:
         print(f"  {r['what']:<36} {r['value']:9.3f} {r['unit']}")
@@ -133,6 +165,12 @@ def main(argv=None) -> None:
         ratio = by[f"search step, {name}"] / by[f"frozen step, {name}"]
         traffic = by[f"bytes: search step, {name}"] / by[f"bytes: frozen step, {name}"]
         print(f"  search / frozen step, {name}: {ratio:.2f}x (bytes accessed {traffic:.1f}x)")
+        if args.working_set:
+            ratio = by[f"working-set step, {name}"] / by[f"frozen step, {name}"]
+            traffic = by[f"bytes: working-set step, {name}"] / by[f"bytes: frozen step, {name}"]
+            print(
+                f"  working-set / frozen step, {name}: {ratio:.2f}x (bytes accessed {traffic:.1f}x)"
+            )
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
     out = pathlib.Path(args.out or f"bench/results/suite_step_{stamp}.csv")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -135,17 +135,26 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
       search entries removed from ``"dynadiag"`` (the collection disappears when empty).
 
     Raises:
-      ValueError: a search layer whose K or input width cannot be determined (without its
-        ``"diagonals"`` entry only a bias or a square layer fixes the width), or whose concrete
-        ``alpha`` holds NaN or inf (naming its path). Inside ``jit`` alpha cannot be read while
-        tracing: such a layer's frozen ``values`` are NaN instead, so its outputs (and the loss)
-        are NaN.
+      ValueError: a layer in the working-set form (leave it first:
+        :func:`dynadiag_jax.training.leave_working_set`); a search layer whose K or input width
+        cannot be determined (without its ``"diagonals"`` entry only a bias or a square layer
+        fixes the width), or whose concrete ``alpha`` holds NaN or inf (naming its path). Inside
+        ``jit`` alpha cannot be read while tracing: such a layer's frozen ``values`` are NaN
+        instead, so its outputs (and the loss) are NaN.
     """
     if not isinstance(variables, Mapping) or "params" not in variables:
         raise ValueError("freeze_tree needs variables with a 'params' collection")
     budgets = dict(budgets or {})
     params = traverse_util.flatten_dict(variables["params"], keep_empty_nodes=True)
     gates = traverse_util.flatten_dict(variables.get(GATE_COLLECTION, {}))
+    in_working_set = sorted("/".join(key[:-1]) for key in gates if key[-1] == "working_set")
+    if in_working_set:
+        raise ValueError(
+            f"freeze_tree: the DiagonalDense at params path {in_working_set[0]} is in the "
+            f"working-set form (values [W, ...] of the candidates dynadiag/working_set, the rest "
+            f"in the 'dynadiag_store' collection): rebuild the plain search form first "
+            f"(dynadiag_jax.training.leave_working_set, which freeze_state calls)"
+        )
     diagonals = traverse_util.flatten_dict(
         variables.get(DIAGONALS_COLLECTION, {}), keep_empty_nodes=True
     )

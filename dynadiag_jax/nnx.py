@@ -17,7 +17,9 @@ linen's variables hold, by variable type instead of collection:
 
 ``V = (D,)`` for element diagonals, ``(L_b, b, b)`` for block diagonals (``block_size = b``).
 Unlike linen, a search-phase call always refreshes ``topk`` (NNX state is mutable); the search
-statistics are not recorded.
+statistics are not recorded. The search's working-set form (linen:
+:mod:`dynadiag_jax.training.working_set`) is not implemented here: a layer given a
+``working_set`` raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -200,6 +202,12 @@ class DiagonalDense(nnx.Module):
                 f"the sharding of x's rows); pass None"
             )
         spec = self.spec
+        if hasattr(self, "working_set"):
+            raise NotImplementedError(
+                "DiagonalDense (NNX): the search's working-set form (a working_set beside "
+                "values[W, ...]) is implemented for the linen layer and dynadiag_jax.training "
+                "only; keep values[P, ...] and no working_set on an NNX layer"
+            )
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"x must be an array, got {type(x).__name__}")
         if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):

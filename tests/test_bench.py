@@ -195,8 +195,10 @@ def test_suite_step_benchmark_times_both_phases_and_every_compilation(run_python
     proc = run_python([str(ROOT / "bench" / "suite_step.py"), *args])
     _, rows = read_rows(out)
     programs = ["initial state", "search step", "freeze", "frozen step"]
+    programs += ["enter working set", "working-set step", "refresh working set"]
     optimizers = ("suite optimizer", "sgd", "none")
-    steps = [f"{p} step, {o}" for o in optimizers for p in ("search", "frozen")]
+    steps = [f"{p} step, {o}" for o in optimizers for p in ("search", "frozen", "working-set")]
+    steps.insert(3, "refresh working set")  # after the suite optimizer's steps
     assert [r["what"] for r in rows] == [
         *(f"compile: {p}" for p in programs),
         "compile: static_diagonals step",
@@ -212,10 +214,17 @@ def test_suite_step_benchmark_times_both_phases_and_every_compilation(run_python
     for phase in ("search", "frozen"):
         assert moved[f"bytes: {phase} step, suite optimizer"] > moved[f"bytes: {phase} step, none"]
     assert moved["bytes: search step, none"] > moved["bytes: frozen step, none"]
+    # the working-set step moves W rows, not P (the suite's AdamW: the values and both moments)
+    ws, full = (moved[f"bytes: {p} step, suite optimizer"] for p in ("working-set", "search"))
+    assert ws < full
     assert "search / frozen step, sgd:" in proc.stdout
+    assert "working-set / frozen step, suite optimizer:" in proc.stdout
 
 
-@pytest.mark.parametrize("option", [["--sparsity", "1"], ["--fraction", "1"], ["--repeats", "0"]])
+@pytest.mark.parametrize(
+    "option",
+    [["--sparsity", "1"], ["--fraction", "1"], ["--repeats", "0"], ["--working-set", "0.5"]],
+)
 def test_suite_step_benchmark_refuses_bad_options(run_python, option):
     proc = run_python([str(ROOT / "bench" / "suite_step.py"), *option], check=False)
     assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr

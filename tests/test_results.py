@@ -486,6 +486,25 @@ def test_fingerprint_of_block_methods_differs_per_size_and_element_ignores_block
     assert fp("dynadiag") == element
 
 
+def test_fingerprint_of_runs_without_a_working_set_hashes_as_before_it_existed():
+    config = _config("models=mlp")
+    fp = lambda: results.fingerprint(config, "mlp", "dynadiag", 100)  # noqa: E731
+    before = fp()
+    with config.unlocked():
+        section = config.models.mlp.dynadiag
+        section.working_set_refresh, section.working_set_start = 7, 0.3  # read only when on
+    assert fp() == before
+    with config.unlocked():
+        del section["working_set"], section["working_set_refresh"], section["working_set_start"]
+    assert fp() == before  # off is the section without the keys
+    with config.unlocked():
+        section.working_set, section.working_set_refresh, section.working_set_start = 1.25, 20, 0.1
+    on = fp()
+    with config.unlocked():
+        section.working_set_refresh = 10
+    assert len({before, on, fp()}) == 3
+
+
 def test_fingerprint_of_permutations_and_runs_without_one_hash_as_before():
     config = _config("models=mlp")
     methods = baselines.METHODS

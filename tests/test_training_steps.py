@@ -114,6 +114,8 @@ def test_schedule_names_the_steps_of_each_event():
     assert events_of(schedule) == {
         "log": [4, 8, 12],
         "evaluate": [3, 6, 9],  # the last step's evaluation comes after the loop
+        "enter_working_set": [],
+        "refresh_working_set": [],
         "freeze": [6],
         "finetune": [],
         "select": [2, 4, 6],  # at the freeze: what it kept; none once frozen
@@ -127,6 +129,8 @@ def test_schedule_at_the_edges():
     assert events_of(quiet) == {
         "log": [6],
         "evaluate": [],
+        "enter_working_set": [],
+        "refresh_working_set": [],
         "freeze": [6],
         "finetune": [],
         "select": [],

@@ -63,6 +63,7 @@ class Method(NamedTuple):
       gate: the gate schedule (``dynadiag`` only, else ``None``).
       freeze_step: the freeze step (``dynadiag`` only, else ``None``).
       reads: the ``dynadiag`` and ``unstructured`` config entries the method reads (:data:`READS`).
+      working_set: the search's working-set option (``dynadiag`` only; None: off).
     """
 
     name: str
@@ -72,6 +73,7 @@ class Method(NamedTuple):
     gate: Any
     freeze_step: int | None
     reads: tuple[str, ...]
+    working_set: Any = None
 
 
 def check(method: str, unstructured_cfg) -> None:
@@ -159,11 +161,12 @@ def build(
         )
     diag_cfg = with_sparsity(dynadiag_cfg, sparsity if method == "dynadiag" else 0.0)
     optimizer, lr = common.build_optimizer(optimizer_cfg, diag_cfg, num_steps, warmup_steps)
-    gate = freeze = None
+    gate = freeze = working_set = None
     if method == "dynadiag":
         model = common.build_model(model_cfg, diag_cfg, **model_kwargs)
         freeze = common.freeze_step(diag_cfg, num_steps)
         gate = common.gate_schedule(diag_cfg, freeze, num_steps)
+        working_set = common.working_set(diag_cfg, gate, freeze, num_steps)
     elif method == "static_diagonals":
         permutation = common.permutation_of(dynadiag_cfg)
         if permutation == "learned":
@@ -207,7 +210,7 @@ def build(
         else:
             kwargs.update(drop_fraction=float(u.drop_fraction))
         optimizer = UNSTRUCTURED[method](optimizer, **kwargs)
-    return Method(method, model, optimizer, lr, gate, freeze, READS[method])
+    return Method(method, model, optimizer, lr, gate, freeze, READS[method], working_set)
 
 
 def block_size(method: Method, dynadiag_cfg) -> int:

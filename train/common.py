@@ -228,6 +228,34 @@ def gate_schedule(dynadiag_cfg, freeze_step: int | None, num_steps: int) -> T.Ga
     )
 
 
+def working_set(
+    dynadiag_cfg, gate: T.GateSchedule | None, freeze_step: int | None, num_steps: int
+) -> T.WorkingSet | None:
+    """The search's working-set option (``None``: ``dynadiag.working_set = 0`` or a dense model):
+    factor ``working_set``, refreshed every ``working_set_refresh`` steps, entered
+    ``working_set_start`` of the search phase in (after the restart of alpha)."""
+    factor = float(dynadiag_cfg.working_set)
+    if gate is None or factor == 0.0:
+        return None
+    steps = max(1, freeze_step if freeze_step is not None else num_steps)
+    start = float(dynadiag_cfg.working_set_start)
+    rescore = float(dynadiag_cfg.rescore_fraction)
+    if not rescore < start < 1.0:
+        raise ConfigError(
+            f"dynadiag.working_set_start must be in (rescore_fraction={rescore}, 1), got {start}"
+        )
+    start_step = max(round(start * steps), gate.rescore_step + 1)
+    if start_step >= steps:
+        raise ConfigError(
+            f"dynadiag.working_set_start={start} leaves no search step in the working set "
+            f"({steps} search steps): lower it or search longer"
+        )
+    try:
+        return T.WorkingSet(factor, int(dynadiag_cfg.working_set_refresh), start_step).check()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"dynadiag.working_set: {e}") from None
+
+
 def freeze_step(dynadiag_cfg, num_steps: int) -> int | None:
     """Step of the freeze: ``search_fraction`` of training (``None`` for dense models)."""
     if float(dynadiag_cfg.sparsity) == 0.0:
@@ -373,6 +401,7 @@ def train_from_config(
             seed=int(config.seed),
             freeze_step=method.freeze_step,
             gate=method.gate,
+            working_set=method.working_set,
             workdir=workdir,
             eval_every=int(t.eval_every),
             checkpoint_every=int(t.checkpoint_every),

@@ -441,6 +441,10 @@ def fingerprint(config, model_name: str, method: str, steps: int) -> str:
             section.pop("permutation_start", None)
         if section.get("permutation", "none") == "none":
             section.pop("permutation", None)
+        # and runs without a working set as before it existed
+        if not section.get("working_set", 0.0):
+            for key in ("working_set", "working_set_refresh", "working_set_start"):
+                section.pop(key, None)
         parts["dynadiag"] = section
     if base == "static_diagonals":
         parts["fan_in"] = m.dynadiag.fan_in
@@ -538,6 +542,7 @@ def train_built(
         seed=seed,
         freeze_step=built.freeze_step,
         gate=built.gate,
+        working_set=built.working_set,
         workdir=workdir,
         checkpoint_every=max(1, steps // 4) if lm else steps // int(m.epochs),
         keep_checkpoints=1,

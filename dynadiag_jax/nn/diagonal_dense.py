@@ -9,6 +9,10 @@ it is given:
   holds the gate hyper-parameter (``strength`` or ``temperature``, float32 scalar), ``topk``
   (int32 ``[K]``, see below) and ``score`` (bool scalar, used by ``explore="dense_score"``).
 * frozen: params ``values[K, *V]``, ``bias``; collection ``"diagonals"`` holds ``offsets[K]`` int32.
+* search, working-set form (``dynadiag_jax.training.enter_working_set``): ``"dynadiag"`` also
+  holds ``working_set[W]`` (int32, distinct candidates), and params ``values[W, *V]`` (row ``j``:
+  candidate ``working_set[j]``); ``alpha[P]`` stays. The product computes exactly those ``W``
+  diagonals (:func:`dynadiag_jax.nn.search.working_set_forward`).
 
 ``V = (D,)`` for element diagonals, ``(L_b, b, b)`` for block diagonals (``block_size = b``). In
 both phases the ``"diagonals"`` collection also holds ``in_features`` (int32 scalar), the input
@@ -38,7 +42,12 @@ from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
 from dynadiag_jax.nn import permutation as perms
-from dynadiag_jax.nn.search import gate_inputs, search_forward
+from dynadiag_jax.nn.search import (
+    gate_inputs,
+    search_forward,
+    working_set_forward,
+    working_set_problem,
+)
 from dynadiag_jax.topk import check_gate_value, nan_if_nan
 
 __all__ = ["DiagonalDense"]
@@ -75,6 +84,13 @@ class DiagonalDense(nn.Module):
     * ``"none"``: always ``K_cap`` diagonals; the gate mass outside is dropped (and reported).
 
     docs/selection.md compares the three on planted diagonals (bench/exploration.py).
+
+    Working-set form (``"dynadiag"`` holds ``working_set[W]``, params ``values[W, *V]``; made by
+    :func:`dynadiag_jax.training.enter_working_set`): the gate still runs over all ``P`` scores,
+    but exactly the ``W`` working-set diagonals are computed, gated by ``gate[working_set]``, and
+    ``explore`` has no effect; gate mass outside is dropped (``gate_mass_outside``), and
+    ``scale="rms"`` is taken over the computed gates. A concrete working set with duplicates,
+    ids outside ``[0, P)`` or more than ``P`` entries raises; a traced one makes every output NaN.
 
     Frozen phase (after :func:`dynadiag_jax.freeze`, or ``init_phase="frozen"``): the product of
     exactly ``K`` diagonals ``offsets`` with a hard gate of 1.
@@ -397,7 +413,9 @@ class DiagonalDense(nn.Module):
             return
         shape = self.get_variable("params", "values").shape
         if self.has_variable("params", "alpha"):
-            exact, low, high = (F.search_width(shape, self.features),) * 3
+            # in the working-set form values has W rows; alpha has the P candidates
+            p = self.get_variable("params", "alpha").shape[-1]
+            exact, low, high = (F.search_width((p, *shape[1:]), self.features),) * 3
         else:
             exact, low, high = F.frozen_width(shape, self.features)
             if exact is None:
@@ -480,8 +498,19 @@ class DiagonalDense(nn.Module):
         work = work_dtype(self.param_dtype)
         p = spec.num_candidates
         alpha = self.param("alpha", F.init_alpha, (p,), work).astype(work)
-        every = jnp.arange(p, dtype=jnp.int32)
-        values = self.param("values", self._values_init(spec), every, self.param_dtype)
+        working_set = self._working_set(spec)
+        if working_set is None:
+            every = jnp.arange(p, dtype=jnp.int32)
+            values = self.param("values", self._values_init(spec), every, self.param_dtype)
+        else:
+            values = self.get_variable("params", "values")
+            expected = (working_set.shape[0], *spec.row_shape)
+            if values.shape != expected:
+                raise ValueError(
+                    f"{self._label()}: in the working-set form params/values must have shape "
+                    f"[W, *V] = {list(expected)} (W = len(dynadiag/working_set)), got "
+                    f"{list(values.shape)}"
+                )
         tracking = self.has_variable(F.GATE_COLLECTION, "topk") and self.is_mutable_collection(
             F.GATE_COLLECTION
         )
@@ -492,12 +521,45 @@ class DiagonalDense(nn.Module):
         elif tracking:
             self.put_variable(F.GATE_COLLECTION, "topk", inputs.topk)
             self.sow("intermediates", "topk_changed", inputs.topk_changed)
-        score = (
-            self.get_variable(F.GATE_COLLECTION, "score")
-            if self.has_variable(F.GATE_COLLECTION, "score")
-            else jnp.asarray(False)
-        )
-        y, stats = search_forward(spec, values, x, inputs, score=score)
+        if working_set is None:
+            score = (
+                self.get_variable(F.GATE_COLLECTION, "score")
+                if self.has_variable(F.GATE_COLLECTION, "score")
+                else jnp.asarray(False)
+            )
+            y, stats = search_forward(spec, values, x, inputs, score=score)
+        else:
+            y, stats = working_set_forward(spec, values, working_set, x, inputs)
+            y = self._guard_working_set(y, working_set, p)
         for name, value in stats._asdict().items():
             self.sow("intermediates", name, value)
         return nan_if_nan(y, hyper)
+
+    def _working_set(self, spec: F.LayerSpec):
+        """The ``"dynadiag"`` entry ``working_set`` as int32 (None without one), checked: its
+        shape and dtype while tracing, its values when they can be read on the host."""
+        if not self.has_variable(F.GATE_COLLECTION, "working_set"):
+            return None
+        ws = self.get_variable(F.GATE_COLLECTION, "working_set")
+        p = spec.num_candidates
+        problem = None
+        if ws.ndim != 1 or not 1 <= ws.shape[0] <= p:
+            problem = f"it must have shape [W] with 1 <= W <= P = {p}, got {tuple(ws.shape)}"
+        elif not jnp.issubdtype(ws.dtype, jnp.integer):
+            problem = f"it must hold int32 candidate ids, got {ws.dtype}"
+        elif (host := perms.host_array(ws)) is not None:
+            problem = working_set_problem(host, p)
+        if problem:
+            raise ValueError(
+                f"{self._label()}: dynadiag/working_set is not a working set: {problem}"
+            )
+        return ws.astype(jnp.int32)
+
+    def _guard_working_set(self, y, working_set, p: int):
+        """NaN outputs when a traced working set is not distinct ids in ``[0, P)`` (``jit``
+        cannot raise; the check is ``O(W log W)``)."""
+        if perms.host_array(working_set) is not None:
+            return y  # checked on the host
+        ordered = jnp.sort(working_set)
+        valid = (ordered[0] >= 0) & (ordered[-1] < p) & jnp.all(ordered[1:] != ordered[:-1])
+        return jnp.where(valid, y, jnp.asarray(jnp.nan, y.dtype))

@@ -12,6 +12,10 @@ a dense ``W`` is never built. How many are computed depends on ``spec.explore``:
   diagonal SDDMM over all ``P`` offsets, so every diagonal gets its exact gradient.
 * ``"none"``: ``K_cap`` diagonals; the gate mass outside is dropped (and reported).
 
+A layer in the working-set form (its ``"dynadiag"`` collection holds ``working_set[W]``,
+:func:`working_set_forward`) computes exactly its ``W`` working-set diagonals instead, whatever
+``explore`` says.
+
 Element (``values[P, D]``) and block (``values[P_b, L_b, b, b]``) diagonals take the same path:
 the gate scales a whole diagonal, whatever its shape.
 """
@@ -31,7 +35,15 @@ from dynadiag_jax.ops.diag_matmul import diag_matmul_in_range, resolve_impl
 from dynadiag_jax.ops.ranking import gate_rank
 from dynadiag_jax.topk import SparseSolution, softmax_gate, sparse_gate
 
-__all__ = ["GateInputs", "SearchStats", "bucket_sizes", "gate_inputs", "search_forward"]
+__all__ = [
+    "GateInputs",
+    "SearchStats",
+    "bucket_sizes",
+    "gate_inputs",
+    "search_forward",
+    "working_set_forward",
+    "working_set_problem",
+]
 
 
 class SearchStats(NamedTuple):
@@ -190,6 +202,76 @@ def search_forward(spec, values, x, inputs: GateInputs, *, score=False):
         output_scale=_output_scale(gate * c, values, order[: spec.k]),
     )
     return y, stats
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def working_set_forward(spec, values, working_set, x, inputs: GateInputs):
+    """The search-phase product over a working set: ``x @ W_ws.T`` (no bias), :class:`SearchStats`.
+
+    ``W_ws = sum_j gate[working_set[j]] * values[j]`` placed on diagonal ``working_set[j]``: the
+    gate is computed over all ``P`` candidates (``inputs``) and read at the working set, so the
+    gradient of ``alpha`` reaches every candidate through the gate, while ``values`` and the
+    product are ``W``-sized (plain autodiff of :func:`dynadiag_jax.ops.diag_matmul_in_range`: no
+    buckets, no ``[P, ...]`` buffer). Gate mass on candidates outside the working set is dropped
+    and reported in ``gate_mass_outside``. ``scale="rms"`` is ``sqrt(K / sum(gate[ws]^2))``, over
+    the computed gates: the product keeps the output scale of ``K`` diagonals at gate 1 whatever
+    mass lies outside (the same factor as the full search whenever the support is inside the
+    working set). ``output_scale`` compares with the ``K`` working-set members of largest alpha.
+
+    Args:
+      spec: the layer's :class:`dynadiag_jax.nn.functional.LayerSpec`.
+      values: ``[W, *V]``, row ``j`` the values of candidate ``working_set[j]``.
+      working_set: ``[W]`` int32, distinct candidates in ``[0, P)`` (trusted here: a traced one
+        cannot be checked; :func:`working_set_problem` checks a concrete one).
+      x: ``[..., in]`` in the computation dtype.
+      inputs: the layer's :class:`GateInputs` over all ``P`` (no leading dims).
+
+    Returns:
+      ``(y[..., out] in x.dtype, SearchStats)``.
+    """
+    gate = inputs.gate[working_set]
+    y = diag_matmul_in_range(
+        x,
+        _weights(gate, values, x.dtype),
+        working_set,
+        out_features=spec.out_features,
+        impl=spec.impl,
+    )
+    computed = jax.lax.stop_gradient(gate)
+    total = jnp.sum(jax.lax.stop_gradient(inputs.gate))
+    outside = jnp.maximum(total - jnp.sum(computed), 0)
+    c = rms_scale(gate, spec.k) if spec.scale == "rms" else jnp.ones((), gate.dtype)
+    if spec.scale == "rms":
+        y = y * c.astype(y.dtype)
+    k = min(spec.k, working_set.shape[0])
+    top = jnp.argsort(inputs.rank[working_set])[:k]  # the members of largest alpha
+    stats = SearchStats(
+        gate_nonzero=inputs.gate_nonzero,
+        gate_mass_outside=outside.astype(jnp.float32),
+        gate_mean=inputs.gate_mean,
+        computed_diagonals=jnp.asarray(working_set.shape[0], jnp.float32),
+        output_scale=_output_scale(gate * c, values, top),
+    )
+    return y, stats
+
+
+def working_set_problem(working_set, num_candidates: int) -> str | None:
+    """Why a concrete ``working_set`` is not a set of distinct candidates of ``[0, P)`` (or None).
+
+    Checks the shape ``[W]`` with ``1 <= W <= P``, an integer dtype, the range and duplicates.
+    """
+    ws = np.asarray(working_set)
+    if ws.ndim != 1 or not 1 <= ws.shape[0] <= num_candidates:
+        return f"it must have shape [W] with 1 <= W <= P = {num_candidates}, got {ws.shape}"
+    if not np.issubdtype(ws.dtype, np.integer):
+        return f"it must hold integers (int32 candidate ids), got {ws.dtype}"
+    outside = ws[(ws < 0) | (ws >= num_candidates)]
+    if outside.size:
+        return f"it holds {int(outside[0])}, outside [0, P = {num_candidates})"
+    ids, counts = np.unique(ws, return_counts=True)
+    if np.any(counts > 1):
+        return f"it holds {int(ids[np.argmax(counts)])} {int(counts.max())} times"
+    return None
 
 
 def rms_scale(gate, k: int):

@@ -1,7 +1,8 @@
 """The training library behind every script in ``train/``: explicit arguments, no configs.
 
 :func:`train` runs the loop (search phase with a gate schedule, freeze, an optional fine-tuning
-phase (:class:`Finetune`), evaluation, metrics to TensorBoard and JSONL, Orbax checkpoints, data
+phase (:class:`Finetune`), an optional working-set form of the search (:class:`WorkingSet`),
+evaluation, metrics to TensorBoard and JSONL, Orbax checkpoints, data
 parallelism over every device).
 """
 
@@ -40,6 +41,15 @@ from dynadiag_jax.training.sparsity import (
 from dynadiag_jax.training.state import TrainState, create_train_state, variables_of
 from dynadiag_jax.training.steps import make_eval_step, make_train_step
 from dynadiag_jax.training.tasks import Classification, Distillation, LanguageModeling
+from dynadiag_jax.training.working_set import (
+    STORE_COLLECTION,
+    WorkingSet,
+    enter_working_set,
+    has_working_set,
+    leave_working_set,
+    refresh_working_set,
+    working_set_width,
+)
 
 __all__ = [
     "BatchSource",
@@ -54,6 +64,7 @@ __all__ = [
     "MetricWriter",
     "MixupCutmix",
     "NO_DECAY",
+    "STORE_COLLECTION",
     "ParameterCounts",
     "TrainResult",
     "TrainState",
@@ -79,4 +90,10 @@ __all__ = [
     "train",
     "train_only",
     "variables_of",
+    "WorkingSet",
+    "enter_working_set",
+    "has_working_set",
+    "leave_working_set",
+    "refresh_working_set",
+    "working_set_width",
 ]

@@ -7,7 +7,8 @@ compiled on a background thread while the run goes on), :func:`train_one_step` (
 :class:`MetricSums` and :class:`StepTimer`), :func:`log_train`, :func:`evaluate`,
 :func:`record_selection`, :func:`save_checkpoint`, :func:`finetune_programs` (a fine-tuning phase
 at the end of the run, e.g. LoRA-FA) and :func:`stop_requests`; :class:`Schedule` says which of
-them follow each step.
+them follow each step (including the switch to the search's working-set form and its refresh,
+:mod:`dynadiag_jax.training.working_set`).
 
 A run with a ``workdir`` resumes from the newest checkpoint there; because data order, dropout and
 augmentation depend only on ``(seed, step)`` and the gate schedule only on the step, a resumed run
@@ -51,6 +52,12 @@ from dynadiag_jax.training.parallel import (
 from dynadiag_jax.training.sparsity import GateSchedule, freeze_state, is_searching, kept_offsets
 from dynadiag_jax.training.state import TrainState, create_train_state
 from dynadiag_jax.training.steps import make_eval_step, make_train_step
+from dynadiag_jax.training.working_set import (
+    WorkingSet,
+    enter_working_set,
+    has_working_set,
+    refresh_working_set,
+)
 
 __all__ = [
     "BatchSource",
@@ -66,6 +73,7 @@ __all__ = [
     "finetune_programs",
     "jit_programs",
     "log_train",
+    "phase_key",
     "record_selection",
     "restore_or_create_state",
     "save_checkpoint",
@@ -169,17 +177,43 @@ class Programs(NamedTuple):
       train_step: ``(state, batch) -> (state, metrics)``, one optimizer step; donates ``state``.
       eval_step: ``(state, batch) -> sums``, the task's additive evaluation sums of a batch.
       freeze: ``state -> state``, the frozen form (params, collections and optimizer state).
+      enter_working_set: ``state -> state``, the working-set form
+        (:func:`~dynadiag_jax.training.enter_working_set`), or None (the run has none).
+      refresh_working_set: ``state -> state``, the working sets moved to the top ``W`` by alpha
+        (:func:`~dynadiag_jax.training.refresh_working_set`; donates ``state``), or None.
     """
 
     train_step: Callable
     eval_step: Callable
     freeze: Callable
+    enter_working_set: Callable | None = None
+    refresh_working_set: Callable | None = None
 
 
-def jit_programs(model: nn.Module, optimizer, task, mesh, *, gate=None, trained=None) -> Programs:
+def jit_programs(
+    model: nn.Module,
+    optimizer,
+    task,
+    mesh,
+    *,
+    gate=None,
+    trained=None,
+    working_set: WorkingSet | None = None,
+) -> Programs:
     """The jitted step, evaluation and freeze of a run (each compiles at its first call);
-    ``trained``: the step differentiates only these params (:func:`make_train_step`)."""
+    ``trained``: the step differentiates only these params (:func:`make_train_step`);
+    ``working_set``: also the switch to the working-set form and its refresh."""
     rep, data_sharding = replicated(mesh), batch_sharded(mesh)
+    enter = refresh = None
+    if working_set is not None:
+        enter = jax.jit(
+            functools.partial(enter_working_set, factor=working_set.factor),
+            in_shardings=rep,
+            out_shardings=rep,
+        )
+        refresh = jax.jit(
+            refresh_working_set, in_shardings=rep, out_shardings=rep, donate_argnums=0
+        )
     return Programs(
         train_step=jax.jit(
             make_train_step(model, optimizer, task, gate=gate, trained=trained),
@@ -191,6 +225,8 @@ def jit_programs(model: nn.Module, optimizer, task, mesh, *, gate=None, trained=
             make_eval_step(model, task), in_shardings=(rep, data_sharding), out_shardings=rep
         ),
         freeze=jax.jit(freeze_state, in_shardings=rep, out_shardings=rep),
+        enter_working_set=enter,
+        refresh_working_set=refresh,
     )
 
 
@@ -228,11 +264,15 @@ def compile_ahead(
     evaluates: bool = False,
     freezes: bool = False,
     eval_data: Iterable | None = None,
+    enters: bool = False,
+    evaluates_working_set: bool = False,
 ) -> None:
     """Submit to ``ahead`` the programs a run will call, in the order it calls them.
 
-    Names: ``("step", searching)``, ``("eval", searching)`` and ``"freeze"``; the loop waits for
-    a name before the call it stands for (:meth:`CompileAhead.wait`).
+    Names: ``("step", phase)``, ``("eval", phase)`` with ``phase`` the state's :func:`phase_key`
+    (``searching``, or ``"working_set"``), ``"enter_working_set"``, ``"refresh_working_set"`` and
+    ``"freeze"``; the loop waits for a name before the call it stands for
+    (:meth:`CompileAhead.wait`).
 
     Args:
       ahead: the run's :class:`CompileAhead`.
@@ -246,23 +286,40 @@ def compile_ahead(
       evaluates: the evaluation of this phase (needs ``eval_data``).
       freezes: the freeze, and the frozen phase's step and (with ``eval_data``) evaluation.
       eval_data: the run's evaluation batches; the first is read on the worker thread.
+      enters: the switch to the working-set form (``programs.enter_working_set``), that form's
+        step and refresh; ``freezes`` then freezes from that form.
+      evaluates_working_set: the evaluation of the working-set form.
     """
     rep = replicated(mesh)
     now = _abstract(state, rep)
+    key = phase_key(now, searching)
 
     def eval_batch():
         return global_batch(next(iter(eval_data)), mesh)
 
     if steps:
-        ahead.submit(("step", searching), programs.train_step, now, batch)
+        ahead.submit(("step", key), programs.train_step, now, batch)
     if evaluates and eval_data is not None:
-        ahead.submit(("eval", searching), programs.eval_step, now, eval_batch)
+        ahead.submit(("eval", key), programs.eval_step, now, eval_batch)
+    if enters:
+        before, now = now, _abstract(jax.eval_shape(programs.enter_working_set, now), rep)
+        ahead.submit("enter_working_set", programs.enter_working_set, before)
+        ahead.submit(("step", "working_set"), programs.train_step, now, batch)
+        ahead.submit("refresh_working_set", programs.refresh_working_set, now)
+        if evaluates_working_set and eval_data is not None:
+            ahead.submit(("eval", "working_set"), programs.eval_step, now, eval_batch)
     if freezes:
         frozen = _abstract(jax.eval_shape(freeze_state, now), rep)
         ahead.submit("freeze", programs.freeze, now)
         ahead.submit(("step", False), programs.train_step, frozen, batch)
         if eval_data is not None:
             ahead.submit(("eval", False), programs.eval_step, frozen, eval_batch)
+
+
+def phase_key(state, searching: bool):
+    """``"working_set"`` for a state in the working-set form, else ``searching``: the phase part
+    of :func:`compile_ahead`'s names."""
+    return "working_set" if searching and has_working_set(state.collections) else searching
 
 
 class MetricSums:
@@ -409,7 +466,8 @@ def save_checkpoint(
     finetune: bool = False,
 ) -> None:
     """Save ``state`` with what a resume needs besides it: the run's description, the phase
-    (``frozen``, ``finetune``: in the fine-tuning phase) and the metric sums not logged yet. The
+    (``frozen``, ``finetune``: in the fine-tuning phase; ``working_set`` when the state is in the
+    working-set form, read from it) and the metric sums not logged yet. The
     log is flushed first, so that every record up to the checkpoint's step is on disk when it
     commits (a resume keeps those). Nothing without ``ckpt``.
     """
@@ -417,6 +475,8 @@ def save_checkpoint(
         return
     writer.flush()
     meta = {"run": run_info, "frozen": frozen, "interval": sums.totals()}
+    if has_working_set(state.collections):
+        meta["working_set"] = True
     ckpt.save(state, meta={**meta, "finetune": True} if finetune else meta)
 
 
@@ -430,6 +490,7 @@ def restore_or_create_state(
     finetuned=None,
     *,
     step: int | None,
+    working_set: WorkingSet | None = None,
 ) -> tuple[TrainState, int | None, MetricSums]:
     """The state of checkpoint ``step``, or a fresh one.
 
@@ -446,6 +507,8 @@ def restore_or_create_state(
         checkpoint written in that phase is restored into it.
       step: the checkpoint to restore (the caller's ``ckpt.latest_step()``), or None for a fresh
         state.
+      working_set: the run's working-set option; a checkpoint written in the working-set form is
+        restored into ``abstract``'s working-set form of this factor.
 
     Returns:
       ``(state, step, sums)``: the checkpoint's state, step and metric sums; or the fresh state,
@@ -475,6 +538,15 @@ def restore_or_create_state(
         target = finetuned
     elif meta.get("frozen") and is_searching(abstract.params):
         target = jax.eval_shape(freeze_state, abstract)
+    elif meta.get("working_set"):
+        if working_set is None:
+            raise CheckpointMismatch(
+                f"checkpoint {ckpt.directory}/{step} was written in the working-set form, and "
+                "this run has no working_set: resume with the one it was written with"
+            )
+        target = jax.eval_shape(
+            functools.partial(enter_working_set, factor=working_set.factor), abstract
+        )
     state = ckpt.restore(step, _abstract(target, sharding))
     return state, step, MetricSums(meta.get("interval"))
 
@@ -485,10 +557,13 @@ def _abstract(tree, sharding):
 
 class Events(NamedTuple):
     """What the loop does after a step, in this order: write the training record, evaluate,
-    freeze, start the fine-tuning phase, write a selection record, save."""
+    switch to the working-set form or refresh it, freeze, start the fine-tuning phase, write a
+    selection record, save."""
 
     log: bool
     evaluate: bool
+    enter_working_set: bool
+    refresh_working_set: bool
     freeze: bool
     finetune: bool
     select: bool
@@ -498,7 +573,9 @@ class Events(NamedTuple):
 class Schedule(NamedTuple):
     """When the loop does what: every ``*_every`` is a period in steps, 0 for never
     (``eval_every`` is 0 without evaluation data); ``finetune_step``: the step the fine-tuning
-    phase starts at (None: the run has none)."""
+    phase starts at (None: the run has none); ``working_set_step``: the step the search switches
+    to the working-set form at (None: never), refreshed every ``refresh_every`` steps after it
+    until the freeze."""
 
     num_steps: int
     freeze_step: int | None
@@ -507,6 +584,8 @@ class Schedule(NamedTuple):
     selection_every: int
     checkpoint_every: int
     finetune_step: int | None = None
+    working_set_step: int | None = None
+    refresh_every: int = 0
 
     def after(self, step: int, searching: bool, tuning: bool = False) -> Events:
         """The events after step ``step``; ``searching``: the state is not frozen yet;
@@ -516,14 +595,21 @@ class Schedule(NamedTuple):
         after the final evaluation's record, so a run resumed from it finds that record. The freeze
         step saves the frozen state, and its selection record is what the freeze kept. The
         fine-tuning phase's start is evaluated (the model before it; the loop evaluates only with
-        evaluation data) and saved once switched.
+        evaluation data) and saved once switched. The working set is not refreshed at the freeze
+        (the freeze reads all ``P`` candidates anyway).
         """
         last = step == self.num_steps
         freeze = searching and step == self.freeze_step
         finetune = not tuning and step == self.finetune_step
+        ws = self.working_set_step
+        in_working_set = searching and ws is not None and step > ws
         return Events(
             log=_every(step, self.log_every) or last,
             evaluate=(_every(step, self.eval_every) or finetune) and not last,
+            enter_working_set=searching and step == ws,
+            refresh_working_set=in_working_set
+            and not freeze
+            and _every(step - ws, self.refresh_every),
             freeze=freeze,
             finetune=finetune,
             select=bool(self.selection_every)
@@ -553,6 +639,7 @@ def _check_args(
     selection_every,
     workdir,
     finetune=None,
+    working_set=None,
 ):
     int_at_least(num_steps, "num_steps", 1)
     for name, v in (
@@ -579,6 +666,19 @@ def _check_args(
             raise ValueError(
                 f"finetune.start_step={start} comes before freeze_step={freeze_step}: the "
                 "fine-tuning phase starts from the frozen model"
+            )
+    if working_set is not None:
+        if not isinstance(working_set, WorkingSet):
+            raise TypeError(
+                f"working_set must be a WorkingSet or None, got {type(working_set).__name__}"
+            )
+        start = working_set.check().start_step
+        end = freeze_step if freeze_step is not None else num_steps
+        if start >= end:
+            raise ValueError(
+                f"working_set.start_step={start} must come before "
+                f"{'freeze_step' if freeze_step is not None else 'num_steps'}={end}: the working "
+                "set is a form of the search phase"
             )
 
 
@@ -608,6 +708,7 @@ def train(
     hooks: Sequence[Callable[[int, TrainState], None]] = (),
     initial_variables=None,
     finetune: Finetune | None = None,
+    working_set: WorkingSet | None = None,
 ) -> TrainResult:
     """Train ``model`` for ``num_steps`` optimizer steps (resuming from ``workdir`` if possible).
 
@@ -647,6 +748,11 @@ def train(
         switches to it (:func:`~dynadiag_jax.training.enter_finetune`) after an evaluation of the
         model before it, is saved, and trains only the phase's params with its optimizer;
         checkpoints of the phase resume into it.
+      working_set: a :class:`~dynadiag_jax.training.WorkingSet` (None: off): at its
+        ``start_step`` (after ``gate.rescore_step``) the search switches to the working-set form
+        (:func:`~dynadiag_jax.training.enter_working_set`), in which each step is ``W``-sized, and
+        refreshes it every ``refresh_every`` steps (a separate program) until the freeze, which
+        starts from the plain form rebuilt; checkpoints of that form resume into it.
 
     Returns:
       A :class:`TrainResult`.
@@ -669,6 +775,7 @@ def train(
         selection_every,
         workdir,
         finetune,
+        working_set,
     )
     mesh = data_mesh() if mesh is None else mesh
     check_batch_size(train_data.global_batch_size, mesh, name="batch_size")
@@ -686,8 +793,21 @@ def train(
         gate.check()
     if sparse and finetune is not None and freeze_step is None:
         raise ValueError("a fine-tuning phase needs the frozen model: pass freeze_step")
+    if working_set is not None:
+        if not sparse:
+            raise ValueError(
+                "working_set needs DiagonalDense layers in the search phase; this model has none"
+            )
+        if gate.rescore_step and working_set.start_step <= gate.rescore_step:
+            raise ValueError(
+                f"working_set.start_step={working_set.start_step} must come after "
+                f"gate.rescore_step={gate.rescore_step}: the restart of alpha reads all P values"
+            )
+    info = {**dict(run_info or {}), "seed": int(seed)}
+    if working_set is not None:
+        info["working_set"] = [float(working_set.factor), *working_set[1:]]
     # As the checkpoint's JSON gives it back (tuples become lists), to compare on resume.
-    run_info = json.loads(json.dumps({**dict(run_info or {}), "seed": int(seed)}))
+    run_info = json.loads(json.dumps(info))
     is_main = jax.process_index() == 0
     schedule = Schedule(
         num_steps,
@@ -697,6 +817,8 @@ def train(
         selection_every,
         checkpoint_every,
         None if finetune is None else finetune.start_step,
+        None if working_set is None else working_set.start_step,
+        0 if working_set is None else working_set.refresh_every,
     )
 
     ckpt = (
@@ -707,7 +829,7 @@ def train(
     writer = _NullWriter()
     ahead = CompileAhead()
     try:
-        programs = jit_programs(model, optimizer, task, mesh, gate=gate)
+        programs = jit_programs(model, optimizer, task, mesh, gate=gate, working_set=working_set)
         tuned_programs, enter, tuned_abstract = finetune_programs(
             finetune, abstract, task, mesh, example_input=example_input, seed=seed
         )
@@ -720,6 +842,7 @@ def train(
             batches = itertools.chain([first], batches)
             frozen_first = sparse and freeze_step == 0
             tuned_first = finetune is not None and finetune.start_step == 0
+            enters_first = working_set is not None and working_set.start_step == 0
             compile_ahead(
                 ahead,
                 programs,
@@ -727,9 +850,10 @@ def train(
                 abstract_batch(first, mesh),
                 mesh,
                 searching=sparse,
-                steps=not (frozen_first or tuned_first),
+                steps=not (frozen_first or tuned_first or enters_first),
                 freezes=frozen_first,
                 eval_data=eval_data,
+                enters=enters_first,
             )
         state, resumed_step, sums = restore_or_create_state(
             ckpt,
@@ -740,6 +864,7 @@ def train(
             initial_variables,
             tuned_abstract,
             step=latest,
+            working_set=working_set,
         )
         start = resumed_step or 0
         if workdir is not None:
@@ -765,6 +890,14 @@ def train(
 
         if searching and start == 0 and selection_every:
             record_selection(writer, state)
+        if (
+            searching
+            and working_set is not None
+            and working_set.start_step == start
+            and not has_working_set(state.collections)
+        ):
+            ahead.wait("enter_working_set")
+            state = programs.enter_working_set(state)
         if searching and freeze_step == start:
             ahead.wait("freeze")
             state, searching = programs.freeze(state), False
@@ -775,7 +908,9 @@ def train(
 
         def phase():
             """The programs and compile-ahead key of the phase the run is in."""
-            return (tuned_programs, "finetune") if tuning else (programs, searching)
+            if tuning:
+                return tuned_programs, "finetune"
+            return programs, phase_key(state, searching)
 
         def phase_learning_rate():
             """The schedule to log: the fine-tuning phase's counts from its start."""
@@ -788,6 +923,10 @@ def train(
             # After the phase's first step, so that its compile does not compete with them.
             freezes = searching and freeze_step is not None
             end = freeze_step if freezes else num_steps
+            enters = (
+                searching and working_set is not None and not has_working_set(state.collections)
+            )
+            switch = working_set.start_step if enters else end
             compile_ahead(
                 ahead,
                 programs,
@@ -795,9 +934,12 @@ def train(
                 batch,
                 mesh,
                 searching=searching,
-                evaluates=schedule.evaluates_between(step, end) or not freezes,
+                evaluates=schedule.evaluates_between(step, switch) or not (freezes or enters),
                 freezes=freezes,
                 eval_data=eval_data,
+                enters=enters,
+                evaluates_working_set=enters
+                and (schedule.evaluates_between(switch, end) or not freezes),
             )
 
         step = start
@@ -838,6 +980,14 @@ def train(
                         step, "eval", evaluate(progs.eval_step, state, eval_data, mesh, task)
                     )
                     timer.restart()
+                if events.enter_working_set and not has_working_set(state.collections):
+                    ahead.wait("enter_working_set")
+                    state = programs.enter_working_set(state)
+                    timer.new_phase()
+                if events.refresh_working_set:
+                    # timed with the steps around it: its cost is the search's
+                    ahead.wait("refresh_working_set")
+                    state = programs.refresh_working_set(state)
                 if events.freeze:
                     ahead.wait("freeze")
                     state, searching = programs.freeze(state), False

@@ -19,6 +19,7 @@ from flax import traverse_util
 import dynadiag_jax as dd
 from dynadiag_jax.nn.functional import DIAGONALS_COLLECTION, GATE_COLLECTION, HYPER_NAME
 from dynadiag_jax.training.state import TrainState
+from dynadiag_jax.training.working_set import leave_working_set
 
 __all__ = [
     "GateSchedule",
@@ -101,8 +102,13 @@ def freeze_state(state: TrainState) -> TrainState:
     """The compact frozen form of ``state``: hard top-K by ``alpha`` in every search-phase layer.
 
     Parameters, collections and the optimizer state all switch (``alpha`` and its optimizer
-    moments are dropped; the kept rows of ``values`` keep theirs). Pure and jit-able.
+    moments are dropped; the kept rows of ``values`` keep theirs). A state in the working-set form
+    (:func:`~dynadiag_jax.training.enter_working_set`) leaves it first
+    (:func:`~dynadiag_jax.training.leave_working_set`): the kept top K by alpha may include a
+    candidate outside the working set, which keeps its stored values and gets zero moments, as
+    if it had entered. Pure and jit-able.
     """
+    state = leave_working_set(state)
     before = {"params": state.params, **state.collections}
     after = dict(dd.freeze_tree(before))
     params = after.pop("params")

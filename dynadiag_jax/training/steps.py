@@ -20,6 +20,7 @@ from dynadiag_jax.training.sparsity import (
     rescore,
 )
 from dynadiag_jax.training.state import TrainState
+from dynadiag_jax.training.working_set import has_working_set
 
 __all__ = ["make_eval_step", "make_train_step"]
 
@@ -48,6 +49,11 @@ def make_train_step(
     only them; the others are constants of the loss, so no gradient is computed for them (with
     LoRA-FA's ``B`` alone, a diagonal layer's backward computes no ``values`` gradient and keeps
     no ``x`` for one). ``None``: every param. ``grad_norm`` is the trained params' gradient norm.
+
+    A state in the working-set form (:func:`dynadiag_jax.training.enter_working_set`) is a third
+    structure, compiled once more: its layers compute and update only their ``W`` working-set
+    rows, and the restart of alpha (``gate.rescore_step``, which reads all ``P`` values) is not
+    part of it; it does not combine with ``trained`` (``ValueError`` while tracing).
     """
 
     def train_step(state: TrainState, batch):
@@ -55,7 +61,17 @@ def make_train_step(
         k_drop, k_data = jax.random.split(key)
         inputs, targets = task.train_inputs(batch, k_data)
         searching = is_searching(state.params)
-        params = rescore(state.params, gate, state.step) if searching else state.params
+        working_set = has_working_set(state.collections)
+        if working_set and trained is not None:
+            raise ValueError(
+                "make_train_step: trained= (a subset of the params) does not combine with a "
+                "state in the working-set form; leave it first (leave_working_set)"
+            )
+        params = (
+            rescore(state.params, gate, state.step)
+            if searching and not working_set
+            else state.params
+        )
         collections = (
             apply_gate(state.collections, gate, state.step) if searching else state.collections
         )

@@ -84,6 +84,14 @@ def dynadiag(sparsity: float, layers, gate: str = "sparse_topk", block_size: int
         # alpha restarts from the values' norms this far into the search (0: never); early, so
         # the all-diagonal warm-up is short (docs/selection.md: 0.05 beat 0.2 for less compute)
         rescore_fraction=0.05,
+        # > 0: after the restart each layer searches over a working set of the top
+        # ceil(working_set * K) candidates by alpha (>= 1; 0: off), so that a search step is no
+        # longer [P, ...]-sized; moved to the new top every working_set_refresh steps, entered
+        # working_set_start (a fraction of the search, > rescore_fraction) into the search
+        # (docs/selection.md, "What a search step costs")
+        working_set=0.0,
+        working_set_refresh=20,
+        working_set_start=0.1,
         impl="auto",  # dd.diag_matmul backend: "auto" (compiled kernel if built), "jax", "dense"
         # each sparse layer's input permutation: "none", "random" (fixed, drawn at init) or
         # "learned" (a soft matrix while searching, hardened at the freeze; DiagonalDense)
