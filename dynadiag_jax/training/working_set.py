@@ -29,6 +29,7 @@ refresh once its alpha ranks in the top ``W``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -116,24 +117,39 @@ def _per_slice(fn, lead: int):
     return fn
 
 
-def _map_moments(opt_state, params, convert):
-    """``opt_state`` with ``convert(path, leaf)`` applied to the ``values`` leaf of each layer
-    path in every params-shaped tree (Adam's ``mu``/``nu``, ...); ``convert`` returns None to
-    keep a leaf (a ``MaskedNode``, or a leaf of another shape)."""
+def _map_moments(opt_state, params, convert: dict):
+    """``opt_state`` with ``fn(leaf)`` applied to the ``values`` leaf at each layer path of
+    ``convert`` (``{path: (the leaf's shape, fn)}``) in every params-shaped tree (Adam's
+    ``mu``/``nu``, ...); leaves of another shape (a ``MaskedNode``) are kept."""
 
     def one(node):
         flat = traverse_util.flatten_dict(node, keep_empty_nodes=True)
         for key, leaf in list(flat.items()):
-            if key[-1] == "values":
-                new = convert(key[:-1], leaf)
-                if new is not None:
-                    flat[key] = new
+            if key[-1] == "values" and key[:-1] in convert:
+                shape, fn = convert[key[:-1]]
+                if getattr(leaf, "shape", None) == shape:
+                    flat[key] = fn(leaf)
         return traverse_util.unflatten_dict(flat)
 
     return jax.tree_util.tree_map(
         lambda node: one(node) if _is_params_like(node, params) else node,
         opt_state,
         is_leaf=lambda node: _is_params_like(node, params),
+    )
+
+
+def _replaced(state: TrainState, params: dict, gates: dict, store: dict | None, moments: dict):
+    """``state`` with the flat ``params``, gate entries and store (None: no store collection),
+    and its optimizer moments converted by ``moments`` (:func:`_map_moments`)."""
+    collections = {**state.collections, GATE_COLLECTION: traverse_util.unflatten_dict(gates)}
+    if store is None:
+        collections.pop(STORE_COLLECTION, None)
+    else:
+        collections[STORE_COLLECTION] = traverse_util.unflatten_dict(store)
+    return state._replace(
+        params=traverse_util.unflatten_dict(params),
+        opt_state=_map_moments(state.opt_state, state.params, moments),
+        collections=collections,
     )
 
 
@@ -153,30 +169,15 @@ def enter_working_set(state: TrainState, factor: float) -> TrainState:
     gates = traverse_util.flatten_dict(state.collections.get(GATE_COLLECTION, {}))
     params = traverse_util.flatten_dict(state.params)
     store = traverse_util.flatten_dict(state.collections.get(STORE_COLLECTION, {}))
-    full = {}
+    moments = {}
     for path, k in _search_layers(state.params, gates).items():
         alpha, values = params[path + ("alpha",)], params[path + ("values",)]
         ws = select_diagonals(alpha, working_set_width(k, alpha.shape[-1], factor))
-        full[path] = (values.shape, ws)
+        moments[path] = (values.shape, functools.partial(_gather_rows, offsets=ws))
         params[path + ("values",)] = _gather_rows(values, ws)
         store[path + ("values",)] = values
         gates[path + ("working_set",)] = ws
-
-    def gather(path, leaf):
-        if path in full and getattr(leaf, "shape", None) == full[path][0]:
-            return _gather_rows(leaf, full[path][1])
-        return None
-
-    collections = {
-        **state.collections,
-        GATE_COLLECTION: traverse_util.unflatten_dict(gates),
-        STORE_COLLECTION: traverse_util.unflatten_dict(store),
-    }
-    return state._replace(
-        params=traverse_util.unflatten_dict(params),
-        opt_state=_map_moments(state.opt_state, state.params, gather),
-        collections=collections,
-    )
+    return _replaced(state, params, gates, store, moments)
 
 
 def _refresh_layer(alpha, ws, values, store):
@@ -210,7 +211,7 @@ def refresh_working_set(state: TrainState) -> TrainState:
     gates = traverse_util.flatten_dict(state.collections[GATE_COLLECTION])
     params = traverse_util.flatten_dict(state.params)
     store = traverse_util.flatten_dict(state.collections[STORE_COLLECTION])
-    kept = {}
+    moments = {}
     for path in _working_set_layers(gates):
         alpha, values = params[path + ("alpha",)], params[path + ("values",)]
         ws = gates[path + ("working_set",)]
@@ -219,25 +220,12 @@ def refresh_working_set(state: TrainState) -> TrainState:
         gates[path + ("working_set",)] = ws
         params[path + ("values",)] = values_new
         store[path + ("values",)] = stored
-        kept[path] = (values.shape, keep)
-
-    def zero_entering(path, leaf):
-        if path in kept and getattr(leaf, "shape", None) == kept[path][0]:
-            shape, keep = kept[path]
-            mask = keep.reshape(keep.shape + (1,) * (len(shape) - keep.ndim))
-            return jnp.where(mask, leaf, jnp.zeros((), leaf.dtype))
-        return None
-
-    collections = {
-        **state.collections,
-        GATE_COLLECTION: traverse_util.unflatten_dict(gates),
-        STORE_COLLECTION: traverse_util.unflatten_dict(store),
-    }
-    return state._replace(
-        params=traverse_util.unflatten_dict(params),
-        opt_state=_map_moments(state.opt_state, state.params, zero_entering),
-        collections=collections,
-    )
+        mask = keep.reshape(keep.shape + (1,) * (values.ndim - keep.ndim))
+        moments[path] = (
+            values.shape,
+            lambda leaf, m=mask: jnp.where(m, leaf, jnp.zeros((), leaf.dtype)),
+        )
+    return _replaced(state, params, gates, store, moments)
 
 
 def _working_set_layers(gates) -> list[tuple]:
@@ -261,28 +249,14 @@ def leave_working_set(state: TrainState) -> TrainState:
     gates = traverse_util.flatten_dict(state.collections[GATE_COLLECTION])
     params = traverse_util.flatten_dict(state.params)
     store = traverse_util.flatten_dict(state.collections[STORE_COLLECTION])
-    placed = {}
+    moments = {}
     for path in _working_set_layers(gates):
         ws = gates.pop(path + ("working_set",))
         full = store.pop(path + ("values",))
         rows = params[path + ("values",)]
         params[path + ("values",)] = _scatter_rows(full, rows, ws)
-        placed[path] = (rows.shape, full.shape, ws)
-
-    def spread(path, leaf):
-        if path in placed and getattr(leaf, "shape", None) == placed[path][0]:
-            _, full_shape, ws = placed[path]
-            return _scatter_rows(jnp.zeros(full_shape, leaf.dtype), leaf, ws)
-        return None
-
-    collections = dict(state.collections)
-    collections[GATE_COLLECTION] = traverse_util.unflatten_dict(gates)
-    if store:
-        collections[STORE_COLLECTION] = traverse_util.unflatten_dict(store)
-    else:
-        del collections[STORE_COLLECTION]
-    return state._replace(
-        params=traverse_util.unflatten_dict(params),
-        opt_state=_map_moments(state.opt_state, state.params, spread),
-        collections=collections,
-    )
+        moments[path] = (
+            rows.shape,
+            lambda leaf, n=full.shape, i=ws: _scatter_rows(jnp.zeros(n, leaf.dtype), leaf, i),
+        )
+    return _replaced(state, params, gates, store or None, moments)
