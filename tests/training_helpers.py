@@ -125,6 +125,17 @@ def comparable(records):
     return [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in records]
 
 
+def assert_resumed_as_uninterrupted(resumed, full, resumed_dir, full_dir):
+    """A resumed run ended as the uninterrupted one: evaluation, params, optimizer state and
+    its metrics log (timings aside)."""
+    assert resumed.eval_metrics == full.eval_metrics
+    jax.tree.map(np.testing.assert_array_equal, resumed.state.params, full.state.params)
+    jax.tree.map(np.testing.assert_array_equal, resumed.state.opt_state, full.state.opt_state)
+    a = comparable(T.read_jsonl(full_dir / "metrics.jsonl"))
+    b = comparable(T.read_jsonl(resumed_dir / "metrics.jsonl"))
+    assert a == b
+
+
 @pytest.fixture
 def fast_compile():
     """Skip most XLA optimisations (as flax's example tests do): tests only check behaviour."""
