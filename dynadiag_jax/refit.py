@@ -180,9 +180,9 @@ def refit(
         if sequential and i:
             frozen = _with_values(frozen, fitted)
             calls = _capture(model, frozen, inputs, DiagonalDense, kwargs)
-        xs = _rows(calls[path], n_in, path, "diagonal")
+        xs = _rows(calls[path], n_in, path, "diagonal") if sequential else None
         xd = _rows(dense_calls[path], n_in, path, "dense")
-        if not sequential:
+        if xs is None:  # the dense model's inputs for every layer
             xs = xd
         if xs.shape != xd.shape:
             raise ValueError(
