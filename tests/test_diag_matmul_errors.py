@@ -215,4 +215,8 @@ def test_in_range_variant_skips_the_rule_and_matches_on_good_offsets(impl, form,
     trusted, trusted_lines = run(diag_matmul_in_range)
     for a, b in zip(checked, trusted):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-    assert trusted_lines < checked_lines
+    if impl == "ffi" and jax.default_backend() == "cpu":
+        # the CPU kernels check the offsets themselves: no guard ops around the call to skip
+        assert trusted_lines == checked_lines
+    else:
+        assert trusted_lines < checked_lines

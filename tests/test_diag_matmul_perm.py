@@ -181,13 +181,13 @@ _cpu = pytest.mark.skipif(not dd.has_cpu_kernels(), reason="the CPU kernels are 
     [
         (jnp.arange(15, dtype=jnp.int32), r"perm must have shape \[in\] = \[16\], got \[15\]"),
         (jnp.arange(16, dtype=jnp.int64 if jax.config.jax_enable_x64 else jnp.uint32), "S32"),
-        (jnp.asarray(np.r_[0, np.arange(15)], jnp.int32), r"perm\[1\] = 0 appears twice"),
-        (jnp.asarray(np.r_[np.arange(15), 16], jnp.int32), r"perm\[15\] = 16 is outside"),
     ],
-    ids=["shape", "dtype", "repeat", "outside"],
+    ids=["shape", "dtype"],
 )
 def test_cpu_handlers_validate_perm(perm, match):
-    """The permuted targets check perm themselves (an ffi::Error, not a crash)."""
+    """The permuted targets check perm's shape and dtype themselves (an ffi::Error, not a crash);
+    its values may be traced, so a non-permutation poisons the results instead
+    (tests/test_cpu_kernels.py)."""
     x, values = jnp.ones((4, 16), jnp.float32), jnp.ones((2, 8), jnp.float32)
     offsets = jnp.array([0, 5], jnp.int32)
     out = jax.ShapeDtypeStruct((4, 8), jnp.float32)

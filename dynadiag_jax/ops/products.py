@@ -216,6 +216,11 @@ def _shape(a):
 # offset is bad - and falls back to a pass over the output when that is smaller still. At a few
 # rows the values (K * D entries) are the largest array of the call: a pass over them cost as
 # much as the whole batch-1 product, a pass over x costs nothing.
+#
+# The CPU kernels (impl="ffi" lowered for the CPU) apply the same rule themselves, from a check
+# of the K offsets (and of perm) before they run, so their products get no guard ops around the
+# call: at a few rows, XLA's small element-wise ops next to a single-threaded custom call cost as
+# much as the product (docs/cpu_kernels.md, "What XLA costs around the call").
 
 
 def _reaches_every_output(output: str, geo) -> bool:
@@ -253,7 +258,7 @@ def _guarded(
         geo = geometry(*widths(*arrays, **params))
         if impl == "auto":
             impl = _auto_impl(platform, geo, arrays[0], offsets, outputs)
-        if not guard:
+        if not guard or (impl == "ffi" and platform == "cpu"):
             return lower(impl, *arrays, offsets, *perm, **params)
         valid = (offsets >= 0) & (offsets < geo.num_candidates)
         if perm:

@@ -1,13 +1,17 @@
 // Decode and validate the operands of the CPU targets, then run the kernels' job on XLA's
 // intra-op thread pool (the handlers are asynchronous: they return an ffi::Future).
 //
-// Every check returns InvalidArgument naming the operand and the expected shape; nothing here
-// aborts. Operand order and meaning follow docs/kernel_abi.md: rank-2 values (or dvalues) are
+// Every check of a shape or dtype returns InvalidArgument naming the operand and the expected
+// shape; nothing here aborts. Offsets out of range and a perm that is not a permutation are values
+// that may only exist inside jit, so they are not errors: the targets poison their results as the
+// Python products define it (docs/kernel_abi.md), and the products send such values here as they
+// are, with no guard of their own around the call. Operand order and meaning follow docs/kernel_abi.md: rank-2 values (or dvalues) are
 // element diagonals, rank-4 values[K, L_b, b, b] block diagonals.
 #include "ffi_handlers.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <new>
 #include <optional>
@@ -87,19 +91,24 @@ int64_t Rows(Dims dims) {
   return rows;
 }
 
-std::string BlockString(const DiagMatrix& w) {
-  return "in=" + std::to_string(w.in) + ", out=" + std::to_string(w.out) +
-         (w.block > 1 ? ", b=" + std::to_string(w.block) : std::string());
-}
-
 // The number of candidate diagonals: P = max(in, out), or P_b = min(in, out) / b for blocks.
 int64_t Candidates(const DiagMatrix& w) {
   return w.block > 1 ? std::min(w.in, w.out) / w.block : std::max(w.in, w.out);
 }
 
-// offsets: s32[K] with every entry in [0, P) (or [0, P_b)). Fills w.k and w.offsets.
+// What the kernels must not read through, found while decoding: the diagonals whose offset is
+// outside [0, P) (they run on offset 0 and their results are poisoned) and a perm that is not a
+// bijection (every result is poisoned, nothing runs).
+struct Guard {
+  std::vector<int64_t> bad;      // k with offsets[k] outside [0, P) (or [0, P_b))
+  std::vector<int32_t> clamped;  // offsets with those set to 0; w.offsets points here if any
+  bool bad_perm = false;
+  bool Any() const { return bad_perm || !bad.empty(); }
+};
+
+// offsets: s32[K]. Fills w.k and w.offsets; entries outside [0, P) (or [0, P_b)) go to `guard`.
 std::optional<ffi::Error> CheckOffsets(const char* target, const ffi::AnyBuffer& offsets,
-                                       DiagMatrix& w) {
+                                       DiagMatrix& w, Guard& guard) {
   if (offsets.element_type() != ffi::DataType::S32) {
     return Invalid(target, "offsets must be an S32 array of shape [K]");
   }
@@ -110,13 +119,13 @@ std::optional<ffi::Error> CheckOffsets(const char* target, const ffi::AnyBuffer&
   w.k = dims[0];
   w.offsets = static_cast<const int32_t*>(offsets.untyped_data());
   const int64_t p = Candidates(w);
-  const char* range = w.block > 1 ? "P_b" : "P";
   for (int64_t k = 0; k < w.k; ++k) {
-    if (w.offsets[k] < 0 || w.offsets[k] >= p) {
-      return Invalid(target, "offsets[" + std::to_string(k) + "] = " +
-                                 std::to_string(w.offsets[k]) + " is outside [0, " + range +
-                                 ") = [0, " + std::to_string(p) + ") for " + BlockString(w));
-    }
+    if (w.offsets[k] < 0 || w.offsets[k] >= p) guard.bad.push_back(k);
+  }
+  if (!guard.bad.empty()) {
+    guard.clamped.assign(w.offsets, w.offsets + w.k);
+    for (int64_t k : guard.bad) guard.clamped[k] = 0;
+    w.offsets = guard.clamped.data();
   }
   return std::nullopt;
 }
@@ -173,11 +182,11 @@ std::optional<ffi::Error> CheckDiagShape(const char* target, const char* name, D
   return std::nullopt;
 }
 
-// perm: s32[in], a permutation of [0, in) (x's column j is input perm[j]). Fills w.perm. A
-// bijection is checked (one pass with a bitmap, like the offsets' range): dx is scattered through
-// it, and a repeated entry would leave columns of dx unwritten.
-std::optional<ffi::Error> CheckPerm(const char* target, const ffi::AnyBuffer& perm,
-                                    DiagMatrix& w) {
+// perm: s32[in] (x's column j is input perm[j]). Fills w.perm, or sets guard.bad_perm when it is
+// not a permutation of [0, in) (one pass with a bitmap): dx is scattered through it, and a
+// repeated entry would leave columns of dx unwritten.
+std::optional<ffi::Error> CheckPerm(const char* target, const ffi::AnyBuffer& perm, DiagMatrix& w,
+                                    Guard& guard) {
   if (perm.element_type() != ffi::DataType::S32) {
     return Invalid(target, "perm must be an S32 array of shape [in] = [" + std::to_string(w.in) +
                                "]");
@@ -191,10 +200,8 @@ std::optional<ffi::Error> CheckPerm(const char* target, const ffi::AnyBuffer& pe
   std::vector<bool> seen(w.in, false);
   for (int64_t j = 0; j < w.in; ++j) {
     if (p[j] < 0 || p[j] >= w.in || seen[p[j]]) {
-      return Invalid(target, "perm[" + std::to_string(j) + "] = " + std::to_string(p[j]) +
-                                 (p[j] < 0 || p[j] >= w.in
-                                      ? " is outside [0, in) = [0, " + std::to_string(w.in) + ")"
-                                      : " appears twice: perm must be a permutation of [0, in)"));
+      guard.bad_perm = true;
+      return std::nullopt;
     }
     seen[p[j]] = true;
   }
@@ -222,7 +229,7 @@ constexpr Names kPermuted = {
 std::optional<ffi::Error> DecodeFwd(const char* target, const ffi::AnyBuffer* perm,
                                     ffi::AnyBuffer x, ffi::AnyBuffer values,
                                     ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y,
-                                    FwdArgs& args) {
+                                    FwdArgs& args, Guard& guard) {
   auto type = ElemTypeOf(x.element_type());
   if (!type) return Invalid(target, "x must be F32 or BF16 on CPU");
   DYNADIAG_RETURN_IF_ERROR(CheckFloat(target, "values", values.element_type(), x.element_type()));
@@ -236,9 +243,9 @@ std::optional<ffi::Error> DecodeFwd(const char* target, const ffi::AnyBuffer* pe
   DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "x", x.dimensions(), "y", y->dimensions(), w.out,
                                          "out"));
   DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(target, "values", values.dimensions(), w));
-  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w));
+  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w, guard));
   if (perm != nullptr) {
-    DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w));
+    DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w, guard));
   }
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "values", values.dimensions(), w));
   args = FwdArgs{*type, Rows(x.dimensions()), w, x.untyped_data(), y->untyped_data()};
@@ -248,7 +255,7 @@ std::optional<ffi::Error> DecodeFwd(const char* target, const ffi::AnyBuffer* pe
 std::optional<ffi::Error> DecodeDx(const char* target, const ffi::AnyBuffer* perm,
                                    ffi::AnyBuffer dy, ffi::AnyBuffer values,
                                    ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx,
-                                   DxArgs& args) {
+                                   DxArgs& args, Guard& guard) {
   auto type = ElemTypeOf(dy.element_type());
   if (!type) return Invalid(target, "dy must be F32 or BF16 on CPU");
   DYNADIAG_RETURN_IF_ERROR(CheckFloat(target, "values", values.element_type(), dy.element_type()));
@@ -262,9 +269,9 @@ std::optional<ffi::Error> DecodeDx(const char* target, const ffi::AnyBuffer* per
   DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "dy", dy.dimensions(), "dx", dx->dimensions(),
                                          w.in, "in"));
   DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(target, "values", values.dimensions(), w));
-  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w));
+  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w, guard));
   if (perm != nullptr) {
-    DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w));
+    DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w, guard));
   }
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "values", values.dimensions(), w));
   args = DxArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), dx->untyped_data()};
@@ -275,7 +282,7 @@ std::optional<ffi::Error> DecodeDvalues(const char* target, const ffi::AnyBuffer
                                         ffi::AnyBuffer dy, ffi::AnyBuffer x,
                                         ffi::AnyBuffer offsets,
                                         ffi::Result<ffi::AnyBuffer> dvalues,
-                                        DvaluesArgs& args) {
+                                        DvaluesArgs& args, Guard& guard) {
   auto type = ElemTypeOf(dy.element_type());
   if (!type) return Invalid(target, "dy must be F32 or BF16 on CPU");
   DYNADIAG_RETURN_IF_ERROR(CheckFloat(target, "x", x.element_type(), dy.element_type()));
@@ -289,9 +296,9 @@ std::optional<ffi::Error> DecodeDvalues(const char* target, const ffi::AnyBuffer
   DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "dy", dy.dimensions(), "x", x.dimensions(),
                                          w.in, "in"));
   DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(target, "dvalues", dvalues->dimensions(), w));
-  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w));
+  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w, guard));
   if (perm != nullptr) {
-    DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w));
+    DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w, guard));
   }
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "dvalues", dvalues->dimensions(), w));
   args = DvaluesArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), x.untyped_data(),
@@ -302,7 +309,8 @@ std::optional<ffi::Error> DecodeDvalues(const char* target, const ffi::AnyBuffer
 std::optional<ffi::Error> DecodeBwd(const char* target, const ffi::AnyBuffer* perm,
                                     ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer values,
                                     ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> dx,
-                                    ffi::Result<ffi::AnyBuffer> dvalues, BwdArgs& args) {
+                                    ffi::Result<ffi::AnyBuffer> dvalues, BwdArgs& args,
+                                    Guard& guard) {
   auto type = ElemTypeOf(dy.element_type());
   if (!type) return Invalid(target, "dy must be F32 or BF16 on CPU");
   DYNADIAG_RETURN_IF_ERROR(CheckFloat(target, "x", x.element_type(), dy.element_type()));
@@ -321,9 +329,9 @@ std::optional<ffi::Error> DecodeBwd(const char* target, const ffi::AnyBuffer* pe
   DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "dy", dy.dimensions(), "dx", dx->dimensions(),
                                          w.in, "in"));
   DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(target, "values", values.dimensions(), w));
-  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w));
+  DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w, guard));
   if (perm != nullptr) {
-    DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w));
+    DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w, guard));
   }
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "values", values.dimensions(), w));
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "dvalues", dvalues->dimensions(), w));
@@ -372,11 +380,50 @@ ffi::Future Launch(const char* target, ffi::ThreadPool& pool, MakeJob make_job) 
   return future;
 }
 
+// NaN in `count` elements of a result of `type`.
+void FillNaN(ElemType type, void* data, int64_t count) {
+  if (type == ElemType::kF32) {
+    std::fill_n(static_cast<float*>(data), count, std::numeric_limits<float>::quiet_NaN());
+  } else {
+    std::fill_n(static_cast<uint16_t*>(data), count, uint16_t{0x7FC0});  // bfloat16 quiet NaN
+  }
+}
+
+// NaN in the rows of `dvalues[K, ...]` whose offset was out of range.
+void PoisonRows(ElemType type, ffi::Result<ffi::AnyBuffer>& dvalues, const Guard& guard) {
+  const int64_t k = dvalues->dimensions()[0];
+  const int64_t row = k ? static_cast<int64_t>(dvalues->element_count()) / k : 0;
+  const int64_t bytes = type == ElemType::kF32 ? 4 : 2;
+  auto* base = static_cast<char*>(dvalues->untyped_data());
+  for (int64_t bad : guard.bad) FillNaN(type, base + bad * row * bytes, row);
+}
+
+// Runs every task of the job on the calling thread, so that the caller can poison its results
+// afterwards (only with offsets out of range: nothing else waits on it).
+template <typename MakeJob>
+std::optional<ffi::Error> RunHere(const char* target, ffi::ThreadPool& pool, MakeJob make_job) {
+  try {
+    std::shared_ptr<Job> job = make_job(std::max<int64_t>(pool.num_threads(), 1));
+    for (int64_t i = 0; i < job->num_tasks(); ++i) job->RunTask(i);
+  } catch (const std::bad_alloc&) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      std::string(target) + ": out of memory for the kernel plan");
+  }
+  return std::nullopt;
+}
+
+// y and dx: any offset out of range, or a perm that is not a permutation, makes the whole result
+// NaN, so nothing runs.
 ffi::Future Fwd(const Names& names, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
                 ffi::AnyBuffer offsets, const ffi::AnyBuffer* perm, ffi::Result<ffi::AnyBuffer> y) {
   FwdArgs args;
-  if (auto error = DecodeFwd(names.fwd, perm, x, values, offsets, y, args)) {
+  Guard guard;
+  if (auto error = DecodeFwd(names.fwd, perm, x, values, offsets, y, args, guard)) {
     return ReadyFuture(std::move(error));
+  }
+  if (guard.Any()) {
+    FillNaN(args.type, y->untyped_data(), y->element_count());
+    return ReadyFuture();
   }
   return Launch(names.fwd, pool,
                 [&](int64_t workers) { return MakeFwdJob(args, workers, BestIsa()); });
@@ -385,33 +432,61 @@ ffi::Future Fwd(const Names& names, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi:
 ffi::Future Dx(const Names& names, ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer values,
                ffi::AnyBuffer offsets, const ffi::AnyBuffer* perm, ffi::Result<ffi::AnyBuffer> dx) {
   DxArgs args;
-  if (auto error = DecodeDx(names.dx, perm, dy, values, offsets, dx, args)) {
+  Guard guard;
+  if (auto error = DecodeDx(names.dx, perm, dy, values, offsets, dx, args, guard)) {
     return ReadyFuture(std::move(error));
+  }
+  if (guard.Any()) {
+    FillNaN(args.type, dx->untyped_data(), dx->element_count());
+    return ReadyFuture();
   }
   return Launch(names.dx, pool,
                 [&](int64_t workers) { return MakeDxJob(args, workers, BestIsa()); });
 }
 
+// dvalues: the rows of the offsets out of range are NaN, the others computed as usual (their
+// diagonals do not depend on the bad ones); a perm that is not a permutation makes all of it NaN.
 ffi::Future Dvalues(const Names& names, ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                     ffi::AnyBuffer offsets, const ffi::AnyBuffer* perm,
                     ffi::Result<ffi::AnyBuffer> dvalues) {
   DvaluesArgs args;
-  if (auto error = DecodeDvalues(names.dvalues, perm, dy, x, offsets, dvalues, args)) {
+  Guard guard;
+  if (auto error = DecodeDvalues(names.dvalues, perm, dy, x, offsets, dvalues, args, guard)) {
     return ReadyFuture(std::move(error));
   }
-  return Launch(names.dvalues, pool,
-                [&](int64_t workers) { return MakeDvaluesJob(args, workers, BestIsa()); });
+  auto make = [&](int64_t workers) { return MakeDvaluesJob(args, workers, BestIsa()); };
+  if (guard.bad_perm) {
+    FillNaN(args.type, dvalues->untyped_data(), dvalues->element_count());
+    return ReadyFuture();
+  }
+  if (guard.Any()) {
+    if (auto error = RunHere(names.dvalues, pool, make)) return ReadyFuture(std::move(error));
+    PoisonRows(args.type, dvalues, guard);
+    return ReadyFuture();
+  }
+  return Launch(names.dvalues, pool, make);
 }
 
 ffi::Future Bwd(const Names& names, ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                 ffi::AnyBuffer values, ffi::AnyBuffer offsets, const ffi::AnyBuffer* perm,
                 ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dvalues) {
   BwdArgs args;
-  if (auto error = DecodeBwd(names.bwd, perm, dy, x, values, offsets, dx, dvalues, args)) {
+  Guard guard;
+  if (auto error = DecodeBwd(names.bwd, perm, dy, x, values, offsets, dx, dvalues, args, guard)) {
     return ReadyFuture(std::move(error));
   }
-  return Launch(names.bwd, pool,
-                [&](int64_t workers) { return MakeBwdJob(args, workers, BestIsa()); });
+  auto make = [&](int64_t workers) { return MakeBwdJob(args, workers, BestIsa()); };
+  if (guard.bad_perm) {
+    FillNaN(args.type, dvalues->untyped_data(), dvalues->element_count());
+  } else if (guard.Any()) {
+    if (auto error = RunHere(names.bwd, pool, make)) return ReadyFuture(std::move(error));
+    PoisonRows(args.type, dvalues, guard);
+  }
+  if (guard.Any()) {
+    FillNaN(args.type, dx->untyped_data(), dx->element_count());
+    return ReadyFuture();
+  }
+  return Launch(names.bwd, pool, make);
 }
 
 ffi::Future FwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
