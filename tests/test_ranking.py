@@ -65,6 +65,27 @@ def test_cpu_kernel_matches_the_reference_in_float64(rng):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_cpu_kernel_matches_the_reference_on_signed_zeros_and_infinities(rng, dtype):
+    """The kernel sorts integer keys of the scores: -0 must tie with +0 (lower index first) and
+    the infinities sit at the ends, exactly as the reference's comparison sorts them."""
+    a = np.round(rng.normal(size=(2, 40)))  # many ties, zeros among them
+    a[:, ::5] = -0.0
+    a[0, [3, 17]] = np.inf
+    a[0, [8, 30]] = -np.inf
+    a[1, 11] = np.nan
+    with jax.enable_x64(dtype == jnp.float64):
+        scores = jnp.asarray(a, dtype)
+        old = jnp.zeros((2, 6), jnp.int32)
+        got = ranking.gate_rank(scores, 0.5, old, sparse=True)
+        want = ranking.gate_rank(scores, 0.5, old, sparse=True, impl="jax")
+        for name in ("order", "rank", "topk", "changed"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+        for name in ("kth", "tau", "share"):
+            np.testing.assert_allclose(getattr(got, name), getattr(want, name), atol=1e-6)
+
+
+@needs_kernel
 def test_cpu_kernel_orders_nan_last_and_stays_finite_elsewhere(rng):
     a = rng.normal(size=(1, 200))
     a[0, ::4] = np.nan

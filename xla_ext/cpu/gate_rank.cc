@@ -8,9 +8,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "ffi_handlers.h"
@@ -35,17 +38,38 @@ T CappedSum(const std::vector<T>& z, T t) {
   return f;
 }
 
+// An unsigned integer whose ascending order is the descending order of `v` (never NaN; -0 is
+// taken as +0, which compares equal to it).
+template <typename T>
+auto DescendingKey(T v) {
+  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  constexpr U kSign = U{1} << (8 * sizeof(T) - 1);
+  U u;
+  const T w = v == 0 ? T(0) : v;
+  std::memcpy(&u, &w, sizeof(T));
+  const U ascending = (u & kSign) ? ~u : (u | kSign);
+  return static_cast<U>(~ascending);
+}
+
 // One row; see the reference for the definitions.
+//
+// Two sorts set the cost of a row (a search step ranks every sparse layer): the order is one
+// sort of (key, index) pairs, which is the stable sort by descending score without an indirect
+// comparison; and the projection's breakpoints {z_i - 1} and {z_i} need no sort of their own,
+// since z is non-decreasing in alpha: both halves come sorted from the order, and one merge joins
+// them.
 template <typename T>
 void RankRow(const T* alpha, T hyper, const int32_t* old_topk, int64_t p, int64_t k, bool sparse,
              int32_t* order, int32_t* rank, int32_t* topk, float* changed, T* kth, T* tau,
              T* share) {
-  std::vector<T> key(p);
+  using Key = decltype(DescendingKey(T(0)));
+  std::vector<std::pair<Key, int32_t>> keyed(p);
   for (int64_t i = 0; i < p; ++i) {
-    key[i] = std::isnan(alpha[i]) ? -std::numeric_limits<T>::infinity() : alpha[i];
+    const T key = std::isnan(alpha[i]) ? -std::numeric_limits<T>::infinity() : alpha[i];
+    keyed[i] = {DescendingKey(key), static_cast<int32_t>(i)};
   }
-  std::iota(order, order + p, 0);
-  std::stable_sort(order, order + p, [&](int32_t a, int32_t b) { return key[a] > key[b]; });
+  std::sort(keyed.begin(), keyed.end());
+  for (int64_t j = 0; j < p; ++j) order[j] = keyed[j].second;
   for (int64_t j = 0; j < p; ++j) rank[order[j]] = static_cast<int32_t>(j);
   std::copy(order, order + k, topk);
   std::sort(topk, topk + k);
@@ -73,15 +97,31 @@ void RankRow(const T* alpha, T hyper, const int32_t* old_topk, int64_t p, int64_
 
   // !(hyper > 0) also catches NaN: the soft branch then runs with 1 (its value is not used).
   const T safe = hyper > 0 ? hyper : T(1);
-  std::vector<T> z(p), breaks(2 * p);
+  std::vector<T> z(p), ascending, breaks(2 * p);
+  ascending.reserve(p);
   for (int64_t i = 0; i < p; ++i) {
     z[i] = std::min<T>(std::max<T>((alpha[i] - kth_value) / safe, -2), 2);
-    breaks[i] = z[i] - 1;
-    breaks[p + i] = z[i];
   }
-  // NaN (a NaN score) sorts last, as in XLA, and keeps the comparison a strict weak order.
-  std::sort(breaks.begin(), breaks.end(),
-            [](T a, T b) { return a < b || (!std::isnan(a) && std::isnan(b)); });
+  // z ascending is the order reversed; a NaN score gives a NaN z, which sorts last, as in XLA.
+  int64_t nans = 0;
+  for (int64_t j = p - 1; j >= 0; --j) {
+    const T zj = z[order[j]];
+    if (std::isnan(zj)) {
+      ++nans;
+    } else {
+      ascending.push_back(zj);
+    }
+  }
+  const int64_t n = static_cast<int64_t>(ascending.size());
+  int64_t a = 0, c = 0, out = 0;
+  while (a < n || c < n) {  // merge {z - 1} (index a) and {z} (index c), both ascending
+    if (c == n || (a < n && ascending[a] - 1 <= ascending[c])) {
+      breaks[out++] = ascending[a++] - 1;
+    } else {
+      breaks[out++] = ascending[c++];
+    }
+  }
+  std::fill(breaks.begin() + out, breaks.end(), std::numeric_limits<T>::quiet_NaN());
   // f(breaks[0]) = p >= k > 0 = f(breaks[2p - 1]); keep f(breaks[lo]) >= k > f(breaks[hi]).
   int64_t lo = 0, hi = 2 * p - 1;
   while (hi - lo > 1) {
