@@ -110,7 +110,10 @@ def make_train_step(
         metrics = {
             **metrics,
             **layer_metrics(updated.pop("intermediates", {})),
-            "grad_norm": optax.tree.norm(grads),
+            # The barrier keeps XLA from sharing g * g between this norm and Adam's second
+            # moment: shared, it is written out as a buffer the size of the params (in a search
+            # step all P candidates' values) instead of fused into both readers of g.
+            "grad_norm": optax.tree.norm(jax.lax.optimization_barrier(grads)),
         }
         if searching and gate is not None:
             metrics[gate.name] = jnp.asarray(gate.schedule(state.step), jnp.float32)
