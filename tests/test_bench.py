@@ -186,6 +186,25 @@ def test_search_step_benchmark_refuses_bad_options(run_python, option):
     assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr
 
 
+def test_gate_rank_benchmark_times_the_kernel_and_the_reference(run_python, tmp_path):
+    out = tmp_path / "rank.csv"
+    args = ["--p", "16,40", "--sparsity", "0.5", "--repeats", "2", "--out", str(out)]
+    proc = run_python([str(ROOT / "bench" / "gate_rank.py"), *args])
+    _, rows = read_rows(out)
+    assert [(r["p"], r["k"]) for r in rows] == [("16", "8"), ("40", "20")]
+    for r in rows:
+        assert all(
+            math.isfinite(float(r[c])) and float(r[c]) > 0 for c in ("kernel_us", "reference_us")
+        )
+    assert "kernel" in proc.stdout and "reference" in proc.stdout
+
+
+@pytest.mark.parametrize("option", [["--p", "0"], ["--sparsity", "1"], ["--repeats", "0"]])
+def test_gate_rank_benchmark_refuses_bad_options(run_python, option):
+    proc = run_python([str(ROOT / "bench" / "gate_rank.py"), *option], check=False)
+    assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr
+
+
 def test_suite_step_benchmark_times_both_phases_and_every_compilation(run_python, tmp_path):
     """The small digits' MLP suite: step times and bytes accessed of both phases with each
     optimizer (none: no update), and the compile time of every program a DynaDiag, static or dense

@@ -1,0 +1,85 @@
+"""What one layer's ranking of its scores costs per search step: ``gate_rank`` on the CPU kernel
+against its pure-JAX reference.
+
+Every search step ranks every sparse layer's ``P`` scores (the order, the top-K and the sparse
+gate's threshold: ``dynadiag_jax.ops.ranking.gate_rank``). For each ``P`` (with ``K`` at
+``--sparsity``) this times the jitted call on one row of normal scores, the kernel and the
+reference interleaved (median of ``--repeats``, microseconds, dispatch included), and checks that
+both give the same order. Prints a table; writes a CSV (``--out``, default
+``bench/results/gate_rank_<time>.csv``).
+
+Example::
+
+    python bench/gate_rank.py --p 256,784,3072
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from diag_matmul import parse_sizes, time_interleaved  # bench/, beside this
+from tqdm import tqdm
+
+from dynadiag_jax.ops.ranking import gate_rank
+
+
+def measure(p: int, sparsity: float, repeats: int, progress) -> dict:
+    """One row: ``p``, ``k``, the kernel's and the reference's median microseconds."""
+    k = max(1, math.ceil((1 - sparsity) * p))
+    rng = np.random.default_rng(p)
+    alpha = jnp.asarray(rng.standard_normal((1, p)) * 0.1, jnp.float32)
+    old = jnp.asarray(rng.choice(p, (1, k), replace=False), jnp.int32)
+    calls = {
+        impl: (
+            jax.jit(lambda a, o, impl=impl: gate_rank(a, 0.5, o, sparse=True, impl=impl)),
+            (alpha, old),
+        )
+        for impl in ("auto", "jax")
+    }
+    orders = [np.asarray(f(*args).order) for f, args in calls.values()]
+    if not np.array_equal(*orders):
+        raise AssertionError(f"P={p}: the kernel's order differs from the reference's")
+    times = time_interleaved(calls, repeats, progress)
+    return {"p": p, "k": k, "kernel_us": 1e6 * times["auto"], "reference_us": 1e6 * times["jax"]}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--p",
+        type=parse_sizes("--p", "256,784"),
+        default=(256, 784, 3072),
+        help="numbers of candidates, comma-separated",
+    )
+    parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--repeats", type=int, default=1001)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    sizes = args.p
+    if not 0.0 <= args.sparsity < 1.0 or args.repeats < 1:
+        parser.error("need 0 <= --sparsity < 1 and --repeats >= 1")
+    with tqdm(total=2 * args.repeats * len(sizes), unit="call", leave=False) as progress:
+        rows = [measure(p, args.sparsity, args.repeats, progress) for p in sizes]
+    print(f"gate_rank, one row, sparsity {args.sparsity:g}, median of {args.repeats} (us)")
+    print(f"{'P':>6} {'K':>5} {'kernel':>9} {'reference':>10}")
+    for r in rows:
+        print(f"{r['p']:>6} {r['k']:>5} {r['kernel_us']:>9.1f} {r['reference_us']:>10.1f}")
+    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+    out = pathlib.Path(args.out or f"bench/results/gate_rank_{stamp}.csv")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=("p", "k", "kernel_us", "reference_us"))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
