@@ -1,4 +1,5 @@
-"""T.Distillation: a classification task whose loss mixes in a teacher's softened predictions."""
+"""T.Distillation: a task (classification, or language modelling) whose loss mixes in a teacher's
+softened predictions."""
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,27 @@ def test_the_loss_mixes_the_task_loss_and_the_softened_cross_entropy(weight):
     np.testing.assert_allclose(loss, (1 - weight) * task_loss + weight * soft, rtol=1e-5)
     np.testing.assert_allclose(metrics["soft_loss"], soft, rtol=1e-5)
     assert metrics["accuracy"] == task_metrics["accuracy"]
+
+
+def test_language_modelling_distils_every_position():
+    """Tokens in, [B, T, V] logits: the soft term is the mean over the examples and positions."""
+    embed = jnp.arange(24, dtype=jnp.float32).reshape(8, 3) / 10.0 - 1.0
+
+    def teacher(tokens):  # [B, T] -> [B, T, 8]
+        return embed[tokens] @ embed.T
+
+    task = T.LanguageModeling()
+    distill = T.Distillation(task, teacher, weight=0.7, temperature=2.0)
+    batch = {"tokens": jax.random.randint(jax.random.key(0), (4, 6), 0, 8)}
+    inputs, (hard, t) = distill.train_inputs(batch, jax.random.key(1))
+    assert inputs.shape == (4, 5) and t.shape == (4, 5, 8)
+    logits = jax.random.normal(jax.random.key(2), (4, 5, 8))
+    loss, metrics = distill.loss(logits, (hard, t), batch)
+    task_loss, _ = task.loss(logits, hard, batch)
+    p = jax.nn.softmax(t / 2.0)
+    soft = -jnp.mean(jnp.sum(p * jax.nn.log_softmax(logits / 2.0), axis=-1)) * 4.0
+    np.testing.assert_allclose(loss, 0.3 * task_loss + 0.7 * soft, rtol=1e-5)
+    assert "perplexity" in metrics
 
 
 def test_a_student_equal_to_its_teacher_gets_no_gradient_from_the_soft_term():

@@ -2,6 +2,7 @@
 
 import functools
 import json
+import math
 import os
 import pathlib
 import signal
@@ -644,3 +645,52 @@ def test_sparsify_script_one_shot_and_fine_tune_from_a_dense_run(run_python, tmp
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: from_dense") and "(64, 10) in the dense model" in last, last
+
+
+def test_sparsify_script_on_a_dense_language_model(run_python, tmp_path):
+    """suite=gpt: token windows refit the kept diagonals, the fine-tune distils the dense model,
+    and the table is validation perplexity (the dense row equal to the dense run's last)."""
+    dense_run = tmp_path / "dense"
+    run_python(
+        [
+            str(ROOT / "train" / "lm.py"),
+            f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal,sparsity=0",
+            f"--workdir={dense_run}",
+            "--noprogress",
+        ],
+        timeout=600,
+    )
+    small = [
+        "--config.model.variant=mu",
+        "--config.data.seq_len=32",
+        "--config.data.eval_windows=16",
+        "--config.train.batch_size=8",
+        "--config.train.eval_batch_size=8",
+        "--config.train.num_steps=20",
+        "--config.optimizer.warmup_steps=0",
+        "--config.refit_examples=16",
+    ]
+    out = tmp_path / "sp"
+    run_python(
+        [
+            str(ROOT / "train" / "sparsify.py"),
+            f"--config={CONFIGS / 'sparsify.py'}:suite=gpt,checkpoint={dense_run}",
+            *small,
+            f"--workdir={out}",
+            "--noprogress",
+        ],
+        timeout=600,
+    )
+    table = json.loads((out / "sparsify.json").read_text())
+    assert [row["model"] for row in table] == [
+        "dense (checkpoint)",
+        "dynadiag_s90 one-shot",
+        "dynadiag_s90 refit",
+        "dynadiag_s90 fine-tuned",
+    ]
+    assert all(math.isfinite(row["perplexity"]) and row["perplexity"] > 1 for row in table)
+    assert table[3]["steps"] == 2  # 10% of 20
+    last = [r for r in T.read_jsonl(dense_run / "metrics.jsonl") if r["kind"] == "eval"][-1]
+    assert table[0]["perplexity"] == pytest.approx(last["perplexity"], rel=1e-5)
+    variables = T.Checkpointer(out / "checkpoints").restore_variables()
+    assert variables["diagonals"]["block_0"]["mlp"]["c_fc"]["offsets"].shape == (13,)

@@ -12,6 +12,8 @@ no warm-up).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -20,8 +22,83 @@ import numpy as np
 from flax import traverse_util
 
 import dynadiag_jax as dd
+from dynadiag_jax import data as D
 from dynadiag_jax import training as T
 from train import baselines, common
+
+
+class SuiteData(NamedTuple):
+    """What a fine-tune of a results suite's model reads (:func:`suite_data`).
+
+    Attributes:
+      train: training batches (seeded by the config's seed).
+      eval: evaluation batches (the test images, or the corpus's validation windows).
+      example: the training input's ``jax.ShapeDtypeStruct``.
+      scratch_steps: the steps of the suite's run from scratch (which ``finetune_fraction``
+        scales).
+      task: the suite's task.
+      metric: ``"accuracy"`` or ``"perplexity"``, the evaluation's headline.
+      model_kwargs: the model constructor's data-dependent arguments.
+      calibration: ``n -> inputs[n, ...]``, the first ``n`` training inputs (images, or token
+        windows of the training corpus without their last token): ``dd.refit``'s data.
+    """
+
+    train: Any
+    eval: Any
+    example: jax.ShapeDtypeStruct
+    scratch_steps: int
+    task: Any
+    metric: str
+    model_kwargs: dict
+    calibration: Callable[[int], jax.Array]
+
+
+def suite_data(config) -> SuiteData:
+    """The :class:`SuiteData` of the config's suite: the fortunes corpus for gpt, else the
+    images."""
+    batch = int(config.train.batch_size)
+    if config.suite == "gpt":
+        corpus = D.load_corpus(config.data.corpus, config.data.path or None)
+        seq_len = int(config.data.seq_len)
+
+        def windows(n):
+            usable = min(n, (len(corpus.train) - 1) // seq_len)
+            return jnp.asarray(corpus.train[: usable * seq_len].reshape(usable, seq_len))
+
+        return SuiteData(
+            D.TokenWindows(corpus.train, seq_len, batch, seed=int(config.seed)),
+            D.WindowEvalBatches(
+                corpus.valid,
+                seq_len,
+                int(config.train.eval_batch_size),
+                max_windows=int(config.data.eval_windows) or None,
+            ),
+            jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+            int(config.train.num_steps),
+            T.LanguageModeling(),
+            "perplexity",
+            dict(vocab_size=D.BYTE_VOCAB_SIZE, block_size=seq_len),
+            windows,
+        )
+    data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
+    return SuiteData(
+        D.ArrayBatches(data.train, batch, seed=int(config.seed)),
+        D.EvalBatches(data.test, int(config.train.eval_batch_size)),
+        jax.ShapeDtypeStruct((batch, *data.train["image"].shape[1:]), jnp.float32),
+        int(config.train.epochs) * (len(data.train["label"]) // batch),
+        T.Classification(data.num_classes, float(config.optimizer.label_smoothing)),
+        "accuracy",
+        dict(num_classes=data.num_classes),
+        lambda n: jnp.asarray(data.train["image"][:n], jnp.float32),
+    )
+
+
+def evaluate(model, variables, eval_data, task) -> dict:
+    """``model``'s evaluation with ``variables`` over ``eval_data``."""
+    collections = {k: v for k, v in variables.items() if k != "params"}
+    state = T.TrainState(jnp.zeros((), jnp.int32), variables["params"], None, collections, None)
+    eval_step = jax.jit(T.make_eval_step(model, task))
+    return T.evaluate(eval_step, state, eval_data, T.data_mesh(), task)
 
 
 def check_lora(lora_cfg) -> None:

@@ -38,7 +38,6 @@ import numpy as np
 from absl import app, flags
 from flax import traverse_util
 
-from dynadiag_jax import data as D
 from dynadiag_jax import training as T
 from train import baselines, cli, common, finetuning
 from train.configs import lora_fa as default_config
@@ -79,39 +78,6 @@ class Prepared(NamedTuple):
     metric: str
 
 
-def suite_data(config):
-    """``(train batches, eval batches, example input, from-scratch steps, task, metric,
-    model kwargs)`` of the config's suite: the fortunes corpus for gpt, else the images."""
-    batch = int(config.train.batch_size)
-    if config.suite == "gpt":
-        corpus = D.load_corpus(config.data.corpus, config.data.path or None)
-        seq_len = int(config.data.seq_len)
-        return (
-            D.TokenWindows(corpus.train, seq_len, batch, seed=int(config.seed)),
-            D.WindowEvalBatches(
-                corpus.valid,
-                seq_len,
-                int(config.train.eval_batch_size),
-                max_windows=int(config.data.eval_windows) or None,
-            ),
-            jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
-            int(config.train.num_steps),
-            T.LanguageModeling(),
-            "perplexity",
-            dict(vocab_size=D.BYTE_VOCAB_SIZE, block_size=seq_len),
-        )
-    data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
-    return (
-        D.ArrayBatches(data.train, batch, seed=int(config.seed)),
-        D.EvalBatches(data.test, int(config.train.eval_batch_size)),
-        jax.ShapeDtypeStruct((batch, *data.train["image"].shape[1:]), jnp.float32),
-        int(config.train.epochs) * (len(data.train["label"]) // batch),
-        T.Classification(data.num_classes, float(config.optimizer.label_smoothing)),
-        "accuracy",
-        dict(num_classes=data.num_classes),
-    )
-
-
 @common.reports_config_errors
 def prepare(config) -> Prepared:
     """Check the config, load the data and the frozen variables, build the phase: every input
@@ -129,9 +95,10 @@ def prepare(config) -> Prepared:
     mesh = T.data_mesh()
     T.check_batch_size(int(config.train.batch_size), mesh)
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
-    train_data, eval_data, example, scratch, task, metric, model_kwargs = suite_data(config)
-    steps = max(1, round(fraction * scratch))
-    base = finetuning.frozen_model(config.model, config.dynadiag, **model_kwargs)
+    data = finetuning.suite_data(config)
+    example = data.example
+    steps = max(1, round(fraction * data.scratch_steps))
+    base = finetuning.frozen_model(config.model, config.dynadiag, **data.model_kwargs)
     common.check_layer_patterns(
         base, example, config.dynadiag, block_size=int(config.dynadiag.block_size)
     )
@@ -146,15 +113,9 @@ def prepare(config) -> Prepared:
     phase = finetuning.lora_phase(
         config.lora, base, config.optimizer, config.dynadiag, example, start_step=0, steps=steps
     )
-    return Prepared(base, frozen, phase, steps, train_data, eval_data, example, task, metric)
-
-
-def evaluate(model, variables, eval_data, task) -> dict:
-    """``model``'s evaluation with ``variables`` over ``eval_data``."""
-    collections = {k: v for k, v in variables.items() if k != "params"}
-    state = T.TrainState(jnp.zeros((), jnp.int32), variables["params"], None, collections, None)
-    eval_step = jax.jit(T.make_eval_step(model, task))
-    return T.evaluate(eval_step, state, eval_data, T.data_mesh(), task)
+    return Prepared(
+        base, frozen, phase, steps, data.train, data.eval, example, data.task, data.metric
+    )
 
 
 def run(config, workdir, *, progress: bool = True) -> list[dict]:
@@ -183,7 +144,7 @@ def run(config, workdir, *, progress: bool = True) -> list[dict]:
     rows = [
         {
             "model": f"dynadiag_s{s} frozen",
-            p.metric: float(evaluate(p.base, p.frozen, p.eval_data, p.task)[p.metric]),
+            p.metric: float(finetuning.evaluate(p.base, p.frozen, p.eval_data, p.task)[p.metric]),
             "steps": 0,
             **finetuning.counts(p.frozen, []),
         },

@@ -5,10 +5,11 @@ Reads a dense run's Orbax checkpoint (``--config`` ``checkpoint``: its workdir, 
 (``dd.from_dense``: values from each diagonal's weights, alpha from its energy), evaluates the
 one-shot model (the K highest-energy diagonals of every layer, frozen at once) and the same
 diagonals refitted to the dense layers' outputs (``dd.refit``, on ``refit_examples`` training
-images), then fine-tunes the refitted model for ``train.finetune_fraction`` of the from-scratch
-steps (training of the frozen diagonals, towards the labels and the dense model's outputs:
-``distill``; ``dynadiag.search_fraction`` > 0 searches first), and writes the frozen DynaDiag
-checkpoint (``--workdir/checkpoints``) and a before/after accuracy table (printed, and
+images, or token windows for ``suite=gpt``), then fine-tunes the refitted model for
+``train.finetune_fraction`` of the from-scratch steps (training of the frozen diagonals, towards
+the labels and the dense model's outputs: ``distill``; ``dynadiag.search_fraction`` > 0 searches
+first), and writes the frozen DynaDiag checkpoint (``--workdir/checkpoints``) and a before/after
+table of test accuracy, or validation perplexity for the GPT (printed, and
 ``--workdir/sparsify.json``).
 
   python train/sparsify.py --workdir=runs/sparsify_mlp \\
@@ -35,9 +36,8 @@ import jax.numpy as jnp
 from absl import app, flags
 
 import dynadiag_jax as dd
-from dynadiag_jax import data as D
 from dynadiag_jax import training as T
-from train import baselines, cli, common
+from train import baselines, cli, common, finetuning
 from train.configs import sparsify as default_config
 from train.configs.common import unstructured_defaults
 
@@ -53,7 +53,7 @@ def prepare(config):
     refitted by ``dd.refit`` (None without ``refit_examples``), baselines.Method, fine-tune steps,
     example)``.
     """
-    common.check_config(config, default_config.get_config())
+    common.check_config(config, default_config.get_config(f"suite={config.suite}"))
     common.check_train_section(config.train)
     if not config.checkpoint:
         raise common.ConfigError("checkpoint= (the dense run's workdir) is required")
@@ -73,12 +73,11 @@ def prepare(config):
     sparsity = common.sparsity_of(config.dynadiag)
     if not sparsity:
         raise common.ConfigError("dynadiag.sparsity must be in (0, 1): the model to make")
-    data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
-    batch, mesh = int(config.train.batch_size), T.data_mesh()
-    T.check_batch_size(batch, mesh)
+    mesh = T.data_mesh()
+    T.check_batch_size(int(config.train.batch_size), mesh)
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
-    scratch = int(config.train.epochs) * (len(data.train["label"]) // batch)
-    steps = round(fraction * scratch)
+    data = finetuning.suite_data(config)
+    steps = round(fraction * data.scratch_steps)
     built = baselines.build(
         "dynadiag",
         model_cfg=config.model,
@@ -89,37 +88,39 @@ def prepare(config):
         num_steps=max(1, steps),
         warmup_steps=int(config.optimizer.warmup_steps) if steps else 0,
         seed=int(config.seed),
-        num_classes=data.num_classes,
+        **data.model_kwargs,
     )
-    example = jax.ShapeDtypeStruct((batch, *data.train["image"].shape[1:]), jnp.float32)
+    example = data.example
     common.check_layer_patterns(
         built.model, example, config.dynadiag, block_size=int(config.dynadiag.block_size)
     )
     dense_model = common.build_model(
-        config.model, baselines.with_sparsity(config.dynadiag, 0.0), num_classes=data.num_classes
+        config.model, baselines.with_sparsity(config.dynadiag, 0.0), **data.model_kwargs
     )
     dense = common.restore_run_variables(config.checkpoint, int(config.step))
-    template = built.model.init(jax.random.key(int(config.seed)), jnp.zeros(example.shape))
+    template = built.model.init(
+        jax.random.key(int(config.seed)), jnp.zeros(example.shape, example.dtype)
+    )
     template = {k: v for k, v in template.items() if k != "intermediates"}
     # a checkpoint of another model fails here
     search = dd.from_dense(dense, template, keep_norm=bool(config.keep_norm))
     fitted = None
     if examples:
-        calibration = jnp.asarray(data.train["image"][:examples], jnp.float32)
+        calibration = data.calibration(examples)
         fitted = dd.refit(built.model, search, dense_model, dense, calibration, ridge=ridge)
     return data, dense_model, dense, search, fitted, built, steps, example
 
 
-def _accuracy(model, variables, data, config, task) -> float:
-    return common.eval_accuracy(model, variables, data.test, config.train.eval_batch_size, task)
-
-
 def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int]]:
     """One-shot and fine-tuned DynaDiag from the dense checkpoint; returns the table's rows
-    ``(name, test accuracy, steps trained after the dense run)``."""
+    ``(name, test accuracy or validation perplexity, steps trained after the dense run)``."""
     data, dense_model, dense, search, fitted, built, steps, example = prepare(config)
     workdir = pathlib.Path(workdir)
-    task = T.Classification(data.num_classes, float(config.optimizer.label_smoothing))
+    task = data.task
+
+    def metric(model, variables):
+        return float(finetuning.evaluate(model, variables, data.eval, task)[data.metric])
+
     if float(config.distill):
         teacher = functools.partial(dense_model.apply, dense)
         tuning = T.Distillation(
@@ -131,29 +132,26 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
     one_shot = dd.freeze_tree(search)
     s = round(100 * float(config.dynadiag.sparsity))
     rows = [
-        ("dense (checkpoint)", _accuracy(dense_model, dense, data, config, task), 0),
-        (f"dynadiag_s{s} one-shot", _accuracy(built.model, one_shot, data, config, task), 0),
+        ("dense (checkpoint)", metric(dense_model, dense), 0),
+        (f"dynadiag_s{s} one-shot", metric(built.model, one_shot), 0),
     ]
     if fitted is not None:
-        refitted = dd.freeze_tree(fitted)
-        rows.append(
-            (f"dynadiag_s{s} refit", _accuracy(built.model, refitted, data, config, task), 0)
-        )
+        rows.append((f"dynadiag_s{s} refit", metric(built.model, dd.freeze_tree(fitted)), 0))
         search = fitted
     if steps:
         result = common.train_from_config(
             config,
             method=built,
             task=tuning,
-            train_data=D.ArrayBatches(data.train, int(config.train.batch_size), seed=seed),
-            eval_data=D.EvalBatches(data.test, int(config.train.eval_batch_size)),
+            train_data=data.train,
+            eval_data=data.eval,
             num_steps=steps,
             example_input=example,
             workdir=workdir,
             progress=progress,
             initial_variables=search,
         )
-        rows.append((f"dynadiag_s{s} fine-tuned", result.eval_metrics["accuracy"], steps))
+        rows.append((f"dynadiag_s{s} fine-tuned", result.eval_metrics[data.metric], steps))
     else:  # the one-shot model is the frozen checkpoint, with a fresh optimizer state
         state = T.create_train_state(
             built.model, built.optimizer, example, seed=seed, variables=search
@@ -164,10 +162,11 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
             meta={"run": common.recipe(config, built), "frozen": True, "interval": {}},
         )
         ckpt.close()
-    print("\nmodel                          test accuracy   steps")
-    for name, acc, n in rows:
-        print(f"{name:<30} {acc:>13.4f} {n:>7}")
-    table = [{"model": name, "accuracy": acc, "steps": n} for name, acc, n in rows]
+    heading = "test accuracy" if data.metric == "accuracy" else "perplexity"
+    print(f"\n{'model':<30} {heading:>13}   steps")
+    for name, value, n in rows:
+        print(f"{name:<30} {value:>13.4f} {n:>7}")
+    table = [{"model": name, data.metric: value, "steps": n} for name, value, n in rows]
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "sparsify.json").write_text(json.dumps(table, indent=1) + "\n")
     return rows

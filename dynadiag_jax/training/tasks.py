@@ -89,18 +89,20 @@ class Classification(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Distillation:
-    """A classification task trained towards a teacher's outputs too (knowledge distillation).
+    """A task trained towards a teacher's outputs too (knowledge distillation).
 
     The training loss is ``(1 - weight) * task loss + weight * T^2 * CE(softmax(t / T), s / T)``
     with ``s`` the model's logits, ``t = teacher(inputs)`` the teacher's on the same (augmented)
     inputs, without gradient, and ``T`` the temperature (the ``T^2`` keeps the soft term's
-    gradient at the scale of the hard one). Evaluation is the task's.
+    gradient at the scale of the hard one); the soft term is averaged over every prediction (the
+    examples, and the positions of a language model). Evaluation is the task's.
 
     Attributes:
-      task: the :class:`Classification` task (its targets, label smoothing and mixup).
-      teacher: ``inputs -> logits [B, num_classes]``, e.g. ``functools.partial(dense_model.apply,
-        dense_variables)``; traced into the training step, so the teacher's variables are
-        constants of the compiled step.
+      task: the :class:`Classification` task (its targets, label smoothing and mixup) or the
+        :class:`LanguageModeling` task.
+      teacher: ``inputs -> logits`` (``[B, num_classes]``, or ``[B, T, vocab]``), e.g.
+        ``functools.partial(dense_model.apply, dense_variables)``; traced into the training
+        step, so the teacher's variables are constants of the compiled step.
       weight: in ``[0, 1]``, the soft term's share.
       temperature: ``> 0``.
     """

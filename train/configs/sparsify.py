@@ -1,12 +1,12 @@
 """DynaDiag from a dense run's checkpoint (train/sparsify.py): one-shot, or a short fine-tune.
 
-``suite`` takes the model, layers, recipe and data of a classification suite of
-``train/configs/results.py`` (mlp, mixer, vit), so the dense runs of ``train/results.py`` feed it
-as they are. ``refit_examples`` training examples refit the kept diagonals to the dense layers'
-outputs (``dd.refit``; 0: keep the dense entries). ``finetune_fraction`` is the fine-tune's length
-as a fraction of the suite's from-scratch steps (0: the one-shot model only);
-``dynadiag.search_fraction`` of it searches (0, the default: freeze at once, then train the frozen
-diagonals). ``distill`` is the share of the fine-tune's loss that is distillation from the dense
+``suite`` takes the model, layers, recipe and data of a suite of ``train/configs/results.py``
+(mlp, mixer, vit, or gpt: the language model, evaluated by validation perplexity), so the dense
+runs of ``train/results.py`` feed it as they are. ``refit_examples`` training examples (images, or
+token windows) refit the kept diagonals to the dense layers' outputs (``dd.refit``; 0: keep the
+dense entries). ``finetune_fraction`` is the fine-tune's length as a fraction of the suite's
+from-scratch steps (0: the one-shot model only); ``dynadiag.search_fraction`` of it searches (0,
+the default: freeze at once, then train the frozen diagonals). ``distill`` is the share of the fine-tune's loss that is distillation from the dense
 model (``T.Distillation``, at ``distill_temperature``; 0: the labels alone).
 
   python train/sparsify.py --workdir=runs/sparsify_mlp \\
@@ -15,7 +15,7 @@ model (``T.Distillation``, at ``distill_temperature``; 0: the labels alone).
       --config=train/configs/sparsify.py:checkpoint=<dense run>,finetune_fraction=0
 """
 
-from train.configs.common import finetune, parse_arg
+from train.configs.common import FINETUNE_SUITES, finetune, parse_arg
 
 
 def get_config(arg=None):
@@ -28,7 +28,7 @@ def get_config(arg=None):
         finetune_fraction=0.1,
         runlocal=False,
     )
-    config = finetune(arg, selection_every=25)
+    config = finetune(arg, selection_every=25, suites=(*FINETUNE_SUITES, "gpt"))
     # Scale each layer's values so that its K kept diagonals carry the dense kernel's Frobenius
     # norm (dd.from_dense keep_norm): docs/training.md has the measured effect.
     config.keep_norm = True
