@@ -630,13 +630,21 @@ def test_sparsify_script_one_shot_and_fine_tune_from_a_dense_run(run_python, tmp
     assert table[0]["accuracy"] > 0.7 and table[3]["steps"] == 3  # 10% of 31 steps
     assert table[2]["accuracy"] > table[1]["accuracy"] + 0.1  # refit to the dense layers
     assert (tmp_path / "tuned" / "checkpoints" / "3").is_dir()
-    run_python([*args, "--config.train.finetune_fraction=0", f"--workdir={tmp_path / 'once'}"])
-    proc = run_python(
-        [*args, "--config.refit_ridge=-1", f"--workdir={tmp_path / 'r'}"], check=False
-    )
-    assert proc.returncode == 2 and "refit_ridge >= 0" in proc.stderr, proc.stderr[-2000:]
-    proc = run_python([*args, "--config.distill=1.5", f"--workdir={tmp_path / 'd'}"], check=False)
-    assert proc.returncode == 2 and "distill must be in [0, 1]" in proc.stderr, proc.stderr[-2000:]
+    from train import sparsify  # noqa: PLC0415
+    from train.configs import sparsify as sparsify_config  # noqa: PLC0415
+
+    config = sparsify_config.get_config(f"runlocal,checkpoint={dense_run / 'dense'}")
+    config.model.hidden = (64, 64)
+    for key, value, message in (
+        ("refit_ridge", -1.0, "refit_ridge >= 0"),
+        ("distill", 1.5, r"distill must be in \[0, 1\]"),
+    ):
+        bad = config.copy_and_resolve_references()
+        setattr(bad, key, value)
+        with pytest.raises(common.ConfigError, match=message):
+            sparsify.prepare(bad)
+    config.train.finetune_fraction = 0.0
+    sparsify.run(config, tmp_path / "once", progress=False)
     variables = T.Checkpointer(tmp_path / "once" / "checkpoints").restore_variables()
     assert variables["params"]["hidden_0"]["values"].shape == (79, 64)  # frozen: K of 784
     assert variables["diagonals"]["hidden_0"]["offsets"].shape == (79,)
@@ -647,40 +655,24 @@ def test_sparsify_script_one_shot_and_fine_tune_from_a_dense_run(run_python, tmp
     assert last.startswith("error: from_dense") and "(64, 10) in the dense model" in last, last
 
 
-def test_sparsify_script_on_a_dense_language_model(run_python, tmp_path):
+def test_sparsify_script_on_a_dense_language_model(tmp_path):
     """suite=gpt: token windows refit the kept diagonals, the fine-tune distils the dense model,
     and the table is validation perplexity (the dense row equal to the dense run's last)."""
+    from train import sparsify  # noqa: PLC0415
+    from train.configs import sparsify as sparsify_config  # noqa: PLC0415
+
     dense_run = tmp_path / "dense"
-    run_python(
-        [
-            str(ROOT / "train" / "lm.py"),
-            f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal,sparsity=0",
-            f"--workdir={dense_run}",
-            "--noprogress",
-        ],
-        timeout=600,
+    result, _ = lm.train_and_evaluate(
+        gpt2_lm.get_config("runlocal,sparsity=0"), dense_run, progress=False
     )
-    small = [
-        "--config.model.variant=mu",
-        "--config.data.seq_len=32",
-        "--config.data.eval_windows=16",
-        "--config.train.batch_size=8",
-        "--config.train.eval_batch_size=8",
-        "--config.train.num_steps=20",
-        "--config.optimizer.warmup_steps=0",
-        "--config.refit_examples=16",
-    ]
+    config = sparsify_config.get_config(f"suite=gpt,checkpoint={dense_run}")
+    config.model.variant = "mu"
+    config.data.update(seq_len=32, eval_windows=16)
+    config.train.update(batch_size=8, eval_batch_size=8, num_steps=20)
+    config.optimizer.warmup_steps = 0
+    config.refit_examples = 16
     out = tmp_path / "sp"
-    run_python(
-        [
-            str(ROOT / "train" / "sparsify.py"),
-            f"--config={CONFIGS / 'sparsify.py'}:suite=gpt,checkpoint={dense_run}",
-            *small,
-            f"--workdir={out}",
-            "--noprogress",
-        ],
-        timeout=600,
-    )
+    rows = sparsify.run(config, out, progress=False)
     table = json.loads((out / "sparsify.json").read_text())
     assert [row["model"] for row in table] == [
         "dense (checkpoint)",
@@ -688,9 +680,9 @@ def test_sparsify_script_on_a_dense_language_model(run_python, tmp_path):
         "dynadiag_s90 refit",
         "dynadiag_s90 fine-tuned",
     ]
+    assert [row["perplexity"] for row in table] == [value for _, value, _ in rows]
     assert all(math.isfinite(row["perplexity"]) and row["perplexity"] > 1 for row in table)
     assert table[3]["steps"] == 2  # 10% of 20
-    last = [r for r in T.read_jsonl(dense_run / "metrics.jsonl") if r["kind"] == "eval"][-1]
-    assert table[0]["perplexity"] == pytest.approx(last["perplexity"], rel=1e-5)
+    assert table[0]["perplexity"] == pytest.approx(result.eval_metrics["perplexity"], rel=1e-5)
     variables = T.Checkpointer(out / "checkpoints").restore_variables()
     assert variables["diagonals"]["block_0"]["mlp"]["c_fc"]["offsets"].shape == (13,)
