@@ -6,8 +6,9 @@ runs of ``train/results.py`` feed it as they are. ``refit_examples`` training ex
 token windows) refit the kept diagonals to the dense layers' outputs (``dd.refit``; 0: keep the
 dense entries). ``finetune_fraction`` is the fine-tune's length as a fraction of the suite's
 from-scratch steps (0: the one-shot model only); ``dynadiag.search_fraction`` of it searches (0,
-the default: freeze at once, then train the frozen diagonals). ``distill`` is the share of the fine-tune's loss that is distillation from the dense
-model (``T.Distillation``, at ``distill_temperature``; 0: the labels alone).
+the default: freeze at once, then train the frozen diagonals). ``distill`` is the share of the
+fine-tune's loss that is distillation from the dense model (``T.Distillation``, at
+``distill_temperature``; 0: the labels alone).
 
   python train/sparsify.py --workdir=runs/sparsify_mlp \\
       --config=train/configs/sparsify.py:checkpoint=runs/results/mlp/<dense run>
