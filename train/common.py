@@ -17,14 +17,12 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import optax
 from absl import logging
 from flax import traverse_util
 
 import dynadiag_jax as dd
-from dynadiag_jax import data as D
 from dynadiag_jax import models
 from dynadiag_jax import training as T
 from dynadiag_jax.kernel_stats import describe_paths, model_paths
@@ -431,15 +429,6 @@ def restore_run_variables(checkpoint, step: int = 0) -> dict:
         return reader.restore_variables(int(step) or None)
     finally:
         reader.close()
-
-
-def eval_accuracy(model: nn.Module, variables, test_data, eval_batch_size: int, task) -> float:
-    """``model``'s accuracy with ``variables`` on the image batches of ``test_data``."""
-    collections = {k: v for k, v in variables.items() if k != "params"}
-    state = T.TrainState(jnp.zeros((), jnp.int32), variables["params"], None, collections, None)
-    eval_step = jax.jit(T.make_eval_step(model, task))
-    batches = D.EvalBatches(test_data, int(eval_batch_size))
-    return float(T.evaluate(eval_step, state, batches, T.data_mesh(), task)["accuracy"])
 
 
 def layer_paths(model: nn.Module, example_input) -> list[str]:
