@@ -111,6 +111,12 @@ def main(argv):
     result, corpus = common.run_script(
         lambda: train_and_evaluate(config, FLAGS.workdir, progress=FLAGS.progress)
     )
+    report(config, FLAGS.workdir, result, corpus)
+
+
+def report(config, workdir, result, corpus: str) -> None:
+    """Print the run's validation perplexity; after a LoRA-FA phase, also the perplexity at the
+    switch (from ``workdir``'s metrics) beside the end's."""
     m = result.eval_metrics
     counts = T.parameter_counts(result.state.params)
     print(
@@ -120,7 +126,7 @@ def main(argv):
     )
     if int(config.lora.steps):
         start = int(config.train.num_steps)
-        metrics = pathlib.Path(FLAGS.workdir) / "metrics.jsonl"
+        metrics = pathlib.Path(workdir) / "metrics.jsonl"
         before = finetuning.metric_before(metrics, start, "perplexity")
         print(
             f"LoRA-FA phase ({finetuning.row_name(config.lora)}, {config.lora.steps} steps): "
