@@ -6,10 +6,17 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from training_helpers import fast_compile  # noqa: F401 - fixture
 
 from dynadiag_jax import training as T
-from train import common, finetuning
+from train import common, fashion_mnist, finetuning, lm
 from train import lora_fa as script
+from train.configs import fashion_mnist as fashion_config
+from train.configs import gpt2_lm
+from train.configs import lora_fa as lora_config
+
+# The scripts run in this process, their programs compiled fast (the tests check behaviour).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "train" / "configs"
@@ -39,35 +46,30 @@ def test_counts_split_diagonals_adapters_and_trained():
     assert finetuning.counts(variables, [r".*/lora_b", r".*/values"])["trained"] == 20
 
 
+def lora_fa_config(frozen_run, arg="rank=4", **lora):
+    """The mnist5k MLP's LoRA-FA config (the frozen run's 64-wide hidden layers)."""
+    config = lora_config.get_config(f"runlocal,{arg},checkpoint={frozen_run}")
+    config.model.hidden = (64, 64)
+    config.lora.update(lora)
+    return config
+
+
 def test_lora_fa_script_fine_tunes_a_frozen_run(run_python, tmp_path):
     """A frozen mnist5k DynaDiag MLP: the table (before: the run's own final accuracy; the
     weights counted), the adapted checkpoint (B moved, the diagonal layers not), B + values,
     the control without adapters, a rerun that resumes, and a checkpoint of another size refused
     naming the variables."""
-    small = "--config.model.hidden=(64, 64)"
-    run_python(
-        [
-            str(ROOT / "train" / "fashion_mnist.py"),
-            f"--config={CONFIGS / 'fashion_mnist.py'}:sparsity=0.9,epochs=1",
-            "--config.data.source=mnist5k",
-            "--config.compare_dense=False",
-            small,
-            f"--workdir={tmp_path / 'run'}",
-            "--noprogress",
-        ],
-        timeout=600,
-    )
+    config = fashion_config.get_config("sparsity=0.9,epochs=1")
+    config.data.source = "mnist5k"
+    config.compare_dense = False
+    config.model.hidden = (64, 64)
+    fashion_mnist.run(config, tmp_path / "run", progress=False)
     frozen_run = tmp_path / "run" / "dynadiag_s90"
-    args = [
-        str(ROOT / "train" / "lora_fa.py"),
-        f"--config={CONFIGS / 'lora_fa.py'}:runlocal,rank=4,checkpoint={frozen_run}",
-        small,
-        "--noprogress",
-    ]
-    run_python([*args, f"--workdir={tmp_path / 'b'}"], timeout=600)
+    rows = script.run(lora_fa_config(frozen_run), tmp_path / "b", progress=False)
     table = json.loads((tmp_path / "b" / "lora_fa.json").read_text())
+    assert table == rows
     # Run again: it resumes from its own last checkpoint (adapters and B-only optimizer state).
-    run_python([*args, f"--workdir={tmp_path / 'b'}"], timeout=600)
+    script.run(lora_fa_config(frozen_run), tmp_path / "b", progress=False)
     assert json.loads((tmp_path / "b" / "lora_fa.json").read_text()) == table
     assert [row["model"] for row in table] == ["dynadiag_s90 frozen", "+ LoRA-FA r=4 (B)"]
     before, after = table
@@ -87,42 +89,45 @@ def test_lora_fa_script_fine_tunes_a_frozen_run(run_python, tmp_path):
         np.testing.assert_array_equal(
             variables["params"]["hidden_0"][name], start["params"]["hidden_0"][name]
         )
-    run_python([*args, "--config.lora.train_values=True", f"--workdir={tmp_path / 'bv'}"])
+    script.run(lora_fa_config(frozen_run, train_values=True), tmp_path / "bv", progress=False)
     table = json.loads((tmp_path / "bv" / "lora_fa.json").read_text())
     assert table[1]["model"] == "+ LoRA-FA r=4 (B + values)"
     assert table[1]["trained"] == 4 * 64 * 2 + table[1]["diagonal"]
-    control = [a.replace("rank=4", "rank=0") for a in args]
-    run_python([*control, "--config.lora.train_values=True", f"--workdir={tmp_path / 'v'}"])
+    control = lora_fa_config(frozen_run, "rank=0", train_values=True)
+    script.run(control, tmp_path / "v", progress=False)
     table = json.loads((tmp_path / "v" / "lora_fa.json").read_text())
     assert table[1]["model"] == "+ values, no adapter" and table[1]["adapter"] == 0
     assert table[1]["trained"] == table[1]["diagonal"]
-    proc = run_python([*control, f"--workdir={tmp_path / 'none'}"], check=False)
+    # The command line (a fresh process): the control without train_values is refused.
+    proc = run_python(
+        [
+            str(ROOT / "train" / "lora_fa.py"),
+            f"--config={CONFIGS / 'lora_fa.py'}:runlocal,rank=0,checkpoint={frozen_run}",
+            "--config.model.hidden=(64, 64)",
+            f"--workdir={tmp_path / 'none'}",
+            "--noprogress",
+        ],
+        check=False,
+    )
     assert proc.returncode == 2 and "trains nothing" in proc.stderr, proc.stderr[-2000:]
-    bad = [a for a in args if a != small]  # the config's 256-wide MLP
-    proc = run_python([*bad, f"--workdir={tmp_path / 'bad'}"], check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert "does not fit the frozen model" in last and "params/hidden_0/values" in last, last
+    bad = lora_config.get_config(f"runlocal,rank=4,checkpoint={frozen_run}")  # 256-wide MLP
+    with pytest.raises(
+        common.ConfigError, match="does not fit the frozen model.*params/hidden_0/values"
+    ):
+        script.prepare(bad)
 
 
-def test_lm_run_with_a_lora_phase_and_lora_fa_on_its_checkpoint(run_python, tmp_path):
+def test_lm_run_with_a_lora_phase_and_lora_fa_on_its_checkpoint(tmp_path, capsys):
     """train/lm.py with lora.steps: the LoRA-FA phase after the run's steps (evaluated at the
     switch, B in the checkpoint, the values as they were at the switch); then train/lora_fa.py
     with suite=gpt on a run of the same model (validation perplexity before and after)."""
     run = tmp_path / "lm"
-    proc = run_python(
-        [
-            str(ROOT / "train" / "lm.py"),
-            f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal",
-            "--config.lora.steps=4",
-            "--config.lora.rank=2",
-            "--config.train.keep_checkpoints=10",
-            f"--workdir={run}",
-            "--noprogress",
-        ],
-        timeout=600,
-    )
-    assert "LoRA-FA phase (+ LoRA-FA r=2 (B), 4 steps): validation perplexity" in proc.stdout
+    config = gpt2_lm.get_config("runlocal")
+    config.lora.update(steps=4, rank=2)
+    config.train.keep_checkpoints = 10
+    lm.report(config, run, *lm.train_and_evaluate(config, run, progress=False))
+    out = capsys.readouterr().out
+    assert "LoRA-FA phase (+ LoRA-FA r=2 (B), 4 steps): validation perplexity" in out
     evals = [r["step"] for r in T.read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
     assert evals == [6, 10]  # at the switch (after the run's 6 steps) and at the end
     ckpt = T.Checkpointer(run / "checkpoints")
@@ -132,45 +137,21 @@ def test_lm_run_with_a_lora_phase_and_lora_fa_on_its_checkpoint(run_python, tmp_
     assert not np.any(pick(switched, "lora_b")) and np.any(pick(end, "lora_b"))
     np.testing.assert_array_equal(pick(switched, "values"), pick(end, "values"))
     frozen = tmp_path / "frozen"
-    run_python(
-        [
-            str(ROOT / "train" / "lm.py"),
-            f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal",
-            f"--workdir={frozen}",
-            "--noprogress",
-        ],
-        timeout=600,
-    )
-    small = [
-        "--config.model.variant=mu",
-        "--config.data.seq_len=32",
-        "--config.data.eval_windows=16",
-        "--config.train.batch_size=8",
-        "--config.train.eval_batch_size=8",
-        "--config.train.num_steps=8",
-    ]
+    result, _ = lm.train_and_evaluate(gpt2_lm.get_config("runlocal"), frozen, progress=False)
+    config = lora_config.get_config(f"suite=gpt,rank=2,train_values,checkpoint={frozen}")
+    config.model.variant = "mu"
+    config.data.update(seq_len=32, eval_windows=16)
+    config.train.update(batch_size=8, eval_batch_size=8, num_steps=8)
     out = tmp_path / "ft"
-    run_python(
-        [
-            str(ROOT / "train" / "lora_fa.py"),
-            f"--config={CONFIGS / 'lora_fa.py'}:suite=gpt,rank=2,train_values,checkpoint={frozen}",
-            *small,
-            f"--workdir={out}",
-            "--noprogress",
-        ],
-        timeout=600,
-    )
+    rows = script.run(config, out, progress=False)
     before, after = json.loads((out / "lora_fa.json").read_text())
+    assert [before, after] == rows
     assert after["model"] == "+ LoRA-FA r=2 (B + values)" and after["steps"] == 2  # 25% of 8
-    last = [r for r in T.read_jsonl(frozen / "metrics.jsonl") if r["kind"] == "eval"][-1]
-    assert before["perplexity"] == pytest.approx(last["perplexity"], rel=1e-5)
+    assert before["perplexity"] == pytest.approx(result.eval_metrics["perplexity"], rel=1e-5)
     assert after["perplexity"] != before["perplexity"] and after["adapter"] > 0
 
 
 def test_lm_lora_phase_is_checked_before_training():
-    from train import lm
-    from train.configs import gpt2_lm
-
     dense = gpt2_lm.get_config("runlocal,sparsity=0")
     dense.lora.steps = 2
     with pytest.raises(common.ConfigError, match="method 'dense' has none"):
