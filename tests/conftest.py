@@ -24,9 +24,22 @@ if str(ROOT) not in sys.path:
 
 CUDA_ARCHS = ("80", "90")  # the architectures the CUDA extension is built and checked for
 
-_spec = importlib.util.spec_from_file_location("sass_counts", ROOT / "scripts" / "sass_counts.py")
-sass_counts = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sass_counts)
+
+def load_script(path):
+    """The script at ``path`` (bench/, scripts/: not packages) as a module; the modules beside it
+    are importable while it loads."""
+    folder = str(pathlib.Path(path).parent)
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+    return module
+
+
+sass_counts = load_script(ROOT / "scripts" / "sass_counts.py")
 
 
 @pytest.fixture

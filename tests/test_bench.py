@@ -6,6 +6,8 @@ import pathlib
 
 import jax
 import pytest
+from conftest import load_script
+from training_helpers import fast_compile  # noqa: F401 - fixture
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--shapes", "16:32", "--sparsities", "0.5", "--batch", "4", "--repeats", "1"]
@@ -205,13 +207,15 @@ def test_gate_rank_benchmark_refuses_bad_options(run_python, option):
     assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr
 
 
-def test_suite_step_benchmark_times_both_phases_and_every_compilation(run_python, tmp_path):
+@pytest.mark.usefixtures("fast_compile")
+def test_suite_step_benchmark_times_both_phases_and_every_compilation(tmp_path, capsys):
     """The small digits' MLP suite: step times and bytes accessed of both phases with each
     optimizer (none: no update), and the compile time of every program a DynaDiag, static or dense
-    run compiles."""
+    run compiles. In this process, its programs compiled fast (the bytes are the same)."""
     out = tmp_path / "suite.csv"
     args = ["--data", "mnist5k", "--fraction", "0.1", "--repeats", "2", "--out", str(out)]
-    proc = run_python([str(ROOT / "bench" / "suite_step.py"), *args])
+    load_script(ROOT / "bench" / "suite_step.py").main(args)
+    stdout = capsys.readouterr().out
     _, rows = read_rows(out)
     programs = ["initial state", "search step", "freeze", "frozen step"]
     programs += ["enter working set", "working-set step", "refresh working set"]
@@ -236,8 +240,8 @@ def test_suite_step_benchmark_times_both_phases_and_every_compilation(run_python
     # the working-set step moves W rows, not P (the suite's AdamW: the values and both moments)
     ws, full = (moved[f"bytes: {p} step, suite optimizer"] for p in ("working-set", "search"))
     assert ws < full
-    assert "search / frozen step, sgd:" in proc.stdout
-    assert "working-set / frozen step, suite optimizer:" in proc.stdout
+    assert "search / frozen step, sgd:" in stdout
+    assert "working-set / frozen step, suite optimizer:" in stdout
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ known factors, so the join and the ratios can be checked against ``gpu_cost`` di
 """
 
 import csv
-import importlib.util
 import math
 import os
 import pathlib
@@ -17,6 +16,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import load_script
 
 import dynadiag_jax as dd
 from dynadiag_jax import gpu_cost
@@ -72,14 +72,7 @@ CUTLASS = "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_64x64_32x6_
 @pytest.fixture(scope="module")
 def nc():
     """bench/ncu_compare.py as a module (it imports diag_matmul_gpu from beside it)."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("ncu_compare", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return module
+    return load_script(SCRIPT)
 
 
 def model_path(b):
