@@ -19,6 +19,14 @@ def read_rows(path):
         return reader.fieldnames, list(reader)
 
 
+def assert_refuses(script, option, capsys):
+    """The script's ``main`` (in this process) exits with status 2 and an ``error:`` line."""
+    with pytest.raises(SystemExit) as exited:
+        load_script(script).main(option)
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2 and "error:" in stderr, stderr
+
+
 def assert_timings(rows):
     for r in rows:
         ms, ratio = float(r["ms"]), float(r["speedup_vs_dense"])
@@ -149,12 +157,12 @@ def test_call_overhead_benchmark_refuses_bad_options(run_python, tmp_path, optio
     assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr
 
 
-def test_search_step_benchmark_times_every_variant_against_the_frozen_layer(run_python, tmp_path):
+@pytest.mark.usefixtures("fast_compile")
+def test_search_step_benchmark_times_every_variant_against_the_frozen_layer(tmp_path):
     """One row per (shape, sparsity, batch, variant); the frozen layer is the 1.0x reference."""
     out = tmp_path / "search.csv"
-    script = str(ROOT / "bench" / "search_step.py")
     args = ["--shapes", "64:96", "--sparsity", "0.9,0.8", "--batch", "4", "--repeats", "2"]
-    run_python([script, *args, "--out", str(out)])
+    load_script(ROOT / "bench" / "search_step.py").main([*args, "--out", str(out)])
     _, rows = read_rows(out)
     got = [(r["shape"], r["sparsity"], r["batch"], r["variant"]) for r in rows]
     variants = ["dense", "frozen", "narrow", "flat"]
@@ -166,14 +174,16 @@ def test_search_step_benchmark_times_every_variant_against_the_frozen_layer(run_
             assert ratio == 1.0, r
 
 
+@pytest.mark.usefixtures("fast_compile")
 @pytest.mark.parametrize("permutation", ["random", "learned"])
 def test_search_step_benchmark_with_a_permutation_adds_the_plain_frozen_layer(
-    run_python, tmp_path, permutation
+    tmp_path, permutation
 ):
     out = tmp_path / "search.csv"
-    script = str(ROOT / "bench" / "search_step.py")
     args = ["--shapes", "64:96", "--sparsity", "0.9", "--batch", "4", "--repeats", "2"]
-    run_python([script, *args, "--permutation", permutation, "--out", str(out)])
+    load_script(ROOT / "bench" / "search_step.py").main(
+        [*args, "--permutation", permutation, "--out", str(out)]
+    )
     _, rows = read_rows(out)
     assert [r["variant"] for r in rows] == ["plain", "dense", "frozen", "narrow", "flat"]
     assert all(math.isfinite(float(r["us"])) and float(r["us"]) > 0 for r in rows)
@@ -183,9 +193,8 @@ def test_search_step_benchmark_with_a_permutation_adds_the_plain_frozen_layer(
     "option",
     [["--shapes", "64"], ["--sparsity", "1"], ["--repeats", "0"], ["--permutation", "sorted"]],
 )
-def test_search_step_benchmark_refuses_bad_options(run_python, option):
-    proc = run_python([str(ROOT / "bench" / "search_step.py"), *option], check=False)
-    assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr
+def test_search_step_benchmark_refuses_bad_options(capsys, option):
+    assert_refuses(ROOT / "bench" / "search_step.py", option, capsys)
 
 
 def test_gate_rank_benchmark_times_the_kernel_and_the_reference(run_python, tmp_path):
@@ -248,9 +257,8 @@ def test_suite_step_benchmark_times_both_phases_and_every_compilation(tmp_path, 
     "option",
     [["--sparsity", "1"], ["--fraction", "1"], ["--repeats", "0"], ["--working-set", "0.5"]],
 )
-def test_suite_step_benchmark_refuses_bad_options(run_python, option):
-    proc = run_python([str(ROOT / "bench" / "suite_step.py"), *option], check=False)
-    assert proc.returncode == 2 and "error:" in proc.stderr, proc.stderr
+def test_suite_step_benchmark_refuses_bad_options(capsys, option):
+    assert_refuses(ROOT / "bench" / "suite_step.py", option, capsys)
 
 
 def test_page_fault_benchmark_counts_faults_per_call_in_fresh_processes(run_python, tmp_path):
