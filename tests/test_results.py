@@ -80,7 +80,9 @@ def test_diagonal_methods_use_diagonal_layers():
     )
     assert static.gate is None and static.freeze_step is None
     learned = _build(config, "dynadiag")
-    assert learned.gate is not None and learned.freeze_step == round(0.3 * 100)
+    fraction = config.models.mlp.dynadiag.search_fraction
+    assert fraction == results_config.IMAGE_SEARCH
+    assert learned.gate is not None and learned.freeze_step == round(fraction * 100)
 
 
 def test_kernel_include_matches_layer_paths_not_biases_or_the_head():

@@ -59,10 +59,18 @@ GATE_SCHEDULES = {
 }
 
 
-def dynadiag(sparsity: float, layers, gate: str = "sparse_topk", block_size: int = 1) -> dict:
+def dynadiag(
+    sparsity: float,
+    layers,
+    gate: str = "sparse_topk",
+    block_size: int = 1,
+    search_fraction: float = 0.3,
+) -> dict:
     """The ``dynadiag`` section shared by every config: which layers, how sparse, how they search.
 
-    ``sparsity=0`` trains the dense model; the search phase is the first 30% of the steps.
+    ``sparsity=0`` trains the dense model; the search phase is the first ``search_fraction`` of the
+    steps (0.3: the authors' recipe, 30 of 100 epochs; the Fashion-MNIST image suites, a few
+    epochs long, take 0.1: docs/selection.md, "How long the search").
     ``block_size=1`` keeps element diagonals (the paper's); 8, 16, 32, 64 or 128 makes every
     sparse layer a block-diagonal one (the size must divide each sparse layer's widths).
     """
@@ -76,7 +84,7 @@ def dynadiag(sparsity: float, layers, gate: str = "sparse_topk", block_size: int
         slack=0.25,
         explore="buckets",
         gate_schedule=dict(GATE_SCHEDULES[gate]),
-        search_fraction=0.3,
+        search_fraction=search_fraction,
         score_every=0,  # > 0 with explore="dense_score": score every diagonal this often
         alpha_lr_scale=1.0,
         fan_in="sparse",  # initial values at the dense layer's output scale (DiagonalDense)
