@@ -81,7 +81,7 @@ def test_diagonal_methods_use_diagonal_layers():
     assert static.gate is None and static.freeze_step is None
     learned = _build(config, "dynadiag")
     fraction = config.models.mlp.dynadiag.search_fraction
-    assert fraction == results_config.IMAGE_SEARCH
+    assert fraction == results_config.SHORT_SEARCH
     assert learned.gate is not None and learned.freeze_step == round(fraction * 100)
 
 

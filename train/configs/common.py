@@ -69,8 +69,8 @@ def dynadiag(
     """The ``dynadiag`` section shared by every config: which layers, how sparse, how they search.
 
     ``sparsity=0`` trains the dense model; the search phase is the first ``search_fraction`` of the
-    steps (0.3: the authors' recipe, 30 of 100 epochs; the Fashion-MNIST image suites, a few
-    epochs long, take 0.1: docs/selection.md, "How long the search").
+    steps (0.3: the authors' recipe, 30 of 100 epochs; the Fashion-MNIST MLP and Mixer suites take
+    0.1: docs/selection.md, "How long the search").
     ``block_size=1`` keeps element diagonals (the paper's); 8, 16, 32, 64 or 128 makes every
     sparse layer a block-diagonal one (the size must divide each sparse layer's widths).
     """

@@ -50,9 +50,9 @@ PERMUTED_METHODS = (
 # DynaDiag and a LoRA-FA phase after it (adapters counted in the density).
 LORA_METHODS = ("dynadiag_lorafa_r4", "dynadiag_lorafa_r8", "dynadiag_lorafa_r16")
 GOAL_SPARSITY = 0.9
-# The image suites search for the first 10% of their steps, the GPT for the common 30%: each the
-# better of the lengths measured on it (docs/selection.md, "How long the search").
-IMAGE_SEARCH = 0.1
+# The MLP and the Mixer search for the first 10% of their steps, the ViT and the GPT for the common
+# 30%: each the better of the lengths measured on it (docs/selection.md, "How long the search").
+SHORT_SEARCH = 0.1
 
 
 def _lora(fraction=0.25):
@@ -86,7 +86,7 @@ def _suites():
         mlp=dict(
             task="classification",
             model=dict(name="mlp", hidden=(256, 256)),
-            dynadiag=dynadiag(0.0, (r"hidden_\d+",), search_fraction=IMAGE_SEARCH),
+            dynadiag=dynadiag(0.0, (r"hidden_\d+",), search_fraction=SHORT_SEARCH),
             optimizer=_optimizer(1e-3, 1e-4),
             batch_size=128,
             epochs=8,
@@ -106,7 +106,7 @@ def _suites():
             dynadiag=dynadiag(
                 0.0,
                 (r".*/(token_mixing|channel_mixing)/(fc1|fc2)",),
-                search_fraction=IMAGE_SEARCH,
+                search_fraction=SHORT_SEARCH,
             ),
             optimizer=_optimizer(2e-3, 0.05),
             batch_size=128,
@@ -124,9 +124,7 @@ def _suites():
         vit=dict(
             task="classification",
             model=dict(name="vit", variant="mini/7"),
-            dynadiag=dynadiag(
-                0.0, (r".*/attn/(qkv|proj)", r".*/mlp/(fc1|fc2)"), search_fraction=IMAGE_SEARCH
-            ),
+            dynadiag=dynadiag(0.0, (r".*/attn/(qkv|proj)", r".*/mlp/(fc1|fc2)")),
             optimizer=_optimizer(1e-3, 0.05, warmup_steps=50, label_smoothing=0.1),
             batch_size=64,
             epochs=1,
