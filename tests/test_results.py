@@ -13,6 +13,7 @@ import dynadiag_jax as dd
 from dynadiag_jax import baselines as B
 from train import baselines, common, results_report, speed
 from train import results_runs as results
+from train.configs import common as config_common
 from train.configs import results as results_config
 
 HAS_LAYER = hasattr(dd, "nn")
@@ -81,7 +82,7 @@ def test_diagonal_methods_use_diagonal_layers():
     assert static.gate is None and static.freeze_step is None
     learned = _build(config, "dynadiag")
     fraction = config.models.mlp.dynadiag.search_fraction
-    assert fraction == results_config.SHORT_SEARCH
+    assert fraction == config_common.SHORT_SEARCH
     assert learned.gate is not None and learned.freeze_step == round(fraction * 100)
 
 

@@ -24,7 +24,13 @@ set the phase.
 
 import ml_collections
 
-from train.configs.common import dynadiag, lora_section, parse_arg, unstructured_defaults
+from train.configs.common import (
+    SHORT_SEARCH,
+    dynadiag,
+    lora_section,
+    parse_arg,
+    unstructured_defaults,
+)
 
 
 def get_config(arg=None):
@@ -42,7 +48,7 @@ def get_config(arg=None):
     config.model = dict(name="mlp", hidden=(256, 256))
     # sparsity 0: dense; block_size 1: element diagonals
     config.dynadiag = dynadiag(
-        arg.sparsity, (r"hidden_\d+",), arg.gate, arg.block_size, search_fraction=0.1
+        arg.sparsity, (r"hidden_\d+",), arg.gate, arg.block_size, search_fraction=SHORT_SEARCH
     )
     # dense | dynadiag | static_diagonals | rigl | set | mest (train/baselines.py): the same layers
     # (dynadiag.layers) at the same sparsity; unstructured methods follow `unstructured`.

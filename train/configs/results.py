@@ -34,7 +34,13 @@ GPT are multiples of 16 with 10 block-diagonal candidates per layer, so blocks o
 
 import ml_collections
 
-from train.configs.common import dynadiag, lora_section, parse_arg, unstructured_defaults
+from train.configs.common import (
+    SHORT_SEARCH,
+    dynadiag,
+    lora_section,
+    parse_arg,
+    unstructured_defaults,
+)
 
 SUITES = ("mlp", "mixer", "vit", "gpt")
 ELEMENT_METHODS = ("dense", "dynadiag", "static_diagonals", "rigl", "set", "mest")
@@ -50,9 +56,6 @@ PERMUTED_METHODS = (
 # DynaDiag and a LoRA-FA phase after it (adapters counted in the density).
 LORA_METHODS = ("dynadiag_lorafa_r4", "dynadiag_lorafa_r8", "dynadiag_lorafa_r16")
 GOAL_SPARSITY = 0.9
-# The MLP and the Mixer search for the first 10% of their steps, the ViT and the GPT for the common
-# 30%: each the better of the lengths measured on it (docs/selection.md, "How long the search").
-SHORT_SEARCH = 0.1
 
 
 def _lora(fraction=0.25):
