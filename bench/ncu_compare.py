@@ -45,8 +45,13 @@ def _occupancy_pct(launch, spec, dtype):
     return 100.0 * blocks * warps / spec.sm_max_warps
 
 
-def _hbm_busy_pct(launch, spec, dtype):
-    return 100.0 * launch.terms(spec, dtype)["hbm"] / launch.seconds(spec, dtype)
+def _busy_pct(term):
+    """The model's share of the launch's time that ``term`` (an engine of Launch.terms) is busy."""
+
+    def pct(launch, spec, dtype):
+        return 100.0 * launch.terms(spec, dtype)[term] / launch.seconds(spec, dtype)
+
+    return pct
 
 
 class Term(NamedTuple):
@@ -57,6 +62,24 @@ class Term(NamedTuple):
     predict: object  # (Launch, DeviceSpec, dtype) -> float, or None
     optional: bool = False  # not every GPU or ncu version has it: gpu_check.sh asks if listed
 
+
+# ncu's warp stall reasons (smsp__warp_issue_stalled_<reason>_per_warp_active.pct)
+STALL_REASONS = (
+    "barrier",
+    "long_scoreboard",
+    "short_scoreboard",
+    "mio_throttle",
+    "lg_throttle",
+    "math_pipe_throttle",
+    "wait",
+    "not_selected",
+    "selected",
+    "dispatch_stall",
+    "no_instruction",
+    "drain",
+    "membar",
+    "branch_resolving",
+)
 
 TERMS = (
     Term("instructions", "smsp__inst_executed.sum", lambda la, s, d: la.instructions),
@@ -82,8 +105,13 @@ TERMS = (
         lambda la, s, d: 0.0,
     ),
     Term("hbm bytes", "dram__bytes.sum", lambda la, s, d: la.hbm_bytes),
-    Term("hbm busy %", "dram__throughput.avg.pct_of_peak_sustained_elapsed", _hbm_busy_pct),
-    Term("l2 bytes", "lts__t_bytes.sum", lambda la, s, d: la.load_bytes + la.store_bytes),
+    Term("hbm busy %", "dram__throughput.avg.pct_of_peak_sustained_elapsed", _busy_pct("hbm")),
+    # the L2 carries the SMs' loads and stores and every HBM byte (fills and write-backs)
+    Term(
+        "l2 bytes",
+        "lts__t_bytes.sum",
+        lambda la, s, d: la.load_bytes + la.store_bytes + la.hbm_bytes,
+    ),
     Term(
         "tensor pipe %",
         "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
@@ -91,6 +119,29 @@ TERMS = (
         optional=True,
     ),
     Term("seconds", "gpu__time_duration.sum", lambda la, s, d: la.seconds(s, d)),
+    Term(
+        "l2 busy %",
+        "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+        _busy_pct("l2"),
+        optional=True,
+    ),
+    # What holds a kernel that no work term explains: how busy the issue slots are, and the share
+    # of active warp cycles each stall reason takes.
+    Term(
+        "issue active %",
+        "smsp__issue_active.avg.pct_of_peak_sustained_active",
+        None,
+        optional=True,
+    ),
+    *(
+        Term(
+            f"stall {reason} %",
+            f"smsp__warp_issue_stalled_{reason}_per_warp_active.pct",
+            None,
+            optional=True,
+        )
+        for reason in STALL_REASONS
+    ),
 )
 
 # ncu scales units with SI prefixes unless --print-units base; times become seconds, sizes bytes

@@ -44,6 +44,14 @@ UNITS = {
     "lts__t_bytes.sum": ("Mbyte", 1e-6),
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": ("%", 1.0),
     "gpu__time_duration.sum": ("msecond", 1e3),
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": ("%", 1.0),
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": ("%", 1.0),
+    **{
+        f"smsp__warp_issue_stalled_{reason}_per_warp_active.pct": ("%", 1.0)
+        for reason in ("barrier", "long_scoreboard", "short_scoreboard", "mio_throttle")
+        + ("lg_throttle", "math_pipe_throttle", "wait", "not_selected", "selected")
+        + ("dispatch_stall", "no_instruction", "drain", "membar", "branch_resolving")
+    },
 }
 # measured / predicted in the fixture, per model quantity
 FACTOR = {
@@ -55,6 +63,7 @@ FACTOR = {
     "hbm bytes": 1.5,
     "hbm busy %": 0.5,
     "l2 bytes": 2.0,
+    "l2 busy %": 0.9,
     "seconds": 3.0,
 }
 FWD16 = (
@@ -97,7 +106,8 @@ def predicted(launch):
         "achieved occ. %": occupancy,
         "hbm bytes": launch.hbm_bytes,
         "hbm busy %": 100.0 * launch.terms(spec, dt)["hbm"] / seconds,
-        "l2 bytes": launch.load_bytes + launch.store_bytes,
+        "l2 bytes": launch.load_bytes + launch.store_bytes + launch.hbm_bytes,
+        "l2 busy %": 100.0 * launch.terms(spec, dt)["l2"] / seconds,
         "seconds": seconds,
     }
 
@@ -116,9 +126,12 @@ def measured_row(launch, scale=1.0):
         "dram__bytes.sum": p["hbm bytes"] * FACTOR["hbm bytes"],
         "dram__throughput.avg.pct_of_peak_sustained_elapsed": p["hbm busy %"] * 0.5,
         "lts__t_bytes.sum": p["l2 bytes"] * FACTOR["l2 bytes"],
+        "lts__throughput.avg.pct_of_peak_sustained_elapsed": p["l2 busy %"] * FACTOR["l2 busy %"],
         "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": 7.5,
         "gpu__time_duration.sum": p["seconds"] * FACTOR["seconds"] * scale,
     }
+    # the measurements the model has no term for
+    base.update({m: 12.5 for m in UNITS if m not in base})
     return {m: f"{v * UNITS[m][1]:,.6f}" for m, v in base.items()}
 
 
@@ -296,7 +309,10 @@ def test_the_script_prints_the_table_and_writes_the_csv(run_python, headline, tm
     assert f"ignored (not a dynadiag kernel): {CUTLASS}" in proc.stderr
     with open(out, newline="") as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == 5 * 12  # five groups, every metric of the fixture
+    assert len(rows) == 5 * len(UNITS)  # five groups, every metric of the fixture
+    fwd = [r for r in rows if r["launch"] == "fwd block_product"]
+    stalls = [r for r in fwd if r["term"] == "stall barrier %"]
+    assert stalls and all(float(r["measured"]) == 12.5 and r["predicted"] == "" for r in stalls)
     seconds = [r for r in rows if r["term"] == "seconds" and r["launch"] == "dx block_product"]
     assert len(seconds) == 1 and math.isclose(float(seconds[0]["ratio"]), 3.0, rel_tol=1e-3)
 
