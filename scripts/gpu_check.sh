@@ -9,8 +9,9 @@
 #      default shapes and at the target shape, ViT-B/16's fc1 (403,456 rows, 768 -> 3072, 90%),
 #      and the cost model's decision table for comparison;
 #   5. an Nsight Compute profile of the dynadiag kernels at that shape (b = 16 and 32, forward
-#      and backward: instructions, occupancy, registers, bank conflicts, HBM and L2 bytes, time),
-#      each kernel's measurements beside the cost model's prediction (bench/ncu_compare.py;
+#      and backward: instructions, occupancy, registers, bank conflicts, HBM and L2 bytes and how
+#      busy each L2 unit is, warp stall reasons, time), each kernel's measurements beside the cost
+#      model's prediction and beside cuBLAS's GEMMs of the dense layer (bench/ncu_compare.py;
 #      skipped, with a message, where ncu is absent).
 # Everything it writes - logs and CSVs - goes to OUT_DIR.
 #
@@ -144,9 +145,10 @@ else
     fi
   done
   # One call of each jitted function (no warm-up): ncu replays every launch it profiles. Clocks
-  # are left as the GPU runs them (not locked to base), as the model's issue rate assumes.
+  # are left as the GPU runs them (not locked to base), as the model's issue rate assumes. The
+  # benchmark's dense layer (cuBLAS GEMMs) is profiled too, as the reference.
   limited "$NCU" --target-processes all --csv --page raw --print-units base --clock-control none \
-    --kernel-name-base demangled --kernel-name "regex:dynadiag::cuda::" \
+    --kernel-name-base demangled --kernel-name "regex:dynadiag::cuda::|gemm|nvjet|cutlass|xmma" \
     --print-kernel-base demangled --metrics "$metrics" --log-file "$OUT/ncu_goal.csv" \
     "$VENV/bin/python" "$REPO/bench/diag_matmul_gpu.py" --batch 403456 --shapes 768:3072 \
     --sparsities 0.9 --block-sizes 16,32 --layouts random --impls ffi --repeats 1 --warmup 0 \

@@ -47,6 +47,12 @@ UNITS = {
     "lts__throughput.avg.pct_of_peak_sustained_elapsed": ("%", 1.0),
     "smsp__issue_active.avg.pct_of_peak_sustained_active": ("%", 1.0),
     **{
+        f"lts__{m}.avg.pct_of_peak_sustained_elapsed": ("%", 1.0)
+        for m in ("t_tag_requests", "t_sectors", "d_sectors", "xbar2lts_cycles_active")
+    },
+    "lts__t_requests.sum": ("", 1.0),
+    "lts__t_sectors.sum": ("sector", 1.0),
+    **{
         f"smsp__warp_issue_stalled_{reason}_per_warp_active.pct": ("%", 1.0)
         for reason in ("barrier", "long_scoreboard", "short_scoreboard", "mio_throttle")
         + ("lg_throttle", "math_pipe_throttle", "wait", "not_selected", "selected")
@@ -175,6 +181,7 @@ def headline(tmp_path_factory):
         (CUTLASS, 1000, measured_row(fwd16)),
         (FWD16, fwd16.ctas // 3, measured_row(fwd16)),
         ("block_sddmm_tc_kernel", 1056, measured_row(fwd16)),
+        ("loop_convert_fusion_2", 64, measured_row(fwd16)),
     ]
     path = raw_csv(tmp_path_factory.mktemp("ncu") / "ncu.csv", launches)
     return path, {"fwd": fwd16, "dx": dx32, "reduce": reduce16}
@@ -191,6 +198,7 @@ def test_the_raw_page_is_read_past_messages_and_units(nc, headline):
         CUTLASS,
         FWD16,
         "block_sddmm_tc_kernel",
+        "loop_convert_fusion_2",
     ]
     first = launches[0]
     assert first.grid == model["fwd"].ctas and first.threads == 256
@@ -230,9 +238,12 @@ def test_launches_are_grouped_by_kernel_and_grid_and_joined_to_the_model(nc, hea
     groups, ignored = nc.join(
         nc.read_raw_csv(path), nc.model_launches(args, gpu_cost.H100), "bfloat16"
     )
-    assert ignored == [CUTLASS]
+    # XLA's dot (a cuBLAS GEMM) is kept as the reference, other XLA kernels are left out
+    assert ignored == ["loop_convert_fusion_2"]
     by = {(g.key[0], g.key[2], g.grid): g for g in groups}
-    assert len(by) == len(groups) == 5
+    assert len(by) == len(groups) == 6 and len(nc.ours(groups)) == 5
+    ref = by[(CUTLASS.removeprefix("void "), (), 1000)]
+    assert (ref.role, ref.predicted, len(ref.launches)) == (nc.REFERENCE_ROLE, None, 1)
     fwd = by[("block_product_tc_kernel", (True, False, 16, 64), model["fwd"].ctas)]
     assert (fwd.block_size, fwd.role, len(fwd.launches)) == (16, "fwd block_product", 2)
     assert fwd.predicted == model["fwd"]
@@ -293,7 +304,7 @@ def test_every_term_meets_its_prediction_with_the_measured_ratio(nc, headline):
     assert all(r["block_size"] == "" for r in odd)
 
 
-def test_the_script_prints_the_table_and_writes_the_csv(run_python, headline, tmp_path):
+def test_the_script_prints_the_table_and_writes_the_csv(nc, run_python, headline, tmp_path):
     path, model = headline
     out = tmp_path / "compare.csv"
     proc = run_python([str(SCRIPT), str(path), "--out", str(out)])
@@ -306,10 +317,13 @@ def test_the_script_prints_the_table_and_writes_the_csv(run_python, headline, tm
         f"grid {model['fwd'].ctas // 3}" in proc.stderr
     )
     assert "not joined: block_sddmm_tc_kernel grid 1056" in proc.stderr
-    assert f"ignored (not a dynadiag kernel): {CUTLASS}" in proc.stderr
+    assert "ignored (not a dynadiag kernel): loop_convert_fusion_2" in proc.stderr
+    assert f"grid 1000  {nc.REFERENCE_ROLE}" in proc.stdout
     with open(out, newline="") as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == 5 * len(UNITS)  # five groups, every metric of the fixture
+    assert len(rows) == 6 * len(UNITS)  # six groups, every metric of the fixture
+    ref = [r for r in rows if r["launch"] == nc.REFERENCE_ROLE]
+    assert {r["predicted"] for r in ref} == {""} and len(ref) == len(UNITS)
     fwd = [r for r in rows if r["launch"] == "fwd block_product"]
     stalls = [r for r in fwd if r["term"] == "stall barrier %"]
     assert stalls and all(float(r["measured"]) == 12.5 and r["predicted"] == "" for r in stalls)
@@ -343,7 +357,8 @@ def test_gpu_check_profiles_the_benchmarked_shape_with_the_listed_metrics(nc):
     step = text[text.index("Nsight Compute profile of the goal shape") :]
     assert 'log "ncu (Nsight Compute) not found: the profile is skipped"' in step
     assert "/usr/local/cuda/bin/ncu" in step and "--list-metrics required" in step
-    assert "--csv --page raw" in step and '--kernel-name "regex:dynadiag::cuda::"' in step
+    assert "--csv --page raw" in step
+    assert '--kernel-name "regex:dynadiag::cuda::|gemm|nvjet|cutlass|xmma"' in step
     assert "--print-kernel-base demangled" in step
     # the comparison asks the model about the shape the profiled benchmark runs
     flat = step.replace("\\\n", " ")
@@ -415,7 +430,7 @@ echo "status $status"
     listed = [t.metric for t in nc.TERMS if not t.optional]
     assert metrics == [*listed, "sm__inst_executed_pipe_tensor_op_hmma.sum"]
     assert "ncu does not list sm__pipe_tensor_op_hmma_cycles_active" in proc.stdout
-    assert args[args.index("--kernel-name") + 1] == "regex:dynadiag::cuda::"
+    assert args[args.index("--kernel-name") + 1] == "regex:dynadiag::cuda::|gemm|nvjet|cutlass|xmma"
     with open(out / "ncu_vs_model.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     joined = {(r["block_size"], r["launch"]) for r in rows if r["predicted"] != ""}
