@@ -317,7 +317,7 @@ def test_the_script_prints_the_table_and_writes_the_csv(nc, run_python, headline
         f"grid {model['fwd'].ctas // 3}" in proc.stderr
     )
     assert "not joined: block_sddmm_tc_kernel grid 1056" in proc.stderr
-    assert "ignored (not a dynadiag kernel): loop_convert_fusion_2" in proc.stderr
+    assert "ignored (not a dynadiag kernel): loop_convert_fusion_2 (1 launches" in proc.stderr
     assert f"grid 1000  {nc.REFERENCE_ROLE}" in proc.stdout
     with open(out, newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -358,7 +358,7 @@ def test_gpu_check_profiles_the_benchmarked_shape_with_the_listed_metrics(nc):
     assert 'log "ncu (Nsight Compute) not found: the profile is skipped"' in step
     assert "/usr/local/cuda/bin/ncu" in step and "--list-metrics required" in step
     assert "--csv --page raw" in step
-    assert '--kernel-name "regex:dynadiag::cuda::|gemm|nvjet|cutlass|xmma"' in step
+    assert "--kernel-name" not in step  # every kernel: ours, cuBLAS's and XLA's around them
     assert "--print-kernel-base demangled" in step
     # the comparison asks the model about the shape the profiled benchmark runs
     flat = step.replace("\\\n", " ")
@@ -430,7 +430,6 @@ echo "status $status"
     listed = [t.metric for t in nc.TERMS if not t.optional]
     assert metrics == [*listed, "sm__inst_executed_pipe_tensor_op_hmma.sum"]
     assert "ncu does not list sm__pipe_tensor_op_hmma_cycles_active" in proc.stdout
-    assert args[args.index("--kernel-name") + 1] == "regex:dynadiag::cuda::|gemm|nvjet|cutlass|xmma"
     with open(out / "ncu_vs_model.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     joined = {(r["block_size"], r["launch"]) for r in rows if r["predicted"] != ""}
