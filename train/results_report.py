@@ -614,7 +614,13 @@ def _pyplot():
 def plot_quality(config, stats, ppl_stats, models, path):
     """Accuracy (classification) or perplexity (language model) against sparsity, per suite."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+    # one colour per method in every panel, and one legend under them all (per-panel legends
+    # covered the curves once the suites had a dozen methods)
+    methods = list(dict.fromkeys(x for model in models for x in _methods(config.models[model])))
+    colors = {x: plt.cm.tab20(i % 20) for i, x in enumerate(x for x in methods if x != "dense")}
+    rows = -(-len(methods) // 5)
+    height = 4 + 0.22 * rows
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), height), squeeze=False)
     for ax, model in zip(axes[0], models):
         m = config.models[model]
         lm = is_language_model(m)
@@ -634,6 +640,7 @@ def plot_quality(config, stats, ppl_stats, models, path):
                     yerr=[scale * table[(model, method, s)][1] for s in xs],
                     marker="o" if parse_method(method)[1] == 1 else "s",
                     capsize=3,
+                    color=colors[method],
                     label=method_name(method),
                 )
         ax.set(
@@ -642,8 +649,12 @@ def plot_quality(config, stats, ppl_stats, models, path):
             ylabel="validation perplexity per byte" if lm else "test accuracy (%)",
         )
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    legend = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=5, fontsize=8)
+    fig.tight_layout(rect=(0, 0.22 * rows / height + 0.02, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
