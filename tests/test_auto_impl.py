@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import H100_MEASURED_SPEEDUP
 
 import dynadiag_jax as dd
 from dynadiag_jax import gpu_cost
@@ -116,25 +117,11 @@ def test_the_kernels_need_the_margin_in_forward_and_step():
     assert picked == {"ffi", "dense"}
 
 
-# Measured on an H100 80GB HBM3 (2026-11-27, docs/gpu_cost_model.md): the block kernels over XLA's
-# dot on a ready W, forward and forward + backward, 403,456 x 768 -> 3072, bfloat16, random offsets
-H100_MEASURED = {
-    (16, 0.8): (0.62, 0.42),
-    (16, 0.9): (0.89, 0.75),
-    (16, 0.95): (1.08, 1.01),
-    (16, 0.98): (1.26, 1.48),
-    (32, 0.8): (0.58, 0.52),
-    (32, 0.9): (0.76, 0.77),
-    (32, 0.95): (0.98, 1.14),
-    (32, 0.98): (1.26, 1.50),
-}
-
-
-@pytest.mark.parametrize(("b", "sparsity"), list(H100_MEASURED))
+@pytest.mark.parametrize(("b", "sparsity"), list(H100_MEASURED_SPEEDUP))
 def test_the_kernels_auto_takes_on_an_h100_measured_no_slower_than_dense(b, sparsity):
     # where auto takes the kernels, the H100 ran the training step faster than cuBLAS and the
     # forward within 2% of it; where the kernels' step was measured slower, auto stays dense
-    fwd, step = H100_MEASURED[(b, sparsity)]
+    fwd, step = H100_MEASURED_SPEEDUP[(b, sparsity)]
     k = dd.num_diagonals(768, 3072, sparsity, block_size=b)
     d = auto.decide_for_gpu(VIT, 768, 3072, BF16, k, b, gpu_cost.H100)
     if d.impl == "ffi":
