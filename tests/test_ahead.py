@@ -107,3 +107,23 @@ def test_close_drops_the_compiles_not_started():
     assert not closer.is_alive()
     assert ahead.pending() == ()
     assert calls == []
+
+
+def test_busy_since_says_whether_a_compile_ran_in_an_interval():
+    started, release = threading.Event(), threading.Event()
+
+    def blocking():
+        started.set()
+        release.wait(10)
+        return jnp.ones((2,), jnp.float32)
+
+    times = iter([5.0])  # the clock read when the compile ends
+    with CompileAhead(clock=lambda: next(times)) as ahead:
+        assert not ahead.busy_since(-1e9)  # nothing has run
+        ahead.submit("f", jax.jit(jnp.sin), blocking)
+        assert started.wait(10)
+        assert ahead.busy_since(1e9)  # running now: any interval up to now saw it
+        release.set()
+        ahead.wait("f")
+        assert ahead.busy_since(4.0)  # it ended at 5.0, inside an interval begun at 4.0
+        assert not ahead.busy_since(5.0)  # an interval begun when it ended saw nothing

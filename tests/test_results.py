@@ -11,6 +11,7 @@ import pytest
 
 import dynadiag_jax as dd
 from dynadiag_jax import baselines as B
+from dynadiag_jax import training as T
 from train import baselines, common, results_report, speed
 from train import results_runs as results
 from train.configs import common as config_common
@@ -260,6 +261,13 @@ def _records_and_timings():
         "models": {"mlp": {f"{s:g}": group for s in (0.8, 0.9, 0.95)}},
     }
     timings["models"]["mlp"]["0.9"] = {**group, "diagonal_b16": {"train": 5e-4, "infer_b1": 4e-5}}
+    # runs that compiled every program first: their logged phase times judge the search's cost
+    timings["clean_runs"] = {
+        "mlp": {
+            "static_diagonals": {"step_time_s": 1e-3},
+            "dynadiag": {"search_step_time_s": 1.2e-3, "frozen_step_time_s": 1.05e-3},
+        }
+    }
     return records, timings
 
 
@@ -331,6 +339,13 @@ def test_report_tables_goals_plots_and_kept_notes(tmp_path):
     )
     assert "at least as accurate as SET and RigL: **met**" in text
     assert "Faster training step than dense" in text and "**met** (0.50×" in text
+    assert (
+        "mlp: search step at most 1.3x the frozen step: **met** (1.14x, logged means of one run "
+        "that compiled its programs before its second step)" in text
+    )
+    assert (
+        "mlp: logged step after the freeze within 10% of static diagonals': **met** (1.05x)" in text
+    )
     assert "over whole runs, search phase included, 1.00×" in text
     # The whole-run goal shows static diagonals' run beside it: the floor of any search.
     assert (
@@ -433,6 +448,15 @@ def test_end_to_end_tiny_run_and_timings(tmp_path):
         want = 1.0 if r["method"] == "dense" else 0.1
         assert r["density"] == pytest.approx(want, abs=0.002), r
     timings = speed.measure(config, data, progress=False)
+    if HAS_LAYER:  # dense, static diagonals and DynaDiag again, every program compiled first
+        clean = results.clean_runs(config, data, ["mlp"], tmp_path / "clean", progress=False)
+        assert set(clean["mlp"]) == set(results.CLEAN_METHODS)
+        assert "search_step_time_s" in clean["mlp"]["dynadiag"]  # None: too short to log one
+        assert clean["mlp"]["dynadiag"]["frozen_step_time_s"] > 0
+        logs = list((tmp_path / "clean" / "clean_runs" / "mlp").glob("*/metrics.jsonl"))
+        flags = [r["beside_compile"] for p in logs for r in T.read_jsonl(p) if "step_time_s" in r]
+        assert len(logs) == 3 and set(flags) == {0.0}  # no interval ran beside a compile
+        timings["clean_runs"] = clean
     group = timings["models"]["mlp"]["0.9"]
     # a permuted method adds its frozen layers with the permutation
     assert set(group) == {*speed.VARIANTS, *(("diagonal_perm",) if HAS_LAYER else ())}

@@ -65,6 +65,23 @@ def test_resumed_log_averages_the_same_steps_as_the_uninterrupted_one(tmp_path):
     assert a == b
 
 
+def test_compile_first_times_steps_with_no_compile_beside_them_and_trains_the_same(tmp_path):
+    run = dict(num_steps=10, sparsity=0.8, freeze_step=5, eval_every=5, log_every=1)
+    plain = train_tiny(tmp_path / "plain", **run)
+    first = train_tiny(tmp_path / "first", **run, compile_first=True)
+    jax.tree.map(np.testing.assert_array_equal, first.state.params, plain.state.params)
+    assert comparable(T.read_jsonl(tmp_path / "first" / "metrics.jsonl")) == comparable(
+        T.read_jsonl(tmp_path / "plain" / "metrics.jsonl")
+    )
+    for name, beside in (("plain", {0.0, 1.0}), ("first", {0.0})):
+        records = [
+            r for r in T.read_jsonl(tmp_path / name / "metrics.jsonl") if r["kind"] == "train"
+        ]
+        timed = [r for r in records if "step_time_s" in r]
+        # every timed interval says whether a compile ran beside it; with compile_first none did
+        assert timed and all(r["beside_compile"] in beside for r in timed), name
+
+
 def test_crash_at_the_last_step_resumes_before_the_final_evaluation(tmp_path):
     full = train_tiny(tmp_path / "full", num_steps=12, eval_every=4)
     with pytest.raises(Crash):

@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import time
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import tqdm
 from flax import traverse_util
 
 from dynadiag_jax import data as D
@@ -496,6 +498,16 @@ def mean_step_time(metrics_path, start: int = 0, stop: int | None = None) -> flo
     return float(np.mean(times)) if times else None
 
 
+def beside_compile_share(metrics_path) -> float | None:
+    """The share of the logged step-time intervals that ran beside a background compile."""
+    flags = [
+        r["beside_compile"]
+        for r in T.read_jsonl(metrics_path)
+        if r.get("kind") == "train" and "beside_compile" in r
+    ]
+    return float(np.mean(flags)) if flags else None
+
+
 def loss_curve(metrics_path) -> list[tuple[int, float]]:
     """``[(step, training loss), ...]``: each logged interval's mean training loss."""
     return [
@@ -524,10 +536,11 @@ def train_built(
     workdir,
     run_info=None,
     finetune=None,
+    compile_first=False,
 ):
     """``T.train`` of a built method (:class:`train.baselines.Method`) with suite ``model_name``'s
     recipe, data and logging: what every results run trains, whatever its model; ``steps`` in
-    all, the last ones ``finetune``'s phase if given."""
+    all, the last ones ``finetune``'s phase if given; ``compile_first`` as for ``T.train``."""
     m = config.models[model_name]
     lm = is_language_model(m)
     return T.train(
@@ -552,12 +565,22 @@ def train_built(
         tensorboard=False,
         run_info=run_info,
         finetune=finetune,
+        compile_first=compile_first,
     )
 
 
-def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: str) -> dict:
+def train_run(
+    config,
+    data: Data,
+    spec,
+    steps: int,
+    workdir: pathlib.Path,
+    fp: str,
+    *,
+    compile_first: bool = False,
+) -> dict:
     """Train one ``(model, method, sparsity, seed)`` run of ``steps`` (more with a LoRA-FA
-    phase: :func:`lora_steps`) and return its record."""
+    phase: :func:`lora_steps`) and return its record (``compile_first`` as for ``T.train``)."""
     model_name, method, sparsity, seed = spec
     m = config.models[model_name]
     lm = is_language_model(m)
@@ -569,7 +592,16 @@ def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: s
     start, cpu_start = time.perf_counter(), time.process_time()
     run_info = {"model": model_name, "method": method, "sparsity": sparsity, "fingerprint": fp}
     result = train_built(
-        config, data, model_name, built, seed, total, workdir, run_info, finetune=phase
+        config,
+        data,
+        model_name,
+        built,
+        seed,
+        total,
+        workdir,
+        run_info,
+        finetune=phase,
+        compile_first=compile_first,
     )
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     shapes = common.layer_shapes(built.model, example)
@@ -592,6 +624,7 @@ def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: s
             result.state.params, shapes, result.state.collections.get("lora_frozen")
         ),
         "step_time_s": mean_step_time(metrics_path),
+        "beside_compile": beside_compile_share(metrics_path),
         "loss_curve": loss_curve(metrics_path),
     }
     if lm:
@@ -615,3 +648,32 @@ def train_run(config, data: Data, spec, steps: int, workdir: pathlib.Path, fp: s
 
 def read_records(path: pathlib.Path) -> list[dict]:
     return list(T.read_jsonl(path))
+
+
+# What the clean runs of time_suites train, per suite (seed 0): the methods the search-cost goals
+# compare, at the goals' sparsity.
+CLEAN_METHODS = ("dense", "static_diagonals", "dynadiag")
+CLEAN_SPARSITY = 0.9
+CLEAN_KEYS = ("step_time_s", "search_step_time_s", "frozen_step_time_s", "seconds")
+
+
+def clean_runs(config, data, suites, workdir: pathlib.Path, *, progress: bool = True) -> dict:
+    """``{suite: {method: {key: value}}}`` of :data:`CLEAN_METHODS` trained afresh with
+    ``compile_first`` under ``workdir/clean_runs`` (logged step times without background
+    compiles beside them; the keys :data:`CLEAN_KEYS` of their records)."""
+    out = {}
+    specs = [
+        (name, method, CLEAN_SPARSITY if method != "dense" else 0.0, 0)
+        for name in suites
+        if CLEAN_SPARSITY in [float(s) for s in config.models[name].sparsities]
+        for method in CLEAN_METHODS
+    ]
+    for spec in tqdm.tqdm(specs, unit="run", disable=not progress, desc="clean runs"):
+        name, method = spec[:2]
+        steps = steps_of(config.models[name], data)
+        fp = fingerprint(config, name, method, steps)
+        run_dir = workdir / "clean_runs" / name / f"{method}_{fp}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: a resumed one would not train
+        record = train_run(config, data, spec, steps, run_dir, fp, compile_first=True)
+        out.setdefault(name, {})[method] = {k: record[k] for k in CLEAN_KEYS if k in record}
+    return out

@@ -16,6 +16,8 @@ Nothing changes numerically: the program compiled ahead is the one the call woul
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+import time
 from collections.abc import Hashable
 
 __all__ = ["CompileAhead"]
@@ -29,13 +31,20 @@ class CompileAhead:
     fails is not reported here; the real call then compiles and raises the error itself, with
     the caller's traceback. Use as a context manager (or call :meth:`close`): leaving waits for a
     compile in progress, which XLA cannot cancel, and drops those not started.
+
+    A compile shares the host's cores with the steps that run meanwhile, so steps timed beside one
+    are slower than the step itself: :meth:`busy_since` says whether an interval saw one.
     """
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="compile-ahead"
         )
         self._pending: dict[Hashable, concurrent.futures.Future] = {}
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._running = False
+        self._last_end = -float("inf")
 
     def submit(self, name: Hashable, fn, *args) -> None:
         """Compile the jitted ``fn`` for ``args`` (arrays, ``jax.ShapeDtypeStruct``s, or
@@ -46,9 +55,20 @@ class CompileAhead:
             return
 
         def compile_():
-            fn.lower(*(a() if callable(a) else a for a in args)).compile()
+            with self._lock:
+                self._running = True
+            try:
+                fn.lower(*(a() if callable(a) else a for a in args)).compile()
+            finally:
+                with self._lock:
+                    self._running, self._last_end = False, self._clock()
 
         self._pending[name] = self._pool.submit(compile_)
+
+    def busy_since(self, start: float) -> bool:
+        """Whether a compile ran at any time from ``start`` (a time of the clock) until now."""
+        with self._lock:
+            return self._running or self._last_end > start
 
     def pending(self) -> tuple[Hashable, ...]:
         """The names submitted and not yet waited for."""

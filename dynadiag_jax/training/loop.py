@@ -83,7 +83,7 @@ __all__ = [
 ]
 
 # Metrics logged from wall-clock time; they differ between runs and are not reproducible.
-TIMING_METRICS = ("step_time_s", "examples_per_s")
+TIMING_METRICS = ("step_time_s", "examples_per_s", "beside_compile")
 
 
 class BatchSource(Protocol):
@@ -370,10 +370,17 @@ class StepTimer:
 
     Args:
       clock: ``() -> seconds``.
+      busy: ``(start) -> bool``, whether a background compile ran since ``start`` (a time of
+        ``clock``), e.g. :meth:`CompileAhead.busy_since`; its answer is logged as
+        ``beside_compile`` (1.0 or 0.0), since such an interval's steps shared the cores with it.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self._clock = clock
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.perf_counter,
+        busy: Callable[[float], bool] | None = None,
+    ):
+        self._clock, self._busy = clock, busy
         self._start, self._steps, self._fresh = clock(), 0, True
 
     def new_phase(self) -> None:
@@ -396,14 +403,18 @@ class StepTimer:
         self._start, self._steps = self._clock(), 0
 
     def rates(self, batch_size: int) -> dict[str, float]:
-        """``step_time_s`` and ``examples_per_s`` of the interval (``{}`` before a timed step)."""
+        """``step_time_s``, ``examples_per_s`` and (with ``busy``) ``beside_compile`` of the
+        interval (``{}`` before a timed step)."""
         if not self._steps:
             return {}
         elapsed = self._clock() - self._start
-        return {
+        rates = {
             "step_time_s": elapsed / self._steps,
             "examples_per_s": batch_size * self._steps / elapsed,
         }
+        if self._busy is not None:
+            rates["beside_compile"] = float(self._busy(self._start))
+        return rates
 
 
 def train_one_step(
@@ -709,6 +720,7 @@ def train(
     initial_variables=None,
     finetune: Finetune | None = None,
     working_set: WorkingSet | None = None,
+    compile_first: bool = False,
 ) -> TrainResult:
     """Train ``model`` for ``num_steps`` optimizer steps (resuming from ``workdir`` if possible).
 
@@ -753,6 +765,12 @@ def train(
         (:func:`~dynadiag_jax.training.enter_working_set`), in which each step is ``W``-sized, and
         refreshes it every ``refresh_every`` steps (a separate program) until the freeze, which
         starts from the plain form rebuilt; checkpoints of that form resume into it.
+      compile_first: after the first step, wait until every later program (evaluation, freeze,
+        the next phase's step) is compiled before taking the second. By default they compile on a
+        background thread while the run trains, which is faster over the whole run but shares the
+        cores with the steps: on a small host the logged ``step_time_s`` of those intervals is
+        then the steps' time beside a compile (each record says so in ``beside_compile``). With
+        ``compile_first`` every logged interval is the steps' own time.
 
     Returns:
       A :class:`TrainResult`.
@@ -954,7 +972,7 @@ def train(
         with stop_requests() as stop, contextlib.closing(bar):
             if batches is None:
                 batches = iter(train_data.iterate(start))
-            timer = StepTimer()
+            timer = StepTimer(busy=ahead.busy_since)
             while step < num_steps and not stop.is_set():
                 progs, key = phase()
                 ahead.wait(("step", key))
@@ -963,6 +981,10 @@ def train(
                 step += 1
                 if step == start + 1 and not tuning:
                     rest_of_run_ahead(state, abstract_batch(local, mesh))
+                    if compile_first:
+                        for name in ahead.pending():
+                            ahead.wait(name)
+                        timer.restart()
                 events = schedule.after(step, searching, tuning)
                 if events.log:
                     record = log_train(
