@@ -216,8 +216,9 @@ def test_gate_rank_benchmark_refuses_bad_options(capsys, option):
 @pytest.mark.usefixtures("fast_compile")
 def test_suite_step_benchmark_times_both_phases_and_every_compilation(tmp_path, capsys):
     """The small digits' MLP suite: step times and bytes accessed of both phases with each
-    optimizer (none: no update), and the compile time of every program a DynaDiag, static or dense
-    run compiles. In this process, its programs compiled fast (the bytes are the same)."""
+    optimizer (none: no update), the frozen step beside static diagonals' step, and the compile
+    time of every program a DynaDiag, static or dense run compiles. In this process, its programs
+    compiled fast (the bytes are the same)."""
     out = tmp_path / "suite.csv"
     args = ["--data", "mnist5k", "--fraction", "0.1", "--repeats", "2", "--out", str(out)]
     load_script(ROOT / "bench" / "suite_step.py").main(args)
@@ -233,6 +234,8 @@ def test_suite_step_benchmark_times_both_phases_and_every_compilation(tmp_path, 
         "compile: static_diagonals step",
         "compile: dense step",
         *steps,
+        "frozen step (beside static)",
+        "static_diagonals step",
         *(f"bytes: {s}" for s in steps),
         "load average while timing",
     ]
@@ -248,6 +251,7 @@ def test_suite_step_benchmark_times_both_phases_and_every_compilation(tmp_path, 
     assert ws < full
     assert "search / frozen step, sgd:" in stdout
     assert "working-set / frozen step, suite optimizer:" in stdout
+    assert "frozen / static diagonals' step, suite optimizer:" in stdout
 
 
 @pytest.mark.parametrize(

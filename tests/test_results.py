@@ -449,7 +449,7 @@ def test_end_to_end_tiny_run_and_timings(tmp_path):
         assert r["density"] == pytest.approx(want, abs=0.002), r
     timings = speed.measure(config, data, progress=False)
     if HAS_LAYER:  # dense, static diagonals and DynaDiag again, every program compiled first
-        clean = results.clean_runs(config, data, ["mlp"], tmp_path / "clean", progress=False)
+        clean = results.clean_runs(config, ["mlp"], tmp_path / "clean", progress=False)
         assert set(clean["mlp"]) == set(results.CLEAN_METHODS)
         assert "search_step_time_s" in clean["mlp"]["dynadiag"]  # None: too short to log one
         assert clean["mlp"]["dynadiag"]["frozen_step_time_s"] > 0

@@ -125,7 +125,7 @@ def time_suites(config, data, suites, workdir: pathlib.Path, begun: float) -> No
     ones in ``speed.json``."""
     print("timing every method side by side ...")
     timings = speed.measure(config, data, suites, progress=_PROGRESS.value)
-    clean = clean_runs(config, data, suites, workdir, progress=_PROGRESS.value)
+    clean = clean_runs(config, suites, workdir, progress=_PROGRESS.value)
     path = workdir / SPEED_FILE
     old = json.loads(path.read_text()) if path.exists() else {"models": {}}
     timings["models"] = {**old.get("models", {}), **timings["models"]}
