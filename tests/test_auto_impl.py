@@ -76,6 +76,44 @@ def test_cpu_lowering_splits_a_tall_element_layer_at_a_few_rows():
     assert targets(blocks) == {"dynadiag_diag_matmul_v2_fwd", "dynadiag_diag_matmul_v2_bwd"}
 
 
+@pytest.mark.parametrize("in_f,out_f", [(768, 3072), (3072, 768), (256, 256)])
+def test_cpu_builds_w_for_dense_element_products_on_many_rows(in_f, out_f):
+    p, many = max(in_f, out_f), auto.CPU_DENSE_ROWS
+    at_least = int(np.ceil(auto.CPU_DENSE_DENSITY * p))
+
+    def impl(k, rows, outputs=("y",), b=1):
+        return auto.decide(
+            "cpu",
+            rows=rows,
+            in_features=in_f,
+            out_features=out_f,
+            dtype=jnp.float32,
+            num_diagonals=k,
+            block_size=b,
+            kernel_available=True,
+            outputs=outputs,
+        ).impl
+
+    for outputs in [("y",), *BACKWARDS]:
+        assert impl(at_least, many, outputs) == "dense"
+        assert impl(p, 4 * many, outputs) == "dense"
+        assert impl(at_least - 1, many, outputs) == "ffi"  # below the density
+        assert impl(p, many - 1, outputs) == "ffi"  # fewer rows: the kernels stayed level
+    # block diagonals keep their kernels at every density
+    assert impl(min(in_f, out_f) // 16, many, b=16) == "ffi"
+
+
+def test_cpu_lowering_of_a_dense_element_product_calls_no_kernel():
+    if not dd.has_cpu_kernels():
+        pytest.skip("CPU kernels not built")
+    rows = auto.CPU_DENSE_ROWS
+    everything = lowered((256, 256), ("cpu",), jnp.float32, rows, in_f=256, out_f=256)
+    assert not targets(everything), targets(everything)
+    k = dd.num_diagonals(256, 256, 0.9)
+    sparse = lowered((k, 256), ("cpu",), jnp.float32, rows, in_f=256, out_f=256)
+    assert targets(sparse) == {"dynadiag_diag_matmul_v2_fwd", "dynadiag_diag_matmul_v2_bwd"}
+
+
 @pytest.mark.parametrize("platform", ["tpu", "rocm"])
 def test_platforms_without_kernels_build_w_and_call_the_dot(platform):
     d = decide(platform, b=16)

@@ -435,3 +435,31 @@ def test_lora_cost_benchmark_prints_every_rank_batch_and_fine_tune(run_python):
     trained = {" ".join(r[:-7]): int(r[-1]) for r in rows}
     assert trained["step, B"] == 2 * 256 * 2 and trained["step, values"] == 26880
     assert trained["step, B + values"] == 2 * 256 * 2 + 26880
+
+
+def test_density_benchmark_times_both_paths_per_product_and_density(run_python, tmp_path):
+    """Every (density, product) cell of each shape is a CSV row with both paths' times; the
+    table has a line per product with its ratios and the lowest density where dense wins."""
+    out = tmp_path / "density.csv"
+    script = str(ROOT / "bench" / "density.py")
+    args = ["--shapes", "32:64", "--blocks", "1,16", "--batch", "8"]
+    proc = run_python([script, *args, "--densities", "0.5,1", "--repeats", "2", "--out", str(out)])
+    _, rows = read_rows(out)
+    got = [(r["b"], r["density"], r["product"]) for r in rows]
+    want = [
+        (b, d, p)
+        for b, ds in (("1", ("0.5", "1.0")), ("16", ("0.5", "1.0")))
+        for d in ds
+        for p in ("y", "dx", "dvalues")
+    ]
+    assert got == want
+    assert all(float(r["ffi_us"]) > 0 and float(r["dense_us"]) > 0 for r in rows)
+    lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("32->64")]
+    firsts = [line.split()[-1] for line in lines]
+    assert len(lines) == 6 and set(firsts) <= {"0.500", "1.000", "never"}
+
+
+def test_density_benchmark_refuses_bad_densities(run_python, tmp_path):
+    script = str(ROOT / "bench" / "density.py")
+    proc = run_python([script, "--densities", "0,0.5"], check=False)
+    assert proc.returncode != 0 and "--densities must lie in (0, 1]" in proc.stderr

@@ -8,9 +8,11 @@ CUDA on a CPU host gets CUDA's choice, and one lowered for ``("cpu", "cuda")`` h
 
 * **cpu**: the C++ kernels where they are built and take the dtype and block size, else ``"jax"``;
   except the forward of a tall layer of element diagonals at :data:`CPU_JAX_FORWARD_ROWS` rows,
-  where the pure-JAX path is faster (docs/cpu_kernels.md, "impl=auto on CPU", has the
-  measurements). XLA's dense dot was slower than one of the two at every measured shape from 80%
-  sparsity, so the CPU never takes ``"dense"``.
+  where the pure-JAX path is faster, and a dense product of element diagonals (at least
+  :data:`CPU_DENSE_DENSITY` of the ``P`` candidates, e.g. a search step before its gate narrows)
+  on at least :data:`CPU_DENSE_ROWS` rows, where XLA's dot on ``W`` built is faster
+  (docs/cpu_kernels.md, "impl=auto on CPU", has the measurements). From 80% sparsity XLA's dense
+  dot was slower than one of the other two at every measured shape.
 * **cuda**: the CUDA kernels only where the cost model (:mod:`dynadiag_jax.gpu_cost`, for the GPU
   found, H100 figures when none is visible) predicts them at least :data:`MIN_SPEEDUP` times
   faster than building ``W`` and calling XLA's dot, in the forward product and in the whole step
@@ -33,6 +35,8 @@ from dynadiag_jax import gpu_cost
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, DiagGeometry, geometry
 
 __all__ = [
+    "CPU_DENSE_DENSITY",
+    "CPU_DENSE_ROWS",
     "CPU_JAX_FORWARD_ROWS",
     "MIN_SPEEDUP",
     "Decision",
@@ -56,6 +60,16 @@ MIN_SPEEDUP = 1.25
 # square and wide layers, and in the backward at every batch size, the kernels were as fast or
 # faster. Blocks run the kernels at every batch size.
 CPU_JAX_FORWARD_ROWS = (4, 16)
+
+# A product of element diagonals that keeps at least this share of the P candidates, on at least
+# this many rows, runs XLA's dot on W built (forward and backward): measured with both paths
+# interleaved (bench/density.py; 160-3072 wide layers, 128-2048 rows), the dot was faster in 34
+# of the 36 (shape, product) cells from 75% density at 1024 rows and more (the kernel 1.03x and
+# 1.22x faster in the other two, the same layer's forward and dx favouring the dot), while at
+# 128-512 rows the kernels stayed faster in a third of the cells up to 100%.
+# Block diagonals keep their kernels: faster at 75% density in 17 of 18 cells, 8 of 18 at 100%.
+CPU_DENSE_DENSITY = 0.75
+CPU_DENSE_ROWS = 1024
 
 
 class Decision(NamedTuple):
@@ -132,6 +146,9 @@ def _decide(
     if platform == "cpu":
         if not kernel_available:
             return Decision("jax", "no C++ kernel for this dtype or block size")
+        density = num_diagonals / geo.num_candidates
+        if not geo.blocked and rows >= CPU_DENSE_ROWS and density >= CPU_DENSE_DENSITY:
+            return Decision("dense", f"element diagonals at {density:.0%} density, {rows} rows")
         first, last = CPU_JAX_FORWARD_ROWS
         tall = geo.out_features > geo.in_features
         if not geo.blocked and tall and outputs == ("y",) and first <= rows <= last:
