@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepare a fresh machine: offline data sets and a C++ compiler (Debian, when run as root), a
-# virtual environment in .venv, and the package with its C++ extension built by pip
+# Prepare a fresh machine: offline data sets, jemalloc and a C++ compiler (Debian, when run as
+# root), a virtual environment in .venv, and the package with its C++ extension built by pip
 # (scikit-build-core + CMake). Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +8,8 @@ if command -v apt-get > /dev/null && [ "$(id -u)" = 0 ]; then
   want=()
   dpkg -s dataset-fashion-mnist > /dev/null 2>&1 || want+=(dataset-fashion-mnist)
   dpkg -s fortunes > /dev/null 2>&1 || want+=(fortunes)
+  # the allocator the results command's clean runs preload (train/results_runs.py: JEMALLOC)
+  dpkg -s libjemalloc2 > /dev/null 2>&1 || want+=(libjemalloc2)
   command -v g++ > /dev/null || want+=(g++)
   PY=${PYTHON:-python3}
   "$PY" -c "import ensurepip, venv" 2> /dev/null || want+=(python3-venv)

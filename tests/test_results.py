@@ -451,6 +451,8 @@ def test_end_to_end_tiny_run_and_timings(tmp_path):
     if HAS_LAYER:  # dense, static diagonals and DynaDiag again, every program compiled first
         clean = results.clean_runs(config, ["mlp"], tmp_path / "clean", progress=False)
         assert set(clean["mlp"]) == set(results.CLEAN_METHODS)
+        allocator = "jemalloc" if results.JEMALLOC.exists() else "system"
+        assert {r["allocator"] for r in clean["mlp"].values()} == {allocator}
         assert "search_step_time_s" in clean["mlp"]["dynadiag"]  # None: too short to log one
         assert clean["mlp"]["dynadiag"]["frozen_step_time_s"] > 0
         logs = list((tmp_path / "clean" / "clean_runs" / "mlp").glob("*/metrics.jsonl"))

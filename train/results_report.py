@@ -422,8 +422,10 @@ def search_goals(config, stats, ppl_stats, records, sparsity=0.9, clean_runs=Non
             for method, r in clean_runs.get(model, {}).items()
         }
         measured = _phase_costs(list(clean.values()), model, sparsity) if clean else campaign
+        allocators = {r.get("allocator") for r in clean.values()}
         source = (
             "logged means of one run that compiled its programs before its second step"
+            + (", jemalloc preloaded" if allocators == {"jemalloc"} else "")
             if clean
             else "logged means"
         )

@@ -14,6 +14,7 @@ Kept apart from the script so tests import it without defining absl flags.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -659,12 +660,20 @@ CLEAN_SPARSITY = 0.9
 CLEAN_KEYS = ("step_time_s", "search_step_time_s", "frozen_step_time_s", "seconds")
 
 
+# Where Debian's libjemalloc2 puts the allocator the clean runs preload (docs/cpu_kernels.md):
+# with glibc's a process's steps run in a page-faulting or a fault-free mode, and the mode can
+# change mid-run (a GPT static-diagonal run logged 22 ms steps for 400 steps, then 15 ms).
+JEMALLOC = pathlib.Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+
+
 def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) -> dict:
     """``{suite: {method: {key: value}}}`` of :data:`CLEAN_METHODS` trained afresh with
     ``compile_first`` under ``workdir/clean_runs``, each in a new process (logged step times
     with no background compile beside them, and no memory or threads left by earlier work in the
     process: after the side-by-side timings a Mixer search step logged 1.7x its frozen step where
-    fresh processes logged 1.2-1.4x); the keys :data:`CLEAN_KEYS` of their records."""
+    fresh processes logged 1.2-1.4x), with jemalloc preloaded where installed (:data:`JEMALLOC`);
+    the keys :data:`CLEAN_KEYS` of their records, and ``allocator``."""
     specs = [
         (name, method, CLEAN_SPARSITY if method != "dense" else 0.0, 0)
         for name in suites
@@ -673,11 +682,28 @@ def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) 
     ]
     out = {}
     spawn = multiprocessing.get_context("spawn")
+    env = {"LD_PRELOAD": str(JEMALLOC), "MALLOC_CONF": JEMALLOC_CONF} if JEMALLOC.exists() else {}
     for spec in tqdm.tqdm(specs, unit="run", disable=not progress, desc="clean runs"):
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        with _environment(env), concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
             record = pool.submit(_clean_run, config, spec, workdir).result()
+        record["allocator"] = "jemalloc" if env else "system"
         out.setdefault(spec[0], {})[spec[1]] = record
     return out
+
+
+@contextlib.contextmanager
+def _environment(changes: dict):
+    """``os.environ`` updated by ``changes`` inside the block (what a spawned child inherits)."""
+    before = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _clean_run(config, spec, workdir: pathlib.Path) -> dict:
