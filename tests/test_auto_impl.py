@@ -26,8 +26,10 @@ def decide(
     dtype=BF16,
     rows=VIT,
     outputs=("y",),
+    k=None,
 ):
-    k = dd.num_diagonals(in_f, out_f, sparsity, block_size=b)
+    """``auto.decide`` for a layer at ``sparsity``, or keeping ``k`` diagonals when given."""
+    k = dd.num_diagonals(in_f, out_f, sparsity, block_size=b) if k is None else k
     return auto.decide(
         platform,
         rows=rows,
@@ -82,16 +84,8 @@ def test_cpu_builds_w_for_dense_element_products_on_many_rows(in_f, out_f):
     at_least = int(np.ceil(auto.CPU_DENSE_DENSITY * p))
 
     def impl(k, rows, outputs=("y",), b=1):
-        return auto.decide(
-            "cpu",
-            rows=rows,
-            in_features=in_f,
-            out_features=out_f,
-            dtype=jnp.float32,
-            num_diagonals=k,
-            block_size=b,
-            kernel_available=True,
-            outputs=outputs,
+        return decide(
+            "cpu", in_f, out_f, b=b, dtype=jnp.float32, rows=rows, outputs=outputs, k=k
         ).impl
 
     for outputs in [("y",), *BACKWARDS]:

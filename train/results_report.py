@@ -354,7 +354,8 @@ def _mean_of(records, key, model, method, sparsity):
     values = [
         r[key]
         for r in records
-        if (r["model"], r["method"], r["sparsity"]) == (model, method, sparsity) and r.get(key)
+        if (r["model"], r["method"], r["sparsity"]) == (model, method, sparsity)
+        and r.get(key) is not None
     ]
     return float(np.mean(values)) if values else None
 
@@ -430,13 +431,7 @@ def search_goals(config, stats, ppl_stats, records, sparsity=0.9, clean_runs=Non
             else "logged means"
         )
         search, frozen, static = measured
-        shares = [
-            r["beside_compile"]
-            for r in records
-            if (r["model"], r["method"], r["sparsity"]) == (model, "dynadiag", sparsity)
-            and r.get("beside_compile") is not None
-        ]
-        beside = float(np.mean(shares)) if shares else None
+        beside = _mean_of(records, "beside_compile", model, "dynadiag", sparsity)
         also = ""
         if clean and campaign[0] and campaign[1]:
             also = f"; the campaign's runs {campaign[0] / campaign[1]:.2f}x"

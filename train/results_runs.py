@@ -488,27 +488,20 @@ def sparse_layer_density(params, shapes: dict[str, tuple[int, int]], adapters=No
     return nonzero / total
 
 
-def mean_step_time(metrics_path, start: int = 0, stop: int | None = None) -> float | None:
-    """Mean of the logged ``step_time_s`` over training records with ``start < step <= stop``."""
+def mean_step_time(
+    metrics_path, start: int = 0, stop: int | None = None, *, key: str = "step_time_s"
+) -> float | None:
+    """Mean of the logged ``key`` (the step time by default; any timing metric, e.g.
+    ``beside_compile``) over training records with ``start < step <= stop``."""
     times = [
-        r["step_time_s"]
+        r[key]
         for r in T.read_jsonl(metrics_path)
         if r.get("kind") == "train"
-        and "step_time_s" in r
+        and key in r
         and r["step"] > start
         and (stop is None or r["step"] <= stop)
     ]
     return float(np.mean(times)) if times else None
-
-
-def beside_compile_share(metrics_path) -> float | None:
-    """The share of the logged step-time intervals that ran beside a background compile."""
-    flags = [
-        r["beside_compile"]
-        for r in T.read_jsonl(metrics_path)
-        if r.get("kind") == "train" and "beside_compile" in r
-    ]
-    return float(np.mean(flags)) if flags else None
 
 
 def loss_curve(metrics_path) -> list[tuple[int, float]]:
@@ -627,7 +620,8 @@ def train_run(
             result.state.params, shapes, result.state.collections.get("lora_frozen")
         ),
         "step_time_s": mean_step_time(metrics_path),
-        "beside_compile": beside_compile_share(metrics_path),
+        # the share of the logged intervals that ran beside a background compile
+        "beside_compile": mean_step_time(metrics_path, key="beside_compile"),
         "loss_curve": loss_curve(metrics_path),
     }
     if lm:
