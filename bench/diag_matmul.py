@@ -9,6 +9,11 @@ phases of a diagonal-sparse layer ``y = x @ W.T`` with ``x[batch, in]``:
 * ``bwd``: the VJP alone, ``(dx, dvalues)`` from ``dy`` (``(dx, dW)`` for the dense layer);
 * ``fwd+bwd``: both in one jitted call (one training step of the layer).
 
+``--phases`` times a subset: ``--phases fwd`` is an inference loop, where no dense backward
+(which writes the whole ``dW``) runs between the timed forwards. ``--evict_mb N`` writes an
+``N`` MiB buffer before every timed call, so that each call reads its operands from memory, as
+the layers of a network larger than the caches do.
+
 Implementations: ``ffi`` (our XLA FFI kernels), ``auto`` (what ``impl="auto"`` picks per product;
 not run unless named), ``jax`` (the pure-JAX path), ``dense`` (XLA's ``x @ W.T`` on a dense
 ``W[out, in]``, differentiated by JAX: the dense layer being replaced) and ``bcoo``
@@ -40,7 +45,7 @@ Examples::
     python bench/diag_matmul.py --blocks 1,16,32,64 --shapes 768:3072,768:768,3072:768 \
         --sparsities 0.5,0.9 --impls ffi,dense      # the block-diagonal goal table
     python bench/diag_matmul.py --shapes 768:3072,3072:768 --sparsities 0.9 --blocks 1,16 \
-        --impls ffi,jax,dense --batch 1,2,4,8,16 --repeats 101   # small batches (inference)
+        --impls ffi,jax,dense --batch 1,2,4,8,16 --repeats 101 --phases fwd  # online inference
     python bench/diag_matmul.py --shapes 768:3072 --sparsities 0.9 --blocks 1,16,32 \
         --impls ffi,dense --repeats 15 --processes 10          # spread over 10 fresh processes
 """
@@ -121,8 +126,8 @@ def make_case(in_features, out_features, sparsity, block, batch, dtype, seed) ->
     return Case(in_features, out_features, sparsity, block, k, x, dy, values, offsets)
 
 
-def _phases(layer: Callable, x, param, dy) -> dict[str, tuple[Callable, tuple]]:
-    """Jitted fwd / bwd / fwd+bwd of ``layer(x, param)`` with their arguments."""
+def _phases(layer: Callable, x, param, dy, phases=PHASES) -> dict[str, tuple[Callable, tuple]]:
+    """Jitted ``phases`` (of fwd / bwd / fwd+bwd) of ``layer(x, param)`` with their arguments."""
 
     def fwd(x, param):
         return layer(x, param)
@@ -134,25 +139,26 @@ def _phases(layer: Callable, x, param, dy) -> dict[str, tuple[Callable, tuple]]:
         y, vjp = jax.vjp(layer, x, param)
         return y, vjp(dy)
 
-    return {
+    every = {
         "fwd": (jax.jit(fwd), (x, param)),
         "bwd": (jax.jit(bwd), (x, param, dy)),
         "fwd+bwd": (jax.jit(fwd_bwd), (x, param, dy)),
     }
+    return {phase: every[phase] for phase in phases}
 
 
-def build(impl: str, case: Case) -> dict[str, tuple[Callable, tuple]]:
-    """The three timed functions of one implementation."""
+def build(impl: str, case: Case, phases=PHASES) -> dict[str, tuple[Callable, tuple]]:
+    """The timed functions (one per phase) of one implementation."""
     out_f, in_f = case.out_features, case.in_features
     if impl in ("ffi", "auto", "jax"):
 
         def layer(x, values):
             return dd.diag_matmul(x, values, case.offsets, out_features=out_f, impl=impl)
 
-        return _phases(layer, case.x, case.values, case.dy)
+        return _phases(layer, case.x, case.values, case.dy, phases)
     w = dd.diag_to_dense(case.values, case.offsets, in_features=in_f, out_features=out_f)
     if impl == "dense":
-        return _phases(lambda x, w: x @ w.T, case.x, w, case.dy)
+        return _phases(lambda x, w: x @ w.T, case.x, w, case.dy, phases)
     if impl == "bcoo":
         indices = jnp.stack([a.reshape(-1) for a in _entry_coordinates(case)], axis=1)
 
@@ -162,7 +168,7 @@ def build(impl: str, case: Case) -> dict[str, tuple[Callable, tuple]]:
             )
             return sparse.bcoo_dot_general(w_sp, x, dimension_numbers=(([1], [1]), ([], []))).T
 
-        return _phases(layer, case.x, case.values.reshape(-1), case.dy)
+        return _phases(layer, case.x, case.values.reshape(-1), case.dy, phases)
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
 
 
@@ -185,24 +191,31 @@ def time_call(f, args) -> float:
     return time.perf_counter() - start
 
 
-def time_interleaved(fns: dict, repeats: int, progress) -> dict[tuple[str, str], float]:
-    """Median seconds per (impl, phase); all calls interleaved, after one warm-up call each."""
+def time_interleaved(
+    fns: dict, repeats: int, progress, evict: np.ndarray | None = None
+) -> dict[tuple[str, str], float]:
+    """Median seconds per (impl, phase); all calls interleaved, after one warm-up call each.
+
+    ``evict``: a buffer larger than the caches, written through before every timed call, so that
+    each call reads its operands from memory (a network whose weights do not fit the caches)."""
     for f, args in fns.values():
         time_call(f, args)
     times = {key: [] for key in fns}
     for _ in range(repeats):
         for key, (f, args) in fns.items():
+            if evict is not None:
+                evict += 1
             times[key].append(time_call(f, args))
             progress.update(1)
     return {key: statistics.median(t) for key, t in times.items()}
 
 
-def time_case(fns: dict, repeats: int, progress) -> tuple[dict, str | None]:
+def time_case(fns: dict, repeats: int, progress, evict=None) -> tuple[dict, str | None]:
     """``({(impl, b, phase): (median s, dense median s of the same loop)}, why BCOO was skipped)``.
 
     ``fns`` has dense once per phase, under block size ``DENSE``."""
     main = {key: fp for key, fp in fns.items() if key[0] != "bcoo"}
-    med = time_interleaved(main, repeats, progress)
+    med = time_interleaved(main, repeats, progress, evict)
     out = {key: (t, med[("dense", DENSE, key[2])]) for key, t in med.items()}
     bcoo = {key: fp for key, fp in fns.items() if key[0] == "bcoo"}
     if not bcoo:
@@ -214,7 +227,7 @@ def time_case(fns: dict, repeats: int, progress) -> tuple[dict, str | None]:
             skipped = f"one call took {first:.0f} s (> {BCOO_SKIP_SECONDS:.0f} s)"
     except jax.errors.JaxRuntimeError as err:  # out of memory
         skipped = str(err).splitlines()[0][:120]
-    dense = {("dense", DENSE, phase): main[("dense", DENSE, phase)] for phase in PHASES}
+    dense = {key: fp for key, fp in main.items() if key[0] == "dense"}
     pair = {**bcoo, **dense}
     if skipped:
         progress.total -= len(bcoo) * repeats
@@ -222,7 +235,7 @@ def time_case(fns: dict, repeats: int, progress) -> tuple[dict, str | None]:
         return out, skipped
     progress.total += len(dense) * repeats  # dense runs again beside bcoo
     progress.refresh()
-    med = time_interleaved(pair, repeats, progress)
+    med = time_interleaved(pair, repeats, progress, evict)
     out.update({key: (med[key], med[("dense", DENSE, key[2])]) for key in bcoo})
     return out, None
 
@@ -281,6 +294,14 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _phase_names(text: str) -> tuple[str, ...]:
+    """``"fwd,bwd"`` -> the phases in their fixed order; an unknown one is an error."""
+    names = set(text.split(","))
+    if not names or not names <= set(PHASES):
+        raise argparse.ArgumentTypeError(f"phases must be a subset of {PHASES}; got {text!r}")
+    return tuple(p for p in PHASES if p in names)
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -315,6 +336,20 @@ def parse_args(argv):
         default=(2048,),
         help="batch sizes, comma separated: one timing loop and table block each (default 2048)",
     )
+    parser.add_argument(
+        "--phases",
+        type=_phase_names,
+        default=PHASES,
+        help=f"comma separated subset of {','.join(PHASES)} (fwd alone: an inference loop, in "
+        "which no dense backward runs between the timed calls)",
+    )
+    parser.add_argument(
+        "--evict_mb",
+        type=int,
+        default=0,
+        help="write a buffer of this many MiB before every timed call, so each call reads its "
+        "operands from memory, not the caches (0: off; use more than the last-level cache)",
+    )
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per function (median)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
@@ -342,6 +377,8 @@ def parse_args(argv):
         args.impls = tuple(i for i in args.impls if i != "ffi")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.evict_mb < 0:
+        parser.error("--evict_mb must be >= 0")
     return args
 
 
@@ -461,9 +498,11 @@ def run(args, csv_path: pathlib.Path) -> None:
         s: [b for b in args.blocks if s[0] % b == 0 and s[1] % b == 0] for s in args.shapes
     }
     others = [i for i in args.impls if i != "dense"]
-    calls = sum(1 + len(others) * len(blocks_of[s]) for s, _ in cases) * len(PHASES)
+    phases = args.phases
+    calls = sum(1 + len(others) * len(blocks_of[s]) for s, _ in cases) * len(phases)
     total = calls * args.repeats * len(args.batch)
     rows, skips = [], []
+    evict = np.zeros(args.evict_mb << 18, np.float32) if args.evict_mb else None
     for shape in args.shapes:
         if left := sorted(set(args.blocks) - set(blocks_of[shape])):
             skips.append(
@@ -482,7 +521,10 @@ def run(args, csv_path: pathlib.Path) -> None:
                 if not by_block:
                     continue
                 first = next(iter(by_block.values()))
-                fns = {("dense", DENSE, phase): fp for phase, fp in build("dense", first).items()}
+                fns = {
+                    ("dense", DENSE, phase): fp
+                    for phase, fp in build("dense", first, phases).items()
+                }
                 skipped = []
                 for b, case in by_block.items():
                     gather = case.values.size * batch
@@ -491,11 +533,13 @@ def run(args, csv_path: pathlib.Path) -> None:
                             skipped.append(
                                 (b, f"its [nnz, batch] gather holds {gather:.2g} elements (> 2^29)")
                             )
-                            progress.total -= len(PHASES) * args.repeats
+                            progress.total -= len(phases) * args.repeats
                             continue
-                        fns.update({(impl, b, ph): fp for ph, fp in build(impl, case).items()})
+                        fns.update(
+                            {(impl, b, ph): fp for ph, fp in build(impl, case, phases).items()}
+                        )
                 progress.refresh()
-                med, slow = time_case(fns, args.repeats, progress)
+                med, slow = time_case(fns, args.repeats, progress, evict)
                 if slow:
                     done = {b for b, _ in skipped}
                     skipped += [(b, slow) for b in by_block if b not in done and "bcoo" in others]
@@ -511,7 +555,7 @@ def run(args, csv_path: pathlib.Path) -> None:
                     writer.writerow(row)
                 for b, case in by_block.items():
                     for impl in ("dense", *others):
-                        for phase in PHASES:
+                        for phase in phases:
                             key = ("dense", DENSE, phase) if impl == "dense" else (impl, b, phase)
                             if key not in med:
                                 continue
@@ -579,6 +623,8 @@ def _child_argv(args) -> list[str]:
         *("--blocks", _join(args.blocks)),
         *("--impls", _join(args.impls)),
         *("--batch", _join(args.batch)),
+        *("--phases", _join(args.phases)),
+        *("--evict_mb", str(args.evict_mb)),
         *("--repeats", str(args.repeats)),
         *("--dtype", args.dtype),
         *("--seed", str(args.seed)),

@@ -130,6 +130,26 @@ def test_diag_matmul_benchmark_times_a_list_of_batch_sizes(run_python, tmp_path)
             assert t[6] == (f"{us:.0f}" if us >= 100 else f"{us:.3g}"), (t, dense)
 
 
+def test_diag_matmul_benchmark_times_the_phases_asked_for(run_python, tmp_path):
+    """``--phases fwd`` times forwards alone (an inference loop): no backward row, and none in
+    the timing loop; ``--evict_mb`` (a buffer written before every call) changes no row's
+    identity; both reach the fresh processes of ``--processes``."""
+    out = tmp_path / "bench.csv"
+    script = str(ROOT / "bench" / "diag_matmul.py")
+    argv = [script, *SMALL, "--batch", "1", "--repeats", "2", "--phases", "fwd"]
+    run_python([*argv, "--evict_mb", "1", "--processes", "1", "--out", str(out)])
+    _, rows = read_rows(out.with_name(out.stem + "_runs.csv"))
+    assert sorted((r["impl"], r["phase"]) for r in rows) == [("dense", "fwd"), ("ffi", "fwd")]
+    assert_timings(rows)
+    module = load_script(script)
+    assert module.parse_args([*SMALL, "--phases", "fwd+bwd,fwd"]).phases == ("fwd", "fwd+bwd")
+    seen = []
+    fns = {("dense", 1, "fwd"): (lambda: seen.append(float(evict[0])), ())}
+    evict = module.np.zeros(8, module.np.float32)
+    module.time_interleaved(fns, 3, module.tqdm(disable=True), evict)
+    assert seen == [0.0, 1.0, 2.0, 3.0]  # the warm-up call, then each timed one after a write
+
+
 def test_call_overhead_benchmark_times_every_variant_per_shape_and_batch(run_python, tmp_path):
     """One row per (shape, block, batch, variant); dense is the 1.0x reference of its group; a
     block size that does not divide a shape is skipped with a message."""
@@ -326,6 +346,8 @@ def test_diag_matmul_benchmark_summarises_fresh_processes(run_python, tmp_path):
     [
         (["--batch", "1,0"], "batch sizes must be integers >= 1"),
         (["--processes", "0"], "the number of processes must be an integer >= 1"),
+        (["--phases", "fwd,back"], "phases must be a subset of"),
+        (["--evict_mb", "-1"], "--evict_mb must be >= 0"),
     ],
 )
 def test_diag_matmul_benchmark_refuses_bad_sizes(run_python, tmp_path, option, message):
