@@ -7,12 +7,12 @@ lowering, once per platform lowered for (``ops/products.py``), so a program expo
 CUDA on a CPU host gets CUDA's choice, and one lowered for ``("cpu", "cuda")`` holds both.
 
 * **cpu**: the C++ kernels where they are built and take the dtype and block size, else ``"jax"``;
-  except the forward of a tall layer of element diagonals at :data:`CPU_JAX_FORWARD_ROWS` rows,
-  where the pure-JAX path is faster, and a dense product of element diagonals (at least
-  :data:`CPU_DENSE_DENSITY` of the ``P`` candidates, e.g. a search step before its gate narrows)
-  on at least :data:`CPU_DENSE_ROWS` rows, where XLA's dot on ``W`` built is faster
-  (docs/cpu_kernels.md, "impl=auto on CPU", has the measurements). From 80% sparsity XLA's dense
-  dot was slower than one of the other two at every measured shape.
+  except a dense product of element diagonals (at least :data:`CPU_DENSE_DENSITY` of the ``P``
+  candidates, e.g. a search step before its gate narrows) on at least :data:`CPU_DENSE_ROWS`
+  rows, where XLA's dot on ``W`` built is faster (docs/cpu_kernels.md, "impl=auto on CPU", has
+  the measurements). From 80% sparsity XLA's dense dot was slower than one of the other two at
+  every measured shape, and the kernels were faster than the pure-JAX path at every batch size
+  on a quiet host.
 * **cuda**: the CUDA kernels only where the cost model (:mod:`dynadiag_jax.gpu_cost`, for the GPU
   found, H100 figures when none is visible) predicts them at least :data:`MIN_SPEEDUP` times
   faster than building ``W`` and calling XLA's dot, in the forward product and in the whole step
@@ -37,7 +37,6 @@ from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, DiagGeometry, geometry
 __all__ = [
     "CPU_DENSE_DENSITY",
     "CPU_DENSE_ROWS",
-    "CPU_JAX_FORWARD_ROWS",
     "MIN_SPEEDUP",
     "Decision",
     "current_platform",
@@ -52,14 +51,6 @@ __all__ = [
 # margin for what the model does not see: with its stage term it puts each profiled H100 block
 # kernel within 30% of its measured time (docs/gpu_cost_model.md).
 MIN_SPEEDUP = 1.25
-
-# The batch sizes (rows, first and last) at which the forward of a tall layer of element
-# diagonals (out > in) on CPU runs the pure-JAX path: measured with each path timed as often right
-# after XLA's dense dot as not (90%, 768 <-> 3072 and 768 -> 768, docs/cpu_kernels.md), XLA's fused
-# loop over the diagonals ran 1.2x-1.3x faster than the few-row kernel there; at 1-2 rows, on
-# square and wide layers, and in the backward at every batch size, the kernels were as fast or
-# faster. Blocks run the kernels at every batch size.
-CPU_JAX_FORWARD_ROWS = (4, 16)
 
 # A product of element diagonals that keeps at least this share of the P candidates, on at least
 # this many rows, runs XLA's dot on W built (forward and backward): measured with both paths
@@ -149,10 +140,6 @@ def _decide(
         density = num_diagonals / geo.num_candidates
         if not geo.blocked and rows >= CPU_DENSE_ROWS and density >= CPU_DENSE_DENSITY:
             return Decision("dense", f"element diagonals at {density:.0%} density, {rows} rows")
-        first, last = CPU_JAX_FORWARD_ROWS
-        tall = geo.out_features > geo.in_features
-        if not geo.blocked and tall and outputs == ("y",) and first <= rows <= last:
-            return Decision("jax", f"forward of a tall element layer at {first}-{last} rows")
         return Decision("ffi", "C++ kernels")
     if platform != "cuda":
         return Decision("dense", f"no kernels on {platform}: XLA's dot on W built on the device")
