@@ -480,6 +480,23 @@ def test_block_kernel_family_matches_dense(isa, case, bf16, workers, permuted, r
     _assert_close(_as_f64(dvalues, bf16), dvalues_ref, bf16, f"{isa} bwd dvalues")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shift", [0, 1, 8], ids=lambda s: f"shift{s}")
+def test_block_forward_into_aligned_and_unaligned_outputs(isa, shift, rng):
+    """The float32 block product streams its stores only into an output whose vectors are all
+    aligned; shifted by 1 or 8 floats from a 64-byte boundary it stores plainly. Every entry is
+    written, and right, either way."""
+    in_f, out_f, b, rows = 128, 256, 16, 37
+    x, _, values, offsets = _block_case(rng, in_f, out_f, b, rows, "duplicates")
+    buffer = np.full(rows * out_f + 32, np.nan, np.float32)
+    start = (-buffer.ctypes.data // 4) % 16 + shift  # 64-byte aligned, then shifted
+    y = buffer[start : start + rows * out_f].reshape(rows, out_f)
+    _cpu_ext._run_kernel("fwd", isa, x, values, offsets, y, in_f, out_f, 2, None)
+    w = design_dense(values, offsets, in_f, out_f)
+    _assert_close(y.astype(np.float64), x.astype(np.float64) @ w.T, False, f"{isa} y")
+    assert np.isnan(buffer[:start]).all() and np.isnan(buffer[start + rows * out_f :]).all()
+
+
 @pytest.mark.parametrize(
     "in_f,out_f,b,kind,batch",
     [

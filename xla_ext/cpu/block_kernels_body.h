@@ -65,11 +65,12 @@ DYNADIAG_TARGET void BlockPack(const BlockPlanView& plan, const T* values, float
   }
 }
 
-// MR rows x NV vectors of one output block's column tile, summed over its `count` entries.
+// MR rows x NV vectors of one output block's column tile, summed over its `count` entries;
+// `stream`: `out` is float32 with every vector aligned, written with streaming stores.
 template <class V, int NV, int MR, typename T>
 DYNADIAG_TARGET void ProductTile(const float* panel, int64_t b, int64_t count,
                                  const int32_t* in_block, const float* in, int64_t in_width,
-                                 T* out, int64_t out_width) {
+                                 T* out, int64_t out_width, bool stream) {
   using Reg = typename V::Reg;
   Reg acc[MR][NV];
   DYNADIAG_UNROLL
@@ -91,6 +92,16 @@ DYNADIAG_TARGET void ProductTile(const float* panel, int64_t b, int64_t count,
       }
     }
   }
+  if constexpr (std::is_same_v<T, float>) {
+    if (stream) {
+      DYNADIAG_UNROLL
+      for (int r = 0; r < MR; ++r) {
+        DYNADIAG_UNROLL
+        for (int v = 0; v < NV; ++v) V::StoreStream(out + r * out_width + v * V::kWidth, acc[r][v]);
+      }
+      return;
+    }
+  }
   DYNADIAG_UNROLL
   for (int r = 0; r < MR; ++r) {
     DYNADIAG_UNROLL
@@ -102,26 +113,32 @@ DYNADIAG_TARGET void ProductTile(const float* panel, int64_t b, int64_t count,
 template <class V, int NV, int H, typename T>
 DYNADIAG_TARGET void ProductTail(const float* panel, int64_t b, int64_t count,
                                  const int32_t* in_block, const float* in, int64_t in_width,
-                                 T* out, int64_t out_width, int64_t rows) {
+                                 T* out, int64_t out_width, int64_t rows, bool stream) {
   if constexpr (H >= 1) {
     if (rows >= H) {
-      ProductTile<V, NV, H>(panel, b, count, in_block, in, in_width, out, out_width);
+      ProductTile<V, NV, H>(panel, b, count, in_block, in, in_width, out, out_width, stream);
       in += H * in_width;
       out += H * out_width;
       rows -= H;
     }
-    ProductTail<V, NV, H / 2>(panel, b, count, in_block, in, in_width, out, out_width, rows);
+    ProductTail<V, NV, H / 2>(panel, b, count, in_block, in, in_width, out, out_width, rows,
+                              stream);
   }
 }
 
 // Output block by output block, column tile by column tile; the rows run innermost, so a tile's
-// panels (count * b * nr floats) stay in L1 while every row of the chunk passes.
+// panels (count * b * nr floats) stay in L1 while every row of the chunk passes. A float32
+// output whose vectors are all aligned is written with streaming stores: each element is written
+// once, so reading its cache line first (what a plain store does) would only add traffic.
 template <class V, int NV, typename T>
 DYNADIAG_TARGET void ProductTiles(const BlockPlanView& plan, const float* panels, const float* in,
                                   int64_t in_width, T* out, int64_t out_width, int64_t rows) {
   constexpr int MR = kTileRows<V, NV>;
   constexpr int64_t nr = NV * V::kWidth;
   const int64_t b = plan.b, bb = b * b;
+  constexpr uintptr_t kAlign = sizeof(float) * V::kWidth;
+  const bool stream = std::is_same_v<T, float> && reinterpret_cast<uintptr_t>(out) % kAlign == 0 &&
+                      out_width % V::kWidth == 0;
   for (int64_t o = 0; o < plan.num_out_blocks; ++o) {
     const int64_t first = plan.entry_begin[o], count = plan.entry_begin[o + 1] - first;
     const int32_t* in_block = plan.in_block + first;
@@ -131,12 +148,13 @@ DYNADIAG_TARGET void ProductTiles(const BlockPlanView& plan, const float* panels
       int64_t r = 0;
       for (; r + MR <= rows; r += MR) {
         ProductTile<V, NV, MR>(panel, b, count, in_block, in + r * in_width, in_width,
-                               dst + r * out_width, out_width);
+                               dst + r * out_width, out_width, stream);
       }
       ProductTail<V, NV, TailRows(MR)>(panel, b, count, in_block, in + r * in_width, in_width,
-                                       dst + r * out_width, out_width, rows - r);
+                                       dst + r * out_width, out_width, rows - r, stream);
     }
   }
+  if (stream) V::Fence();  // the streamed lines reach memory before the task reports done
 }
 
 template <class V, typename T>

@@ -75,6 +75,9 @@ struct Zmm {
   DYNADIAG_TARGET static Reg Fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
   DYNADIAG_TARGET static void Store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
   DYNADIAG_TARGET static void Store(Bf16* p, Reg v) { Elements::Store(p, v, 0xffff); }
+  // p aligned to 64 bytes: a whole cache line written without reading it first.
+  DYNADIAG_TARGET static void StoreStream(float* p, Reg v) { _mm512_stream_ps(p, v); }
+  DYNADIAG_TARGET static void Fence() { _mm_sfence(); }
 };
 
 #include "element_kernels_body.h"

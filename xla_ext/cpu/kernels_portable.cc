@@ -58,6 +58,8 @@ struct Lanes {
   static void Store(Bf16* p, const Reg& v) {
     for (int l = 0; l < W; ++l) FromFloat(v.v[l], p + l);
   }
+  static void StoreStream(float* p, const Reg& v) { Store(p, v); }
+  static void Fence() {}
 };
 
 using Vec = Lanes<16>;

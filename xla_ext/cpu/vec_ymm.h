@@ -43,6 +43,9 @@ struct Ymm {
   DYNADIAG_TARGET static Reg Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   DYNADIAG_TARGET static Reg Fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
   DYNADIAG_TARGET static void Store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
+  // p aligned to 32 bytes: written without reading its cache line first.
+  DYNADIAG_TARGET static void StoreStream(float* p, Reg v) { _mm256_stream_ps(p, v); }
+  DYNADIAG_TARGET static void Fence() { _mm_sfence(); }
   DYNADIAG_TARGET static void Store(Bf16* p, Reg v) {
     const __m256i r = RoundToBf16(v);  // < 2^16 per lane: the unsigned pack is exact
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
