@@ -483,10 +483,10 @@ def test_block_kernel_family_matches_dense(isa, case, bf16, workers, permuted, r
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("shift", [0, 1, 8], ids=lambda s: f"shift{s}")
 def test_block_forward_into_aligned_and_unaligned_outputs(isa, shift, rng):
-    """The float32 block product streams its stores only into an output whose vectors are all
-    aligned; shifted by 1 or 8 floats from a 64-byte boundary it stores plainly. Every entry is
-    written, and right, either way."""
-    in_f, out_f, b, rows = 128, 256, 16, 37
+    """An output of 8 MiB or more (``kStreamOutputBytes``) is written with streaming stores where
+    its vectors are all aligned; shifted by 1 or 8 floats from a 64-byte boundary it is stored
+    plainly. Every entry is written, and right, either way."""
+    in_f, out_f, b, rows = 256, 1024, 16, 2050
     x, _, values, offsets = _block_case(rng, in_f, out_f, b, rows, "duplicates")
     buffer = np.full(rows * out_f + 32, np.nan, np.float32)
     start = (-buffer.ctypes.data // 4) % 16 + shift  # 64-byte aligned, then shifted

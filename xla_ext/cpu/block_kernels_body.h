@@ -127,18 +127,19 @@ DYNADIAG_TARGET void ProductTail(const float* panel, int64_t b, int64_t count,
 }
 
 // Output block by output block, column tile by column tile; the rows run innermost, so a tile's
-// panels (count * b * nr floats) stay in L1 while every row of the chunk passes. A float32
-// output whose vectors are all aligned is written with streaming stores: each element is written
-// once, so reading its cache line first (what a plain store does) would only add traffic.
+// panels (count * b * nr floats) stay in L1 while every row of the chunk passes. With `stream`, a
+// float32 output whose vectors are all aligned is written with streaming stores: each element is
+// written once, so reading its cache line first (what a plain store does) only adds traffic.
 template <class V, int NV, typename T>
 DYNADIAG_TARGET void ProductTiles(const BlockPlanView& plan, const float* panels, const float* in,
-                                  int64_t in_width, T* out, int64_t out_width, int64_t rows) {
+                                  int64_t in_width, T* out, int64_t out_width, int64_t rows,
+                                  bool stream) {
   constexpr int MR = kTileRows<V, NV>;
   constexpr int64_t nr = NV * V::kWidth;
   const int64_t b = plan.b, bb = b * b;
   constexpr uintptr_t kAlign = sizeof(float) * V::kWidth;
-  const bool stream = std::is_same_v<T, float> && reinterpret_cast<uintptr_t>(out) % kAlign == 0 &&
-                      out_width % V::kWidth == 0;
+  stream = stream && std::is_same_v<T, float> &&
+           reinterpret_cast<uintptr_t>(out) % kAlign == 0 && out_width % V::kWidth == 0;
   for (int64_t o = 0; o < plan.num_out_blocks; ++o) {
     const int64_t first = plan.entry_begin[o], count = plan.entry_begin[o + 1] - first;
     const int32_t* in_block = plan.in_block + first;
@@ -159,13 +160,14 @@ DYNADIAG_TARGET void ProductTiles(const BlockPlanView& plan, const float* panels
 
 template <class V, typename T>
 DYNADIAG_TARGET void BlockProduct(const BlockPlanView& plan, const float* panels, const float* in,
-                                  int64_t in_width, T* out, int64_t out_width, int64_t rows) {
+                                  int64_t in_width, T* out, int64_t out_width, int64_t rows,
+                                  bool stream) {
   if (plan.b < V::kWidth) {
-    ProductTiles<typename V::Half, 1>(plan, panels, in, in_width, out, out_width, rows);
+    ProductTiles<typename V::Half, 1>(plan, panels, in, in_width, out, out_width, rows, stream);
   } else if (plan.b == V::kWidth) {
-    ProductTiles<V, 1>(plan, panels, in, in_width, out, out_width, rows);
+    ProductTiles<V, 1>(plan, panels, in, in_width, out, out_width, rows, stream);
   } else {
-    ProductTiles<V, 2>(plan, panels, in, in_width, out, out_width, rows);
+    ProductTiles<V, 2>(plan, panels, in, in_width, out, out_width, rows, stream);
   }
 }
 

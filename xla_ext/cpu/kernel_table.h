@@ -104,8 +104,10 @@ struct BlockKernelTable {
   // `product` reads them; the layout is the family's own.
   void (*pack)(const BlockPlanView& plan, const T* values, float* panels);
   // Every column of out[rows, out_width] as above, from float32 rows in[rows, in_width].
+  // `stream`: a float32 `out` that nothing reads soon is written with streaming stores (which
+  // skip reading each line first and leave it out of the caches) where its vectors are aligned.
   void (*product)(const BlockPlanView& plan, const float* panels, const float* in,
-                  int64_t in_width, T* out, int64_t out_width, int64_t rows);
+                  int64_t in_width, T* out, int64_t out_width, int64_t rows, bool stream);
 };
 
 // The few-row kernels (few_rows_body.h): W read in place, one diagonal or block at a time.
