@@ -468,6 +468,20 @@ def test_end_to_end_tiny_run_and_timings(tmp_path):
     assert "## Speed" in path.read_text()
 
 
+def test_clean_runs_save_no_checkpoint_per_epoch(monkeypatch):
+    """A results run saves every epoch (resumable); a clean run (``checkpoints=False``) only
+    where the loop must, since a save's background write slows the steps after it."""
+    config = _config("quick,models=mlp,methods=dense,sparsities=0.9")
+    data = results.prepare(config)
+    steps = results.steps_of(config.models["mlp"], data)
+    built = results.build(config, "mlp", "dense", 0.0, 0, data, steps)
+    seen = []
+    monkeypatch.setattr(results.T, "train", lambda **kw: seen.append(kw["checkpoint_every"]))
+    for checkpoints in (True, False):
+        results.train_built(config, data, "mlp", built, 0, steps, None, checkpoints=checkpoints)
+    assert seen == [steps // int(config.models["mlp"].epochs), 0]
+
+
 @pytest.mark.parametrize("method", baselines.METHODS)
 def test_fashion_mnist_script_selects_the_method_by_config(method):
     from train import fashion_mnist
