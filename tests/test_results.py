@@ -264,8 +264,8 @@ def _records_and_timings():
     # runs that compiled every program first: their logged phase times judge the search's cost
     timings["clean_runs"] = {
         "mlp": {
-            "static_diagonals": {"step_time_s": 1e-3},
-            "dynadiag": {"search_step_time_s": 1.2e-3, "frozen_step_time_s": 1.05e-3},
+            "static_diagonals": {"step_time_s": 1e-3, "repeats": 3},
+            "dynadiag": {"search_step_time_s": 1.2e-3, "frozen_step_time_s": 1.05e-3, "repeats": 3},
         }
     }
     return records, timings
@@ -340,8 +340,8 @@ def test_report_tables_goals_plots_and_kept_notes(tmp_path):
     assert "at least as accurate as SET and RigL: **met**" in text
     assert "Faster training step than dense" in text and "**met** (0.50×" in text
     assert (
-        "mlp: search step at most 1.3x the frozen step: **met** (1.14x, logged means of one run "
-        "that compiled its programs before its second step)" in text
+        "mlp: search step at most 1.3x the frozen step: **met** (1.14x, medians over 3 runs of "
+        "each phase's logged mean, every program compiled before the second step)" in text
     )
     assert (
         "mlp: logged step after the freeze within 10% of static diagonals': **met** (1.05x)" in text
@@ -449,15 +449,18 @@ def test_end_to_end_tiny_run_and_timings(tmp_path):
         assert r["density"] == pytest.approx(want, abs=0.002), r
     timings = speed.measure(config, data, progress=False)
     if HAS_LAYER:  # dense, static diagonals and DynaDiag again, every program compiled first
+        with config.unlocked():
+            config.speed.clean_repeats = 2
         clean = results.clean_runs(config, ["mlp"], tmp_path / "clean", progress=False)
         assert set(clean["mlp"]) == set(results.CLEAN_METHODS)
+        assert {r["repeats"] for r in clean["mlp"].values()} == {2}
         allocator = "jemalloc" if results.JEMALLOC.exists() else "system"
         assert {r["allocator"] for r in clean["mlp"].values()} == {allocator}
         assert "search_step_time_s" in clean["mlp"]["dynadiag"]  # None: too short to log one
         assert clean["mlp"]["dynadiag"]["frozen_step_time_s"] > 0
         logs = list((tmp_path / "clean" / "clean_runs" / "mlp").glob("*/metrics.jsonl"))
         flags = [r["beside_compile"] for p in logs for r in T.read_jsonl(p) if "step_time_s" in r]
-        assert len(logs) == 3 and set(flags) == {0.0}  # no interval ran beside a compile
+        assert len(logs) == 6 and set(flags) == {0.0}  # no interval ran beside a compile
         timings["clean_runs"] = clean
     group = timings["models"]["mlp"]["0.9"]
     # a permuted method adds its frozen layers with the permutation

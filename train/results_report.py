@@ -424,8 +424,14 @@ def search_goals(config, stats, ppl_stats, records, sparsity=0.9, clean_runs=Non
         }
         measured = _phase_costs(list(clean.values()), model, sparsity) if clean else campaign
         allocators = {r.get("allocator") for r in clean.values()}
+        repeats = min((int(r.get("repeats", 1)) for r in clean.values()), default=1)
         source = (
-            "logged means of one run that compiled its programs before its second step"
+            (
+                "logged means of one run that compiled its programs before its second step"
+                if repeats == 1
+                else f"medians over {repeats} runs of each phase's logged mean, every program "
+                "compiled before the second step"
+            )
             + (", jemalloc preloaded" if allocators == {"jemalloc"} else "")
             if clean
             else "logged means"

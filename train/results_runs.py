@@ -675,22 +675,38 @@ def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) 
     process: after the side-by-side timings a Mixer search step logged 1.7x its frozen step where
     fresh processes logged 1.2-1.4x), with jemalloc preloaded where installed (:data:`JEMALLOC`)
     and no checkpoint but the freeze's and the last (a save's background write slows the steps
-    after it: an MLP static-diagonal run logged 0.52 ms per step with one per epoch, 0.32 without);
-    the keys :data:`CLEAN_KEYS` of their records, and ``allocator``."""
+    after it: an MLP static-diagonal run logged 0.52 ms per step with one per epoch, 0.32 without).
+    Every run is trained ``config.speed.clean_repeats`` times, the methods taking turns, and each
+    key is the median over the repeats: the host's speed can change for tens of seconds (a Mixer
+    static-diagonal run logged 3.9 ms steps for its first 1,100 steps, then 2.3 ms), which one
+    run per method would charge to whichever method it hit. Values: the keys
+    :data:`CLEAN_KEYS` of the records, ``allocator`` and ``repeats``."""
     specs = [
         (name, method, CLEAN_SPARSITY if method != "dense" else 0.0, 0)
         for name in suites
         if CLEAN_SPARSITY in [float(s) for s in config.models[name].sparsities]
         for method in CLEAN_METHODS
     ]
-    out = {}
+    repeats = int(config.speed.clean_repeats)
+    runs = {}
     spawn = multiprocessing.get_context("spawn")
     env = {"LD_PRELOAD": str(JEMALLOC), "MALLOC_CONF": JEMALLOC_CONF} if JEMALLOC.exists() else {}
-    for spec in tqdm.tqdm(specs, unit="run", disable=not progress, desc="clean runs"):
+    plan = [(repeat, spec) for repeat in range(repeats) for spec in specs]
+    for repeat, spec in tqdm.tqdm(plan, unit="run", disable=not progress, desc="clean runs"):
         with _environment(env), concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
-            record = pool.submit(_clean_run, config, spec, workdir).result()
-        record["allocator"] = "jemalloc" if env else "system"
-        out.setdefault(spec[0], {})[spec[1]] = record
+            record = pool.submit(_clean_run, config, spec, workdir, repeat).result()
+        runs.setdefault(spec[:2], []).append(record)
+    out = {}
+    for (name, method), records in runs.items():
+        median = {}
+        for k in (k for k in CLEAN_KEYS if any(k in r for r in records)):
+            values = [r[k] for r in records if r.get(k) is not None]
+            median[k] = float(np.median(values)) if values else None  # None: never logged
+        out.setdefault(name, {})[method] = {
+            **median,
+            "allocator": "jemalloc" if env else "system",
+            "repeats": len(records),
+        }
     return out
 
 
@@ -709,12 +725,12 @@ def _environment(changes: dict):
                 os.environ[k] = v
 
 
-def _clean_run(config, spec, workdir: pathlib.Path) -> dict:
+def _clean_run(config, spec, workdir: pathlib.Path, repeat: int) -> dict:
     name, method = spec[:2]
     data = prepare(config)
     steps = steps_of(config.models[name], data)
     fp = fingerprint(config, name, method, steps)
-    run_dir = workdir / "clean_runs" / name / f"{method}_{fp}"
+    run_dir = workdir / "clean_runs" / name / f"{method}_{fp}_{repeat}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: a resumed one would not train
     record = train_run(
         config, data, spec, steps, run_dir, fp, compile_first=True, checkpoints=False

@@ -188,8 +188,9 @@ def get_config(arg=None):
     config.unstructured = unstructured_defaults()
     config.eval_batch_size = 1000  # image suites; the last batch is padded; a multiple of devices
     # Timing: every method's jitted step on one fixed batch (the suite's training batch),
-    # interleaved, median of `repeats`.
-    config.speed = dict(repeats=40, warmup=5)
+    # interleaved, median of `repeats`; the clean runs (dense, static diagonals and DynaDiag
+    # trained once more, train/results_runs.py) `clean_repeats` times each, medians kept.
+    config.speed = dict(repeats=40, warmup=5, clean_repeats=3)
     if arg.quick:
         for m in config.models.values():
             m.seeds = m.sweep_seeds = 1
@@ -198,4 +199,5 @@ def get_config(arg=None):
             else:
                 m.steps, m.eval_every = 200, 50
         config.speed.repeats = 5
+        config.speed.clean_repeats = 1
     return config
