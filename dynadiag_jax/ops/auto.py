@@ -107,7 +107,6 @@ def decide(
     block_size: int = 1,
     kernel_available: bool,
     spec: gpu_cost.DeviceSpec | None = None,
-    outputs: tuple[str, ...] = ("y",),
 ) -> Decision:
     """The implementation for these static facts.
 
@@ -116,11 +115,11 @@ def decide(
       rows, in_features, out_features, dtype, num_diagonals, block_size: the product.
       kernel_available: whether ``impl="ffi"`` runs this dtype and block size on ``platform``.
       spec: GPU to predict for (default :func:`gpu_spec`).
-      outputs: what the product computes: ``("y",)`` (the forward), ``("dx",)``,
-        ``("dvalues",)`` or ``("dx", "dvalues")`` (the backward).
+
+    The forward and the backward products of a layer get the same decision.
     """
     geo = geometry(in_features, out_features, block_size)
-    return _decide(platform, rows, geo, dtype, num_diagonals, kernel_available, spec, outputs)
+    return _decide(platform, rows, geo, dtype, num_diagonals, kernel_available, spec)
 
 
 def _decide(
@@ -131,7 +130,6 @@ def _decide(
     num_diagonals: int,
     kernel_available: bool,
     spec: gpu_cost.DeviceSpec | None,
-    outputs: tuple[str, ...] = ("y",),
 ) -> Decision:
     """:func:`decide` for a product whose geometry the caller holds."""
     if platform == "cpu":
@@ -184,13 +182,11 @@ def kernel_available(platform: str, dtype, block_size: int = 1) -> bool:
     return block_size == 1 or (kernels.block_diagonals and block_size in KERNEL_BLOCK_SIZES)
 
 
-def decide_for_lowering(
-    platform: str, *, rows: int, geo, dtype, num_diagonals: int, outputs=("y",)
-) -> Decision:
+def decide_for_lowering(platform: str, *, rows: int, geo, dtype, num_diagonals: int) -> Decision:
     """:func:`decide` for ``platform`` with the kernels this installation has for it.
 
     ``geo``: the product's :class:`dynadiag_jax.layout.DiagGeometry`, computed once by the caller
-    and handed on to the cost model; ``outputs`` as for :func:`decide`.
+    and handed on to the cost model.
     """
     available = kernel_available(platform, dtype, geo.block_size)
-    return _decide(platform, rows, geo, dtype, num_diagonals, available, None, tuple(outputs))
+    return _decide(platform, rows, geo, dtype, num_diagonals, available, None)

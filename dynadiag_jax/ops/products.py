@@ -257,7 +257,7 @@ def _guarded(
         arrays, (offsets, *perm) = list(operands[:num_arrays]), operands[num_arrays:]
         geo = geometry(*widths(*arrays, **params))
         if impl == "auto":
-            impl = _auto_impl(platform, geo, arrays[0], offsets, outputs)
+            impl = _auto_impl(platform, geo, arrays[0], offsets)
         if not guard or (impl == "ffi" and platform == "cpu"):
             return lower(impl, *arrays, offsets, *perm, **params)
         valid = (offsets >= 0) & (offsets < geo.num_candidates)
@@ -309,9 +309,9 @@ def _guarded(
 _AUTO_PLATFORMS = ("cpu", "cuda")
 
 
-def _auto_impl(platform, geo, first, offsets, outputs) -> str:
-    """The impl ``"auto"`` runs for the product computing ``outputs`` on lowering platform
-    ``platform`` (None: one without kernels)."""
+def _auto_impl(platform, geo, first, offsets) -> str:
+    """The impl ``"auto"`` runs for the product on lowering platform ``platform`` (None: one
+    without kernels)."""
     if platform is None:
         return "dense"
     from dynadiag_jax.ops import auto  # noqa: PLC0415 - auto's cost model imports the FFI backend
@@ -323,7 +323,6 @@ def _auto_impl(platform, geo, first, offsets, outputs) -> str:
         geo=geo,
         dtype=first.dtype,
         num_diagonals=offsets.shape[0],
-        outputs=outputs,
     ).impl
 
 
