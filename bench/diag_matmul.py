@@ -297,7 +297,7 @@ def _names(text: str) -> tuple[str, ...]:
 def _phase_names(text: str) -> tuple[str, ...]:
     """``"fwd,bwd"`` -> the phases in their fixed order; an unknown one is an error."""
     names = set(text.split(","))
-    if not names or not names <= set(PHASES):
+    if not names <= set(PHASES):
         raise argparse.ArgumentTypeError(f"phases must be a subset of {PHASES}; got {text!r}")
     return tuple(p for p in PHASES if p in names)
 

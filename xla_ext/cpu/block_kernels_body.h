@@ -92,20 +92,19 @@ DYNADIAG_TARGET void ProductTile(const float* panel, int64_t b, int64_t count,
       }
     }
   }
-  if constexpr (std::is_same_v<T, float>) {
-    if (stream) {
-      DYNADIAG_UNROLL
-      for (int r = 0; r < MR; ++r) {
-        DYNADIAG_UNROLL
-        for (int v = 0; v < NV; ++v) V::StoreStream(out + r * out_width + v * V::kWidth, acc[r][v]);
-      }
-      return;
-    }
-  }
   DYNADIAG_UNROLL
   for (int r = 0; r < MR; ++r) {
     DYNADIAG_UNROLL
-    for (int v = 0; v < NV; ++v) V::Store(out + r * out_width + v * V::kWidth, acc[r][v]);
+    for (int v = 0; v < NV; ++v) {
+      T* p = out + r * out_width + v * V::kWidth;
+      if constexpr (std::is_same_v<T, float>) {
+        if (stream) {
+          V::StoreStream(p, acc[r][v]);
+          continue;
+        }
+      }
+      V::Store(p, acc[r][v]);
+    }
   }
 }
 
