@@ -432,6 +432,11 @@ BLOCK_CASES = [  # (in, out, b, rows, offsets: "one" | "all" (K = P_b) | "duplic
     (64, 128, 16, 0, "all"),  # no rows
     (256, 512, 16, 16, "all"),  # a few rows, split over several tasks
     (512, 256, 32, 9, "duplicates"),
+    # output blocks that read the same input blocks share tiles (BlockPlanView::group): a group
+    # of 5 (tiles of 4 and 1), of 7 (4, 2 and 1), and 7 in a wide layer's dx
+    (32, 160, 8, 37, "duplicates"),
+    (48, 336, 16, 29, "one"),
+    (224, 32, 16, 9, "duplicates"),
 ]
 
 

@@ -580,12 +580,51 @@ struct BlockPlan {
   Scratch<int64_t> entry_begin;
   Scratch<int32_t> in_block;
   Scratch<int64_t> value_block;
+  Scratch<int32_t> group;
+  Scratch<int32_t> group_step;
 
   BlockPlanView view() const {
-    return BlockPlanView{b, num_out_blocks, entry_begin.get(), in_block.get(), value_block.get(),
-                         transpose};
+    return BlockPlanView{b,         num_out_blocks, entry_begin.get(), in_block.get(),
+                         value_block.get(), transpose, group.get(), group_step.get()};
   }
 };
+
+// BlockPlanView::group: output blocks sorted by their in_block sequences; a run of equal ones
+// is one group if its blocks and their panels are equally spaced (the product steps from one to
+// the next by a fixed distance), else its blocks stay alone.
+void GroupBlocks(BlockPlan& plan) {
+  const int64_t n = plan.num_out_blocks;
+  const int64_t* begin = plan.entry_begin.get();
+  const int32_t* in_block = plan.in_block.get();
+  const auto less = [&](int64_t a, int64_t c) {
+    return std::lexicographical_compare(in_block + begin[a], in_block + begin[a + 1],
+                                        in_block + begin[c], in_block + begin[c + 1]);
+  };
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), less);
+  plan.group = Scratch<int32_t>(n);
+  plan.group_step = Scratch<int32_t>(n);
+  std::fill(plan.group.get(), plan.group.get() + n, 1);
+  std::fill(plan.group_step.get(), plan.group_step.get() + n, 1);
+  const auto set = [&](int64_t first, int64_t count, int64_t step) {
+    plan.group[first] = static_cast<int32_t>(count);
+    plan.group_step[first] = static_cast<int32_t>(step);
+    for (int64_t m = 1; m < count; ++m) plan.group[first + m * step] = 0;
+  };
+  for (int64_t i = 0; i < n;) {
+    int64_t end = i + 1;
+    while (end < n && !less(order[i], order[end])) ++end;  // sorted: equal unless less
+    const int64_t first = order[i], step = end - i > 1 ? order[i + 1] - first : 1;
+    bool even = true;
+    for (int64_t m = 1; m < end - i; ++m) {
+      even = even && order[i + m] == first + m * step &&
+             begin[first + m * step] - begin[first] == m * (begin[first + step] - begin[first]);
+    }
+    if (even) set(first, end - i, step);
+    i = end;
+  }
+}
 
 // The plan of the forward (`forward`: output blocks are W's block rows, input blocks its block
 // columns, panels transposed) or of dx (the transpose closure: output blocks are W's block
@@ -627,6 +666,7 @@ BlockPlan BuildBlockPlan(const DiagMatrix& w, bool forward) {
     plan.in_block[e] = static_cast<int32_t>(out_in[order[e]].second);
     plan.value_block[e] = order[e];
   }
+  GroupBlocks(plan);
   return plan;
 }
 

@@ -96,6 +96,14 @@ struct BlockPlanView {
   const int32_t* in_block;     // [entries]
   const int64_t* value_block;  // [entries]
   bool transpose;
+  // [num_out_blocks]: output blocks with the same in_block sequence, equally spaced (the blocks
+  // t, t + nb_in, t + 2 nb_in, ... of a tall forward, and likewise in a wide layer's dx), form a
+  // group: group[o] = its number of blocks at its first block o, 0 at the others, 1 for a block
+  // alone; group_step[o] = the distance from one block of the group to the next. Tiles one vector
+  // wide then compute several blocks of a group at once: each broadcast of an input element feeds
+  // several vectors.
+  const int32_t* group;
+  const int32_t* group_step;
 };
 
 template <typename T>
