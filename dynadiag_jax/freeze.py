@@ -3,8 +3,9 @@
 A frozen layer holds params ``values[K, *V]`` (+ ``bias``; ``V = (D,)`` for element diagonals,
 ``(L_b, b, b)`` for block diagonals) and, in the ``"diagonals"``
 collection, ``offsets[K]`` int32, ``in_features`` (int32 scalar, its input width) and, with an
-input permutation, ``perm[in]`` int32 (a learned one is hardened here from ``perm_soft``,
-:func:`dynadiag_jax.nn.permutation.harden`; a random one passes through); it computes
+input permutation, ``perm[in]`` int32 (a learned one is hardened here from ``perm_soft``, its
+kept entries folded into the values: :func:`dynadiag_jax.nn.permutation.harden_and_fold`; a
+random one passes through); it computes
 exactly the hard top-K product (gate 1 on the selected diagonals), with memory and compute K/P of
 a dense layer. All functions here are pure and jit-able (K comes from static shapes), so a
 training loop can freeze inside ``jax.jit``.
@@ -16,6 +17,7 @@ training loop can freeze inside ``jax.jit``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +32,7 @@ from dynadiag_jax.nn.functional import (
     search_width,
     select_diagonals,
 )
-from dynadiag_jax.nn.permutation import harden
+from dynadiag_jax.nn.permutation import harden_and_fold
 
 __all__ = ["freeze", "freeze_tree", "freeze_opt_state", "select_diagonals"]
 
@@ -177,11 +179,15 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
         for name in _SEARCH_PARAMS:
             params.pop(path + (name,), None)
         values = _gather_rows(layer["values"], offsets)
+        if "perm_soft" in layer:
+            soft = layer["perm_soft"]
+            out_features = math.prod(layer["values"].shape[offsets.ndim - 1 :]) // soft.shape[-1]
+            diagonals[path + ("perm",)], values = harden_and_fold(
+                soft, values, offsets, out_features
+            )
         params[path + ("values",)] = finite_values(layer["alpha"], values, path)
         diagonals[path + ("offsets",)] = offsets
         diagonals[path + ("in_features",)] = width
-        if "perm_soft" in layer:
-            diagonals[path + ("perm",)] = harden(layer["perm_soft"])
     out = dict(variables)
     out["params"] = traverse_util.unflatten_dict(params)
     if diagonals:

@@ -387,17 +387,16 @@ def freeze(model):
         values = finite_values(alpha, values, tuple(map(str, path)))
         for name in ("alpha", m.spec.hyper_name, "topk", "score"):
             delattr(m, name)
-        m.offsets = Diagonals(offsets)
-        m.values = nnx.Param(values)
         if hasattr(m, "perm_soft"):
             soft = m.perm_soft.get_value()
-            harden = (
-                functools.partial(jax.eval_shape, perms.harden)
-                if isinstance(soft, jax.ShapeDtypeStruct)
-                else perms.harden
-            )
+            harden = functools.partial(perms.harden_and_fold, out_features=m.spec.out_features)
+            if isinstance(soft, jax.ShapeDtypeStruct):
+                harden = functools.partial(jax.eval_shape, harden)
             del m.perm_soft
-            m.perm = Diagonals(harden(soft))
+            perm, values = harden(soft, values, offsets)
+            m.perm = Diagonals(perm)
+        m.offsets = Diagonals(offsets)
+        m.values = nnx.Param(values)
     return frozen
 
 

@@ -229,13 +229,61 @@ def test_freeze_tree_hardens_the_learned_permutation_and_keeps_the_random_one():
     for name, n in (("first", 24), ("second", 32)):
         perm = fv["diagonals"][name]["perm"]
         assert perm.dtype == jnp.int32 and sorted(np.asarray(perm).tolist()) == list(range(n))
-    # the frozen model is the hard top-K of the search at a hard gate, on the hardened inputs
+    # the frozen model is the hard top-K of the search at a hard gate, on the hardened inputs,
+    # each value scaled by the soft matrix's entry that the hard permutation kept for its input
     hard = {**v, "params": dict(v["params"])}
     first = dict(hard["params"]["first"])
-    first["perm_soft"] = jax.nn.one_hot(fv["diagonals"]["first"]["perm"], 24, dtype=jnp.float32)
+    perm = fv["diagonals"]["first"]["perm"]
+    first["perm_soft"] = jax.nn.one_hot(perm, 24, dtype=jnp.float32)
+    kept = np.take_along_axis(np.asarray(P.doubly_stochastic(soft)), np.asarray(perm)[:, None], 1)
+    cols = dd.layout.diag_indices(np.arange(first["values"].shape[0]), 24, 32)[1]
+    first["values"] = first["values"] * kept[:, 0][cols]
     hard["params"]["first"] = first
     want = model.apply(dd.nn.set_gate(hard, strength=0.0), x)
     np.testing.assert_allclose(model.apply(fv, x), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("block_size", "n_in", "n_out"), CASES)
+def test_the_freeze_folds_the_kept_entries_so_the_function_moves_less(block_size, n_in, n_out):
+    """From the random start (every row half on its permutation entry) the frozen layer stays
+    closer to the search layer at a hard gate than a hardening that drops the kept entries'
+    weight (values as they were); linen and NNX freeze alike."""
+    kwargs = dict(sparsity=0.5, block_size=block_size, permutation="learned", impl="jax")
+    layer = DiagonalDense(n_out, **kwargs)
+    x = jax.random.normal(jax.random.key(1), (64, n_in))
+    v = layer.init(jax.random.key(0), x)
+    v = {
+        **v,
+        "params": {
+            **v["params"],
+            "alpha": jax.random.normal(jax.random.key(2), (v["params"]["alpha"].shape)),
+        },
+    }
+    search = layer.apply(dd.nn.set_gate(v, strength=0.0), x)
+    frozen_layer, fv = dd.freeze(layer, v)
+    folded = frozen_layer.apply(fv, x)
+    m = P.doubly_stochastic(v["params"]["perm_soft"])
+    kept = np.take_along_axis(np.asarray(m), np.asarray(fv["diagonals"]["perm"])[:, None], 1)
+    assert 0.3 < kept.mean() < 0.9  # a soft matrix, not yet a permutation
+    offsets = fv["diagonals"]["offsets"]
+    unfolded_values = jnp.take(v["params"]["values"], offsets, axis=0)
+    unfolded = frozen_layer.apply({**fv, "params": {**fv["params"], "values": unfolded_values}}, x)
+    err = lambda y: float(jnp.linalg.norm(y - search) / jnp.linalg.norm(search))  # noqa: E731
+    assert err(folded) < 0.5 * err(unfolded), (err(folded), err(unfolded))
+    # where the kept entries are 1 (an exact permutation) the fold changes nothing
+    exact = {
+        **v,
+        "params": {**v["params"], "perm_soft": jax.nn.one_hot(fv["diagonals"]["perm"], n_in)},
+    }
+    _, fe = dd.freeze(layer, exact)
+    np.testing.assert_allclose(fe["params"]["values"], unfolded_values, rtol=1e-6)
+    # NNX: the same values from the same parameters
+    nl = dd.nnx.DiagonalDense(n_in, n_out, rngs=nnx.Rngs(0), **kwargs)
+    for name in ("alpha", "values", "perm_soft"):
+        getattr(nl, name).set_value(v["params"][name])
+    nf = dd.nnx.freeze(nl)
+    np.testing.assert_array_equal(nf.perm.get_value(), fv["diagonals"]["perm"])
+    np.testing.assert_allclose(nf.values.get_value(), fv["params"]["values"], rtol=1e-6)
 
 
 def test_freeze_opt_state_drops_the_soft_matrix():

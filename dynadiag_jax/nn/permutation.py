@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynadiag_jax._checks import finite_number, permutation_problem
+from dynadiag_jax.layout import block_indices, diag_indices
 from dynadiag_jax.ops.reference import gather_columns, is_permutation, scatter_columns
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "host_array",
     "init_soft",
     "apply_permutation",
+    "harden_and_fold",
     "is_permutation",
     "l1_l2_penalty",
     "permute_inputs",
@@ -216,6 +218,36 @@ def harden(soft):
     """``perm[..., n]`` int32 for a learned layer's ``perm_soft[..., n, n]`` at the freeze: the
     :func:`hard_permutation` of the matrix the search phase used, ``doubly_stochastic(soft)``."""
     return hard_permutation(doubly_stochastic(jnp.asarray(soft, jnp.float32)))
+
+
+def harden_and_fold(soft, values, offsets, out_features: int):
+    """The freeze of a learned permutation: ``(perm[..., n], values[..., K, *V])``.
+
+    In the search phase input position ``i`` of the product read ``sum_j M[i, j] x[j]`` with ``M
+    = doubly_stochastic(soft)``; the frozen layer reads ``x[perm[i]]``. So that the part of the
+    function the hard permutation keeps stays as it was, every value is scaled by ``M[i,
+    perm[i]]`` of the position ``i`` it reads (the rest of row ``i``, the mixing of other inputs,
+    is what hardening drops). ``values`` and ``offsets`` are the kept diagonals (element ``[...,
+    K, D]`` or block ``[..., K, L_b, b, b]``) of a layer of ``n`` inputs and ``out_features``
+    outputs; ``values`` keep their dtype.
+    """
+    m = doubly_stochastic(jnp.asarray(soft, jnp.float32))
+    perm = hard_permutation(m)
+    kept = jnp.take_along_axis(m, perm[..., :, None], axis=-1)[..., 0]
+    n, block = m.shape[-1], values.ndim - offsets.ndim == 3
+
+    def fold(values, offsets, kept):
+        if block:
+            b = values.shape[-1]
+            cols = block_indices(offsets, n, out_features, b)[1]  # [K, L_b] block columns
+            scale = kept.reshape(-1, b)[cols][:, :, None, :]  # values[k, t, i, j] reads column j
+        else:
+            scale = kept[diag_indices(offsets, n, out_features)[1]]
+        return (values.astype(jnp.float32) * scale).astype(values.dtype)
+
+    for _ in range(offsets.ndim - 1):  # leading axes of stacked layers
+        fold = jax.vmap(fold)
+    return perm, fold(values, offsets, kept)
 
 
 def _greedy_assignment(m):
