@@ -117,8 +117,9 @@ def test_freeze_tree_whole_model_under_jit():
         set_gate(fv, strength=0.1)
 
 
+@pytest.mark.parametrize("permutation", [None, "learned"])
 @pytest.mark.parametrize("width,k,block_size", [(8, 2, 1), (32, 2, 8)])
-def test_freeze_tree_stacked_layers(width, k, block_size):
+def test_freeze_tree_stacked_layers(width, k, block_size, permutation):
     class Stack(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -129,7 +130,13 @@ def test_freeze_tree_stacked_layers(width, k, block_size):
                 length=3,
             )
             layer = DiagonalDense(
-                width, k=k, block_size=block_size, explore="none", impl="jax", use_bias=False
+                width,
+                k=k,
+                block_size=block_size,
+                explore="none",
+                impl="jax",
+                use_bias=False,
+                permutation=permutation,
             )
             x, _ = scanned(layer, x, None)
             return x
@@ -147,9 +154,12 @@ def test_freeze_tree_stacked_layers(width, k, block_size):
     values = v["params"]["DiagonalDense_0"]["values"]
     for i in range(3):
         np.testing.assert_array_equal(offsets[i], dd.select_diagonals(alpha[i], k))
-        np.testing.assert_array_equal(
-            fv["params"]["DiagonalDense_0"]["values"][i], values[i][offsets[i]]
-        )
+        want = values[i][offsets[i]]
+        if permutation:  # each slice hardened and folded on its own
+            soft = v["params"]["DiagonalDense_0"]["perm_soft"][i]
+            perm, want = dd.nn.permutation.harden_and_fold(soft, want, offsets[i], width)
+            np.testing.assert_array_equal(fv["diagonals"]["DiagonalDense_0"]["perm"][i], perm)
+        np.testing.assert_allclose(fv["params"]["DiagonalDense_0"]["values"][i], want, rtol=1e-6)
     assert model.apply(fv, x).shape == (4, width)
 
 
