@@ -5,9 +5,12 @@ import math
 import pathlib
 
 import jax
+import numpy as np
 import pytest
 from conftest import load_script
 from training_helpers import fast_compile  # noqa: F401 - fixture
+
+from dynadiag_jax.layout import diag_indices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--shapes", "16:32", "--sparsities", "0.5", "--batch", "4", "--repeats", "1"]
@@ -280,6 +283,75 @@ def test_suite_step_benchmark_times_both_phases_and_every_compilation(tmp_path, 
 )
 def test_suite_step_benchmark_refuses_bad_options(capsys, option):
     assert_refuses(ROOT / "bench" / "suite_step.py", option, capsys)
+
+
+@pytest.mark.parametrize("shape", [(12, 12, 3), (9, 20, 4), (20, 9, 4)])
+def test_matched_layout_finds_most_of_a_hidden_diagonal_layout(shape):
+    """``W`` is exactly ``K`` diagonals of ``W[:, p]`` for a random ``p``: the alternation
+    (offsets, then the permutation, each the best given the other) never ends below the identity
+    permutation's top-``K`` diagonals it starts from, and holds most of ``|W|^2`` where a random
+    layout would hold about ``K / P`` of it."""
+    probe = load_script(ROOT / "bench" / "permutation_probe.py")
+    out_features, in_features, k = shape
+    rng = np.random.default_rng(sum(shape))
+    shares = []
+    for _ in range(4):
+        offsets = np.sort(rng.choice(max(shape[:2]), k, replace=False))
+        rows, cols = (np.asarray(a) for a in diag_indices(offsets, in_features, out_features))
+        hidden = np.zeros(shape[:2])
+        hidden[rows, cols] = rng.normal(size=rows.shape) + 3.0
+        w = np.zeros(shape[:2])
+        w[:, rng.permutation(in_features)] = hidden
+
+        def share(perm, kept, w=w):
+            r, c = (np.asarray(a) for a in diag_indices(kept, in_features, out_features))
+            return np.square(w[:, perm][r, c]).sum() / np.square(w).sum()
+
+        perm, kept = probe.matched_layout(w, k)
+        assert sorted(perm) == list(range(in_features)) and len(set(kept)) == k
+        identity = np.arange(in_features)
+        masses = [share(identity, [d]) for d in range(max(shape[:2]))]
+        start = share(identity, np.sort(np.argsort(masses)[::-1][:k]))
+        assert share(perm, kept) >= start - 1e-12
+        shares.append(share(perm, kept))
+    assert np.mean(shares) > 0.7, shares
+
+
+@pytest.mark.usefixtures("fast_compile")
+@pytest.mark.parametrize("probe", ["moves", "assigned"])
+def test_permutation_probe_reports_each_run_per_seed(tmp_path, capsys, probe):
+    """The small digits' MLP suite, one seed: a CSV row per run (and per learned layer, with
+    the share of its rows moved, in [0, 1]) and a table line per run."""
+    out = tmp_path / "probe.csv"
+    args = ["--data", "mnist5k", "--probe", probe, "--seeds", "0", "--out", str(out)]
+    args += ["--lr-scales", "1,100"] if probe == "moves" else ["--dense-steps", "3"]
+    load_script(ROOT / "bench" / "permutation_probe.py").main(args)
+    stdout = capsys.readouterr().out
+    _, rows = read_rows(out)
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    if probe == "moves":
+        assert runs == ["learned, perm lr x1", "learned, perm lr x100"]
+        assert {r["layer"] for r in rows} == {"hidden_0", "hidden_1"}
+        moved = [float(r["rows_moved"]) for r in rows]
+        assert all(0.0 <= m <= 1.0 for m in moved)
+        # a hundred times the steps move more rows than the suite's own
+        by = {(r["run"], r["layer"]): float(r["rows_moved"]) for r in rows}
+        assert by[("learned, perm lr x100", "hidden_0")] > by[("learned, perm lr x1", "hidden_0")]
+        assert "rows moved per layer" in stdout
+    else:
+        assert runs == [
+            "static diagonals, random permutation",
+            "static diagonals, layout matched to dense after 3 steps",
+        ]
+    assert all(0.0 < float(r["metric"]) <= 1.0 for r in rows)
+    assert all(run in stdout for run in runs)
+
+
+@pytest.mark.parametrize(
+    "option", [["--seeds", "x"], ["--lr-scales", "0"], ["--dense-steps", "-1"], ["--seeds", "-1"]]
+)
+def test_permutation_probe_refuses_bad_options(capsys, option):
+    assert_refuses(ROOT / "bench" / "permutation_probe.py", option, capsys)
 
 
 def test_page_fault_benchmark_counts_faults_per_call_in_fresh_processes(run_python, tmp_path):

@@ -320,7 +320,8 @@ def model_inputs(model_cfg, batch: dict):
     return batch["tokens"][:, :-1] if is_language_model(model_cfg) else batch["image"]
 
 
-def _train_source(model_cfg, data: Data, seed: int):
+def train_source(model_cfg, data: Data, seed: int):
+    """The suite's training batches: shuffled images, or random token windows."""
     batch = int(model_cfg.batch_size)
     if is_language_model(model_cfg):
         return D.TokenWindows(data.corpus.train, int(model_cfg.seq_len), batch, seed=seed)
@@ -534,12 +535,13 @@ def train_built(
     finetune=None,
     compile_first=False,
     checkpoints=True,
+    initial_variables=None,
 ):
     """``T.train`` of a built method (:class:`train.baselines.Method`) with suite ``model_name``'s
     recipe, data and logging: what every results run trains, whatever its model; ``steps`` in
     all, the last ones ``finetune``'s phase if given; ``compile_first`` as for ``T.train``;
     ``checkpoints=False`` saves only where the loop must (the freeze, the end), not every epoch
-    (a quarter of the run for a language model)."""
+    (a quarter of the run for a language model); ``initial_variables`` as for ``T.train``."""
     m = config.models[model_name]
     lm = is_language_model(m)
     every = max(1, steps // 4) if lm else steps // int(m.epochs)
@@ -547,7 +549,7 @@ def train_built(
         model=built.model,
         optimizer=built.optimizer,
         task=task_of(m, data),
-        train_data=_train_source(m, data, seed),
+        train_data=train_source(m, data, seed),
         eval_data=_eval_source(config, m, data),
         eval_every=int(m.eval_every) if lm else 0,
         num_steps=steps,
@@ -566,6 +568,7 @@ def train_built(
         run_info=run_info,
         finetune=finetune,
         compile_first=compile_first,
+        initial_variables=initial_variables,
     )
 
 
