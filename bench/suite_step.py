@@ -46,7 +46,6 @@ import optax  # noqa: E402
 from diag_matmul import time_interleaved  # noqa: E402 - bench/, beside this
 from tqdm import tqdm  # noqa: E402
 
-from dynadiag_jax import data as D  # noqa: E402
 from dynadiag_jax import training as T  # noqa: E402
 from train import results_runs as R  # noqa: E402
 from train.configs import results as results_config  # noqa: E402
@@ -83,7 +82,7 @@ def measure(
     rows.append(("compile: initial state", _compile_seconds(init("dynadiag", dyn.optimizer)), "s"))
     state = jax.jit(init("dynadiag", dyn.optimizer))()
     step = jax.jit(T.make_train_step(dyn.model, dyn.optimizer, task, gate=dyn.gate))
-    source = D.ArrayBatches(data.images.train, int(m.batch_size), seed=0)
+    source = R.train_source(m, data, 0)
     for _, local in zip(range(round(fraction * dyn.freeze_step)), source.iterate(0)):
         state, _ = step(state, local)
     rows.append(("compile: search step", _compile_seconds(step, state, batch), "s"))
@@ -148,7 +147,7 @@ def _bytes_accessed(compiled) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", default="mlp", choices=("mlp", "mixer", "vit"))
+    parser.add_argument("--suite", default="mlp", choices=results_config.SUITES)
     parser.add_argument("--sparsity", type=float, default=0.9)
     parser.add_argument("--fraction", type=float, default=0.5, help="of the search phase trained")
     parser.add_argument("--repeats", type=int, default=101)
