@@ -42,7 +42,6 @@ from scipy.optimize import linear_sum_assignment  # noqa: E402
 import dynadiag_jax as dd  # noqa: E402
 from dynadiag_jax import training as T  # noqa: E402
 from dynadiag_jax.layout import diag_indices, geometry  # noqa: E402
-from dynadiag_jax.nn import permutation as perms  # noqa: E402
 from train import results_runs as R  # noqa: E402
 from train.configs import results as results_config  # noqa: E402
 
@@ -57,19 +56,6 @@ def scaled_permutation_updates(tx: optax.GradientTransformation, factor: float):
 
 def _flat(tree, leaf: str) -> dict:
     return {k[:-1]: v for k, v in traverse_util.flatten_dict(tree).items() if k[-1] == leaf}
-
-
-def rows_moved(initial_params, diagonals) -> dict[str, float]:
-    """Per learned layer: the share of rows whose frozen ``perm`` differs from the argmax of the
-    initial ``doubly_stochastic(perm_soft)``."""
-    start = _flat(initial_params, "perm_soft")
-    final = _flat(diagonals, "perm")
-    return {
-        "/".join(path): float(
-            np.mean(np.asarray(final[path]) != np.argmax(perms.doubly_stochastic(soft), -1))
-        )
-        for path, soft in start.items()
-    }
 
 
 def matched_layout(w, k: int, rounds: int = ASSIGN_ROUNDS):
@@ -126,8 +112,9 @@ def probe_moves(config, data, suite, seeds, lr_scales) -> list[dict]:
             built = R.build(config, suite, "dynadiag_learned_perm", SPARSITY, seed, data, steps)
             built = built._replace(optimizer=scaled_permutation_updates(built.optimizer, factor))
             initial = T.create_train_state(built.model, built.optimizer, example, seed=seed)
+            start = R.start_permutations(initial.params)
             result, metric = _train(config, data, suite, built, seed, steps)
-            moved = rows_moved(initial.params, result.state.collections["diagonals"])
+            moved = R.rows_moved(start, result.state.collections["diagonals"])
             rows.append(
                 dict(run=f"learned, perm lr x{factor:g}", seed=seed, metric=metric, moved=moved)
             )

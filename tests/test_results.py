@@ -580,6 +580,46 @@ def test_fingerprint_of_permutations_and_runs_without_one_hash_as_before():
     assert len({learned, fp("dynadiag"), random["dynadiag"], before["dynadiag"]}) == 4
 
 
+@pytest.mark.skipif(not HAS_LAYER, reason="needs dynadiag_jax.nn")
+def test_rows_moved_compares_the_frozen_perm_with_the_soft_start():
+    from dynadiag_jax.nn import permutation as perms
+
+    n = 10
+    soft = perms.init_soft(jax.random.key(3), (n, n))
+    drawn = np.asarray(perms.random_permutation(jax.random.split(jax.random.key(3))[1], n))
+    start = results.start_permutations({"a": {"perm_soft": soft, "values": jnp.ones((4, 2))}})
+    assert list(start) == ["a"]
+    np.testing.assert_array_equal(start["a"], drawn)  # the random start's permutation
+    frozen = drawn.copy()
+    frozen[[0, 1]] = frozen[[1, 0]]
+    assert results.rows_moved(start, {"a": {"perm": frozen}}) == {"a": pytest.approx(0.2)}
+    assert results.rows_moved(start, {"a": {"perm": drawn, "offsets": [0]}}) == {"a": 0.0}
+    with pytest.raises(ValueError, match="no frozen perm for the learned layers"):
+        results.rows_moved(start, {"b": {"perm": drawn}})
+
+
+@pytest.mark.skipif(not HAS_LAYER, reason="needs dynadiag_jax.nn")
+def test_a_learned_permutation_run_records_the_rows_it_moved(tmp_path):
+    config = _config("quick,models=mlp,methods=dynadiag_learned_perm,sparsities=0.9")
+    data = results.prepare(config)
+    (spec,) = results.run_plan(config)
+    steps = results.steps_of(config.models.mlp, data)
+    fp = results.fingerprint(config, "mlp", spec[1], steps)
+    record = results.train_run(config, data, spec, steps, tmp_path, fp)
+    moved = record["perm_rows_moved"]
+    assert set(moved) == {"hidden_0", "hidden_1"}
+    assert all(0.0 <= v <= 1.0 for v in moved.values())
+    json.dumps(record)
+    lines = results_report.permutation_moves(config, [record, dict(record, seed=1)])
+    mean = 100 * np.mean(list(moved.values()))
+    assert lines == [
+        f"- mlp: rows the learned permutation moved from its random start: DynaDiag "
+        f"{mean:.1f}% (largest layer {100 * max(moved.values()):.1f}%, 2 runs)."
+    ]
+    other = dict(record, method="dynadiag_random_perm")
+    assert results_report.permutation_moves(config, [other]) == []
+
+
 @pytest.mark.parametrize("method", ["dynadiag", "static_diagonals"])
 @pytest.mark.parametrize("permutation", ["random", "learned", "none"])
 def test_dynadiag_permutation_reaches_every_sparse_layer(method, permutation):

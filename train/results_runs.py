@@ -34,6 +34,7 @@ from flax import traverse_util
 
 from dynadiag_jax import data as D
 from dynadiag_jax import training as T
+from dynadiag_jax.nn import permutation as perms
 from train import baselines, common, finetuning
 from train.configs import results as default_config
 
@@ -572,6 +573,34 @@ def train_built(
     )
 
 
+def start_permutations(params) -> dict[str, np.ndarray]:
+    """``{layer path: perm[in]}``: the permutation each learned layer's ``perm_soft`` stands for
+    at the start (the row-wise argmax of ``doubly_stochastic(perm_soft)``)."""
+    return {
+        "/".join(path[:-1]): np.asarray(jnp.argmax(perms.doubly_stochastic(soft), axis=-1))
+        for path, soft in traverse_util.flatten_dict(params).items()
+        if path[-1] == "perm_soft"
+    }
+
+
+def rows_moved(start: dict[str, np.ndarray], diagonals) -> dict[str, float]:
+    """Per learned layer, the share of input positions whose frozen ``perm`` (in the
+    ``"diagonals"`` collection) differs from its :func:`start_permutations` entry.
+
+    Raises:
+      ValueError: a layer of ``start`` with no ``perm`` in ``diagonals`` (not frozen yet).
+    """
+    final = {
+        "/".join(path[:-1]): np.asarray(v)
+        for path, v in traverse_util.flatten_dict(diagonals).items()
+        if path[-1] == "perm"
+    }
+    missing = sorted(set(start) - set(final))
+    if missing:
+        raise ValueError(f"no frozen perm for the learned layers {missing}")
+    return {path: float(np.mean(final[path] != perm)) for path, perm in start.items()}
+
+
 def train_run(
     config,
     data: Data,
@@ -593,6 +622,12 @@ def train_run(
     phase = lora_phase(config, model_name, method, sparsity, data, steps)
     total = steps + lora_steps(m, method, steps)
     example = example_input(m, data)
+    perm_start = {}
+    if method_dynadiag(m, method).permutation == "learned" and built.freeze_step is not None:
+        # where each learned layer's search started (the run's own init: same model and seed)
+        perm_start = start_permutations(
+            T.create_train_state(built.model, built.optimizer, example, seed=seed).params
+        )
     load_before = os.getloadavg()[0]
     start, cpu_start = time.perf_counter(), time.process_time()
     run_info = {"model": model_name, "method": method, "sparsity": sparsity, "fingerprint": fp}
@@ -642,6 +677,9 @@ def train_run(
         )
     else:
         record["accuracy"] = ev["accuracy"]
+    if perm_start:
+        diagonals = result.state.collections["diagonals"]
+        record["perm_rows_moved"] = rows_moved(perm_start, diagonals)
     if built.freeze_step is not None:
         record["search_step_time_s"] = mean_step_time(metrics_path, 0, built.freeze_step)
         record["frozen_step_time_s"] = mean_step_time(metrics_path, built.freeze_step, steps)
