@@ -4,7 +4,8 @@ Two probes on one results suite at 90% (``train/configs/results.py``: its model,
 search), each trained over ``--seeds``:
 
 * ``--probe moves``: ``dynadiag_learned_perm`` with the optimizer's updates of ``perm_soft``
-  multiplied by each factor of ``--lr-scales`` (1: the suite's own run). Beside the test metric
+  multiplied by each factor of ``--lr-scales`` (1: the suite's own run; 0: ``perm_soft`` kept at
+  its start, so the soft phase mixes the inputs but learns nothing there). Beside the test metric
   it reports, per sparse layer, the share of rows whose hardened permutation differs from the
   argmax of the layer's initial soft matrix (its random start): 0 means the search never moved
   the permutation, whatever it learned in between.
@@ -170,8 +171,8 @@ def main(argv=None) -> None:
         scales = [float(s) for s in args.lr_scales.split(",")]
     except ValueError:
         parser.error("--seeds and --lr-scales are comma-separated numbers")
-    if not seeds or min(seeds) < 0 or not all(np.isfinite(s) and s > 0 for s in scales):
-        parser.error("need seeds >= 0 and --lr-scales > 0")
+    if not seeds or min(seeds) < 0 or not all(np.isfinite(s) and s >= 0 for s in scales):
+        parser.error("need seeds >= 0 and --lr-scales >= 0")
     if args.dense_steps < 0:
         parser.error("need --dense-steps >= 0")
     config = results_config.get_config(f"models={args.suite}")

@@ -348,7 +348,7 @@ def test_permutation_probe_reports_each_run_per_seed(tmp_path, capsys, probe):
 
 
 @pytest.mark.parametrize(
-    "option", [["--seeds", "x"], ["--lr-scales", "0"], ["--dense-steps", "-1"], ["--seeds", "-1"]]
+    "option", [["--seeds", "x"], ["--lr-scales", "-1"], ["--dense-steps", "-1"], ["--seeds", "-1"]]
 )
 def test_permutation_probe_refuses_bad_options(capsys, option):
     assert_refuses(ROOT / "bench" / "permutation_probe.py", option, capsys)
