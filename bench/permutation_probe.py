@@ -7,7 +7,7 @@ search), each trained over ``--seeds``:
   multiplied by each factor of ``--lr-scales`` (1: the suite's own run; 0: ``perm_soft`` kept at
   its start, so the soft phase mixes the inputs but learns nothing there). Beside the test metric
   it reports, per sparse layer, the share of rows whose hardened permutation differs from the
-  argmax of the layer's initial soft matrix (its random start): 0 means the search never moved
+  hardening of the layer's initial soft matrix (its random start): 0 means the search never moved
   the permutation, whatever it learned in between.
 * ``--probe assigned``: static diagonals behind a permutation, with the permutation drawn at
   random (the suite's ``static_diagonals_random_perm``) against one matched to a dense model of
@@ -55,26 +55,16 @@ def scaled_permutation_updates(tx: optax.GradientTransformation, factor: float):
     return optax.chain(tx, optax.masked(optax.scale(factor), dd.optim.path_mask([r".*perm_soft"])))
 
 
-def _flat(tree, leaf: str) -> dict:
-    return {k[:-1]: v for k, v in traverse_util.flatten_dict(tree).items() if k[-1] == leaf}
-
-
 def matched_layout(w, k: int, rounds: int = ASSIGN_ROUNDS):
     """``(perm[in], offsets[k])`` for ``W[out, in]``: ``k`` wrapped diagonals of ``W[:, perm]``
     and the permutation holding the most of ``|W|^2`` on them, by alternating maximisation."""
     a = np.square(np.asarray(w, np.float64))
     out_features, in_features = a.shape
+    candidates = np.arange(geometry(in_features, out_features).num_candidates)
+    rows, cols = (np.asarray(i) for i in diag_indices(candidates, in_features, out_features))
     perm = np.arange(in_features)
     offsets = None
     for _ in range(rounds):
-        rows, cols = (
-            np.asarray(i)
-            for i in diag_indices(
-                np.arange(geometry(in_features, out_features).num_candidates),
-                in_features,
-                out_features,
-            )
-        )
         mass = a[:, perm][rows, cols].sum(axis=1)  # per candidate diagonal
         offsets = np.sort(np.argsort(-mass, kind="stable")[:k])
         kept_rows, kept_cols = (
@@ -135,11 +125,11 @@ def probe_assigned(config, data, suite, seeds, dense_steps: int) -> list[dict]:
         rows.append(dict(run="static diagonals, random permutation", seed=seed, metric=metric))
         dense = R.build(config, suite, "dense", 0.0, seed, data, steps)
         trained, _ = _train(config, data, suite, dense, seed, dense_steps)
-        kernels = _flat(trained.state.params, "kernel")
+        kernels = R.leaves_named(trained.state.params, "kernel")
         initial = T.create_train_state(built.model, built.optimizer, example, seed=seed)
         variables = {"params": initial.params, **initial.collections}
         diagonals = traverse_util.flatten_dict(variables["diagonals"])
-        for path in _flat(variables["diagonals"], "perm"):
+        for path in R.leaves_named(variables["diagonals"], "perm"):
             if path not in kernels:
                 raise ValueError(f"the dense model has no kernel at {'/'.join(path)}")
             w = np.asarray(kernels[path]).T  # [out, in]

@@ -573,13 +573,18 @@ def train_built(
     )
 
 
+def leaves_named(tree, name: str) -> dict[tuple, object]:
+    """``{path of the parent: leaf}`` for every leaf called ``name`` in a nested mapping."""
+    return {k[:-1]: v for k, v in traverse_util.flatten_dict(tree).items() if k[-1] == name}
+
+
 def start_permutations(params) -> dict[str, np.ndarray]:
     """``{layer path: perm[in]}``: the permutation each learned layer's ``perm_soft`` stands for
-    at the start (the row-wise argmax of ``doubly_stochastic(perm_soft)``)."""
+    at the start (what the freeze would harden it to there, :func:`perms.harden`: for the random
+    start, the permutation it started half on)."""
     return {
-        "/".join(path[:-1]): np.asarray(jnp.argmax(perms.doubly_stochastic(soft), axis=-1))
-        for path, soft in traverse_util.flatten_dict(params).items()
-        if path[-1] == "perm_soft"
+        "/".join(path): np.asarray(perms.harden(soft))
+        for path, soft in leaves_named(params, "perm_soft").items()
     }
 
 
@@ -590,11 +595,7 @@ def rows_moved(start: dict[str, np.ndarray], diagonals) -> dict[str, float]:
     Raises:
       ValueError: a layer of ``start`` with no ``perm`` in ``diagonals`` (not frozen yet).
     """
-    final = {
-        "/".join(path[:-1]): np.asarray(v)
-        for path, v in traverse_util.flatten_dict(diagonals).items()
-        if path[-1] == "perm"
-    }
+    final = {"/".join(path): np.asarray(v) for path, v in leaves_named(diagonals, "perm").items()}
     missing = sorted(set(start) - set(final))
     if missing:
         raise ValueError(f"no frozen perm for the learned layers {missing}")
