@@ -16,6 +16,11 @@ CPU inside the kernels; in the search variants a gather of ``x`` before the prod
 learned one is soft, ``x @ M.T`` with ``M[in, in]``) and adds ``plain``: the frozen layer without
 a permutation, so ``frozen / plain`` is what the permutation costs after the freeze.
 
+``--block-size b`` builds block-diagonal layers of ``b x b`` blocks instead of element diagonals.
+``--rounds n`` repeats the interleaved timing ``n`` times and reports the median of the rounds'
+medians: the shared hosts change speed for seconds at a time, which one round charges to
+whichever variant it hits.
+
 Each time is printed with its ratio to ``frozen``; the training goal is a search step at most 1.3x
 the frozen one. Writes a CSV (``--out``, default ``bench/results/search_step_<time>.csv``).
 
@@ -34,6 +39,7 @@ import pathlib
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from diag_matmul import parse_shapes, parse_sizes, time_interleaved  # bench/, beside this
 from flax import traverse_util
 from tqdm import tqdm
@@ -75,12 +81,21 @@ def _with_scores(params, key):
 
 
 def functions(
-    in_f: int, out_f: int, sparsity: float, batch: int, seed: int, permutation=None
+    in_f: int,
+    out_f: int,
+    sparsity: float,
+    batch: int,
+    seed: int,
+    permutation=None,
+    block_size: int = 1,
 ) -> dict:
-    """``{variant: (fn, args)}`` for one layer shape, sparsity, batch and input permutation."""
+    """``{variant: (fn, args)}`` for one layer shape, sparsity, batch, input permutation and block
+    size."""
     keys = jax.random.split(jax.random.key(seed), 4)
     x = jax.random.normal(keys[0], (batch, in_f), jnp.float32)
-    layer = dd.nn.DiagonalDense(out_f, sparsity=sparsity, permutation=permutation)
+    layer = dd.nn.DiagonalDense(
+        out_f, sparsity=sparsity, permutation=permutation, block_size=block_size
+    )
     variables = layer.init(keys[1], x)
     rest = {k: v for k, v in variables.items() if k != "params"}
     narrow = dd.nn.set_gate(
@@ -120,12 +135,16 @@ def run(args, progress) -> list[dict]:
     for in_f, out_f in args.shapes:
         for sparsity in args.sparsity:
             for batch in args.batch:
-                fns = functions(in_f, out_f, sparsity, batch, args.seed, args.permutation)
-                median = time_interleaved(fns, args.repeats, progress)
+                fns = functions(
+                    in_f, out_f, sparsity, batch, args.seed, args.permutation, args.block_size
+                )
+                rounds = [time_interleaved(fns, args.repeats, progress) for _ in range(args.rounds)]
+                median = {name: float(np.median([r[name] for r in rounds])) for name in fns}
                 for name in variants(args.permutation):
                     rows.append(
                         dict(
                             shape=f"{in_f}->{out_f}",
+                            block_size=args.block_size,
                             sparsity=sparsity,
                             batch=batch,
                             variant=name,
@@ -144,19 +163,32 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=101)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--permutation", choices=("none", "random", "learned"), default="none")
+    parser.add_argument("--block-size", type=int, default=1, help="1: element diagonals")
+    parser.add_argument("--rounds", type=int, default=1, help="median over this many timings")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
     args.permutation = None if args.permutation == "none" else args.permutation
     names = variants(args.permutation)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.block_size < 1:
+        parser.error(f"--block-size must be at least 1, got {args.block_size}")
+    bad = [f"{i}:{o}" for i, o in args.shapes if i % args.block_size or o % args.block_size]
+    if bad:
+        parser.error(f"--block-size {args.block_size} must divide both widths of {', '.join(bad)}")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or pathlib.Path(__file__).parent / "results" / f"search_step_{stamp}.csv"
     print(
         f"jax {jax.__version__}, backend {jax.default_backend()}, forward + backward, "
-        f"interleaved, median of {args.repeats} (us, and ratio to the frozen layer)"
+        f"{'element diagonals' if args.block_size == 1 else f'blocks of {args.block_size}'}, "
+        f"interleaved, median of {args.repeats}"
+        f"{f' (median of {args.rounds} rounds)' if args.rounds > 1 else ''}"
+        " (us, and ratio to the frozen layer)"
     )
     total = len(args.shapes) * len(args.sparsity) * len(args.batch) * len(names) * args.repeats
+    total *= args.rounds
     with tqdm(total=total, unit="call") as progress:
         rows = run(args, progress)
     header = f"{'shape':>10} {'sparsity':>8} {'batch':>5} " + " ".join(f"{v:>17}" for v in names)

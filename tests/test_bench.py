@@ -210,9 +210,44 @@ def test_search_step_benchmark_with_a_permutation_adds_the_plain_frozen_layer(
     assert all(math.isfinite(float(r["us"])) and float(r["us"]) > 0 for r in rows)
 
 
+@pytest.mark.usefixtures("fast_compile")
+def test_search_step_benchmark_times_block_layers_over_rounds(tmp_path, monkeypatch):
+    """``--block-size`` builds block layers (the frozen one holds values[K, L_b, b, b]) and
+    ``--rounds`` times every variant once per round."""
+    script = load_script(ROOT / "bench" / "search_step.py")
+    seen, rounds = [], []
+    build, timed = script.functions, script.time_interleaved
+
+    def functions(*args):
+        fns = build(*args)
+        seen.append(fns["frozen"][1][0]["values"].shape)
+        return fns
+
+    monkeypatch.setattr(script, "functions", functions)
+    monkeypatch.setattr(script, "time_interleaved", lambda *a: rounds.append(1) or timed(*a))
+    out = tmp_path / "search.csv"
+    args = ["--shapes", "64:96", "--sparsity", "0.9", "--batch", "4", "--repeats", "2"]
+    script.main(
+        [*args, "--block-size", "16", "--rounds", "3", "--permutation", "random", "--out", str(out)]
+    )
+    _, rows = read_rows(out)
+    assert {r["block_size"] for r in rows} == {"16"}
+    assert len(seen) == 1 and len(seen[0]) == 4 and seen[0][-2:] == (16, 16)
+    assert len(rounds) == 3
+    assert all(math.isfinite(float(r["us"])) and float(r["us"]) > 0 for r in rows)
+
+
 @pytest.mark.parametrize(
     "option",
-    [["--shapes", "64"], ["--sparsity", "1"], ["--repeats", "0"], ["--permutation", "sorted"]],
+    [
+        ["--shapes", "64"],
+        ["--sparsity", "1"],
+        ["--repeats", "0"],
+        ["--permutation", "sorted"],
+        ["--rounds", "0"],
+        ["--block-size", "0"],
+        ["--shapes", "64:96", "--block-size", "64"],
+    ],
 )
 def test_search_step_benchmark_refuses_bad_options(capsys, option):
     assert_refuses(ROOT / "bench" / "search_step.py", option, capsys)

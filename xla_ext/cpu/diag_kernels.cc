@@ -130,50 +130,58 @@ class Scratch {
 // A random permutation has no vector form (AVX2/AVX-512 gathers ran no faster than scalar loads
 // here), so the loop is scalar: four rows share each load of perm and four entries of perm are
 // read ahead, about 1.4x faster than one row at a time (docs/cpu_kernels.md, "Input permutations").
-template <bool kScatter, typename T>
-void PermuteRows(const T* src, int64_t src_stride, int64_t rows, int64_t width,
-                 const int32_t* perm, T* dst, int64_t dst_stride) {
+// The gather may also widen (S = bfloat16, D = float32: the block kernels' float copies).
+template <bool kScatter, typename S, typename D>
+void PermuteRows(const S* src, int64_t src_stride, int64_t rows, int64_t width,
+                 const int32_t* perm, D* dst, int64_t dst_stride) {
+  const auto cast = [](S v) -> D {
+    if constexpr (std::is_same_v<S, D>) {
+      return v;
+    } else {
+      return ToFloat(v);
+    }
+  };
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4) {
-    const T* s = src + r * src_stride;
-    T* d = dst + r * dst_stride;
+    const S* s = src + r * src_stride;
+    D* d = dst + r * dst_stride;
     int64_t j = 0;
     for (; j + 4 <= width; j += 4) {
       const int32_t p0 = perm[j], p1 = perm[j + 1], p2 = perm[j + 2], p3 = perm[j + 3];
       for (int q = 0; q < 4; ++q) {
-        const T* sq = s + q * src_stride;
-        T* dq = d + q * dst_stride;
+        const S* sq = s + q * src_stride;
+        D* dq = d + q * dst_stride;
         if (kScatter) {
-          dq[p0] = sq[j];
-          dq[p1] = sq[j + 1];
-          dq[p2] = sq[j + 2];
-          dq[p3] = sq[j + 3];
+          dq[p0] = cast(sq[j]);
+          dq[p1] = cast(sq[j + 1]);
+          dq[p2] = cast(sq[j + 2]);
+          dq[p3] = cast(sq[j + 3]);
         } else {
-          dq[j] = sq[p0];
-          dq[j + 1] = sq[p1];
-          dq[j + 2] = sq[p2];
-          dq[j + 3] = sq[p3];
+          dq[j] = cast(sq[p0]);
+          dq[j + 1] = cast(sq[p1]);
+          dq[j + 2] = cast(sq[p2]);
+          dq[j + 3] = cast(sq[p3]);
         }
       }
     }
     for (; j < width; ++j) {
       for (int q = 0; q < 4; ++q) {
         if (kScatter) {
-          d[q * dst_stride + perm[j]] = s[q * src_stride + j];
+          d[q * dst_stride + perm[j]] = cast(s[q * src_stride + j]);
         } else {
-          d[q * dst_stride + j] = s[q * src_stride + perm[j]];
+          d[q * dst_stride + j] = cast(s[q * src_stride + perm[j]]);
         }
       }
     }
   }
   for (; r < rows; ++r) {
-    const T* s = src + r * src_stride;
-    T* d = dst + r * dst_stride;
+    const S* s = src + r * src_stride;
+    D* d = dst + r * dst_stride;
     for (int64_t j = 0; j < width; ++j) {
       if (kScatter) {
-        d[perm[j]] = s[j];
+        d[perm[j]] = cast(s[j]);
       } else {
-        d[j] = s[perm[j]];
+        d[j] = cast(s[perm[j]]);
       }
     }
   }
@@ -610,12 +618,12 @@ const BlockKernelTable<Bf16>& BlockTableFor<Bf16>(const Kernels& kernels) {
 template <typename T>
 void CopyRows(const T* src, int64_t stride, int64_t rows, int64_t cols, float* dst,
               int64_t dst_stride, const int32_t* perm = nullptr) {
+  if (perm != nullptr) {
+    PermuteRows<false>(src, stride, rows, cols, perm, dst, dst_stride);
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r, src += stride, dst += dst_stride) {
-    if (perm != nullptr) {
-      for (int64_t c = 0; c < cols; ++c) dst[c] = ToFloat(src[perm[c]]);
-    } else {
-      for (int64_t c = 0; c < cols; ++c) dst[c] = ToFloat(src[c]);
-    }
+    for (int64_t c = 0; c < cols; ++c) dst[c] = ToFloat(src[c]);
   }
 }
 
@@ -794,14 +802,20 @@ class BlockProductJob : public Job {
 template <typename T>
 void PackStrips(const T* src, int64_t width, int64_t rows, int64_t b, int64_t s0, int64_t s1,
                 float* dst, int64_t pitch, const int32_t* perm) {
+  if (perm != nullptr) {  // four rows at a time (they share each load of perm), still row-major
+    for (int64_t r = 0; r < rows; r += 4) {
+      const int64_t n = std::min<int64_t>(4, rows - r);
+      for (int64_t s = s0; s < s1; ++s) {
+        PermuteRows<false>(src + r * width, width, n, b, perm + s * b,
+                           dst + (s - s0) * pitch + r * b, b);
+      }
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r, src += width) {
     for (int64_t s = s0; s < s1; ++s) {
       float* out = dst + (s - s0) * pitch + r * b;
-      if (perm != nullptr) {
-        for (int64_t c = 0; c < b; ++c) out[c] = ToFloat(src[perm[s * b + c]]);
-      } else {
-        for (int64_t c = 0; c < b; ++c) out[c] = ToFloat(src[s * b + c]);
-      }
+      for (int64_t c = 0; c < b; ++c) out[c] = ToFloat(src[s * b + c]);
     }
   }
 }
