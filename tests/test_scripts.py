@@ -513,13 +513,21 @@ def test_results_smoke_run_reports_in_its_workdir_and_never_writes_docs(run_pyth
         f"--workdir={run}",
         "--noprogress",
     ]
-    proc = run_python([*args, "--notiming"], timeout=300)
+    # A persistent compilation cache in the user's environment stays unused: whole runs are timed
+    # with their compilation (the campaign's runs here, the clean runs of --timing_only).
+    cache = tmp_path / "jax_cache"
+    env = {
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    proc = run_python([*args, "--notiming"], env=env, timeout=300)
     assert "trained; no report yet" in proc.stdout and "--timing_only" in proc.stdout
     assert (run / "accuracy.jsonl").exists() and not (run / "RESULTS.md").exists()
     proc = run_python([*args, "--report_only"], check=False, timeout=300)
     assert proc.returncode == 2 and "run with --timing_only first" in proc.stderr
-    proc = run_python([*args, "--timing_only"], timeout=300)
+    proc = run_python([*args, "--timing_only"], env=env, timeout=300)
     assert f"report: {run / 'RESULTS.md'}" in proc.stdout
+    assert not cache.exists() or not any(cache.iterdir()), sorted(cache.iterdir())
     assert "| Dense |" in (run / "RESULTS.md").read_text()
     assert (run / results_report.PLOTS["speed"]).stat().st_size > 0
     assert os.listdir(docs) == ["RESULTS.md"] and (docs / "RESULTS.md").read_text() == (

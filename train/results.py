@@ -49,6 +49,7 @@ from train.results_runs import (
     SPEED_FILE,
     check_full_campaign,
     clean_runs,
+    cold_compiles,
     fingerprint,
     prepare,
     read_records,
@@ -137,6 +138,7 @@ def time_suites(config, data, suites, workdir: pathlib.Path, begun: float) -> No
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    cold_compiles()  # whole runs are timed with their compilation
     config = _CONFIG.value
     workdir = pathlib.Path(_WORKDIR.value)
     begun = time.perf_counter()

@@ -709,6 +709,17 @@ CLEAN_KEYS = ("step_time_s", "search_step_time_s", "frozen_step_time_s", "second
 JEMALLOC = pathlib.Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 
+# The report times whole runs with their compilation, and a user's environment may switch on JAX's
+# persistent compilation cache (JAX_COMPILATION_CACHE_DIR), which would serve a run the programs an
+# earlier one compiled: the campaign (cold_compiles) and its clean runs (this environment) compile
+# every program afresh.
+COLD_COMPILES = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
+
+
+def cold_compiles() -> None:
+    """Switch JAX's persistent compilation cache off in this process (before its first compile)."""
+    jax.config.update("jax_enable_compilation_cache", False)
+
 
 def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) -> dict:
     """``{suite: {method: {key: value}}}`` of :data:`CLEAN_METHODS` trained afresh with
@@ -732,7 +743,9 @@ def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) 
     repeats = int(config.speed.clean_repeats)
     runs = {}
     spawn = multiprocessing.get_context("spawn")
-    env = {"LD_PRELOAD": str(JEMALLOC), "MALLOC_CONF": JEMALLOC_CONF} if JEMALLOC.exists() else {}
+    env = dict(COLD_COMPILES)
+    if JEMALLOC.exists():
+        env.update(LD_PRELOAD=str(JEMALLOC), MALLOC_CONF=JEMALLOC_CONF)
     plan = [(repeat, spec) for repeat in range(repeats) for spec in specs]
     for repeat, spec in tqdm.tqdm(plan, unit="run", disable=not progress, desc="clean runs"):
         with _environment(env), concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
@@ -746,7 +759,7 @@ def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) 
             median[k] = float(np.median(values)) if values else None  # None: never logged
         out.setdefault(name, {})[method] = {
             **median,
-            "allocator": "jemalloc" if env else "system",
+            "allocator": "jemalloc" if "LD_PRELOAD" in env else "system",
             "repeats": len(records),
         }
     return out
