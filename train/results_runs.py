@@ -709,15 +709,14 @@ CLEAN_KEYS = ("step_time_s", "search_step_time_s", "frozen_step_time_s", "second
 JEMALLOC = pathlib.Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 
-# The report times whole runs with their compilation, and a user's environment may switch on JAX's
-# persistent compilation cache (JAX_COMPILATION_CACHE_DIR), which would serve a run the programs an
-# earlier one compiled: the campaign (cold_compiles) and its clean runs (this environment) compile
-# every program afresh.
-COLD_COMPILES = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
-
 
 def cold_compiles() -> None:
-    """Switch JAX's persistent compilation cache off in this process (before its first compile)."""
+    """Switch JAX's persistent compilation cache off in this process (before its first compile).
+
+    The report times whole runs with their compilation, and a user's environment may switch the
+    cache on (JAX_COMPILATION_CACHE_DIR), which would serve a run the programs an earlier one
+    compiled: the campaign's process and each clean run's call this first.
+    """
     jax.config.update("jax_enable_compilation_cache", False)
 
 
@@ -743,9 +742,7 @@ def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) 
     repeats = int(config.speed.clean_repeats)
     runs = {}
     spawn = multiprocessing.get_context("spawn")
-    env = dict(COLD_COMPILES)
-    if JEMALLOC.exists():
-        env.update(LD_PRELOAD=str(JEMALLOC), MALLOC_CONF=JEMALLOC_CONF)
+    env = {"LD_PRELOAD": str(JEMALLOC), "MALLOC_CONF": JEMALLOC_CONF} if JEMALLOC.exists() else {}
     plan = [(repeat, spec) for repeat in range(repeats) for spec in specs]
     for repeat, spec in tqdm.tqdm(plan, unit="run", disable=not progress, desc="clean runs"):
         with _environment(env), concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
@@ -759,7 +756,7 @@ def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) 
             median[k] = float(np.median(values)) if values else None  # None: never logged
         out.setdefault(name, {})[method] = {
             **median,
-            "allocator": "jemalloc" if "LD_PRELOAD" in env else "system",
+            "allocator": "jemalloc" if env else "system",
             "repeats": len(records),
         }
     return out
@@ -781,6 +778,7 @@ def _environment(changes: dict):
 
 
 def _clean_run(config, spec, workdir: pathlib.Path, repeat: int) -> dict:
+    cold_compiles()
     name, method = spec[:2]
     data = prepare(config)
     steps = steps_of(config.models[name], data)
