@@ -124,6 +124,16 @@ class Scratch {
   size_t capacity_ = 0;
 };
 
+// v as D: itself, or widened to float32 (bfloat16 -> float: the block kernels' float copies).
+template <typename D, typename S>
+D Convert(S v) {
+  if constexpr (std::is_same_v<S, D>) {
+    return v;
+  } else {
+    return ToFloat(v);
+  }
+}
+
 // Rows of a chunk through the input permutation: dst[r, j] = src[r, perm[j]] (kScatter false: a
 // chunk of x read through DiagMatrix::perm) or dst[r, perm[j]] = src[r, j] (true: a chunk of dx
 // written back through it), for r < rows and j < width, rows src_stride and dst_stride apart.
@@ -134,11 +144,12 @@ class Scratch {
 template <bool kScatter, typename S, typename D>
 void PermuteRows(const S* src, int64_t src_stride, int64_t rows, int64_t width,
                  const int32_t* perm, D* dst, int64_t dst_stride) {
-  const auto cast = [](S v) -> D {
-    if constexpr (std::is_same_v<S, D>) {
-      return v;
+  // Column j of a row moves through p = perm[j], gathered or scattered (and widened).
+  const auto move = [](const S* s, D* d, int64_t j, int32_t p) {
+    if constexpr (kScatter) {
+      d[p] = Convert<D>(s[j]);
     } else {
-      return ToFloat(v);
+      d[j] = Convert<D>(s[p]);
     }
   };
   int64_t r = 0;
@@ -151,39 +162,18 @@ void PermuteRows(const S* src, int64_t src_stride, int64_t rows, int64_t width,
       for (int q = 0; q < 4; ++q) {
         const S* sq = s + q * src_stride;
         D* dq = d + q * dst_stride;
-        if (kScatter) {
-          dq[p0] = cast(sq[j]);
-          dq[p1] = cast(sq[j + 1]);
-          dq[p2] = cast(sq[j + 2]);
-          dq[p3] = cast(sq[j + 3]);
-        } else {
-          dq[j] = cast(sq[p0]);
-          dq[j + 1] = cast(sq[p1]);
-          dq[j + 2] = cast(sq[p2]);
-          dq[j + 3] = cast(sq[p3]);
-        }
+        move(sq, dq, j, p0);
+        move(sq, dq, j + 1, p1);
+        move(sq, dq, j + 2, p2);
+        move(sq, dq, j + 3, p3);
       }
     }
     for (; j < width; ++j) {
-      for (int q = 0; q < 4; ++q) {
-        if (kScatter) {
-          d[q * dst_stride + perm[j]] = cast(s[q * src_stride + j]);
-        } else {
-          d[q * dst_stride + j] = cast(s[q * src_stride + perm[j]]);
-        }
-      }
+      for (int q = 0; q < 4; ++q) move(s + q * src_stride, d + q * dst_stride, j, perm[j]);
     }
   }
   for (; r < rows; ++r) {
-    const S* s = src + r * src_stride;
-    D* d = dst + r * dst_stride;
-    for (int64_t j = 0; j < width; ++j) {
-      if (kScatter) {
-        d[perm[j]] = cast(s[j]);
-      } else {
-        d[j] = cast(s[perm[j]]);
-      }
-    }
+    for (int64_t j = 0; j < width; ++j) move(src + r * src_stride, dst + r * dst_stride, j, perm[j]);
   }
 }
 
