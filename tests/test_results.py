@@ -485,6 +485,20 @@ def test_clean_runs_save_no_checkpoint_per_epoch(monkeypatch):
     assert seen == [steps // int(config.models["mlp"].epochs), 0]
 
 
+def test_mean_step_time_leaves_out_intervals_beside_a_save(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [(10, 1.0, 0.0), (20, 1.0, 0.0), (30, 9.0, 1.0), (40, 1.0, 0.0), (50, 5.0, 1.0)]
+    records = [{"step": s, "kind": "train", "step_time_s": t, "beside_save": b} for s, t, b in rows]
+    records.insert(2, {"step": 20, "kind": "eval", "loss": 1.0})
+    records.append({"step": 60, "kind": "train", "step_time_s": 3.0})  # logged before the flag
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert results.mean_step_time(path) == pytest.approx(1.5)  # 1, 1, 1 and 3
+    assert results.mean_step_time(path, 20, 40) == pytest.approx(1.0)
+    # a range with no interval clear of a save keeps them all
+    assert results.mean_step_time(path, 40, 50) == pytest.approx(5.0)
+    assert results.mean_step_time(path, 60) is None
+
+
 @pytest.mark.parametrize("method", baselines.METHODS)
 def test_fashion_mnist_script_selects_the_method_by_config(method):
     from train import fashion_mnist

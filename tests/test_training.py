@@ -2,6 +2,7 @@
 
 import json
 import signal
+import time
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,38 @@ def test_compile_first_times_steps_with_no_compile_beside_them_and_trains_the_sa
         timed = [r for r in records if "step_time_s" in r]
         # every timed interval says whether a compile ran beside it; with compile_first none did
         assert timed and all(r["beside_compile"] in beside for r in timed), name
+
+
+def test_intervals_after_a_background_save_say_so(tmp_path):
+    # Saves at 3 and 6: Orbax writes them on a background thread, beside the next steps.
+    train_tiny(tmp_path / "saved", num_steps=9, checkpoint_every=3, log_every=1)
+    timed = {
+        r["step"]: r["beside_save"]
+        for r in T.read_jsonl(tmp_path / "saved" / "metrics.jsonl")
+        if "step_time_s" in r
+    }
+    assert set(timed) == set(range(2, 10)) and set(timed.values()) <= {0.0, 1.0}
+    assert timed[2] == timed[3] == 0.0  # nothing written yet
+    assert timed[4] == timed[7] == 1.0  # the interval right after each save
+    train_tiny(None, num_steps=5, log_every=1)  # no workdir: nothing is ever written
+
+
+def test_checkpointer_knows_whether_a_write_ran_since_a_time(tmp_path):
+    clock = iter(range(100, 200)).__next__
+    rng = jax.random.key_data(jax.random.key(0))
+    state = T.TrainState(jnp.asarray(1), {"w": jnp.ones(3)}, (), {}, rng)
+    ckpt = T.Checkpointer(tmp_path / "a", clock=clock)
+    assert not ckpt.writing_since(-1e9)  # nothing written
+    ckpt.save(state, meta={})
+    while ckpt.writing_since(float("inf")):  # True only while the write runs
+        time.sleep(0.01)
+    # it was found finished at t=100: an interval begun before then saw it, a later one did not
+    assert ckpt.writing_since(99.5) and not ckpt.writing_since(100)
+    ckpt.close()
+    sync = T.Checkpointer(tmp_path / "b", async_save=False, clock=clock)
+    sync.save(state, meta={})  # written before save returns: no step runs beside it
+    assert not sync.writing_since(-1e9)
+    sync.close()
 
 
 def test_crash_at_the_last_step_resumes_before_the_final_evaluation(tmp_path):

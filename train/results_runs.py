@@ -494,15 +494,20 @@ def mean_step_time(
     metrics_path, start: int = 0, stop: int | None = None, *, key: str = "step_time_s"
 ) -> float | None:
     """Mean of the logged ``key`` (the step time by default; any timing metric, e.g.
-    ``beside_compile``) over training records with ``start < step <= stop``."""
-    times = [
-        r[key]
+    ``beside_compile``) over training records with ``start < step <= stop``, leaving out the
+    intervals a checkpoint was written beside (``beside_save``: Orbax's background write shares
+    the cores with the steps after a save, e.g. for a few hundred of the MLP's steps after the
+    freeze's), unless every interval in the range was."""
+    records = [
+        r
         for r in T.read_jsonl(metrics_path)
         if r.get("kind") == "train"
         and key in r
         and r["step"] > start
         and (stop is None or r["step"] <= stop)
     ]
+    alone = [r for r in records if not r.get("beside_save")]
+    times = [r[key] for r in alone or records]
     return float(np.mean(times)) if times else None
 
 

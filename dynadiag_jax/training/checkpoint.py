@@ -11,7 +11,8 @@ TensorStore.
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -38,12 +39,23 @@ class Checkpointer:
       directory: where the step directories live (created if missing).
       max_to_keep: number of most recent checkpoints kept.
       async_save: write in a background thread (``save`` returns after the device-to-host copy).
+      clock: ``() -> seconds``, the clock of :meth:`writing_since`.
     """
 
-    def __init__(self, directory, *, max_to_keep: int = 3, async_save: bool = True):
+    def __init__(
+        self,
+        directory,
+        *,
+        max_to_keep: int = 3,
+        async_save: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         if int(max_to_keep) < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep!r}")
         self.directory = pathlib.Path(directory).absolute()
+        self._clock, self._async = clock, async_save
+        # a background write issued and not yet seen finished; when the last one was seen finished
+        self._writing, self._seen_done = False, -float("inf")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=int(max_to_keep), create=True, enable_async_checkpointing=async_save
         )
@@ -74,6 +86,18 @@ class Checkpointer:
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))
             ),
         )
+        self._writing = self._async
+
+    def writing_since(self, start: float) -> bool:
+        """Whether a background write ran at any time from ``start`` (a time of the clock) until
+        now. Orbax does not say when a write ended, so it counts as running until the first call
+        that finds it finished: an interval may be flagged that the write ended just before, never
+        one it ran in left unflagged."""
+        if self._writing:
+            if self._manager.is_saving_in_progress():
+                return True
+            self._writing, self._seen_done = False, self._clock()
+        return self._seen_done > start
 
     def read_meta(self, step: int) -> dict:
         """The JSON record saved with ``step``."""

@@ -83,7 +83,7 @@ __all__ = [
 ]
 
 # Metrics logged from wall-clock time; they differ between runs and are not reproducible.
-TIMING_METRICS = ("step_time_s", "examples_per_s", "beside_compile")
+TIMING_METRICS = ("step_time_s", "examples_per_s", "beside_compile", "beside_save")
 
 
 class BatchSource(Protocol):
@@ -373,14 +373,17 @@ class StepTimer:
       busy: ``(start) -> bool``, whether a background compile ran since ``start`` (a time of
         ``clock``), e.g. :meth:`CompileAhead.busy_since`; its answer is logged as
         ``beside_compile`` (1.0 or 0.0), since such an interval's steps shared the cores with it.
+      writing: ``(start) -> bool``, whether a checkpoint was written in the background since
+        ``start``, e.g. :meth:`Checkpointer.writing_since`; logged as ``beside_save``.
     """
 
     def __init__(
         self,
         clock: Callable[[], float] = time.perf_counter,
         busy: Callable[[float], bool] | None = None,
+        writing: Callable[[float], bool] | None = None,
     ):
-        self._clock, self._busy = clock, busy
+        self._clock, self._busy, self._writing = clock, busy, writing
         self._start, self._steps, self._fresh = clock(), 0, True
 
     def new_phase(self) -> None:
@@ -403,8 +406,8 @@ class StepTimer:
         self._start, self._steps = self._clock(), 0
 
     def rates(self, batch_size: int) -> dict[str, float]:
-        """``step_time_s``, ``examples_per_s`` and (with ``busy``) ``beside_compile`` of the
-        interval (``{}`` before a timed step)."""
+        """``step_time_s``, ``examples_per_s`` and (with ``busy``, ``writing``) ``beside_compile``
+        and ``beside_save`` of the interval (``{}`` before a timed step)."""
         if not self._steps:
             return {}
         elapsed = self._clock() - self._start
@@ -414,6 +417,8 @@ class StepTimer:
         }
         if self._busy is not None:
             rates["beside_compile"] = float(self._busy(self._start))
+        if self._writing is not None:
+            rates["beside_save"] = float(self._writing(self._start))
         return rates
 
 
@@ -770,7 +775,8 @@ def train(
         background thread while the run trains, which is faster over the whole run but shares the
         cores with the steps: on a small host the logged ``step_time_s`` of those intervals is
         then the steps' time beside a compile (each record says so in ``beside_compile``). With
-        ``compile_first`` every logged interval is the steps' own time.
+        ``compile_first`` no logged interval is; Orbax's background writes of the checkpoints
+        still share the cores with the steps after a save (``beside_save``).
 
     Returns:
       A :class:`TrainResult`.
@@ -972,7 +978,10 @@ def train(
         with stop_requests() as stop, contextlib.closing(bar):
             if batches is None:
                 batches = iter(train_data.iterate(start))
-            timer = StepTimer(busy=ahead.busy_since)
+            timer = StepTimer(
+                busy=ahead.busy_since,
+                writing=(lambda start: False) if ckpt is None else ckpt.writing_since,
+            )
             while step < num_steps and not stop.is_set():
                 progs, key = phase()
                 ahead.wait(("step", key))
