@@ -340,8 +340,8 @@ def test_report_tables_goals_plots_and_kept_notes(tmp_path):
     assert "at least as accurate as SET and RigL: **met**" in text
     assert "Faster training step than dense" in text and "**met** (0.50×" in text
     assert (
-        "mlp: search step at most 1.3x the frozen step: **met** (1.14x, medians over 3 runs of "
-        "each phase's logged mean, every program compiled before the second step)" in text
+        "mlp: search step at most 1.3x the frozen step: **met** (1.14x, the fastest of 3 runs "
+        "for each phase's logged mean, every program compiled before the second step)" in text
     )
     assert (
         "mlp: logged step after the freeze within 10% of static diagonals': **met** (1.05x)" in text
@@ -457,7 +457,10 @@ def test_end_to_end_tiny_run_and_timings(tmp_path):
         allocator = "jemalloc" if results.JEMALLOC.exists() else "system"
         assert {r["allocator"] for r in clean["mlp"].values()} == {allocator}
         assert "search_step_time_s" in clean["mlp"]["dynadiag"]  # None: too short to log one
-        assert clean["mlp"]["dynadiag"]["frozen_step_time_s"] > 0
+        frozen = clean["mlp"]["dynadiag"]["frozen_step_time_s_runs"]
+        # the fastest repeat: the host's slow spells only add time
+        assert len(frozen) == 2 and clean["mlp"]["dynadiag"]["frozen_step_time_s"] == min(frozen)
+        assert min(frozen) > 0
         logs = list((tmp_path / "clean" / "clean_runs" / "mlp").glob("*/metrics.jsonl"))
         flags = [r["beside_compile"] for p in logs for r in T.read_jsonl(p) if "step_time_s" in r]
         assert len(logs) == 6 and set(flags) == {0.0}  # no interval ran beside a compile

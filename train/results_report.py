@@ -429,8 +429,8 @@ def search_goals(config, stats, ppl_stats, records, sparsity=0.9, clean_runs=Non
             (
                 "logged means of one run that compiled its programs before its second step"
                 if repeats == 1
-                else f"medians over {repeats} runs of each phase's logged mean, every program "
-                "compiled before the second step"
+                else f"the fastest of {repeats} runs for each phase's logged mean, every "
+                "program compiled before the second step"
             )
             + (", jemalloc preloaded" if allocators == {"jemalloc"} else "")
             if clean

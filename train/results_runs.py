@@ -734,10 +734,13 @@ def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) 
     and no checkpoint but the freeze's and the last (a save's background write slows the steps
     after it: an MLP static-diagonal run logged 0.52 ms per step with one per epoch, 0.32 without).
     Every run is trained ``config.speed.clean_repeats`` times, the methods taking turns, and each
-    key is the median over the repeats: the host's speed can change for tens of seconds (a Mixer
-    static-diagonal run logged 3.9 ms steps for its first 1,100 steps, then 2.3 ms), which one
-    run per method would charge to whichever method it hit. Values: the keys
-    :data:`CLEAN_KEYS` of the records, ``allocator`` and ``repeats``."""
+    key is the least over the repeats: the host's speed can change for tens of seconds (a Mixer
+    static-diagonal run logged 3.9 ms steps for its first 1,100 steps, then 2.3 ms; a DynaDiag
+    one 3.7-4.0 ms through all its 1,872 steps, where the next logged 2.2-2.5 ms), which one run
+    per method would charge to whichever method it hit, and a median of three when it hits two.
+    Such spells only ever add time, so the fastest run is the closest to the steps' own. Values:
+    the keys :data:`CLEAN_KEYS` of the records (and ``<key>_runs``, every repeat's value, in
+    order), ``allocator`` and ``repeats``."""
     specs = [
         (name, method, CLEAN_SPARSITY if method != "dense" else 0.0, 0)
         for name in suites
@@ -755,12 +758,13 @@ def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) 
         runs.setdefault(spec[:2], []).append(record)
     out = {}
     for (name, method), records in runs.items():
-        median = {}
+        least = {}
         for k in (k for k in CLEAN_KEYS if any(k in r for r in records)):
             values = [r[k] for r in records if r.get(k) is not None]
-            median[k] = float(np.median(values)) if values else None  # None: never logged
+            least[k] = min(values) if values else None  # None: never logged
+            least[f"{k}_runs"] = values
         out.setdefault(name, {})[method] = {
-            **median,
+            **least,
             "allocator": "jemalloc" if env else "system",
             "repeats": len(records),
         }
