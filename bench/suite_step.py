@@ -13,7 +13,9 @@ refresh program (``refresh_working_set``, which a run calls every ``R`` steps; t
 donation, so it includes a copy of the stored ``values[P, ...]`` that a run does not make).
 Static diagonals' step (the frozen layers from the first step, random offsets) is timed against
 the frozen step in a loop of the two alone: after the freeze a DynaDiag run computes the same
-product on its learned offsets.
+product on its learned offsets. Last, the step as a run calls it: blocks of ``RECORD_EVERY`` steps
+whose metrics are then fetched and summed (what the training loop does between two records),
+with the metrics packed in one array (the run's program) and as a dict of scalars, in both phases.
 Beside each step time it reports
 the bytes the compiled step accesses (XLA's cost analysis of the program the run jits, state
 donated; a conditional counts every branch, the kernels' custom calls count nothing), which unlike
@@ -42,16 +44,35 @@ import time
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from diag_matmul import time_interleaved  # noqa: E402 - bench/, beside this
 from tqdm import tqdm  # noqa: E402
 
 from dynadiag_jax import training as T  # noqa: E402
+from dynadiag_jax.training import loop  # noqa: E402
 from train import results_runs as R  # noqa: E402
 from train.configs import results as results_config  # noqa: E402
 
 # The step's optimizers: None is the suite's own; "none" makes no update (the mechanics alone).
 OPTIMIZERS = {"suite optimizer": None, "sgd": optax.sgd(1e-3), "none": optax.set_to_zero()}
+RECORD_EVERY = 50  # the results runs' log_every
+
+
+def _time_records(calls: dict, rounds: int, progress) -> dict[str, float]:
+    """Median over ``rounds`` (the calls taking turns) of the seconds per step of
+    :data:`RECORD_EVERY` steps of ``fn(*args)`` whose metrics are then fetched and summed."""
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, (fn, args) in calls.items():
+            sums = loop.MetricSums()
+            start = time.perf_counter()
+            for _ in range(RECORD_EVERY):
+                sums.add(fn(*args)[1])
+            sums.means()
+            times[name].append((time.perf_counter() - start) / RECORD_EVERY)
+            progress.update(1)
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def _compile_seconds(fn, *args) -> float:
@@ -129,10 +150,20 @@ def measure(
         "frozen step (beside static)": calls["frozen step, suite optimizer"],
         "static_diagonals step": static_step,
     }
-    with tqdm(total=repeats * (len(calls) + 2), unit="call", leave=False) as progress:
+    step_fn = T.make_train_step(dyn.model, dyn.optimizer, task, gate=dyn.gate)
+    runs = {
+        f"{phase} step and records, metrics {how}": (fn, (phase_state, batch))
+        for phase, phase_state in (("search", state), ("frozen", frozen))
+        for how, fn in (("packed", jax.jit(loop.packed(step_fn))), ("dict", jax.jit(step_fn)))
+    }
+    rounds = max(3, repeats // 10)
+    with tqdm(
+        total=repeats * (len(calls) + 2) + rounds * len(runs), unit="call", leave=False
+    ) as progress:
         load = os.getloadavg()[0]
         times = time_interleaved(calls, repeats, progress)
         times.update(time_interleaved(pair, repeats, progress))
+        times.update(_time_records(runs, rounds, progress))
         load = max(load, os.getloadavg()[0])
     rows += [(name, 1e3 * t, "ms") for name, t in times.items()]
     rows += [*accessed, ("load average while timing", load, "")]
@@ -170,10 +201,14 @@ def main(argv=None) -> None:
     rows = measure(config, args.suite, args.sparsity, args.fraction, args.repeats, args.working_set)
     print(f"{args.suite} at {args.sparsity:g}, {args.fraction:g} of the search trained")
     for r in rows:
-        print(f"  {r['what']:<36} {r['value']:9.3f} {r['unit']}")
+        print(f"  {r['what']:<44} {r['value']:9.3f} {r['unit']}")
     by = {r["what"]: r["value"] for r in rows}
     ratio = by["frozen step (beside static)"] / by["static_diagonals step"]
     print(f"  frozen / static diagonals' step, suite optimizer: {ratio:.2f}x")
+    for how in ("packed", "dict"):
+        ratio = by[f"search step and records, metrics {how}"]
+        ratio /= by[f"frozen step and records, metrics {how}"]
+        print(f"  search / frozen step with its records, metrics {how}: {ratio:.2f}x")
     for name in OPTIMIZERS:
         ratio = by[f"search step, {name}"] / by[f"frozen step, {name}"]
         traffic = by[f"bytes: search step, {name}"] / by[f"bytes: frozen step, {name}"]

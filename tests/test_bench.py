@@ -294,6 +294,11 @@ def test_suite_step_benchmark_times_both_phases_and_every_compilation(tmp_path, 
         *steps,
         "frozen step (beside static)",
         "static_diagonals step",
+        *(
+            f"{p} step and records, metrics {how}"
+            for p in ("search", "frozen")
+            for how in ("packed", "dict")
+        ),
         *(f"bytes: {s}" for s in steps),
         "load average while timing",
     ]
@@ -308,6 +313,7 @@ def test_suite_step_benchmark_times_both_phases_and_every_compilation(tmp_path, 
     ws, full = (moved[f"bytes: {p} step, suite optimizer"] for p in ("working-set", "search"))
     assert ws < full
     assert "search / frozen step, sgd:" in stdout
+    assert "search / frozen step with its records, metrics packed:" in stdout
     assert "working-set / frozen step, suite optimizer:" in stdout
     assert "frozen / static diagonals' step, suite optimizer:" in stdout
 

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Protocol
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import tqdm
@@ -64,6 +65,7 @@ __all__ = [
     "Events",
     "Interrupted",
     "MetricSums",
+    "PackedMetrics",
     "Programs",
     "Schedule",
     "StepTimer",
@@ -170,11 +172,56 @@ def stop_requests():
             signal.signal(sig, h)
 
 
+@jax.tree_util.register_pytree_node_class
+class PackedMetrics:
+    """One step's scalar metrics as one array: ``values[n]`` (float32, float64 if any metric is)
+    with their ``names`` as static data. A step that returned its metrics as a dict of scalars
+    gave every one its own output buffer, created at each step and fetched one by one at each
+    record: about 8 us per metric per step on the 2-core host, 0.1 ms for the 17 metrics of the
+    MLP suite's search step (two layers of six gate metrics), whose frozen step is 0.3 ms."""
+
+    def __init__(self, names: tuple[str, ...], values):
+        self.names, self.values = names, values
+
+    @classmethod
+    def pack(cls, metrics: Mapping[str, jax.Array]) -> PackedMetrics:
+        """``metrics`` (scalars) as one array, by name (the order of a dict a jitted function
+        returns)."""
+        names = tuple(sorted(metrics))
+        wide = any(jnp.result_type(v) == np.float64 for v in metrics.values())
+        dtype = np.float64 if wide else np.float32
+        values = [jnp.asarray(metrics[name], dtype) for name in names]
+        return cls(names, jnp.stack(values) if values else jnp.zeros((0,), dtype))
+
+    def unpack(self) -> dict:
+        """``{name: value}`` (on the host after ``jax.device_get``: numpy scalars)."""
+        return dict(zip(self.names, self.values))
+
+    def tree_flatten(self):
+        return (self.values,), self.names
+
+    @classmethod
+    def tree_unflatten(cls, names, children):
+        return cls(names, *children)
+
+
+def packed(train_step: Callable) -> Callable:
+    """``train_step`` with its metrics as :class:`PackedMetrics`."""
+
+    @functools.wraps(train_step)
+    def step(state, batch):
+        state, metrics = train_step(state, batch)
+        return state, PackedMetrics.pack(metrics)
+
+    return step
+
+
 class Programs(NamedTuple):
     """A run's jitted functions, parameters replicated and batches split over the mesh.
 
     Attributes:
-      train_step: ``(state, batch) -> (state, metrics)``, one optimizer step; donates ``state``.
+      train_step: ``(state, batch) -> (state, metrics)``, one optimizer step; donates ``state``;
+        ``metrics`` a :class:`PackedMetrics`.
       eval_step: ``(state, batch) -> sums``, the task's additive evaluation sums of a batch.
       freeze: ``state -> state``, the frozen form (params, collections and optimizer state).
       enter_working_set: ``state -> state``, the working-set form
@@ -216,7 +263,7 @@ def jit_programs(
         )
     return Programs(
         train_step=jax.jit(
-            make_train_step(model, optimizer, task, gate=gate, trained=trained),
+            packed(make_train_step(model, optimizer, task, gate=gate, trained=trained)),
             in_shardings=(rep, data_sharding),
             out_shardings=(rep, rep),
             donate_argnums=0,
@@ -338,7 +385,7 @@ class MetricSums:
         self._totals = {name: list(total) for name, total in (totals or {}).items()}
         self._pending = []
 
-    def add(self, metrics: Mapping[str, jax.Array]) -> None:
+    def add(self, metrics: Mapping[str, jax.Array] | PackedMetrics) -> None:
         """One step's scalar metrics (left on the device until the next fold)."""
         self._pending.append(metrics)
 
@@ -350,6 +397,8 @@ class MetricSums:
         it (per-layer gate metrics stop at the freeze).
         """
         for record in jax.device_get(self._pending):
+            if isinstance(record, PackedMetrics):
+                record = record.unpack()
             for name, value in record.items():
                 total = self._totals.setdefault(name, [0.0, 0])
                 total[0] += float(value)
