@@ -189,7 +189,7 @@ def get_config(arg=None):
     config.eval_batch_size = 1000  # image suites; the last batch is padded; a multiple of devices
     # Timing: every method's jitted step on one fixed batch (the suite's training batch),
     # interleaved, median of `repeats`; the clean runs (dense, static diagonals and DynaDiag
-    # trained once more, train/results_runs.py) `clean_repeats` times each, medians kept.
+    # trained once more, train/results_runs.py) `clean_repeats` times each, the fastest kept.
     config.speed = dict(repeats=40, warmup=5, clean_repeats=3)
     if arg.quick:
         for m in config.models.values():
