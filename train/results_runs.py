@@ -628,12 +628,15 @@ def train_run(
     phase = lora_phase(config, model_name, method, sparsity, data, steps)
     total = steps + lora_steps(m, method, steps)
     example = example_input(m, data)
-    perm_start = {}
+    perm_start, initial = {}, None
     if method_dynadiag(m, method).permutation == "learned" and built.freeze_step is not None:
-        # where each learned layer's search started (the run's own init: same model and seed)
-        perm_start = start_permutations(
-            T.create_train_state(built.model, built.optimizer, example, seed=seed).params
-        )
+        # The run's own init (same model and seed), built once: the run starts from it, and each
+        # learned layer's search start is read from it.
+        state = jax.jit(
+            lambda: T.create_train_state(built.model, built.optimizer, example, seed=seed)
+        )()
+        initial = {"params": state.params, **state.collections}
+        perm_start = start_permutations(state.params)
     load_before = os.getloadavg()[0]
     start, cpu_start = time.perf_counter(), time.process_time()
     run_info = {"model": model_name, "method": method, "sparsity": sparsity, "fingerprint": fp}
@@ -648,6 +651,7 @@ def train_run(
         run_info,
         finetune=phase,
         compile_first=compile_first,
+        initial_variables=initial,
         checkpoints=checkpoints,
     )
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
