@@ -222,8 +222,9 @@ def test_log_train_writes_the_interval_averages_timing_and_learning_rate():
 
 
 def test_the_run_step_returns_its_metrics_as_one_array(run):
-    """One output buffer for all the scalars (each of its own cost ~8 us per step), unpacked to
-    the metrics of ``make_train_step`` jitted (a dict by name), and summed as those would be."""
+    """One output buffer for all the scalars (each a buffer of its own cost microseconds per
+    step), unpacked to the metrics of ``make_train_step`` jitted (a dict by name), and summed as
+    those would be."""
     state = run.fresh()
     batch = next(iter(run.batches.iterate(0)))
     plain = jax.jit(T.make_train_step(run.model, run.optimizer, run.task, gate=run.gate))

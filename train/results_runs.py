@@ -496,7 +496,7 @@ def mean_step_time(
     """Mean of the logged ``key`` (the step time by default; any timing metric, e.g.
     ``beside_compile``) over training records with ``start < step <= stop``, leaving out the
     intervals a checkpoint was written beside (``beside_save``: Orbax's background write shares
-    the cores with the steps after a save, e.g. for a few hundred of the MLP's steps after the
+    the cores with the steps after a save, e.g. for 50-150 of the MLP's steps after the
     freeze's), unless every interval in the range was."""
     records = [
         r
