@@ -102,7 +102,8 @@ def measure(
 
     rows.append(("compile: initial state", _compile_seconds(init("dynadiag", dyn.optimizer)), "s"))
     state = jax.jit(init("dynadiag", dyn.optimizer))()
-    step = jax.jit(T.make_train_step(dyn.model, dyn.optimizer, task, gate=dyn.gate))
+    search_step = T.make_train_step(dyn.model, dyn.optimizer, task, gate=dyn.gate)
+    step = jax.jit(search_step)
     source = R.train_source(m, data, 0)
     for _, local in zip(range(round(fraction * dyn.freeze_step)), source.iterate(0)):
         state, _ = step(state, local)
@@ -150,11 +151,11 @@ def measure(
         "frozen step (beside static)": calls["frozen step, suite optimizer"],
         "static_diagonals step": static_step,
     }
-    step_fn = T.make_train_step(dyn.model, dyn.optimizer, task, gate=dyn.gate)
+    packed_step = jax.jit(loop.packed(search_step))
     runs = {
         f"{phase} step and records, metrics {how}": (fn, (phase_state, batch))
         for phase, phase_state in (("search", state), ("frozen", frozen))
-        for how, fn in (("packed", jax.jit(loop.packed(step_fn))), ("dict", jax.jit(step_fn)))
+        for how, fn in (("packed", packed_step), ("dict", step))
     }
     rounds = max(3, repeats // 10)
     with tqdm(

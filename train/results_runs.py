@@ -635,7 +635,7 @@ def train_run(
         state = jax.jit(
             lambda: T.create_train_state(built.model, built.optimizer, example, seed=seed)
         )()
-        initial = {"params": state.params, **state.collections}
+        initial = T.variables_of(state)
         perm_start = start_permutations(state.params)
     load_before = os.getloadavg()[0]
     start, cpu_start = time.perf_counter(), time.process_time()
