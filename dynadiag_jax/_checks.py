@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -49,3 +50,40 @@ def finite_number(value, name: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
+
+
+def check_sparsity(sparsity) -> None:
+    """Rejects a ``sparsity`` that is not a number in ``(0, 1)``, saying what to use instead."""
+    if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
+        raise TypeError(
+            f"sparsity must be a number in (0, 1), got {sparsity!r} ({type(sparsity).__name__})"
+        )
+    if not 0.0 < float(sparsity) < 1.0:
+        hint = (
+            "; for a dense layer use flax.linen.Dense, or keep every diagonal with k=P "
+            "(P = the number of candidate diagonals)"
+            if sparsity <= 0
+            else ""
+        )
+        raise ValueError(f"sparsity must be in (0, 1), got {sparsity!r}{hint}")
+
+
+def non_negative(value, name: str) -> float:
+    """``value`` as a float; ``TypeError`` if not a real number (a bool is not), ``ValueError`` if
+    negative, NaN or infinite."""
+    value = finite_number(value, name)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return value
+
+
+def check_variables(variables, name: str, what: str) -> None:
+    """Rejects ``variables`` that are not a mapping of collections (``TypeError``) or have no
+    ``"params"`` collection (``ValueError``); ``what`` starts both messages (the caller)."""
+    if not isinstance(variables, Mapping):
+        raise TypeError(
+            f"{what}: {name} must be a mapping of collections (what model.init returns), "
+            f"got {type(variables).__name__}"
+        )
+    if "params" not in variables:
+        raise ValueError(f"{what}: {name} must be variables with a 'params' collection")

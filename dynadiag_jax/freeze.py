@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from dynadiag_jax._checks import check_variables
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
 from dynadiag_jax.nn.functional import (
     DIAGONALS_COLLECTION,
@@ -144,8 +145,7 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
         ``jit`` alpha cannot be read while tracing: such a layer's frozen ``values`` are NaN
         instead, so its outputs (and the loss) are NaN.
     """
-    if not isinstance(variables, Mapping) or "params" not in variables:
-        raise ValueError("freeze_tree needs variables with a 'params' collection")
+    check_variables(variables, "variables", "freeze_tree")
     budgets = dict(budgets or {})
     params = traverse_util.flatten_dict(variables["params"], keep_empty_nodes=True)
     gates = traverse_util.flatten_dict(variables.get(GATE_COLLECTION, {}))
@@ -231,8 +231,7 @@ def freeze(layer: DiagonalDense, variables):
             f"freeze expects a DiagonalDense, got {type(layer).__name__}; "
             f"use freeze_tree for a whole model"
         )
-    if not isinstance(variables, Mapping) or "params" not in variables:
-        raise ValueError("freeze needs the layer's variables with a 'params' collection")
+    check_variables(variables, "variables", "freeze")
     params = variables["params"]
     if not _is_search_layer(params):
         if "values" in params and "offsets" in variables.get(DIAGONALS_COLLECTION, {}):

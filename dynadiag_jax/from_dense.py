@@ -12,13 +12,13 @@ start from it instead.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from dynadiag_jax._checks import check_variables
 from dynadiag_jax.freeze import freeze_tree
 from dynadiag_jax.nn.functional import (
     DIAGONALS_COLLECTION,
@@ -206,8 +206,7 @@ def from_dense(
         and a template with frozen layers. Each message names the path and the shapes.
     """
     for name, variables in (("dense_variables", dense_variables), ("template", template)):
-        if not isinstance(variables, Mapping) or "params" not in variables:
-            raise ValueError(f"from_dense: {name} must be variables with a 'params' collection")
+        check_variables(variables, name, "from_dense")
     flat_t = traverse_util.flatten_dict(template["params"])
     layers = _diagonal_layers(flat_t)
     diagonals = traverse_util.flatten_dict(template.get(DIAGONALS_COLLECTION, {}))

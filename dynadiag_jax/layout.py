@@ -34,7 +34,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax._checks import int_at_least
+from dynadiag_jax._checks import check_sparsity, int_at_least
 
 __all__ = [
     "KERNEL_BLOCK_SIZES",
@@ -141,13 +141,13 @@ def num_diagonals(in_features: int, out_features: int, sparsity: float, *, block
     ``max(in, out) * b`` non-zeros. Example: 768 -> 3072, ``s = 0.9``, ``b = 16`` gives 5 of 48.
 
     Raises:
-      ValueError: if ``sparsity`` is not in the open interval (0, 1), or ``block_size`` does not
+      TypeError: ``sparsity`` is not a real number (a bool is not).
+      ValueError: ``sparsity`` is not in the open interval (0, 1), or ``block_size`` does not
         divide both widths.
     """
+    check_sparsity(sparsity)
     geo = geometry(in_features, out_features, block_size)
     s = float(sparsity)
-    if not 0.0 < s < 1.0:
-        raise ValueError(f"sparsity must be in (0, 1), got {sparsity!r}")
     nonzeros = math.floor((1.0 - s) * geo.in_features * geo.out_features)
     if not geo.blocked:
         return max(1, math.ceil(nonzeros / geo.length))

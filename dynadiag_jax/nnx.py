@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dynadiag_jax._checks import int_at_least
+from dynadiag_jax._checks import int_at_least, non_negative
 from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.freeze import finite_values
 from dynadiag_jax.freeze import freeze_opt_state as freeze_params_opt_state
@@ -130,8 +130,7 @@ class DiagonalDense(nnx.Module):
             raise ValueError(f"unknown explore {explore!r}; expected one of {F.EXPLORE_MODES}")
         if init_phase not in ("search", "frozen"):
             raise ValueError(f"unknown init_phase {init_phase!r}; expected 'search' or 'frozen'")
-        if not slack >= 0:
-            raise ValueError(f"slack must be >= 0, got {slack!r}")
+        non_negative(slack, "slack")
         F.check_init_and_search(fan_in, scale)
         perms.check_permutation_args(permutation, permutation_penalty, permutation_start)
         if gate_init is not None:
@@ -210,7 +209,9 @@ class DiagonalDense(nnx.Module):
             )
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"x must be an array, got {type(x).__name__}")
-        if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
+        if x.ndim < 1:
             raise ValueError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
         if x.shape[-1] != spec.in_features:
             raise ValueError(

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from dynadiag_jax._checks import check_variables, non_negative
 from dynadiag_jax.freeze import freeze_tree
 from dynadiag_jax.from_dense import _layer_matrix, _name
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
@@ -134,11 +135,9 @@ def refit(
         another shape; stacked (``nn.scan``) layers; an input whose trailing axes do not flatten
         to the layer's width; non-finite activations; a negative or non-finite ``ridge``.
     """
-    if not (np.isfinite(ridge) and ridge >= 0):
-        raise ValueError(f"refit: ridge must be a finite number >= 0, got {ridge!r}")
+    non_negative(ridge, "refit: ridge")
     for name, given in (("variables", variables), ("dense_variables", dense_variables)):
-        if not isinstance(given, Mapping) or "params" not in given:
-            raise ValueError(f"refit: {name} must be variables with a 'params' collection")
+        check_variables(given, name, "refit")
     kwargs = dict(apply_kwargs or {})
     searching = any(k[-1] == "alpha" for k in traverse_util.flatten_dict(variables["params"]))
     frozen = freeze_tree(variables) if searching else variables

@@ -58,6 +58,9 @@ def test_target_names_carry_the_abi_version():
     for module in (_extension._cpu_ext, _extension._cuda_ext, _extension._emu_ext):
         if module is not None:  # what the built modules register is in the list
             assert set(module.registrations()) <= set(names), module.__name__
+    if _extension._emu_ext is not None:  # and the emulation's names are exactly its own
+        emulated = {n for n in names if n.startswith(cuda.EMULATED_PREFIX)}
+        assert set(_extension._emu_ext.registrations()) == emulated
 
 
 def test_plain_jax_export_refuses_our_targets_and_dd_export_allows_them(rng):

@@ -311,3 +311,7 @@ def test_a_checkpoint_of_another_model_or_size_is_refused():
         dd.from_dense(dense_of(), frozen_template)
     with pytest.raises(ValueError, match="no search-phase DiagonalDense"):
         dd.from_dense(dense_of(), dense_of())
+    with pytest.raises(TypeError, match="from_dense: dense_variables must be a mapping"):
+        dd.from_dense([dense_of()], template)
+    with pytest.raises(ValueError, match="from_dense: template must be variables with a 'params'"):
+        dd.from_dense(dense_of(), {"diagonals": {}})

@@ -110,9 +110,15 @@ def test_num_diagonals_worked_examples(in_f, out_f, s, k):
     assert density >= 1 - s - 1e-12 or k == 1
 
 
-@pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 1.5])
+@pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 1.5, float("nan")])
 def test_num_diagonals_rejects_sparsity_outside_the_open_interval(bad):
-    with pytest.raises(ValueError, match="sparsity"):
+    with pytest.raises(ValueError, match="sparsity must be in \\(0, 1\\)"):
+        dd.num_diagonals(8, 8, bad)
+
+
+@pytest.mark.parametrize("bad", ["0.5", True, None, [0.5]])
+def test_num_diagonals_rejects_a_sparsity_that_is_not_a_number(bad):
+    with pytest.raises(TypeError, match="sparsity must be a number in \\(0, 1\\)"):
         dd.num_diagonals(8, 8, bad)
 
 

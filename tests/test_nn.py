@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import dynadiag_jax as dd
 from dynadiag_jax.nn import DiagonalDense, set_gate
@@ -494,8 +495,25 @@ def test_bad_input():
         DiagonalDense(8, sparsity=0.5, gate="softmax").apply({"params": v["params"]}, x)
     with pytest.raises(ValueError, match="needs strength="):
         set_gate(v)
-    with pytest.raises(ValueError, match="floating"):
+    with pytest.raises(TypeError, match="x must be a floating array"):
         layer.apply(v, jnp.ones((2, 8), jnp.int32))
+    with pytest.raises(ValueError, match="x must be a floating array"):
+        layer.apply(v, jnp.ones((), jnp.float32))
+    for slack, error in ((-0.5, ValueError), (float("nan"), ValueError), ("0.25", TypeError)):
+        with pytest.raises(error, match="slack must be"):
+            DiagonalDense(8, sparsity=0.5, slack=slack)
+        with pytest.raises(error, match="slack must be"):
+            dd.nnx.DiagonalDense(8, 8, sparsity=0.5, slack=slack, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="x must be a floating array"):
+        dd.nnx.DiagonalDense(8, 8, sparsity=0.5, rngs=nnx.Rngs(0))(jnp.ones((2, 8), jnp.int32))
+    with pytest.raises(TypeError, match="freeze_tree: variables must be a mapping"):
+        dd.freeze_tree([v])
+    with pytest.raises(
+        ValueError, match="freeze_tree: variables must be variables with a 'params'"
+    ):
+        dd.freeze_tree({"diagonals": {}})
+    with pytest.raises(TypeError, match="freeze: variables must be a mapping"):
+        dd.freeze(layer, None)
 
 
 def test_nnx_bridge():

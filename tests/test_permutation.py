@@ -108,27 +108,31 @@ def test_bad_permutation_argument_is_named_in_linen_and_nnx(bad, match):
 
 
 @pytest.mark.parametrize(
-    ("perm", "match"),
+    ("perm", "error", "match"),
     [
-        ([0, 1, 2, 3, 4, 5, 6, 6], "holds 6 2 times and misses 7"),
-        ([0, 1, 2, 3, 4, 5, 6, 8], "holds 8, outside \\[0, 8\\)"),
-        ([0, 1, 2, 3, 4, 5, 6, -1], "holds -1, outside"),
-        ([0, 1, 2, 3, 4, 5, 6], "perm must be an integer array \\[in\\] = \\[8\\]"),
-        (np.arange(8, dtype=np.float32), "perm must be an integer array \\[in\\] = \\[8\\]"),
+        ([0, 1, 2, 3, 4, 5, 6, 6], ValueError, "holds 6 2 times and misses 7"),
+        ([0, 1, 2, 3, 4, 5, 6, 8], ValueError, "holds 8, outside \\[0, 8\\)"),
+        ([0, 1, 2, 3, 4, 5, 6, -1], ValueError, "holds -1, outside"),
+        ([0, 1, 2, 3, 4, 5, 6], ValueError, "perm must be an integer array \\[in\\] = \\[8\\]"),
+        (
+            np.arange(8, dtype=np.float32),
+            TypeError,
+            "perm must be an integer array \\[in\\] = \\[8\\].*got float32",
+        ),
     ],
 )
-def test_a_bad_perm_is_a_clear_error_on_the_host_and_nan_under_jit(perm, match):
+def test_a_bad_perm_is_a_clear_error_on_the_host_and_nan_under_jit(perm, error, match):
     layer = DiagonalDense(8, sparsity=0.5, permutation="random", init_phase="frozen", impl="jax")
     x = jax.random.normal(jax.random.key(1), (2, 8))
     v = layer.init(jax.random.key(0), x)
     bad = {**v, "diagonals": {**v["diagonals"], "perm": np.asarray(perm)}}
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         layer.apply(bad, x)
     nnx_layer = dd.nnx.DiagonalDense(
         8, 8, sparsity=0.5, permutation="random", init_phase="frozen", rngs=nnx.Rngs(0)
     )
     nnx_layer.perm.set_value(np.asarray(perm))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         nnx_layer(x)
     if np.shape(perm) == (8,) and np.issubdtype(np.asarray(perm).dtype, np.integer):
         y = jax.jit(layer.apply)(bad, x)  # traced: cannot raise, so every output is NaN

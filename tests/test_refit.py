@@ -180,10 +180,17 @@ def test_bad_inputs_are_refused_with_the_reason():
     dense = random_dense(Single(40), x)
     model = dd.nn.sparsify(Single(40), [("layer", {"sparsity": 0.8})])
     one_shot = dd.from_dense(dense, model.init(jax.random.key(5), x), freeze=True)
-    with pytest.raises(ValueError, match="ridge must be a finite number >= 0"):
-        dd.refit(model, one_shot, Single(40), dense, x, ridge=-1.0)
+    for ridge, error, match in (
+        (-1.0, ValueError, "ridge must be >= 0"),
+        (float("inf"), ValueError, "ridge must be a finite number"),
+        ("1e-3", TypeError, "ridge must be a number"),
+    ):
+        with pytest.raises(error, match=match):
+            dd.refit(model, one_shot, Single(40), dense, x, ridge=ridge)
     with pytest.raises(ValueError, match="variables must be variables with a 'params'"):
         dd.refit(model, {"diagonals": {}}, Single(40), dense, x)
+    with pytest.raises(TypeError, match="refit: dense_variables must be a mapping"):
+        dd.refit(model, one_shot, Single(40), [dense], x)
     other = random_dense(TwoLayers(), x)
     with pytest.raises(ValueError, match="calls no nn.Dense / nn.DenseGeneral at params/layer"):
         dd.refit(model, one_shot, TwoLayers(), other, x)

@@ -83,6 +83,13 @@ def test_distribution_rejects_bad_sparsity(dist, bad):
         dist(_params(), bad)
 
 
+@pytest.mark.parametrize("bad", ["0.9", True, None])
+@pytest.mark.parametrize("dist", [B.uniform, B.erk])
+def test_distribution_rejects_a_sparsity_that_is_not_a_number(dist, bad):
+    with pytest.raises(TypeError, match="sparsity must be a number"):
+        dist(_params(), bad)
+
+
 def test_distribution_rejects_empty_selection():
     with pytest.raises(ValueError, match="no parameter leaf"):
         B.uniform(_params(), 0.9, include=lambda path, leaf: False)

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from dynadiag_jax._checks import finite_number
+
 __all__ = ["uniform", "erk", "include_paths", "path_str"]
 
 Include = Callable[[str, jax.Array], bool]
@@ -52,7 +54,7 @@ def include_paths(patterns: Sequence[str], *, min_ndim: int = 2) -> Include:
 
 
 def _check_sparsity(sparsity) -> float:
-    s = float(sparsity)
+    s = finite_number(sparsity, "sparsity")
     if not 0.0 <= s < 1.0:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity!r}")
     return s

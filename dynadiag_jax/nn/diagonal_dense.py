@@ -37,7 +37,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from dynadiag_jax._checks import int_at_least
+from dynadiag_jax._checks import int_at_least, non_negative
 from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
@@ -215,8 +215,7 @@ class DiagonalDense(nn.Module):
             raise ValueError(f"unknown init_phase {self.init_phase!r}; expected one of {PHASES}")
         if self.explore not in F.EXPLORE_MODES:
             raise ValueError(f"unknown explore {self.explore!r}; expected one of {F.EXPLORE_MODES}")
-        if not self.slack >= 0:
-            raise ValueError(f"slack must be >= 0, got {self.slack!r}")
+        non_negative(self.slack, "slack")
         int_at_least(self.num_buckets, "num_buckets", 1)
         F.check_init_and_search(self.fan_in, self.scale)
         perms.check_permutation_args(
@@ -266,7 +265,9 @@ class DiagonalDense(nn.Module):
         """``x[..., in] -> [..., features]``; call kwargs override the ``"dynadiag"`` value."""
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"x must be an array, got {type(x).__name__}")
-        if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
+        if x.ndim < 1:
             raise ValueError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
         self._check_frozen_entries()
         self._check_phase()

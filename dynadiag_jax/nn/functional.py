@@ -33,6 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dynadiag_jax._checks import check_sparsity
 from dynadiag_jax.layout import DiagGeometry, geometry, num_diagonals
 from dynadiag_jax.ops import diag_matmul
 from dynadiag_jax.ops.ranking import descending_order
@@ -78,22 +79,6 @@ DEFAULT_HYPER = {"strength": 1.0, "temperature": 5.0}
 # alpha = (1 + ALPHA_NOISE * u) / P with u ~ U(0, 1): breaks ties in the ranking, and stays far
 # below any sensible strength, so the first sparse gate is uniform (K / P) on every diagonal.
 ALPHA_NOISE = 1e-3
-
-
-def check_sparsity(sparsity) -> None:
-    """Rejects a ``sparsity`` that is not a number in ``(0, 1)``, saying what to use instead."""
-    if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
-        raise TypeError(
-            f"sparsity must be a number in (0, 1), got {sparsity!r} ({type(sparsity).__name__})"
-        )
-    if not 0.0 < float(sparsity) < 1.0:
-        hint = (
-            "; for a dense layer use flax.linen.Dense, or keep every diagonal with k=P "
-            "(P = the number of candidate diagonals)"
-            if sparsity <= 0
-            else ""
-        )
-        raise ValueError(f"sparsity must be in (0, 1), got {sparsity!r}{hint}")
 
 
 def check_init_and_search(fan_in: str, scale: str) -> None:

@@ -171,7 +171,12 @@ def checked_permutation(perm, n: int, label: str):
     callback; the check is O(n) per call).
     """
     shape, dtype = tuple(getattr(perm, "shape", ())), getattr(perm, "dtype", None)
-    if shape != (n,) or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+            f"{label}: perm must be an integer array [in] = [{n}] (a permutation of the "
+            f"{n} inputs), got {dtype}{shape}"
+        )
+    if shape != (n,):
         raise ValueError(
             f"{label}: perm must be an integer array [in] = [{n}] (a permutation of the "
             f"{n} inputs), got {dtype}{shape}: x's width differs from the one the layer was "

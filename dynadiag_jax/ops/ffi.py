@@ -52,8 +52,9 @@ class PlatformKernels(NamedTuple):
     workspace_bytes: WorkspaceFn | None = None
     fused_backward: bool = False  # provides {prefix}_bwd: (dy, x, values, offsets) -> (dx, dvalues)
     # Its handlers take rank-4 block-diagonal values[K, L_b, b, b] for b in KERNEL_BLOCK_SIZES
-    # (docs/kernel_abi.md); without them, impl="auto" runs block diagonals on the "jax" path, and
-    # so does a lowering for this platform from another one (jax.export, lowering_platforms).
+    # (docs/kernel_abi.md); without them, impl="auto" picks another path for block diagonals
+    # ("jax" on CPU, "dense" on GPU), and a lowering for this platform from another one
+    # (jax.export, lowering_platforms) runs the "jax" path.
     block_diagonals: bool = False
     # Dtypes its lowering widens to float32 around the call and rounds back (once) after it: the
     # kernels compute in float32 anyway, and the converts cost one pass over each operand.
@@ -243,7 +244,7 @@ def _custom_call_lowering(prefix: str, kind: str, kernels: PlatformKernels, raw:
             kernels.block_diagonals
         ):
             # Lowering for a platform whose kernels lack block diagonals (e.g. exporting for
-            # CUDA from a CPU host): that platform runs the pure-JAX path, as impl="auto" would.
+            # CUDA from a CPU host): that platform runs the pure-JAX path.
             fallback = functools.partial(_reference_call, kind, **params)
             return mlir.lower_fun(fallback, multiple_results=kind == "bwd")(ctx, *operands)
         if permuted and kernels.permuted_prefix is None:
