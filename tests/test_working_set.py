@@ -367,6 +367,21 @@ def test_a_run_searches_in_the_working_set_and_resumes_inside_it(tmp_path):
     )
 
 
+def test_each_step_waits_for_the_program_of_its_own_phase(tmp_path, monkeypatch):
+    waited = []
+    wait = loop.CompileAhead.wait
+
+    def recording(self, name):
+        waited.append(name)
+        return wait(self, name)
+
+    monkeypatch.setattr(loop.CompileAhead, "wait", recording)
+    train_tiny(tmp_path / "run", **RUN, working_set=OPTION)
+    steps = [name[1] for name in waited if isinstance(name, tuple) and name[0] == "step"]
+    # the search's first 3 steps, 5 in the working-set form (4..8), 4 frozen (9..12)
+    assert steps == [True] * 3 + ["working_set"] * 5 + [False] * 4
+
+
 @pytest.mark.parametrize(
     ("option", "message"),
     [
