@@ -207,12 +207,7 @@ class DiagonalDense(nnx.Module):
                 "values[W, ...]) is implemented for the linen layer and dynadiag_jax.training "
                 "only; keep values[P, ...] and no working_set on an NNX layer"
             )
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"x must be an array, got {type(x).__name__}")
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
-        if x.ndim < 1:
-            raise ValueError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
+        F.check_layer_input(x)
         if x.shape[-1] != spec.in_features:
             raise ValueError(
                 f"DiagonalDense: x has width {x.shape[-1]}, the layer expects {spec.in_features}"

@@ -263,12 +263,7 @@ class DiagonalDense(nn.Module):
     @nn.compact
     def __call__(self, x, *, strength=None, temperature=None):
         """``x[..., in] -> [..., features]``; call kwargs override the ``"dynadiag"`` value."""
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"x must be an array, got {type(x).__name__}")
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
-        if x.ndim < 1:
-            raise ValueError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
+        F.check_layer_input(x)
         self._check_frozen_entries()
         self._check_phase()
         self._check_width(x.shape[-1])

@@ -51,6 +51,7 @@ __all__ = [
     "layer_budget",
     "check_sparsity",
     "check_init_and_search",
+    "check_layer_input",
     "init_alpha",
     "init_values",
     "random_offsets",
@@ -79,6 +80,17 @@ DEFAULT_HYPER = {"strength": 1.0, "temperature": 5.0}
 # alpha = (1 + ALPHA_NOISE * u) / P with u ~ U(0, 1): breaks ties in the ranking, and stays far
 # below any sensible strength, so the first sparse gate is uniform (K / P) on every diagonal.
 ALPHA_NOISE = 1e-3
+
+
+def check_layer_input(x) -> None:
+    """Rejects a layer input that is not an array (``TypeError``), not floating (``TypeError``)
+    or a scalar (``ValueError``): a layer takes ``x[..., in]``."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"x must be an array, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
+    if x.ndim < 1:
+        raise ValueError(f"x must be a floating array [..., in], got {x.dtype}{tuple(x.shape)}")
 
 
 def check_init_and_search(fan_in: str, scale: str) -> None:
