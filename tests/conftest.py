@@ -3,8 +3,10 @@
 import importlib.util
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -36,6 +38,46 @@ H100_MEASURED_SPEEDUP = {
     (32, 0.95): (0.98, 1.14),
     (32, 0.98): (1.26, 1.50),
 }
+
+
+_CACHE_KEY = pytest.StashKey[str]()
+_CACHE_SETTINGS = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+
+
+def pytest_configure(config):
+    """One on-disk compilation cache for the session, unless the environment names one.
+
+    The tests, their xdist workers and the training runs they start in child processes compile
+    many of the same programs (the same tiny models and steps, test after test); JAX serves a
+    program compiled once to every later compile of it. A cached program is the one the compile
+    would produce, so no result changes; ``train/results.py`` switches the cache off for its runs.
+    """
+    if hasattr(config, "workerinput") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return  # a worker inherits the controller's environment
+    folder = tempfile.mkdtemp(prefix="dynadiag-tests-jax-cache-")
+    config.stash[_CACHE_KEY] = folder
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    for name, value in _CACHE_SETTINGS.items():
+        os.environ.setdefault(name, value)
+    # this process imported jax already: it runs the tests without xdist
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs",
+        float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+    )
+    jax.config.update(
+        "jax_persistent_cache_min_entry_size_bytes",
+        int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]),
+    )
+
+
+def pytest_unconfigure(config):
+    folder = config.stash.get(_CACHE_KEY, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def load_script(path):
