@@ -87,13 +87,36 @@ def test_two_processes_train_like_one(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4", "6"]
 
 
-def test_abstract_batch_describes_the_global_batch():
-    """The compiles ahead get the batch's shapes, dtypes and shardings without a transfer."""
+def test_abstract_batch_describes_the_batch_a_step_is_called_with():
+    """The compiles ahead get the step's batch's shapes and dtypes without a transfer; on one
+    process the step takes the host arrays (no sharding: the step's ``in_shardings`` place them),
+    so that its calls find the program compiled ahead."""
     mesh = parallel.data_mesh()
     local = {"x": np.ones((8, 3), np.float64), "y": np.arange(8, dtype=np.int32)}
-    real = parallel.global_batch(local, mesh)
+    real = parallel.step_batch(local, mesh)
     abstract = parallel.abstract_batch(local, mesh)
     for k, v in real.items():
-        assert (abstract[k].shape, abstract[k].dtype) == (v.shape, v.dtype)
-        assert abstract[k].sharding == v.sharding
+        assert isinstance(v, np.ndarray)
+        assert (abstract[k].shape, abstract[k].dtype) == (
+            v.shape,
+            jax.dtypes.canonicalize_dtype(v.dtype),
+        )
+        assert abstract[k].sharding is None
     assert parallel.global_batch_shape((8, 3), mesh) == (8, 3)
+
+
+def test_a_single_process_batch_is_the_array_the_multi_process_path_makes():
+    """The one-process transfer gives the arrays ``make_array_from_process_local_data`` gives:
+    values, dtypes (float64 canonicalised), shapes and shardings."""
+    mesh = parallel.data_mesh()
+    local = {"x": np.linspace(0, 1, 24).reshape(8, 3), "y": np.arange(8, dtype=np.int64)}
+    fast = parallel.global_batch(local, mesh)
+    sharding = parallel.batch_sharded(mesh)
+    for k, v in local.items():
+        slow = jax.make_array_from_process_local_data(sharding, v, v.shape)
+        assert (fast[k].shape, fast[k].dtype, fast[k].sharding) == (
+            slow.shape,
+            slow.dtype,
+            slow.sharding,
+        )
+        np.testing.assert_array_equal(np.asarray(fast[k]), np.asarray(slow))

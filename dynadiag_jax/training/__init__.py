@@ -27,6 +27,7 @@ from dynadiag_jax.training.parallel import (
     data_mesh,
     global_batch,
     initialize_distributed,
+    step_batch,
 )
 from dynadiag_jax.training.sparsity import (
     GateSchedule,
@@ -87,6 +88,7 @@ __all__ = [
     "parameter_counts",
     "read_jsonl",
     "split_params",
+    "step_batch",
     "train",
     "train_only",
     "variables_of",

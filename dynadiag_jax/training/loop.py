@@ -47,8 +47,8 @@ from dynadiag_jax.training.parallel import (
     batch_sharded,
     check_batch_size,
     data_mesh,
-    global_batch,
     replicated,
+    step_batch,
 )
 from dynadiag_jax.training.sparsity import GateSchedule, freeze_state, is_searching, kept_offsets
 from dynadiag_jax.training.state import TrainState, create_train_state
@@ -325,7 +325,7 @@ def compile_ahead(
       ahead: the run's :class:`CompileAhead`.
       programs: the run's :class:`Programs`.
       state: the state (or its ``jax.eval_shape``) of the phase the run is in.
-      batch: the global training batch's :func:`abstract_batch` (shapes and shardings are all a
+      batch: the training batch's :func:`abstract_batch` (shapes, dtypes and shardings are all a
         compile needs: nothing is transferred).
       mesh: the run's mesh (the state is replicated over it).
       searching: whether ``state`` is in the search phase.
@@ -342,7 +342,7 @@ def compile_ahead(
     key = phase_key(now, searching)
 
     def eval_batch():
-        return global_batch(next(iter(eval_data)), mesh)
+        return step_batch(next(iter(eval_data)), mesh)
 
     if steps:
         ahead.submit(("step", key), programs.train_step, now, batch)
@@ -476,7 +476,7 @@ def train_one_step(
 ) -> TrainState:
     """Take one optimizer step on this process's share of the global batch; its metrics go to
     ``sums`` and its time to ``timer``."""
-    state, metrics = train_step(state, global_batch(local_batch, mesh))
+    state, metrics = train_step(state, step_batch(local_batch, mesh))
     sums.add(metrics)
     timer.stepped(metrics)
     return state
@@ -507,7 +507,7 @@ def evaluate(eval_step, state: TrainState, eval_data: Iterable, mesh, task) -> d
     """Run the jitted ``eval_step`` over ``eval_data`` and summarise with ``task.summarise``."""
     total = None
     for local in eval_data:
-        sums = eval_step(state, global_batch(local, mesh))
+        sums = eval_step(state, step_batch(local, mesh))
         total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
     if total is None:
         raise ValueError("eval_data yielded no batches")
