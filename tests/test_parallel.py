@@ -103,20 +103,3 @@ def test_abstract_batch_describes_the_batch_a_step_is_called_with():
         )
         assert abstract[k].sharding is None
     assert parallel.global_batch_shape((8, 3), mesh) == (8, 3)
-
-
-def test_a_single_process_batch_is_the_array_the_multi_process_path_makes():
-    """The one-process transfer gives the arrays ``make_array_from_process_local_data`` gives:
-    values, dtypes (float64 canonicalised), shapes and shardings."""
-    mesh = parallel.data_mesh()
-    local = {"x": np.linspace(0, 1, 24).reshape(8, 3), "y": np.arange(8, dtype=np.int64)}
-    fast = parallel.global_batch(local, mesh)
-    sharding = parallel.batch_sharded(mesh)
-    for k, v in local.items():
-        slow = jax.make_array_from_process_local_data(sharding, v, v.shape)
-        assert (fast[k].shape, fast[k].dtype, fast[k].sharding) == (
-            slow.shape,
-            slow.dtype,
-            slow.sharding,
-        )
-        np.testing.assert_array_equal(np.asarray(fast[k]), np.asarray(slow))
