@@ -29,6 +29,7 @@ and requires it equal to the recorded one for the recorded nvcc version.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import re
 import shutil
@@ -155,10 +156,14 @@ def compile_device_code(nvcc: str, include_dir: str, out_dir, archs=(ARCH,)) -> 
 
 
 def cubin_path(out_dir, arch: str = ARCH) -> pathlib.Path:
-    """The cubin of ``arch`` that :func:`compile_device_code` kept in ``out_dir`` (nvcc leaves the
-    architecture out of the name when it compiles for one)."""
-    named = pathlib.Path(out_dir) / f"{SOURCE.stem}.compute_{arch}.cubin"
-    return named if named.exists() else pathlib.Path(out_dir) / f"{SOURCE.stem}.cubin"
+    """The cubin of ``arch`` that :func:`compile_device_code` or the CMake build (which embeds PTX
+    as well, ``<stem>.compute_<a>.sm_<a>.cubin``) kept in ``out_dir``; nvcc leaves the
+    architecture out of the name when it compiles for one."""
+    out = pathlib.Path(out_dir)
+    for name in (f"compute_{arch}.cubin", f"compute_{arch}.sm_{arch}.cubin"):
+        if (out / f"{SOURCE.stem}.{name}").exists():
+            return out / f"{SOURCE.stem}.{name}"
+    return out / f"{SOURCE.stem}.cubin"
 
 
 def disassemble(nvdisasm: str, cubin) -> str:
@@ -217,6 +222,9 @@ def sass_functions(text: str) -> dict:
                 where = (None, 0)
             expect = caller
             for frame in frames:
+                # an include path with ".." (CMake's xla_ext/cuda/..) appears in the file names
+                if frame is not None:
+                    frame = (os.path.normpath(frame[0]), frame[1])
                 if where[0] is None and frame is not None and frame[0].endswith(KERNEL_FILES):
                     where = (pathlib.Path(frame[0]).name, frame[1])
         elif m := re.match(r"^(\.L_x_\d+):", raw):

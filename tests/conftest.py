@@ -132,13 +132,32 @@ def run_python(tmp_path):
     return run
 
 
+def _built_device_code():
+    """``(ptxas -v log, folder)`` the CMake build kept (xla_ext/cuda/CMakeLists.txt: device/) for
+    every architecture of ``CUDA_ARCHS``, newest first, if it was compiled after the last change
+    to anything under xla_ext/; else None."""
+    newest_source = max(p.stat().st_mtime for p in (ROOT / "xla_ext").rglob("*") if p.is_file())
+    logs = ROOT.glob("build/*/xla_ext/cuda/device/ptxas.log")
+    for log in sorted(logs, key=lambda p: p.stat().st_mtime, reverse=True):
+        text, folder = log.read_text(), log.parent
+        if log.stat().st_mtime > newest_source and all(
+            f"for 'sm_{a}'" in text and sass_counts.cubin_path(folder, a).exists()
+            for a in CUDA_ARCHS
+        ):
+            return text, folder
+    return None
+
+
 @pytest.fixture(scope="session")
 def cuda_device_build(tmp_path_factory):
-    """``(ptxas -v log, folder)`` of the shipped CUDA source's device code for ``CUDA_ARCHS``,
-    compiled once per session (minutes on two cores); the folder keeps each architecture's cubin
-    and PTX (``sass_counts.cubin_path``). Skips without nvcc."""
+    """``(ptxas -v log, folder)`` of the shipped CUDA source's device code for ``CUDA_ARCHS``; the
+    folder keeps each architecture's cubin and PTX (``sass_counts.cubin_path``). The checked code
+    is what the extension's build compiled, when that build is current; otherwise it is compiled
+    here once per session (minutes on two cores). Skips without nvcc."""
     nvcc = sass_counts.find_tool("nvcc")
     if nvcc is None or not sass_counts.SOURCE.exists():
         pytest.skip("needs nvcc and the xla_ext sources")
+    if built := _built_device_code():
+        return built
     out = tmp_path_factory.mktemp("nvcc")
     return sass_counts.compile_device_code(nvcc, jax.ffi.include_dir(), out, CUDA_ARCHS), out
