@@ -528,6 +528,17 @@ def test_results_smoke_run_reports_in_its_workdir_and_never_writes_docs(run_pyth
     proc = run_python([*args, "--timing_only"], env=env, timeout=300)
     assert f"report: {run / 'RESULTS.md'}" in proc.stdout
     assert not cache.exists() or not any(cache.iterdir()), sorted(cache.iterdir())
+    # the clean runs: dense, static diagonals and DynaDiag again, each in a fresh process with
+    # every program compiled before its first step
+    clean = json.loads((run / results_runs.SPEED_FILE).read_text())["clean_runs"]["mlp"]
+    assert set(clean) == set(results_runs.CLEAN_METHODS)
+    allocator = "jemalloc" if results_runs.JEMALLOC.exists() else "system"
+    assert {(r["repeats"], r["allocator"]) for r in clean.values()} == {(1, allocator)}
+    assert "search_step_time_s" in clean["dynadiag"]  # None: too short to log one
+    assert clean["dynadiag"]["frozen_step_time_s"] > 0
+    logs = list((run / "clean_runs" / "mlp").glob("*/metrics.jsonl"))
+    flags = [r["beside_compile"] for p in logs for r in T.read_jsonl(p) if "step_time_s" in r]
+    assert len(logs) == 3 and set(flags) == {0.0}  # no interval ran beside a compile
     assert "| Dense |" in (run / "RESULTS.md").read_text()
     assert (run / results_report.PLOTS["speed"]).stat().st_size > 0
     assert os.listdir(docs) == ["RESULTS.md"] and (docs / "RESULTS.md").read_text() == (

@@ -760,6 +760,13 @@ def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) 
         with _environment(env), concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
             record = pool.submit(_clean_run, config, spec, workdir, repeat).result()
         runs.setdefault(spec[:2], []).append(record)
+    return least_over_repeats(runs, "jemalloc" if env else "system")
+
+
+def least_over_repeats(runs: dict, allocator: str) -> dict:
+    """``{suite: {method: {key: value}}}`` from ``{(suite, method): [record per repeat]}``: each
+    of :data:`CLEAN_KEYS` the records have, as its least value (None where no repeat logged one)
+    and ``<key>_runs``, every logged value in order; ``allocator`` and ``repeats`` beside them."""
     out = {}
     for (name, method), records in runs.items():
         least = {}
@@ -767,11 +774,8 @@ def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) 
             values = [r[k] for r in records if r.get(k) is not None]
             least[k] = min(values) if values else None  # None: never logged
             least[f"{k}_runs"] = values
-        out.setdefault(name, {})[method] = {
-            **least,
-            "allocator": "jemalloc" if env else "system",
-            "repeats": len(records),
-        }
+        least.update(allocator=allocator, repeats=len(records))
+        out.setdefault(name, {})[method] = least
     return out
 
 
