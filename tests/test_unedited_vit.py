@@ -47,7 +47,15 @@ def test_rules_replace_the_attention_projections_and_the_mlp_only():
 
 def test_trains_both_models_reports_and_resumes(tmp_path, monkeypatch):
     config = _config()
+    timed = []
+
+    def time_frozen(*args, measure=U.time_frozen):
+        timed.append(measure(*args))
+        return timed[-1]
+
+    monkeypatch.setattr(U, "time_frozen", time_frozen)
     text = U.run(config, tmp_path, seeds=1, sparsity=0.9)
+    assert set(timed[0]) == {"ours", "plain", "ours dense", "plain dense"}
     records = [json.loads(line) for line in (tmp_path / "accuracy.jsonl").read_text().splitlines()]
     assert [r["variant"] for r in records] == ["ours", "plain"]
     # the trained, frozen PlainViT keeps K diagonals in every replaced layer, as its frozen init
@@ -64,6 +72,7 @@ def test_trains_both_models_reports_and_resumes(tmp_path, monkeypatch):
         raise AssertionError("a recorded run was trained again")
 
     monkeypatch.setattr(U, "train_one", no_training)
+    monkeypatch.setattr(U, "time_frozen", lambda *a: timed[0])  # four compiles: timed above
     again = U.run(config, tmp_path, seeds=1, sparsity=0.9)
     ours = next(line for line in again.splitlines() if line.startswith("| ours |"))
     assert (
