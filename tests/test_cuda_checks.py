@@ -75,10 +75,18 @@ def failures(proc):
 
 @pytest.mark.slow
 def test_kernels_are_correct_and_race_free_under_tsan(drivers):
-    proc = run(drivers["tsan"])
+    # float16 runs the same kernel code as bfloat16 (one template, another T); ASan runs all three
+    proc = run(drivers["tsan"], "--dtype", "float32,bfloat16")
     assert "ThreadSanitizer" not in proc.stderr, proc.stderr[-6000:]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert ", 0 failures;" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32,int8", "bfloat16,", "half"])
+def test_an_unknown_dtype_is_refused_before_any_check(drivers, dtype):
+    proc = run(drivers["unset_shared"], "--dtype", dtype)
+    assert proc.returncode == 2 and proc.stdout.startswith("unknown dtype "), proc.stdout[-2000:]
 
 
 @pytest.mark.slow

@@ -6,9 +6,10 @@
 // -fsanitize=address,undefined, and with the planted bugs of cuda/diag_kernels.cuh.
 //
 //   kernel_check [options]          exit status 0 when every check passes and every result matches
-//     --dtype float32|float16|bfloat16   only this element type
+//     --dtype T[,T...]                  only these element types (float32, float16, bfloat16)
 //     --seed N, --resident N             the block schedule (emu::set_schedule)
 //   kernel_check diverge            runs a kernel with a divergent __syncthreads (must abort)
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -289,6 +290,20 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  // --dtype: "all" or a comma-separated list of float32, float16, bfloat16
+  std::vector<std::string> dtypes;
+  for (std::size_t start = 0; start <= dtype.size();) {
+    const std::size_t end = std::min(dtype.find(',', start), dtype.size());
+    dtypes.push_back(dtype.substr(start, end - start));
+    start = end + 1;
+  }
+  if (dtype == "all") dtypes = {"float32", "float16", "bfloat16"};
+  for (const auto& name : dtypes) {
+    if (name != "float32" && name != "float16" && name != "bfloat16") {
+      std::printf("unknown dtype %s\n", name.c_str());
+      return 2;
+    }
+  }
   emu::set_schedule(seed, resident);
   failures += simt_selftest();
   std::mt19937 rng(0);
@@ -296,25 +311,17 @@ int main(int argc, char** argv) {
   check_conversions<__half>(__half2float, __float2half_rn, "half");
   check_conversions<__nv_bfloat16>(__bfloat162float, __float2bfloat16_rn, "bfloat16");
   const auto cs = cases(rng);
-  int dtypes = 0;
-  if (dtype == "all" || dtype == "float32") {
-    for (const auto& c : cs) run_case<float>(c, rng);
-    ++dtypes;
+  for (const auto& name : dtypes) {
+    if (name == "float32") {
+      for (const auto& c : cs) run_case<float>(c, rng);
+    } else if (name == "float16") {
+      for (const auto& c : cs) run_case<__half>(c, rng);
+    } else {
+      for (const auto& c : cs) run_case<__nv_bfloat16>(c, rng);
+    }
   }
-  if (dtype == "all" || dtype == "float16") {
-    for (const auto& c : cs) run_case<__half>(c, rng);
-    ++dtypes;
-  }
-  if (dtype == "all" || dtype == "bfloat16") {
-    for (const auto& c : cs) run_case<__nv_bfloat16>(c, rng);
-    ++dtypes;
-  }
-  if (dtypes == 0) {
-    std::printf("unknown dtype %s\n", dtype.c_str());
-    return 2;
-  }
-  std::printf("%zu cases x %d dtypes x 3 products, %d failures; output blocks: %d tensor-core, %d diagonal\n",
-              cs.size(), dtypes, failures, tc_blocks, diag_blocks);
+  std::printf("%zu cases x %zu dtypes x 3 products, %d failures; output blocks: %d tensor-core, %d diagonal\n",
+              cs.size(), dtypes.size(), failures, tc_blocks, diag_blocks);
   const bool both_paths = dtype == "float32" || (tc_blocks > 0 && diag_blocks > 0);
   return failures == 0 && both_paths ? 0 : 1;
 }
