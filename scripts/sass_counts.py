@@ -214,17 +214,15 @@ def sass_functions(text: str) -> dict:
             # intrinsics) count for the kernel line that called them. An inlined location
             # "A inlined at B" is followed by one line per caller frame ("B inlined at C", ...):
             # those continue it, they start no new location.
-            here = (m.group(1), int(m.group(2)))
+            # normpath: an include path with ".." (CMake's xla_ext/cuda/..) names the files
+            here = (os.path.normpath(m.group(1)), int(m.group(2)))
             caller = re.search(r'inlined at "([^"]+)", line (\d+)', m.group(3))
-            caller = (caller.group(1), int(caller.group(2))) if caller else None
+            caller = (os.path.normpath(caller.group(1)), int(caller.group(2))) if caller else None
             frames = [caller] if here == expect else [here, caller]
             if here != expect:
                 where = (None, 0)
             expect = caller
             for frame in frames:
-                # an include path with ".." (CMake's xla_ext/cuda/..) appears in the file names
-                if frame is not None:
-                    frame = (os.path.normpath(frame[0]), frame[1])
                 if where[0] is None and frame is not None and frame[0].endswith(KERNEL_FILES):
                     where = (pathlib.Path(frame[0]).name, frame[1])
         elif m := re.match(r"^(\.L_x_\d+):", raw):

@@ -291,13 +291,15 @@ int main(int argc, char** argv) {
     }
   }
   // --dtype: "all" or a comma-separated list of float32, float16, bfloat16
-  std::vector<std::string> dtypes;
-  for (std::size_t start = 0; start <= dtype.size();) {
-    const std::size_t end = std::min(dtype.find(',', start), dtype.size());
-    dtypes.push_back(dtype.substr(start, end - start));
-    start = end + 1;
+  std::vector<std::string> dtypes = {"float32", "float16", "bfloat16"};
+  if (dtype != "all") {
+    dtypes.clear();
+    for (std::size_t start = 0; start <= dtype.size();) {
+      const std::size_t end = std::min(dtype.find(',', start), dtype.size());
+      dtypes.push_back(dtype.substr(start, end - start));
+      start = end + 1;
+    }
   }
-  if (dtype == "all") dtypes = {"float32", "float16", "bfloat16"};
   for (const auto& name : dtypes) {
     if (name != "float32" && name != "float16" && name != "bfloat16") {
       std::printf("unknown dtype %s\n", name.c_str());
