@@ -47,12 +47,18 @@ _CACHE_SETTINGS = {
 }
 
 
-# XLA's CPU code generated at LLVM optimisation level 0: the suite's time is mostly compiling
-# small programs it then runs for milliseconds (a quarter less wall time for test_results.py,
-# test_nn.py and test_unedited_vit.py together, 303 -> 222 s). The HLO passes, and so every
-# fusion and every custom call to our kernels (built by the C++ compiler, not by XLA), are
-# unchanged; only the machine code of XLA's own fusions is less optimised.
-FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+# XLA's CPU compiler set for compile time: the suite's time is mostly compiling small programs it
+# then runs for milliseconds. LLVM at optimisation level 0 (a quarter less wall time for
+# test_results.py, test_nn.py and test_unedited_vit.py together, 303 -> 222 s), and XLA's older
+# elemental emitters for its fusions instead of the MLIR fusion emitters (the MLP suite's search
+# step compiles in 0.73 s instead of 1.79 s, a one-op program in 19 ms instead of 32 ms;
+# bench/suite_step.py's compile rows). The HLO passes, and so every fusion and every custom call
+# to our kernels (built by the C++ compiler, not by XLA), are unchanged; only the machine code of
+# XLA's own fusions differs.
+FAST_COMPILE_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+)
 
 
 def pytest_configure(config):
@@ -67,8 +73,10 @@ def pytest_configure(config):
     if hasattr(config, "workerinput"):
         return  # a worker inherits the controller's environment
     flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_FLAG}".strip()
+    for flag in FAST_COMPILE_FLAGS:
+        if flag.split("=")[0] not in flags:
+            flags = f"{flags} {flag}".strip()
+    os.environ["XLA_FLAGS"] = flags
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
     folder = tempfile.mkdtemp(prefix="dynadiag-tests-jax-cache-")
@@ -128,7 +136,7 @@ def run_python(tmp_path):
 
     def run(args, *, env=None, timeout=600, check=True):
         env = dict(env or {})
-        if "XLA_FLAGS" in env:  # added to the session's (FAST_COMPILE_FLAG), not replacing them
+        if "XLA_FLAGS" in env:  # added to the session's (FAST_COMPILE_FLAGS), not replacing them
             env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {env['XLA_FLAGS']}".strip()
         child_env = dict(os.environ, **env)
         child_env["PYTHONPATH"] = os.pathsep.join(
