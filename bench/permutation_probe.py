@@ -34,7 +34,6 @@ import tempfile
 # Appended: `train` from the checkout; the installed dynadiag_jax (with its kernels) still wins.
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -77,11 +76,6 @@ def matched_layout(w, k: int, rounds: int = ASSIGN_ROUNDS):
     return perm.astype(np.int32), offsets.astype(np.int32)
 
 
-def _initial_state(built, example, seed):
-    """The run's own init, compiled as one program (called eagerly, it dispatches op by op)."""
-    return jax.jit(lambda: T.create_train_state(built.model, built.optimizer, example, seed=seed))()
-
-
 def _train(config, data, suite, built, seed, steps, initial_variables=None):
     with tempfile.TemporaryDirectory(prefix="permutation_probe") as workdir:
         result = R.train_built(
@@ -108,7 +102,7 @@ def probe_moves(config, data, suite, seeds, lr_scales) -> list[dict]:
         for seed in seeds:
             built = R.build(config, suite, "dynadiag_learned_perm", SPARSITY, seed, data, steps)
             built = built._replace(optimizer=scaled_permutation_updates(built.optimizer, factor))
-            initial = _initial_state(built, example, seed)
+            initial = R.initial_state(built, example, seed)
             start = R.start_permutations(initial.params)
             variables = T.variables_of(initial)
             result, metric = _train(config, data, suite, built, seed, steps, variables)
@@ -133,7 +127,7 @@ def probe_assigned(config, data, suite, seeds, dense_steps: int) -> list[dict]:
         dense = R.build(config, suite, "dense", 0.0, seed, data, steps)
         trained, _ = _train(config, data, suite, dense, seed, dense_steps)
         kernels = R.leaves_named(trained.state.params, "kernel")
-        variables = T.variables_of(_initial_state(built, example, seed))
+        variables = T.variables_of(R.initial_state(built, example, seed))
         diagonals = traverse_util.flatten_dict(variables["diagonals"])
         for path in R.leaves_named(variables["diagonals"], "perm"):
             if path not in kernels:

@@ -583,6 +583,12 @@ def leaves_named(tree, name: str) -> dict[tuple, object]:
     return {k[:-1]: v for k, v in traverse_util.flatten_dict(tree).items() if k[-1] == name}
 
 
+def initial_state(built, example, seed: int):
+    """The ``T.TrainState`` a run of ``built`` starts from, its init compiled as one program
+    (called eagerly, it dispatches op by op)."""
+    return jax.jit(lambda: T.create_train_state(built.model, built.optimizer, example, seed=seed))()
+
+
 def start_permutations(params) -> dict[str, np.ndarray]:
     """``{layer path: perm[in]}``: the permutation each learned layer's ``perm_soft`` stands for
     at the start (what the freeze would harden it to there, :func:`perms.harden`: for the random
@@ -632,9 +638,7 @@ def train_run(
     if method_dynadiag(m, method).permutation == "learned" and built.freeze_step is not None:
         # The run's own init (same model and seed), built once: the run starts from it, and each
         # learned layer's search start is read from it.
-        state = jax.jit(
-            lambda: T.create_train_state(built.model, built.optimizer, example, seed=seed)
-        )()
+        state = initial_state(built, example, seed)
         initial = T.variables_of(state)
         perm_start = start_permutations(state.params)
     load_before = os.getloadavg()[0]
