@@ -33,7 +33,7 @@ from dynadiag_jax.nn.functional import (
     search_width,
     select_diagonals,
 )
-from dynadiag_jax.nn.permutation import harden_and_fold
+from dynadiag_jax.nn.permutation import harden_and_fold, harden_blocks
 
 __all__ = ["freeze", "freeze_tree", "freeze_opt_state", "select_diagonals"]
 
@@ -179,7 +179,12 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
         for name in _SEARCH_PARAMS:
             params.pop(path + (name,), None)
         values = _gather_rows(layer["values"], offsets)
-        if "perm_soft" in layer:
+        if "perm_soft" in layer and path + ("perm",) in diagonals:
+            # the "blocks" relaxation: a base permutation and a hard forward, so nothing to fold
+            diagonals[path + ("perm",)] = harden_blocks(
+                layer["perm_soft"], diagonals[path + ("perm",)]
+            )
+        elif "perm_soft" in layer:
             soft = layer["perm_soft"]
             out_features = math.prod(layer["values"].shape[offsets.ndim - 1 :]) // soft.shape[-1]
             diagonals[path + ("perm",)], values = harden_and_fold(

@@ -82,7 +82,7 @@ class DiagonalDense(nnx.Module):
         bias_init, fan_in, scale: as
         :class:`dynadiag_jax.nn.DiagonalDense`.
       init_phase: ``"search"``, or ``"frozen"`` for K random offsets (static diagonals).
-      permutation, permutation_penalty, permutation_start: as
+      permutation, permutation_penalty, permutation_start, permutation_relaxation: as
         :class:`dynadiag_jax.nn.DiagonalDense`; the weighted
         penalty of the learned layers is :func:`permutation_penalty` (add it to the loss).
       rngs: ``nnx.Rngs`` with a ``params`` stream.
@@ -115,6 +115,7 @@ class DiagonalDense(nnx.Module):
         permutation: str | None = None,
         permutation_penalty: float = perms.DEFAULT_PENALTY,
         permutation_start: str = "random",
+        permutation_relaxation: str = "sinkhorn",
         rngs: nnx.Rngs,
     ):
         for name, value in (("in_features", in_features), ("out_features", out_features)):
@@ -132,7 +133,9 @@ class DiagonalDense(nnx.Module):
             raise ValueError(f"unknown init_phase {init_phase!r}; expected 'search' or 'frozen'")
         non_negative(slack, "slack")
         F.check_init_and_search(fan_in, scale)
-        perms.check_permutation_args(permutation, permutation_penalty, permutation_start)
+        perms.check_permutation_args(
+            permutation, permutation_penalty, permutation_start, permutation_relaxation
+        )
         if gate_init is not None:
             check_gate_value(gate_init, "gate_init")
         budget = F.layer_budget(
@@ -178,6 +181,11 @@ class DiagonalDense(nnx.Module):
         self.permutation_penalty = float(permutation_penalty)
         n = spec.in_features
         if permutation == "random" or (permutation == "learned" and init_phase == "frozen"):
+            self.perm = Diagonals(perms.random_permutation(rngs.params(), n))
+        elif permutation == "learned" and permutation_relaxation == "blocks":
+            b = perms.soft_block_size(n)
+            soft = perms.init_block_soft(rngs.params(), (n // b, b, b), work_dtype(param_dtype))
+            self.perm_soft = nnx.Param(soft)
             self.perm = Diagonals(perms.random_permutation(rngs.params(), n))
         elif permutation == "learned":
             self.perm_soft = nnx.Param(
@@ -225,7 +233,10 @@ class DiagonalDense(nnx.Module):
         )
         x = x.astype(dtype)
         perm = None
-        if hasattr(self, "perm_soft"):
+        if hasattr(self, "perm_soft") and hasattr(self, "perm"):  # the "blocks" relaxation
+            x = perms.apply_permutation(x, self.perm.get_value(), "DiagonalDense")
+            x = perms.block_permute(x, self._soft_matrix())
+        elif hasattr(self, "perm_soft"):
             x = perms.soft_permute(x, self._soft_matrix())
         elif hasattr(self, "perm") and self.frozen:  # the product reads x through perm
             perm = perms.checked_permutation(self.perm.get_value(), x.shape[-1], "DiagonalDense")
@@ -383,7 +394,14 @@ def freeze(model):
         values = finite_values(alpha, values, tuple(map(str, path)))
         for name in ("alpha", m.spec.hyper_name, "topk", "score"):
             delattr(m, name)
-        if hasattr(m, "perm_soft"):
+        if hasattr(m, "perm_soft") and hasattr(m, "perm"):  # "blocks": hard forward, no fold
+            harden = perms.harden_blocks
+            soft = m.perm_soft.get_value()
+            if isinstance(soft, jax.ShapeDtypeStruct):
+                harden = functools.partial(jax.eval_shape, harden)
+            del m.perm_soft
+            m.perm = Diagonals(harden(soft, m.perm.get_value()))
+        elif hasattr(m, "perm_soft"):
             soft = m.perm_soft.get_value()
             harden = functools.partial(perms.harden_and_fold, out_features=m.spec.out_features)
             if isinstance(soft, jax.ShapeDtypeStruct):

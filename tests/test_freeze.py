@@ -117,9 +117,12 @@ def test_freeze_tree_whole_model_under_jit():
         set_gate(fv, strength=0.1)
 
 
-@pytest.mark.parametrize("permutation", [None, "learned"])
+@pytest.mark.parametrize("permutation", [None, "learned", "blocks"])
 @pytest.mark.parametrize("width,k,block_size", [(8, 2, 1), (32, 2, 8)])
 def test_freeze_tree_stacked_layers(width, k, block_size, permutation):
+    relaxation = "blocks" if permutation == "blocks" else "sinkhorn"
+    permutation = "learned" if permutation == "blocks" else permutation
+
     class Stack(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -137,6 +140,7 @@ def test_freeze_tree_stacked_layers(width, k, block_size, permutation):
                 impl="jax",
                 use_bias=False,
                 permutation=permutation,
+                permutation_relaxation=relaxation,
             )
             x, _ = scanned(layer, x, None)
             return x
@@ -144,6 +148,10 @@ def test_freeze_tree_stacked_layers(width, k, block_size, permutation):
     model = Stack()
     x = jax.random.normal(jax.random.key(1), (4, width))
     v = set_gate(random_alpha(model.init(jax.random.key(0), x)), strength=0.5)
+    if relaxation == "blocks":  # blocks away from their identity start
+        layer_params = v["params"]["DiagonalDense_0"]
+        soft = jax.random.uniform(jax.random.key(5), layer_params["perm_soft"].shape)
+        v["params"]["DiagonalDense_0"] = {**layer_params, "perm_soft": soft}
     alpha = v["params"]["DiagonalDense_0"]["alpha"]
     p = width // block_size
     assert alpha.shape == (3, p) and v["dynadiag"]["DiagonalDense_0"]["strength"].shape == (3,)
@@ -155,9 +163,14 @@ def test_freeze_tree_stacked_layers(width, k, block_size, permutation):
     for i in range(3):
         np.testing.assert_array_equal(offsets[i], dd.select_diagonals(alpha[i], k))
         want = values[i][offsets[i]]
-        if permutation:  # each slice hardened and folded on its own
+        if permutation:  # each slice hardened (and folded, from the soft matrix) on its own
             soft = v["params"]["DiagonalDense_0"]["perm_soft"][i]
-            perm, want = dd.nn.permutation.harden_and_fold(soft, want, offsets[i], width)
+            if relaxation == "blocks":
+                base = v["diagonals"]["DiagonalDense_0"]["perm"][i]
+                perm = dd.nn.permutation.harden_blocks(soft, base)
+                assert not np.array_equal(perm, base)
+            else:
+                perm, want = dd.nn.permutation.harden_and_fold(soft, want, offsets[i], width)
             np.testing.assert_array_equal(fv["diagonals"]["DiagonalDense_0"]["perm"][i], perm)
         np.testing.assert_allclose(fv["params"]["DiagonalDense_0"]["values"][i], want, rtol=1e-6)
     assert model.apply(fv, x).shape == (4, width)

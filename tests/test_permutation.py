@@ -604,3 +604,145 @@ def test_nnx_training_with_the_penalty_then_freeze_and_continue():
         step(frozen, continued)
     assert int(continued.step.get_value()) == 6
     assert sorted(np.asarray(frozen.perm.get_value()).tolist()) == list(range(12))
+
+
+@pytest.mark.parametrize(
+    ("n", "b"), [(784, 56), (256, 64), (160, 40), (640, 64), (16, 16), (97, 1), (128, 64)]
+)
+def test_the_blocks_relaxation_s_block_is_the_largest_divisor_up_to_64(n, b):
+    assert P.soft_block_size(n) == b
+
+
+def near_block_permutations(rng, g, b, lead=()):
+    """``(m[*lead, g, b, b], targets[*lead, g, b])``: blocks near known permutations."""
+    targets = np.stack([rng.permutation(b) for _ in range(int(np.prod(lead, dtype=int)) * g)])
+    targets = targets.reshape((*lead, g, b))
+    m = 0.05 * rng.uniform(size=(*lead, g, b, b))
+    np.put_along_axis(m, targets[..., None], 1.0, axis=-1)
+    return jnp.asarray(m, jnp.float32), targets
+
+
+def test_block_assignment_is_each_block_s_argmax_and_always_a_bijection(rng):
+    g, b = 3, 8
+    m, targets = near_block_permutations(rng, g, b)
+    want = (targets + np.arange(g)[:, None] * b).ravel()
+    np.testing.assert_array_equal(P.block_assignment(m), want)
+    np.testing.assert_array_equal(jax.jit(P.block_assignment)(m), want)
+    stacked, targets = near_block_permutations(rng, g, b, lead=(2,))
+    np.testing.assert_array_equal(
+        P.block_assignment(stacked), (targets + np.arange(g)[:, None] * b).reshape(2, g * b)
+    )
+    # every row's largest entry in column 0: the argmax is no bijection, the greedy one is
+    clash = rng.uniform(size=(g, b, b))
+    clash[..., 0] += 1.0
+    for m in (clash, np.full((g, b, b), np.nan)):
+        h = np.asarray(jax.jit(P.block_assignment)(jnp.asarray(m, jnp.float32))).reshape(g, b)
+        for i in range(g):
+            assert sorted((h[i] - i * b).tolist()) == list(range(b))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_block_permute_is_the_hard_gather_with_a_straight_through_gradient(dtype, rng):
+    g, b = 3, 8
+    n = g * b
+    m = P.doubly_stochastic(near_block_permutations(rng, g, b)[0])
+    x = jax.random.normal(jax.random.key(1), (2, 5, n), dtype)
+    c = jax.random.normal(jax.random.key(2), (2, 5, n), jnp.float32)  # dy of a linear loss
+    h = P.block_assignment(m)
+    np.testing.assert_array_equal(P.block_permute(x, m), x[..., h])
+
+    def loss(x, m):
+        return jnp.sum(c * P.block_permute(x, m).astype(jnp.float32))
+
+    def soft(m):  # the product the gradient of m is taken through: x_g @ m_g.T per block
+        xb = x.astype(jnp.float32).reshape(2, 5, g, b)
+        return jnp.sum(c * jnp.einsum("...gj,gij->...gi", xb, m).reshape(2, 5, n))
+
+    dx, dm = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, m)
+    assert dx.dtype == dtype and dm.dtype == m.dtype
+    gather = jax.grad(lambda x: jnp.sum(c * x[..., h].astype(jnp.float32)))(x)
+    np.testing.assert_array_equal(dx, gather)
+    np.testing.assert_allclose(dm, jax.grad(soft)(m), **TOL[dtype])
+
+
+def blocks_layer(n_out, **kwargs):
+    kw = dict(sparsity=0.5, permutation="learned", permutation_relaxation="blocks", impl="jax")
+    return DiagonalDense(n_out, **{**kw, **kwargs})
+
+
+@pytest.mark.parametrize(("block_size", "n_in", "n_out"), [(1, 24, 40), (8, 32, 16)])
+def test_the_blocks_relaxation_is_a_random_permutation_followed_by_block_ones(
+    block_size, n_in, n_out, rng
+):
+    """The search layer is the "random" layer on ``perm[block_assignment(M)]``, which the freeze
+    keeps (no fold: the forward was hard), so the frozen layer is the search layer at a hard
+    gate; NNX computes and freezes the same."""
+    layer = blocks_layer(n_out, block_size=block_size)
+    x = jax.random.normal(jax.random.key(1), (6, n_in))
+    v = layer.init(jax.random.key(0), x)
+    bsz = P.soft_block_size(n_in)
+    assert v["params"]["perm_soft"].shape == (n_in // bsz, bsz, bsz)
+    base = v["diagonals"]["perm"]
+    assert sorted(np.asarray(base).tolist()) == list(range(n_in))
+    random = layer.clone(permutation="random")
+    np.testing.assert_array_equal(
+        P.block_assignment(P.doubly_stochastic(v["params"]["perm_soft"])), np.arange(n_in)
+    )  # the start: each block's identity
+    np.testing.assert_allclose(layer.apply(v, x), random.apply(without_soft(v), x), rtol=1e-6)
+    soft, targets = near_block_permutations(rng, n_in // bsz, bsz)
+    alpha = jax.random.normal(jax.random.key(2), v["params"]["alpha"].shape)
+    v = {**v, "params": {**v["params"], "perm_soft": soft, "alpha": alpha}}
+    moved = np.asarray(base)[(targets + np.arange(n_in // bsz)[:, None] * bsz).ravel()]
+    as_random = without_soft(v)
+    as_random["diagonals"]["perm"] = jnp.asarray(moved)
+    np.testing.assert_allclose(layer.apply(v, x), random.apply(as_random, x), rtol=1e-6)
+    frozen_layer, fv = dd.freeze(layer, v)
+    np.testing.assert_array_equal(fv["diagonals"]["perm"], moved)
+    kept = jnp.take(v["params"]["values"], fv["diagonals"]["offsets"], axis=0)
+    np.testing.assert_array_equal(fv["params"]["values"], kept)
+    hard = layer.apply(dd.nn.set_gate(v, strength=0.0), x)
+    np.testing.assert_allclose(frozen_layer.apply(fv, x), hard, rtol=1e-5, atol=1e-6)
+    kwargs = dict(sparsity=0.5, block_size=block_size, permutation="learned", impl="jax")
+    nl = dd.nnx.DiagonalDense(
+        n_in, n_out, permutation_relaxation="blocks", rngs=nnx.Rngs(0), **kwargs
+    )
+    assert nl.perm_soft.get_value().shape == soft.shape
+    for name in ("alpha", "values", "perm_soft", "bias"):
+        getattr(nl, name).set_value(v["params"][name])
+    nl.perm.set_value(base)
+    nl.strength.set_value(v["dynadiag"]["strength"])
+    np.testing.assert_allclose(nl(x), layer.apply(v, x), rtol=1e-5, atol=1e-6)
+    nf = dd.nnx.freeze(nl)
+    assert not hasattr(nf, "perm_soft")
+    np.testing.assert_array_equal(nf.perm.get_value(), moved)
+    np.testing.assert_allclose(nf(x), frozen_layer.apply(fv, x), rtol=1e-5, atol=1e-6)
+
+
+def without_soft(variables):
+    out = {c: dict(v) for c, v in variables.items()}
+    out["params"].pop("perm_soft")
+    return out
+
+
+def test_the_blocks_relaxation_trains_its_soft_blocks_and_checks_its_arguments():
+    layer = blocks_layer(8)
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    v = layer.init(jax.random.key(0), x)
+
+    def loss_of(params):
+        y, sown = layer.apply({**v, "params": params}, x, mutable=["losses", "intermediates"])
+        return loss(y) + sum(jax.tree.leaves(sown["losses"]))
+
+    grads = jax.grad(loss_of)(v["params"])
+    assert float(jnp.linalg.norm(grads["perm_soft"])) > 0
+    with pytest.raises(ValueError, match="permutation_relaxation must be one of"):
+        blocks_layer(8, permutation_relaxation="sinkhorn_blocks")
+    with pytest.raises(ValueError, match="permutation_relaxation must be one of"):
+        dd.nnx.DiagonalDense(8, 8, sparsity=0.5, permutation_relaxation=None, rngs=nnx.Rngs(0))
+    sinkhorn = layer.clone(permutation_relaxation="sinkhorn")
+    with pytest.raises(
+        ValueError, match=r"perm_soft must have shape \[16, 16\].*got \(1, 16, 16\)"
+    ):
+        sinkhorn.apply(v, x)
+    with pytest.raises(ValueError, match=r"perm_soft must have shape \[1, 16, 16\]"):
+        layer.apply(sinkhorn.init(jax.random.key(0), x), x)

@@ -584,6 +584,7 @@ def test_fingerprint_of_permutations_and_runs_without_one_hash_as_before():
     with config.unlocked():
         section = config.models.mlp.dynadiag
         del section["permutation"], section["permutation_penalty"], section["permutation_start"]
+        del section["permutation_relaxation"]
     assert {m: fp(m) for m in methods} == before  # "none" is the section without the keys
     with config.unlocked():
         section.permutation, section.permutation_penalty = "random", 1e-3
@@ -603,6 +604,18 @@ def test_fingerprint_of_permutations_and_runs_without_one_hash_as_before():
     with config.unlocked():
         section.permutation_penalty = 1e-3
     assert len({learned, fp("dynadiag"), random["dynadiag"], before["dynadiag"]}) == 4
+    with config.unlocked():  # the default relaxation hashes as before the key existed
+        section.permutation_relaxation = "sinkhorn"
+    sinkhorn = fp("dynadiag")
+    with config.unlocked():
+        del section["permutation_relaxation"]
+    assert fp("dynadiag") == sinkhorn
+    with config.unlocked():
+        section.permutation_relaxation = "blocks"
+    assert fp("dynadiag") != sinkhorn
+    with config.unlocked():
+        section.permutation = "random"
+    assert fp("dynadiag") == random["dynadiag"]  # only a learned permutation reads it
 
 
 @pytest.mark.skipif(not HAS_LAYER, reason="needs dynadiag_jax.nn")
@@ -621,11 +634,19 @@ def test_rows_moved_compares_the_frozen_perm_with_the_soft_start():
     assert results.rows_moved(start, {"a": {"perm": drawn, "offsets": [0]}}) == {"a": 0.0}
     with pytest.raises(ValueError, match="no frozen perm for the learned layers"):
         results.rows_moved(start, {"b": {"perm": drawn}})
+    # the "blocks" relaxation: its base permutation in the diagonals, then each block's
+    blocks = perms.init_block_soft(jax.random.key(4), (2, 5, 5))
+    base = np.asarray(perms.random_permutation(jax.random.key(5), n))
+    start = results.start_permutations({"a": {"perm_soft": blocks}}, {"a": {"perm": base}})
+    np.testing.assert_array_equal(start["a"], base)  # each block starts on its identity
 
 
 @pytest.mark.skipif(not HAS_LAYER, reason="needs dynadiag_jax.nn")
-def test_a_learned_permutation_run_records_the_rows_it_moved(tmp_path):
+@pytest.mark.parametrize("relaxation", ["sinkhorn", "blocks"])
+def test_a_learned_permutation_run_records_the_rows_it_moved(tmp_path, relaxation):
     config = _config("quick,models=mlp,methods=dynadiag_learned_perm,sparsities=0.9")
+    with config.unlocked():
+        config.models.mlp.dynadiag.permutation_relaxation = relaxation
     data = results.prepare(config)
     (spec,) = results.run_plan(config)
     steps = results.steps_of(config.models.mlp, data)

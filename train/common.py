@@ -107,6 +107,7 @@ def sparse_layer(cfg) -> functools.partial:
         permutation=permutation_of(cfg),
         permutation_penalty=float(cfg.permutation_penalty),
         permutation_start=cfg.permutation_start,
+        permutation_relaxation=cfg.permutation_relaxation,
     )
     try:
         layer(1)

@@ -446,6 +446,9 @@ def fingerprint(config, model_name: str, method: str, steps: int) -> str:
         if section.get("permutation", "none") != "learned":
             section.pop("permutation_penalty", None)
             section.pop("permutation_start", None)
+            section.pop("permutation_relaxation", None)
+        if section.get("permutation_relaxation") == "sinkhorn":  # as before it could be chosen
+            section.pop("permutation_relaxation", None)
         if section.get("permutation", "none") == "none":
             section.pop("permutation", None)
         # and runs without a working set as before it existed
@@ -589,14 +592,18 @@ def initial_state(built, example, seed: int):
     return jax.jit(lambda: T.create_train_state(built.model, built.optimizer, example, seed=seed))()
 
 
-def start_permutations(params) -> dict[str, np.ndarray]:
+def start_permutations(params, diagonals=None) -> dict[str, np.ndarray]:
     """``{layer path: perm[in]}``: the permutation each learned layer's ``perm_soft`` stands for
     at the start (what the freeze would harden it to there, :func:`perms.harden`: for the random
-    start, the permutation it started half on)."""
-    return {
-        "/".join(path): np.asarray(perms.harden(soft))
-        for path, soft in leaves_named(params, "perm_soft").items()
-    }
+    start, the permutation it started half on; for the ``"blocks"`` relaxation, whose base
+    permutation is in ``diagonals``, :func:`perms.harden_blocks`)."""
+    bases = {"/".join(p): v for p, v in leaves_named(diagonals or {}, "perm").items()}
+    out = {}
+    for path, soft in leaves_named(params, "perm_soft").items():
+        name = "/".join(path)
+        hard = perms.harden_blocks(soft, bases[name]) if name in bases else perms.harden(soft)
+        out[name] = np.asarray(hard)
+    return out
 
 
 def rows_moved(start: dict[str, np.ndarray], diagonals) -> dict[str, float]:
@@ -640,7 +647,7 @@ def train_run(
         # learned layer's search start is read from it.
         state = initial_state(built, example, seed)
         initial = T.variables_of(state)
-        perm_start = start_permutations(state.params)
+        perm_start = start_permutations(state.params, state.collections.get("diagonals"))
     load_before = os.getloadavg()[0]
     start, cpu_start = time.perf_counter(), time.process_time()
     run_info = {"model": model_name, "method": method, "sparsity": sparsity, "fingerprint": fp}

@@ -32,6 +32,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -166,6 +167,13 @@ class DiagonalDense(nn.Module):
       permutation_start: ``perm_soft``'s init, for ``"learned"``: ``"random"`` (default) half on
         a random permutation matrix and half uniform, or ``"uniform"`` (PA-DST's start: every
         input mixed into every position).
+      permutation_relaxation: for ``"learned"``: ``"sinkhorn"`` (default, PA-DST's soft matrix
+        above) or ``"blocks"``: ``perm`` drawn as for ``"random"``, then a hard permutation
+        inside each block of ``B`` inputs (``B``: :func:`~dynadiag_jax.nn.permutation.
+        soft_block_size`), the assignment of ``sinkhorn(|perm_soft[in / B, B, B]|)``, trained
+        straight through (:func:`~dynadiag_jax.nn.permutation.block_permute`): the forward is a
+        gather, so the search phase stays sparse, and the freeze keeps the function exactly.
+        ``permutation_start`` does not apply (each block starts half on its identity).
 
     Shapes: ``x[..., in] -> y[..., features]``. Element diagonals: ``P = max(in, features)``,
     ``values[P, D]`` with ``D = min(in, features)``. Block diagonals: ``P_b`` as above,
@@ -195,6 +203,7 @@ class DiagonalDense(nn.Module):
     permutation: str | None = None
     permutation_penalty: float = perms.DEFAULT_PENALTY
     permutation_start: str = "random"
+    permutation_relaxation: str = "sinkhorn"
 
     def __post_init__(self):
         int_at_least(self.features, "features", 1)
@@ -219,7 +228,10 @@ class DiagonalDense(nn.Module):
         int_at_least(self.num_buckets, "num_buckets", 1)
         F.check_init_and_search(self.fan_in, self.scale)
         perms.check_permutation_args(
-            self.permutation, self.permutation_penalty, self.permutation_start
+            self.permutation,
+            self.permutation_penalty,
+            self.permutation_start,
+            self.permutation_relaxation,
         )
         if self.gate_init is not None:
             check_gate_value(self.gate_init, "gate_init")
@@ -357,21 +369,40 @@ class DiagonalDense(nn.Module):
         return perms.apply_permutation(x, perm, self._label()), None
 
     def _soft_permute(self, x):
-        """``x @ M.T`` with ``M = sinkhorn(|perm_soft|)``; sows the penalty of ``M``."""
+        """``x @ M.T`` with ``M = sinkhorn(|perm_soft|)``, or for ``"blocks"`` the hard
+        :func:`~dynadiag_jax.nn.permutation.block_permute` of ``x[..., perm]``; sows the penalty
+        of ``M``."""
         work = work_dtype(self.param_dtype)
         n = x.shape[-1]
-        soft = self.param("perm_soft", perms.init_soft, (n, n), work, self.permutation_start)
-        if soft.shape != (n, n):
+        blocks = self.permutation_relaxation == "blocks"
+        if blocks:
+            b = perms.soft_block_size(n)
+            shape, init = (n // b, b, b), perms.init_block_soft
+        else:
+            shape = (n, n)
+            init = functools.partial(perms.init_soft, start=self.permutation_start)
+        held = self.get_variable("params", "perm_soft")  # checked before flax compares shapes
+        if held is not None and held.shape != shape:
             raise ValueError(
-                f"{self._label()}: params/perm_soft must have shape [in, in] = [{n}, {n}], "
-                f"got {soft.shape}"
+                f"{self._label()}: params/perm_soft must have shape {list(shape)} for "
+                f"permutation_relaxation={self.permutation_relaxation!r} at in = {n}, "
+                f"got {held.shape}"
             )
+        soft = self.param("perm_soft", init, shape, work)
         m = perms.doubly_stochastic(soft.astype(work))
         penalty = perms.l1_l2_penalty(m)
         if not self.is_initializing():  # init keeps every mutable collection in the variables
             self.sow("intermediates", "permutation_penalty", penalty)
             weighted = jnp.float32(self.permutation_penalty) * penalty
             self.sow("losses", "permutation_penalty", weighted)
+        if blocks:
+            base = self.variable(
+                F.DIAGONALS_COLLECTION,
+                "perm",
+                lambda: perms.random_permutation(self.make_rng("params"), n),
+            ).value
+            x = perms.apply_permutation(x, base, self._label())
+            return perms.block_permute(x, m)
         return perms.soft_permute(x, m)
 
     def _check_phase(self):

@@ -6,7 +6,9 @@ diagonals of the original input order. Variables (names shared by every framewor
 
 * ``perm[in]`` int32, not trained (linen's ``"diagonals"`` collection, NNX's ``Diagonals``):
   ``"random"`` draws it at init; a ``"learned"`` layer gets it at the freeze;
-* ``perm_soft[in, in]`` float32 param, ``"learned"`` only, search phase only: the relaxation.
+* ``perm_soft[in, in]`` float32 param, ``"learned"`` only, search phase only: the relaxation
+  (``[in / B, B, B]`` for the ``"blocks"`` relaxation, whose layers also hold ``perm`` while
+  searching: the random permutation the blocks permute within).
 
 The learned relaxation (PA-DST, after AutoShuffleNet): ``M = sinkhorn(|perm_soft|)`` is non-negative
 and near doubly stochastic (:data:`SINKHORN_ITERS` row-then-column normalisations in every
@@ -14,6 +16,10 @@ forward, so no projection step is needed after the optimizer's), the layer compu
 ``S(x @ M.T)`` (dense: ``in * in`` multiply-adds per row of ``x``) and adds
 ``weight * l1_l2_penalty(M)`` to the loss, which is zero exactly on permutation matrices. The
 freeze hardens ``M`` with :func:`hard_permutation`.
+
+The ``"blocks"`` relaxation is cheaper: after a random ``perm``, one permutation inside each block
+of ``B`` (:func:`soft_block_size`) positions, applied hard in the forward (a gather) and trained
+straight through (:func:`block_permute`); the freeze composes the two (:func:`harden_blocks`).
 """
 
 from __future__ import annotations
@@ -30,13 +36,19 @@ __all__ = [
     "DEFAULT_PENALTY",
     "PERMUTATIONS",
     "PERMUTATION_STARTS",
+    "RELAXATIONS",
     "SINKHORN_ITERS",
+    "SOFT_BLOCK",
+    "block_assignment",
+    "block_permute",
     "check_permutation_args",
     "checked_permutation",
     "doubly_stochastic",
     "hard_permutation",
     "harden",
+    "harden_blocks",
     "host_array",
+    "init_block_soft",
     "init_soft",
     "apply_permutation",
     "harden_and_fold",
@@ -44,6 +56,7 @@ __all__ = [
     "l1_l2_penalty",
     "permute_inputs",
     "random_permutation",
+    "soft_block_size",
     "soft_permute",
 ]
 
@@ -63,19 +76,26 @@ SOFT_INIT_NOISE = 0.5
 # PA-DST's start, which a budget of a few epochs leaves far from any permutation at the freeze.
 PERMUTATION_STARTS = ("random", "uniform")
 RANDOM_START_WEIGHT = 0.5
+# How a learned permutation is relaxed while it searches: "sinkhorn", PA-DST's soft in x in matrix
+# (a dense mixing of the inputs); "blocks", a random base permutation followed by a hard
+# permutation inside each block of at most SOFT_BLOCK inputs, trained straight through.
+RELAXATIONS = ("sinkhorn", "blocks")
+SOFT_BLOCK = 64
 _TINY = 1e-12  # keeps a row or column of zeros from dividing by zero
 
 
-def check_permutation_args(permutation, weight, start="random") -> None:
+def check_permutation_args(permutation, weight, start="random", relaxation="sinkhorn") -> None:
     """Raises ``ValueError`` for a ``permutation`` not in :data:`PERMUTATIONS`, a ``start`` not
-    in :data:`PERMUTATION_STARTS` or a negative or non-finite weight, ``TypeError`` for a weight
-    that is not a number."""
+    in :data:`PERMUTATION_STARTS`, a ``relaxation`` not in :data:`RELAXATIONS` or a negative or
+    non-finite weight, ``TypeError`` for a weight that is not a number."""
     if not (permutation is None or (isinstance(permutation, str) and permutation in PERMUTATIONS)):
         raise ValueError(
             f"permutation must be one of {PERMUTATIONS} (None: no permutation), got {permutation!r}"
         )
     if not (isinstance(start, str) and start in PERMUTATION_STARTS):
         raise ValueError(f"permutation_start must be one of {PERMUTATION_STARTS}, got {start!r}")
+    if not (isinstance(relaxation, str) and relaxation in RELAXATIONS):
+        raise ValueError(f"permutation_relaxation must be one of {RELAXATIONS}, got {relaxation!r}")
     if finite_number(weight, "permutation_penalty") < 0:
         raise ValueError(f"permutation_penalty must be a finite float >= 0, got {weight!r}")
 
@@ -267,3 +287,69 @@ def _greedy_assignment(m):
 
     _, columns = jax.lax.scan(take, jnp.zeros((n,), bool), order)
     return jnp.zeros((n,), jnp.int32).at[order].set(columns)
+
+
+def soft_block_size(n: int) -> int:
+    """The block of the ``"blocks"`` relaxation at input width ``n``: the largest divisor of
+    ``n`` that is at most :data:`SOFT_BLOCK`."""
+    return max(d for d in range(1, min(n, SOFT_BLOCK) + 1) if n % d == 0)
+
+
+def init_block_soft(key, shape, dtype=jnp.float32):
+    """``perm_soft[G, B, B]`` of the ``"blocks"`` relaxation: ``RANDOM_START_WEIGHT`` on each
+    block's identity (the layer's random base permutation is the start) plus the uniform part
+    ``U(1 - SOFT_INIT_NOISE, 1) / B`` on the rest."""
+    b = shape[-1]
+    uniform = jax.random.uniform(key, shape, jnp.float32, 1.0 - SOFT_INIT_NOISE, 1.0) / b
+    eye = jnp.broadcast_to(jnp.eye(b, dtype=jnp.float32), shape)
+    return (RANDOM_START_WEIGHT * eye + (1.0 - RANDOM_START_WEIGHT) * uniform).astype(dtype)
+
+
+def block_assignment(m):
+    """``h[..., G * B]`` int32 for the blocks ``m[..., G, B, B]``: each block's
+    :func:`hard_permutation`, as global input positions (block ``g`` reads from ``g * B`` on).
+
+    Where every row's largest entry is in a column of its own (the usual case near a
+    permutation) this is each row's argmax, and the greedy assignment is not run.
+    """
+    m = jnp.asarray(m, jnp.float32)
+    *lead, g, b, _ = m.shape
+    arg = jnp.argmax(m, axis=-1).astype(jnp.int32)
+    counts = jnp.sum(jax.nn.one_hot(arg, b, dtype=jnp.int32), axis=-2)
+    local = jax.lax.cond(
+        jnp.all(counts == 1), lambda: arg, lambda: hard_permutation(m).astype(jnp.int32)
+    )
+    starts = (jnp.arange(g, dtype=jnp.int32) * b).reshape((1,) * len(lead) + (g, 1))
+    return (local + starts).reshape((*lead, g * b))
+
+
+@jax.custom_vjp
+def block_permute(x, m):
+    """``x[..., block_assignment(m)]`` for ``x[..., G * B]`` and one layer's ``m[G, B, B]``: the
+    hard forward of the ``"blocks"`` relaxation, with a straight-through gradient: ``m`` gets the
+    gradient of the soft product ``x_g @ m_g.T`` (per block ``g``), ``x`` the exact one of the
+    gather (a gather by the inverse)."""
+    return gather_columns(x, block_assignment(m))
+
+
+def _block_permute_fwd(x, m):
+    h = block_assignment(m)
+    return gather_columns(x, h), (x, h, m)
+
+
+def _block_permute_bwd(res, dy):
+    x, h, m = res
+    rows = (-1, *m.shape[:2])  # [rows, G, B]
+    dy_blocks, x_blocks = (a.reshape(rows).astype(jnp.float32) for a in (dy, x))
+    dm = jnp.einsum("rgi,rgj->gij", dy_blocks, x_blocks)
+    return scatter_columns(dy, h), dm.astype(m.dtype)
+
+
+block_permute.defvjp(_block_permute_fwd, _block_permute_bwd)
+
+
+def harden_blocks(soft, base):
+    """``perm[..., n]`` at the freeze of a ``"blocks"`` relaxation: the base permutation
+    ``base[..., n]`` followed by the blocks' assignment of ``doubly_stochastic(soft)``."""
+    h = block_assignment(doubly_stochastic(jnp.asarray(soft, jnp.float32)))
+    return jnp.take_along_axis(jnp.asarray(base, jnp.int32), h, axis=-1)

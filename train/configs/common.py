@@ -112,6 +112,9 @@ def dynadiag(
         # the learned permutation's start: "random" (half on a random permutation matrix, half
         # uniform) or "uniform" (PA-DST's; docs/design.md 4.7 has both measured)
         permutation_start="random",
+        # the learned permutation's relaxation: "sinkhorn" (PA-DST's soft in x in matrix) or
+        # "blocks" (a hard forward through blocks of at most 64 after a random base permutation)
+        permutation_relaxation="sinkhorn",
     )
 
 
