@@ -8,7 +8,9 @@ search), each trained over ``--seeds``:
   its start, so the soft phase mixes the inputs but learns nothing there). Beside the test metric
   it reports, per sparse layer, the share of rows whose hardened permutation differs from the
   hardening of the layer's initial soft matrix (its random start): 0 means the search never moved
-  the permutation, whatever it learned in between.
+  the permutation, whatever it learned in between. ``--relaxation blocks`` trains the learned
+  permutation as ``permutation_relaxation="blocks"`` (a hard permutation inside blocks of at most
+  64 inputs after a random one) instead of PA-DST's soft matrix.
 * ``--probe assigned``: static diagonals behind a permutation, with the permutation drawn at
   random (the suite's ``static_diagonals_random_perm``) against one matched to a dense model of
   the suite trained for ``--dense-steps`` steps: for each sparse layer, alternately the top-``K``
@@ -103,7 +105,7 @@ def probe_moves(config, data, suite, seeds, lr_scales) -> list[dict]:
             built = R.build(config, suite, "dynadiag_learned_perm", SPARSITY, seed, data, steps)
             built = built._replace(optimizer=scaled_permutation_updates(built.optimizer, factor))
             initial = R.initial_state(built, example, seed)
-            start = R.start_permutations(initial.params)
+            start = R.start_permutations(initial.params, initial.collections.get("diagonals"))
             variables = T.variables_of(initial)
             result, metric = _train(config, data, suite, built, seed, steps, variables)
             moved = R.rows_moved(start, result.state.collections["diagonals"])
@@ -153,6 +155,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--lr-scales", default="1,10", help="moves: perm_soft's update factors")
     parser.add_argument("--dense-steps", type=int, default=0, help="assigned (0: the suite's)")
+    parser.add_argument(
+        "--relaxation", default="sinkhorn", choices=("sinkhorn", "blocks"), help="moves: of perm"
+    )
     parser.add_argument("--data", default="auto", help="the suites' data.source (mnist5k: small)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -167,6 +172,7 @@ def main(argv=None) -> None:
         parser.error("need --dense-steps >= 0")
     config = results_config.get_config(f"models={args.suite}")
     config.data.source = args.data
+    config.models[args.suite].dynadiag.permutation_relaxation = args.relaxation
     data = R.prepare(config)
     if args.probe == "moves":
         rows = probe_moves(config, data, args.suite, seeds, scales)

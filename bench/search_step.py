@@ -15,6 +15,8 @@ jitted forward + backward (gradients of ``sum(y^2)`` for the layer's params and 
 CPU inside the kernels; in the search variants a gather of ``x`` before the product, or, while a
 learned one is soft, ``x @ M.T`` with ``M[in, in]``) and adds ``plain``: the frozen layer without
 a permutation, so ``frozen / plain`` is what the permutation costs after the freeze.
+``--relaxation blocks`` relaxes a learned one as ``permutation_relaxation="blocks"`` does (a
+gather of ``x`` and a hard permutation inside blocks of at most 64 inputs while searching).
 
 ``--block-size b`` builds block-diagonal layers of ``b x b`` blocks instead of element diagonals.
 ``--rounds n`` repeats the interleaved timing ``n`` times and reports the median of the rounds'
@@ -88,13 +90,18 @@ def functions(
     seed: int,
     permutation=None,
     block_size: int = 1,
+    relaxation: str = "sinkhorn",
 ) -> dict:
     """``{variant: (fn, args)}`` for one layer shape, sparsity, batch, input permutation and block
     size."""
     keys = jax.random.split(jax.random.key(seed), 4)
     x = jax.random.normal(keys[0], (batch, in_f), jnp.float32)
     layer = dd.nn.DiagonalDense(
-        out_f, sparsity=sparsity, permutation=permutation, block_size=block_size
+        out_f,
+        sparsity=sparsity,
+        permutation=permutation,
+        block_size=block_size,
+        permutation_relaxation=relaxation,
     )
     variables = layer.init(keys[1], x)
     rest = {k: v for k, v in variables.items() if k != "params"}
@@ -136,7 +143,14 @@ def run(args, progress) -> list[dict]:
         for sparsity in args.sparsity:
             for batch in args.batch:
                 fns = functions(
-                    in_f, out_f, sparsity, batch, args.seed, args.permutation, args.block_size
+                    in_f,
+                    out_f,
+                    sparsity,
+                    batch,
+                    args.seed,
+                    args.permutation,
+                    args.block_size,
+                    args.relaxation,
                 )
                 rounds = [time_interleaved(fns, args.repeats, progress) for _ in range(args.rounds)]
                 median = {name: float(np.median([r[name] for r in rounds])) for name in fns}
@@ -163,6 +177,9 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=101)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--permutation", choices=("none", "random", "learned"), default="none")
+    parser.add_argument(
+        "--relaxation", choices=("sinkhorn", "blocks"), default="sinkhorn", help="of learned"
+    )
     parser.add_argument("--block-size", type=int, default=1, help="1: element diagonals")
     parser.add_argument("--rounds", type=int, default=1, help="median over this many timings")
     parser.add_argument("--out", type=pathlib.Path, default=None)
