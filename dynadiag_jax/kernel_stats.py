@@ -192,6 +192,8 @@ class LayerPath(NamedTuple):
     # the layer's input permutation ("random", "learned") or None: a gather of x before the
     # product (a dense in x in product while a learned one is soft), not part of the kernels
     permutation: str | None = None
+    # a learned permutation's relaxation while searching ("sinkhorn", "blocks"), else None
+    permutation_relaxation: str | None = None
 
 
 def model_paths(model, *init_args, platform: str | None = None) -> list[LayerPath]:
@@ -209,7 +211,7 @@ def model_paths(model, *init_args, platform: str | None = None) -> list[LayerPat
     """
     from dynadiag_jax.nn import DiagonalDense  # noqa: PLC0415 - the layers import the ops
 
-    calls = {}  # module path -> (y shape, y dtype, input width, K, b)
+    calls = {}  # module path -> (y shape, y dtype, input width, K, b, permutation, relaxation)
 
     def record(next_fun, args, kwargs, context):
         y = next_fun(*args, **kwargs)
@@ -217,16 +219,17 @@ def model_paths(model, *init_args, platform: str | None = None) -> list[LayerPat
         if isinstance(layer, DiagonalDense) and context.method_name == "__call__":
             width = args[0].shape[-1]
             facts = (y.shape, y.dtype, width, layer.budget(width), layer.block_size)
-            calls["/".join(layer.path)] = (*facts, layer.permutation)
+            relaxation = layer.permutation_relaxation if layer.permutation == "learned" else None
+            calls["/".join(layer.path)] = (*facts, layer.permutation, relaxation)
         return y
 
     with nn.intercept_methods(record):
         jax.eval_shape(lambda *a: model.init(*a), *init_args)  # a fresh trace: nothing cached
     platform = auto.current_platform() if platform is None else platform
     out = []
-    for name, (y_shape, dtype, in_f, k, b, permutation) in sorted(calls.items()):
+    for name, (y_shape, dtype, in_f, k, b, permutation, relaxation) in sorted(calls.items()):
         path = _layer_path(name, in_f, y_shape, dtype, k, b, platform)
-        out.append(path._replace(permutation=permutation))
+        out.append(path._replace(permutation=permutation, permutation_relaxation=relaxation))
     return out
 
 
@@ -261,6 +264,8 @@ def describe_paths(paths: list[LayerPath]) -> list[str]:
         b = f", blocks of {p.block_size}" if p.block_size > 1 else ", element diagonals"
         if p.permutation is not None:
             b += f", {p.permutation} input permutation"
+        if p.permutation_relaxation == "blocks":
+            b += " (blocks relaxation)"
         line = (
             f"{len(names)} x {p.in_features}->{p.out_features}{b}, K={p.num_diagonals} "
             f"({names[0]}{', ...' if len(names) > 1 else ''}) on {p.platform}: "

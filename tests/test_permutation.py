@@ -360,8 +360,15 @@ def test_model_paths_report_the_permutation():
     paths = {p.path: p for p in model_paths(Model(), jax.random.key(0), x, platform="cpu")}
     assert paths["first"].permutation == "learned"
     assert paths["second"].permutation == "random"
+    assert paths["first"].permutation_relaxation == "sinkhorn"
+    assert paths["second"].permutation_relaxation is None
     lines = describe_paths(list(paths.values()))
     assert "learned input permutation" in lines[0] and "random input permutation" in lines[1]
+    assert "relaxation" not in " ".join(lines)
+    blocks = blocks_layer(16)
+    (path,) = model_paths(blocks, jax.random.key(0), x, platform="cpu")
+    assert path.permutation_relaxation == "blocks"
+    assert "learned input permutation (blocks relaxation)" in describe_paths([path])[0]
 
 
 # --- the learned relaxation ---------------------------------------------------------------------
