@@ -741,3 +741,68 @@ def test_end_to_end_tiny_transformer_suites(tmp_path, run_python):
     text = path.read_text()
     assert "### gpt: byte-level GPT" in text and "Validation bits per byte:" in text
     assert (tmp_path / "docs" / results_report.PLOTS["curves"]).stat().st_size > 0
+
+
+def test_sparse_update_scale_is_the_init_gain_of_sparse_weights_only():
+    config = _config()
+    opt = config.models.mlp.optimizer
+    assert opt.sparse_lr_scale == "none"
+    assert baselines.sparse_update_scale("dynadiag", opt, "sparse", 0.9) == 1.0
+    with config.unlocked():
+        opt.sparse_lr_scale = "init_gain"
+    assert baselines.sparse_update_scale("set", opt, "sparse", 0.9) == pytest.approx(10**0.5)
+    assert baselines.sparse_update_scale("dynadiag", opt, "sparse", 0.75) == pytest.approx(2.0)
+    assert baselines.sparse_update_scale("dynadiag", opt, "dense", 0.9) == 1.0
+    assert baselines.sparse_update_scale("dense", opt, "sparse", 0.9) == 1.0
+    with config.unlocked():
+        opt.sparse_lr_scale = "fan_in"
+    with pytest.raises(common.ConfigError, match="sparse_lr_scale must be one of"):
+        baselines.sparse_update_scale("dynadiag", opt, "sparse", 0.9)
+
+
+@pytest.mark.skipif(not HAS_LAYER, reason="needs dynadiag_jax.nn")
+@pytest.mark.parametrize("method", ["dynadiag", "static_diagonals", "set"])
+def test_init_gain_scales_the_sparse_weights_updates_and_nothing_else(method):
+    config = _config()
+    data = results.prepare(config)
+    m = config.models.mlp
+    steps = results.steps_of(m, data)
+
+    def first_update(mode):
+        with config.unlocked():
+            m.optimizer.sparse_lr_scale = mode
+        built = results.build(config, "mlp", method, 0.9, 0, data, steps)
+        state = results.initial_state(built, results.example_input(m, data), 0)
+        grads = jax.tree.map(
+            lambda p: jnp.cos(jnp.arange(p.size, dtype=p.dtype)).reshape(p.shape), state.params
+        )
+        with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes dtypes
+            opt_state = built.optimizer.init(state.params)
+            updates, _ = built.optimizer.update(grads, opt_state, state.params)
+        return {"/".join(k): np.asarray(v) for k, v in flax_flat(updates).items()}
+
+    plain, scaled = first_update("none"), first_update("init_gain")
+    weight = "kernel" if method == "set" else "values"
+    sparse = {k for k in plain if k.startswith("hidden_") and k.endswith(f"/{weight}")}
+    assert sparse == {f"hidden_0/{weight}", f"hidden_1/{weight}"}
+    for k in plain:
+        want = plain[k] * (10**0.5 if k in sparse else 1.0)
+        np.testing.assert_allclose(scaled[k], want, rtol=1e-5, atol=1e-12, err_msg=k)
+
+
+def flax_flat(tree):
+    from flax import traverse_util  # noqa: PLC0415
+
+    return traverse_util.flatten_dict(tree)
+
+
+def test_fingerprint_of_sparse_lr_scale_none_hashes_as_before_it_existed():
+    config = _config("models=mlp")
+    fp = lambda: results.fingerprint(config, "mlp", "dynadiag", 100)  # noqa: E731
+    before = fp()
+    with config.unlocked():
+        del config.models.mlp.optimizer["sparse_lr_scale"]
+    assert fp() == before
+    with config.unlocked():
+        config.models.mlp.optimizer.sparse_lr_scale = "init_gain"
+    assert fp() != before

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 
 import dynadiag_jax as dd
 from dynadiag_jax import baselines as B
@@ -110,6 +111,34 @@ def kernel_include(layer_patterns) -> Callable:
     return B.include_paths([f"^(?:{p})/kernel$" for p in layer_patterns])
 
 
+# optimizer.sparse_lr_scale: "none", or "init_gain": the sparse layers' weights (DiagonalDense
+# values, the unstructured methods' selected kernels) take updates scaled by the gain their init
+# has over the dense layer's (1 / sqrt(density) with fan_in="sparse", else 1). Adam's steps are
+# about the learning rate whatever a weight's size, so weights started that many times larger
+# otherwise change that many times more slowly, relative to their size, than the dense layer's.
+SPARSE_LR_SCALES = ("none", "init_gain")
+
+
+def sparse_update_scale(method: str, optimizer_cfg, init_fan_in: str, sparsity: float) -> float:
+    """The factor ``optimizer.sparse_lr_scale`` puts on the updates of ``method``'s sparse
+    weights at ``sparsity``, whose init follows ``init_fan_in`` (1.0: none)."""
+    mode = optimizer_cfg.get("sparse_lr_scale", "none")
+    if mode not in SPARSE_LR_SCALES:
+        raise common.ConfigError(
+            f"optimizer.sparse_lr_scale must be one of {SPARSE_LR_SCALES}, got {mode!r}"
+        )
+    if mode == "none" or method == "dense" or init_fan_in != "sparse":
+        return 1.0
+    return 1.0 / math.sqrt(1.0 - float(sparsity))
+
+
+def sparse_weights(method: str, layer_patterns):
+    """``params -> bool tree``: the weights of the sparse layers ``layer_patterns`` names (their
+    ``kernel`` for the unstructured methods, ``values`` for the diagonal ones)."""
+    name = "kernel" if method in UNSTRUCTURED else "values"
+    return dd.optim.path_mask([f"(?:{p})/{name}" for p in layer_patterns])
+
+
 def scaled_initializer(init, gain: float):
     """``init`` with every value multiplied by ``gain``."""
 
@@ -161,6 +190,11 @@ def build(
         )
     diag_cfg = with_sparsity(dynadiag_cfg, sparsity if method == "dynadiag" else 0.0)
     optimizer, lr = common.build_optimizer(optimizer_cfg, diag_cfg, num_steps, warmup_steps)
+    fan_in = unstructured_cfg.fan_in if method in UNSTRUCTURED else dynadiag_cfg.fan_in
+    scale = sparse_update_scale(method, optimizer_cfg, fan_in, sparsity)
+    if scale != 1.0:
+        weights = sparse_weights(method, dynadiag_cfg.layers)
+        optimizer = optax.chain(optimizer, optax.masked(optax.scale(scale), weights))
     gate = freeze = working_set = None
     if method == "dynadiag":
         model = common.build_model(model_cfg, diag_cfg, **model_kwargs)

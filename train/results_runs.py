@@ -428,9 +428,12 @@ def fingerprint(config, model_name: str, method: str, steps: int) -> str:
         }
     else:
         data = {k: config.data[k] for k in ("source", "data_dir")}
+    optimizer = m.optimizer.to_dict()
+    if optimizer.get("sparse_lr_scale") == "none":  # hashes as before it could be chosen
+        optimizer.pop("sparse_lr_scale")
     parts = {
         "model": m.model.to_dict(),
-        "optimizer": m.optimizer.to_dict(),
+        "optimizer": optimizer,
         "batch_size": int(m.batch_size),
         "steps": steps,
         "data": data,

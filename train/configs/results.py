@@ -78,6 +78,9 @@ def _optimizer(learning_rate, weight_decay, **overrides):
             b2=0.999,
             clip_norm=0.0,
             label_smoothing=0.0,
+            # "init_gain": the sparse layers' weights take updates scaled by their init's gain
+            # over the dense layer's (train/baselines.py SPARSE_LR_SCALES); "none": as the rest
+            sparse_lr_scale="none",
         ),
         **overrides,
     )
