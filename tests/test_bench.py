@@ -598,3 +598,29 @@ def test_density_benchmark_refuses_bad_densities(run_python, tmp_path):
     script = str(ROOT / "bench" / "density.py")
     proc = run_python([script, "--densities", "0,0.5"], check=False)
     assert proc.returncode != 0 and "--densities must lie in (0, 1]" in proc.stderr
+
+
+@pytest.mark.usefixtures("fast_compile")
+def test_sparse_lr_probe_reports_each_method_and_factor(tmp_path, capsys):
+    """The small digits' MLP suite, one seed: a CSV row per method, factor and seed, and the
+    factor changes the run (the sparse weights' updates are scaled)."""
+    out = tmp_path / "probe.csv"
+    args = ["--data", "mnist5k", "--methods", "dense,dynadiag", "--factors", "1,3"]
+    load_script(ROOT / "bench" / "sparse_lr_probe.py").main(
+        [*args, "--seeds", "0", "--out", str(out)]
+    )
+    stdout = capsys.readouterr().out
+    _, rows = read_rows(out)
+    got = {(r["method"], float(r["factor"])): float(r["metric"]) for r in rows}
+    assert set(got) == {(m, f) for m in ("dense", "dynadiag") for f in (1.0, 3.0)}
+    assert all(0.0 < v <= 1.0 for v in got.values())
+    assert got[("dense", 1.0)] != got[("dense", 3.0)]
+    assert got[("dynadiag", 1.0)] != got[("dynadiag", 3.0)]
+    assert "dynadiag" in stdout and "x3" in stdout
+
+
+@pytest.mark.parametrize(
+    "option", [["--methods", "rigl"], ["--factors", "0"], ["--seeds", "x"], ["--seeds", "-1"]]
+)
+def test_sparse_lr_probe_refuses_bad_options(capsys, option):
+    assert_refuses(ROOT / "bench" / "sparse_lr_probe.py", option, capsys)
