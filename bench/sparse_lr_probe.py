@@ -28,21 +28,13 @@ import tempfile
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
-import dynadiag_jax as dd  # noqa: E402
+from train import baselines  # noqa: E402
 from train import results_runs as R  # noqa: E402
 from train.configs import results as results_config  # noqa: E402
 
 SPARSITY = 0.9
 METHODS = ("dense", "dynadiag", "static_diagonals")
-
-
-def scaled_sparse_updates(tx, method: str, layer_patterns, factor: float):
-    """``tx`` with its updates of the sparse layers' weights multiplied by ``factor``."""
-    name = "kernel" if method == "dense" else "values"
-    weights = dd.optim.path_mask([f"(?:{p})/{name}" for p in layer_patterns])
-    return optax.chain(tx, optax.masked(optax.scale(factor), weights))
 
 
 def probe(config, data, suite, methods, factors, seeds) -> list[dict]:
@@ -54,7 +46,10 @@ def probe(config, data, suite, methods, factors, seeds) -> list[dict]:
         for factor in factors:
             for seed in seeds:
                 built = R.build(config, suite, method, SPARSITY, seed, data, steps)
-                tx = scaled_sparse_updates(built.optimizer, method, m.dynadiag.layers, factor)
+                weight = "kernel" if method == "dense" else "values"
+                tx = baselines.scaled_sparse_updates(
+                    built.optimizer, m.dynadiag.layers, weight, factor
+                )
                 with tempfile.TemporaryDirectory(prefix="sparse_lr_probe") as workdir:
                     result = R.train_built(
                         config,

@@ -132,11 +132,11 @@ def sparse_update_scale(method: str, optimizer_cfg, init_fan_in: str, sparsity: 
     return 1.0 / math.sqrt(1.0 - float(sparsity))
 
 
-def sparse_weights(method: str, layer_patterns):
-    """``params -> bool tree``: the weights of the sparse layers ``layer_patterns`` names (their
-    ``kernel`` for the unstructured methods, ``values`` for the diagonal ones)."""
-    name = "kernel" if method in UNSTRUCTURED else "values"
-    return dd.optim.path_mask([f"(?:{p})/{name}" for p in layer_patterns])
+def scaled_sparse_updates(tx, layer_patterns, weight: str, factor: float):
+    """``tx`` with its updates of the ``weight`` (``"kernel"``, ``"values"``) of the layers
+    ``layer_patterns`` names multiplied by ``factor``."""
+    weights = dd.optim.path_mask([f"(?:{p})/{weight}" for p in layer_patterns])
+    return optax.chain(tx, optax.masked(optax.scale(factor), weights))
 
 
 def scaled_initializer(init, gain: float):
@@ -192,9 +192,9 @@ def build(
     optimizer, lr = common.build_optimizer(optimizer_cfg, diag_cfg, num_steps, warmup_steps)
     fan_in = unstructured_cfg.fan_in if method in UNSTRUCTURED else dynadiag_cfg.fan_in
     scale = sparse_update_scale(method, optimizer_cfg, fan_in, sparsity)
-    if scale != 1.0:
-        weights = sparse_weights(method, dynadiag_cfg.layers)
-        optimizer = optax.chain(optimizer, optax.masked(optax.scale(scale), weights))
+    if scale != 1.0:  # the unstructured methods' sparse weights are kernels, the others' values
+        weight = "kernel" if method in UNSTRUCTURED else "values"
+        optimizer = scaled_sparse_updates(optimizer, dynadiag_cfg.layers, weight, scale)
     gate = freeze = working_set = None
     if method == "dynadiag":
         model = common.build_model(model_cfg, diag_cfg, **model_kwargs)

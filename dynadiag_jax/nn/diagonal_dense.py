@@ -359,11 +359,7 @@ class DiagonalDense(nn.Module):
                 f"variables (diagonals/perm, or params/perm_soft while a learned one searches), "
                 f"and there is none: save and restore every collection, not only 'params'"
             )
-        perm = self.variable(
-            F.DIAGONALS_COLLECTION,
-            "perm",
-            lambda: perms.random_permutation(self.make_rng("params"), x.shape[-1]),
-        ).value
+        perm = self._perm(x.shape[-1])
         if frozen:
             return x, perms.checked_permutation(perm, x.shape[-1], self._label())
         return perms.apply_permutation(x, perm, self._label()), None
@@ -396,14 +392,17 @@ class DiagonalDense(nn.Module):
             weighted = jnp.float32(self.permutation_penalty) * penalty
             self.sow("losses", "permutation_penalty", weighted)
         if blocks:
-            base = self.variable(
-                F.DIAGONALS_COLLECTION,
-                "perm",
-                lambda: perms.random_permutation(self.make_rng("params"), n),
-            ).value
-            x = perms.apply_permutation(x, base, self._label())
+            x = perms.apply_permutation(x, self._perm(n), self._label())
             return perms.block_permute(x, m)
         return perms.soft_permute(x, m)
+
+    def _perm(self, n: int):
+        """``diagonals/perm[n]``, drawn at init as a random permutation."""
+        return self.variable(
+            F.DIAGONALS_COLLECTION,
+            "perm",
+            lambda: perms.random_permutation(self.make_rng("params"), n),
+        ).value
 
     def _check_phase(self):
         """Search-phase params (``alpha``) only go with a search-phase layer and collections."""
