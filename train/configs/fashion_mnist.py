@@ -76,6 +76,8 @@ def get_config(arg=None):
         b2=0.999,
         clip_norm=0.0,
         label_smoothing=0.0,
+        # the sparse layers' weights' updates times their init's gain (train/baselines.py)
+        sparse_lr_scale="init_gain",
     )
     if arg.runlocal:
         config.train.epochs = 1

@@ -66,6 +66,8 @@ def get_config(arg=None):
         b1=0.9,
         b2=0.99,
         clip_norm=1.0,
+        # the sparse layers' weights' updates times their init's gain (train/baselines.py)
+        sparse_lr_scale="init_gain",
     )
     if arg.runlocal:
         config.model.variant = "mu"

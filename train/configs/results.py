@@ -79,8 +79,9 @@ def _optimizer(learning_rate, weight_decay, **overrides):
             clip_norm=0.0,
             label_smoothing=0.0,
             # "init_gain": the sparse layers' weights take updates scaled by their init's gain
-            # over the dense layer's (train/baselines.py SPARSE_LR_SCALES); "none": as the rest
-            sparse_lr_scale="none",
+            # over the dense layer's (train/baselines.py SPARSE_LR_SCALES; docs/selection.md,
+            # "The sparse weights' learning rate"); "none": the same updates as the dense layers
+            sparse_lr_scale="init_gain",
         ),
         **overrides,
     )
