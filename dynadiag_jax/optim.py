@@ -5,10 +5,16 @@ transformation and never weight decay; biases and norm scales get no weight deca
 :func:`dynadiag_jax.freeze_tree` there is no ``alpha`` left, and
 :func:`dynadiag_jax.freeze_opt_state` turns the state into the one these transformations keep for
 the frozen params (the alpha group then holds no arrays).
+
+The values of a ``fan_in="sparse"`` layer start ``1 / sqrt(density)`` times larger than the dense
+layer's weights, and Adam moves every weight by about the learning rate whatever its size, so
+they change that many times more slowly relative to their size; ``values_lr_scale`` (with
+:func:`init_gain`) gives their updates that factor back.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -18,6 +24,8 @@ import optax
 
 __all__ = [
     "alpha_mask",
+    "values_mask",
+    "init_gain",
     "path_mask",
     "weight_decay_mask",
     "param_labels",
@@ -61,6 +69,21 @@ def _is_alpha(names, parent) -> bool:
 def alpha_mask(params):
     """Tree of bools: True at every ``DiagonalDense`` ``alpha`` (a leaf beside ``values``)."""
     return _map_named(params, lambda names, leaf, parent: _is_alpha(names, parent))
+
+
+def values_mask(params):
+    """Tree of bools: True at every leaf named ``values`` (``DiagonalDense``'s, searching or
+    frozen)."""
+    return _map_named(params, lambda names, leaf, parent: names[-1] == "values")
+
+
+def init_gain(sparsity: float) -> float:
+    """``1 / sqrt(1 - sparsity)``: how many times larger than the dense layer's weights the values
+    of a ``fan_in="sparse"`` layer at ``sparsity`` start (the ``values_lr_scale`` that gives them
+    the dense layer's relative step under Adam)."""
+    if not 0.0 <= float(sparsity) < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    return 1.0 / math.sqrt(1.0 - float(sparsity))
 
 
 def path_mask(patterns: Sequence[str], *, match: bool = True, min_ndim: int = 0):
@@ -107,6 +130,7 @@ def diag_optimizer(
     b2: float = 0.999,
     eps: float = 1e-8,
     decay_mask=weight_decay_mask,
+    values_lr_scale: float = 1.0,
 ) -> optax.GradientTransformation:
     """AdamW on the weights, Adam with its own learning rate (and no decay) on alpha.
 
@@ -117,6 +141,9 @@ def diag_optimizer(
       b1, b2, eps: Adam moments, shared by both groups.
       decay_mask: tree of bools or ``params -> tree``; default :func:`weight_decay_mask`
         (``functools.partial(weight_decay_mask, no_decay=...)`` for other path patterns).
+      values_lr_scale: the final updates of every ``values`` leaf (:func:`values_mask`), weight
+        decay included, times this; :func:`init_gain` of the layers' sparsity for
+        ``fan_in="sparse"`` layers (docs/selection.md, "The sparse weights' learning rate").
 
     Returns:
       An ``optax.GradientTransformation``; combine with ``optax.chain`` for clipping etc.
@@ -124,5 +151,9 @@ def diag_optimizer(
     weights = optax.adamw(
         learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask
     )
+    if float(values_lr_scale) <= 0.0:
+        raise ValueError(f"values_lr_scale must be > 0, got {values_lr_scale}")
+    if values_lr_scale != 1.0:
+        weights = optax.chain(weights, optax.masked(optax.scale(values_lr_scale), values_mask))
     alpha = optax.adam(alpha_learning_rate, b1=b1, b2=b2, eps=eps)
     return with_alpha_optimizer(weights, alpha)

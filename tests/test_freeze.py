@@ -263,6 +263,7 @@ def test_orbax_round_trip_both_phases(tmp_path):
     [
         lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1)),
         lambda: optax.sgd(0.1, momentum=0.9),
+        lambda: dd.optim.diag_optimizer(1e-3, alpha_learning_rate=1e-2, values_lr_scale=3.0),
     ],
 )
 def test_freeze_opt_state_plain_optax(make_tx):

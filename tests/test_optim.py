@@ -79,3 +79,40 @@ def test_weight_decay_mask_takes_path_patterns():
     }
     trained = optim.path_mask((r".*/bias",))(PARAMS)
     assert trained["norm"] == {"scale": False, "bias": True} and not trained["layer"]["values"]
+
+
+def test_values_mask_and_init_gain():
+    assert optim.values_mask(PARAMS)["layer"] == {"alpha": False, "values": True, "bias": False}
+    assert not any(jax.tree.leaves(optim.values_mask({k: PARAMS[k] for k in ("norm", "head")})))
+    assert optim.init_gain(0.9) == pytest.approx(10**0.5)
+    assert optim.init_gain(0.75) == pytest.approx(2.0)
+    assert optim.init_gain(0.0) == 1.0
+    for bad in (1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="sparsity must be in"):
+            optim.init_gain(bad)
+
+
+def test_diag_optimizer_values_lr_scale_scales_the_values_updates_only():
+    grads = jax.tree.map(
+        lambda p: jnp.cos(jnp.arange(p.size, dtype=p.dtype)).reshape(p.shape), PARAMS
+    )
+
+    def updates(**kwargs):
+        tx = optim.diag_optimizer(1e-3, alpha_learning_rate=0.25, weight_decay=0.1, **kwargs)
+        state = tx.init(PARAMS)
+        with jax.numpy_dtype_promotion("standard"):
+            for _ in range(2):  # the second step reads the state the first one wrote
+                out, state = tx.update(grads, state, PARAMS)
+        return out
+
+    plain, scaled = updates(), updates(values_lr_scale=3.0)
+    np.testing.assert_allclose(scaled["layer"]["values"], 3.0 * plain["layer"]["values"], rtol=1e-6)
+    assert np.abs(np.asarray(plain["layer"]["values"])).min() > 0
+
+    def drop_values(u):
+        return dict(u, layer={k: v for k, v in u["layer"].items() if k != "values"})
+
+    jax.tree.map(np.testing.assert_array_equal, drop_values(scaled), drop_values(plain))
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="values_lr_scale must be > 0"):
+            optim.diag_optimizer(1e-3, alpha_learning_rate=0.1, values_lr_scale=bad)

@@ -189,12 +189,18 @@ def build(
             f"dynadiag.sparsity must be 0 (dense) or in (0, 1), got {sparsity} (method {method})"
         )
     diag_cfg = with_sparsity(dynadiag_cfg, sparsity if method == "dynadiag" else 0.0)
-    optimizer, lr = common.build_optimizer(optimizer_cfg, diag_cfg, num_steps, warmup_steps)
-    fan_in = unstructured_cfg.fan_in if method in UNSTRUCTURED else dynadiag_cfg.fan_in
+    unstructured = method in UNSTRUCTURED
+    fan_in = unstructured_cfg.fan_in if unstructured else dynadiag_cfg.fan_in
     scale = sparse_update_scale(method, optimizer_cfg, fan_in, sparsity)
-    if scale != 1.0:  # the unstructured methods' sparse weights are kernels, the others' values
-        weight = "kernel" if method in UNSTRUCTURED else "values"
-        optimizer = scaled_sparse_updates(optimizer, dynadiag_cfg.layers, weight, scale)
+    optimizer, lr = common.build_optimizer(
+        optimizer_cfg,
+        diag_cfg,
+        num_steps,
+        warmup_steps,
+        values_lr_scale=1.0 if unstructured else scale,
+    )
+    if unstructured and scale != 1.0:  # their sparse weights are the masked kernels
+        optimizer = scaled_sparse_updates(optimizer, dynadiag_cfg.layers, "kernel", scale)
     gate = freeze = working_set = None
     if method == "dynadiag":
         model = common.build_model(model_cfg, diag_cfg, **model_kwargs)

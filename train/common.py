@@ -288,8 +288,11 @@ def learning_rate(opt_cfg, num_steps: int, warmup: int):
     )
 
 
-def build_optimizer(opt_cfg, dynadiag_cfg, num_steps: int, warmup_steps: int):
-    """``(optimizer, learning-rate schedule)`` from the config's optimizer section."""
+def build_optimizer(
+    opt_cfg, dynadiag_cfg, num_steps: int, warmup_steps: int, *, values_lr_scale: float = 1.0
+):
+    """``(optimizer, learning-rate schedule)`` from the config's optimizer section; the
+    DiagonalDense values' updates times ``values_lr_scale``."""
     lr = learning_rate(opt_cfg, num_steps, warmup_steps)
     clip = float(opt_cfg.clip_norm) or None
     tx = T.adamw(
@@ -299,6 +302,7 @@ def build_optimizer(opt_cfg, dynadiag_cfg, num_steps: int, warmup_steps: int):
         b2=float(opt_cfg.b2),
         clip_norm=clip,
         alpha_lr_scale=float(dynadiag_cfg.alpha_lr_scale),
+        values_lr_scale=values_lr_scale,
     )
     return tx, lr
 

@@ -32,6 +32,7 @@ def adamw(
     clip_norm: float | None = None,
     no_decay: Sequence[str] = NO_DECAY,
     alpha_lr_scale: float = 1.0,
+    values_lr_scale: float = 1.0,
 ) -> optax.GradientTransformation:
     """AdamW with decoupled weight decay on matrices only; Adam on ``alpha``.
 
@@ -42,6 +43,9 @@ def adamw(
       clip_norm: clip the gradient's global norm first (``None``: no clipping).
       no_decay: path patterns (``re.fullmatch``) never decayed.
       alpha_lr_scale: ``alpha`` (DiagonalDense scores) learns at ``alpha_lr_scale`` times the rate.
+      values_lr_scale: DiagonalDense ``values`` take their updates times this
+        (:func:`dynadiag_jax.optim.diag_optimizer`; ``dd.optim.init_gain(sparsity)`` for
+        ``fan_in="sparse"`` layers).
     """
     if callable(learning_rate):
         alpha_lr = lambda count: alpha_lr_scale * learning_rate(count)  # noqa: E731
@@ -55,6 +59,7 @@ def adamw(
         b2=b2,
         eps=eps,
         decay_mask=functools.partial(dd.optim.weight_decay_mask, no_decay=no_decay),
+        values_lr_scale=values_lr_scale,
     )
     return optax.chain(optax.clip_by_global_norm(clip_norm), tx) if clip_norm else tx
 
