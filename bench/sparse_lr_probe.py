@@ -8,6 +8,7 @@ each factor of ``--factors``, over ``--seeds``. For ``dense`` the factor speeds 
 start at the dense scale: if it helps there too, the suite's learning rate is low for the model;
 if it helps only the sparse methods, it is their up-scaled init that learns too slowly. (RigL,
 SET and MEST take the factor through ``sparse_lr_scale`` itself, inside their mask updates.)
+The suite's own ``sparse_lr_scale`` is set to ``"none"``: a factor of 1 is the plain rate.
 
 Prints mean +- std per method and factor; writes a CSV (``--out``, default
 ``bench/results/sparse_lr_probe_<time>.csv``). Example::
@@ -88,6 +89,8 @@ def main(argv=None) -> None:
         parser.error("need seeds >= 0 and --factors > 0")
     config = results_config.get_config(f"models={args.suite}")
     config.data.source = args.data
+    # The factors replace the recipe's own (the suites default to init_gain): x1 is the plain rate.
+    config.models[args.suite].optimizer.sparse_lr_scale = "none"
     data = R.prepare(config)
     rows = probe(config, data, args.suite, methods, factors, seeds)
     lm = R.is_language_model(config.models[args.suite])
