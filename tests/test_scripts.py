@@ -352,6 +352,23 @@ def test_another_recipe_in_the_same_workdir_is_refused(tmp_path):
     assert result.start_step == 6
 
 
+def test_a_run_from_before_sparse_lr_scale_resumes_with_none(tmp_path):
+    old = gpt2_lm.get_config("runlocal,sparsity=0.9")
+    old.optimizer.sparse_lr_scale = "none"
+    method = lm.prepare(old)[0]
+    assert "optimizer.sparse_lr_scale" not in common.recipe(old, method)  # as before it existed
+    lm.train_and_evaluate(old, tmp_path, progress=False)
+    current = gpt2_lm.get_config("runlocal,sparsity=0.9")
+    assert common.recipe(current, method)["optimizer.sparse_lr_scale"] == "init_gain"
+    with pytest.raises(common.ConfigError) as err:
+        lm.train_and_evaluate(current, tmp_path, progress=False)
+    assert "sparse_lr_scale: absent in the checkpoint, 'init_gain' in this run" in str(err.value)
+    assert "resumes with --config.optimizer.sparse_lr_scale=none" in str(err.value)
+    current.optimizer.sparse_lr_scale = "none"
+    result, _ = lm.train_and_evaluate(current, tmp_path, progress=False)
+    assert result.start_step == 6
+
+
 @pytest.mark.parametrize("sparsity", [0.0, pytest.param(0.9, marks=pytest.mark.slow)])
 def test_lm_runs_on_fortunes_and_reports_perplexity(tmp_path, sparsity):
     config = gpt2_lm.get_config(f"runlocal,sparsity={sparsity}")

@@ -347,6 +347,9 @@ NOT_RECIPE = frozenset(
 )
 
 
+SPARSE_LR_KEY = "optimizer.sparse_lr_scale"
+
+
 def recipe(config, method) -> dict[str, Any]:
     """What decides the result of a run of ``method`` (a :class:`train.baselines.Method`), flat:
     ``{"method": name, "optimizer.learning_rate": 1e-3, ...}``: every config entry but
@@ -363,7 +366,11 @@ def recipe(config, method) -> dict[str, Any]:
             return any(key == r or key.startswith(r + ".") for r in method.reads)
         return True
 
-    return {"method": method.name, **{k: v for k, v in _flat_keys(config).items() if kept(k)}}
+    flat = {k: v for k, v in _flat_keys(config).items() if kept(k)}
+    # "none" is what every run trained before the entry existed did: those runs still resume.
+    if flat.get(SPARSE_LR_KEY) == "none":
+        del flat[SPARSE_LR_KEY]
+    return {"method": method.name, **flat}
 
 
 def train_from_config(
@@ -418,7 +425,13 @@ def train_from_config(
             finetune=finetune,
         )
     except T.CheckpointMismatch as e:
-        raise ConfigError(f"{e} (--workdir)") from None
+        hint = (
+            f" (--workdir; a run from before {SPARSE_LR_KEY} existed resumes with "
+            f"--config.{SPARSE_LR_KEY}=none)"
+            if f"{SPARSE_LR_KEY}: absent in the checkpoint" in str(e)
+            else " (--workdir)"
+        )
+        raise ConfigError(f"{e}{hint}") from None
 
 
 def restore_run_variables(checkpoint, step: int = 0) -> dict:
