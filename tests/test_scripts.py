@@ -352,6 +352,24 @@ def test_another_recipe_in_the_same_workdir_is_refused(tmp_path):
     assert result.start_step == 6
 
 
+def test_startup_lines_say_the_sparse_weights_update_factor():
+    config = gpt2_lm.get_config("runlocal,sparsity=0.9")
+    method, *_, example = lm.prepare(config)[:5]
+    lines = common.startup_lines(config, method, example)
+    assert lines[-1] == (
+        "sparse weights: updates x3.16, their init's gain over the dense layer's "
+        "(optimizer.sparse_lr_scale=init_gain)"
+    )
+    assert method.sparse_update_scale == pytest.approx(10**0.5)
+    config.optimizer.sparse_lr_scale = "none"
+    plain = lm.prepare(config)[0]
+    assert not any(
+        "sparse weights" in line for line in common.startup_lines(config, plain, example)
+    )
+    dense = gpt2_lm.get_config("runlocal,sparsity=0")
+    assert common.startup_lines(dense, lm.prepare(dense)[0], example) == []
+
+
 def test_a_run_from_before_sparse_lr_scale_resumes_with_none(tmp_path):
     old = gpt2_lm.get_config("runlocal,sparsity=0.9")
     old.optimizer.sparse_lr_scale = "none"

@@ -65,6 +65,8 @@ class Method(NamedTuple):
       freeze_step: the freeze step (``dynadiag`` only, else ``None``).
       reads: the ``dynadiag`` and ``unstructured`` config entries the method reads (:data:`READS`).
       working_set: the search's working-set option (``dynadiag`` only; None: off).
+      sparse_update_scale: the factor on the sparse weights' updates
+        (``optimizer.sparse_lr_scale``; 1.0: none).
     """
 
     name: str
@@ -75,6 +77,7 @@ class Method(NamedTuple):
     freeze_step: int | None
     reads: tuple[str, ...]
     working_set: Any = None
+    sparse_update_scale: float = 1.0
 
 
 def check(method: str, unstructured_cfg) -> None:
@@ -250,7 +253,7 @@ def build(
         else:
             kwargs.update(drop_fraction=float(u.drop_fraction))
         optimizer = UNSTRUCTURED[method](optimizer, **kwargs)
-    return Method(method, model, optimizer, lr, gate, freeze, READS[method], working_set)
+    return Method(method, model, optimizer, lr, gate, freeze, READS[method], working_set, scale)
 
 
 def block_size(method: Method, dynadiag_cfg) -> int:

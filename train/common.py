@@ -397,7 +397,7 @@ def train_from_config(
     """
     t = config.train
     if jax.process_index() == 0:
-        for line in layer_paths(method.model, example_input):
+        for line in startup_lines(config, method, example_input):
             print(line)
     try:
         return T.train(
@@ -456,6 +456,18 @@ def layer_paths(model: nn.Module, example_input) -> list[str]:
     x = jax.ShapeDtypeStruct((batch, *example_input.shape[1:]), example_input.dtype)
     paths = model_paths(model, jax.random.key(0), x)
     return [f"sparse layers: {line}" for line in describe_paths(paths)]
+
+
+def startup_lines(config, method, example_input) -> list[str]:
+    """A run's start-up lines: :func:`layer_paths`, and the factor ``optimizer.sparse_lr_scale``
+    puts on the sparse weights' updates (none when 1)."""
+    lines = layer_paths(method.model, example_input)
+    if method.sparse_update_scale != 1.0:
+        lines.append(
+            f"sparse weights: updates x{method.sparse_update_scale:.3g}, their init's gain over "
+            f"the dense layer's (optimizer.sparse_lr_scale={config.optimizer.sparse_lr_scale})"
+        )
+    return lines
 
 
 def check_train_section(train_cfg) -> None:
