@@ -18,7 +18,6 @@ training script selects the method with its config's ``method`` entry (:func:`fr
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -132,7 +131,7 @@ def sparse_update_scale(method: str, optimizer_cfg, init_fan_in: str, sparsity: 
         )
     if mode == "none" or method == "dense" or init_fan_in != "sparse":
         return 1.0
-    return 1.0 / math.sqrt(1.0 - float(sparsity))
+    return dd.optim.init_gain(sparsity)
 
 
 def scaled_sparse_updates(tx, layer_patterns, weight: str, factor: float):
@@ -229,7 +228,7 @@ def build(
         model = model_with_layer(model_cfg, dynadiag_cfg, static, **model_kwargs)
     elif method in UNSTRUCTURED and unstructured_cfg.fan_in == "sparse":
         kernel_init = scaled_initializer(
-            common.dense_kernel_init(model_cfg), 1.0 / math.sqrt(1.0 - float(sparsity))
+            common.dense_kernel_init(model_cfg), dd.optim.init_gain(sparsity)
         )
         dense = functools.partial(nn.Dense, kernel_init=kernel_init)
         model = model_with_layer(model_cfg, dynadiag_cfg, dense, **model_kwargs)
