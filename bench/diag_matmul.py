@@ -184,6 +184,20 @@ def _entry_coordinates(case: Case):
     return jnp.broadcast_to(rows, case.values.shape), jnp.broadcast_to(cols, case.values.shape)
 
 
+def write_csv(rows, fieldnames, name: str, out=None) -> pathlib.Path:
+    """``rows`` (dicts) as a CSV at ``out`` (default ``bench/results/<name>_<time>.csv``); prints
+    where and returns the path."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+    path = pathlib.Path(out or f"bench/results/{name}_{stamp}.csv")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fieldnames)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+    return path
+
+
 def time_call(f, args) -> float:
     """Seconds of one call of ``f(*args)``, results ready."""
     start = time.perf_counter()

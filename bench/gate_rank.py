@@ -17,16 +17,13 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import math
-import pathlib
 import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from diag_matmul import parse_sizes, time_call  # bench/, beside this
+from diag_matmul import parse_sizes, time_call, write_csv  # bench/, beside this
 from tqdm import tqdm
 
 from dynadiag_jax.ops.ranking import gate_rank
@@ -80,14 +77,7 @@ def main(argv=None) -> None:
     print(f"{'P':>6} {'K':>5} {'kernel':>9} {'reference':>10}")
     for r in rows:
         print(f"{r['p']:>6} {r['k']:>5} {r['kernel_us']:>9.1f} {r['reference_us']:>10.1f}")
-    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    out = pathlib.Path(args.out or f"bench/results/gate_rank_{stamp}.csv")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=("p", "k", "kernel_us", "reference_us"))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out}")
+    write_csv(rows, ("p", "k", "kernel_us", "reference_us"), "gate_rank", args.out)
 
 
 if __name__ == "__main__":

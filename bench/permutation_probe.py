@@ -27,8 +27,6 @@ Prints a table (metric mean +- std; rows moved per layer); writes a CSV (``--out
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import pathlib
 import sys
 import tempfile
@@ -39,6 +37,7 @@ sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from diag_matmul import write_csv  # noqa: E402 - bench/, beside this
 from flax import traverse_util  # noqa: E402
 from scipy.optimize import linear_sum_assignment  # noqa: E402
 
@@ -189,24 +188,13 @@ def main(argv=None) -> None:
             moved = np.mean([list(r["moved"].values()) for r in mine], axis=0)
             line += "  rows moved per layer: " + " ".join(f"{x:.2f}" for x in moved)
         print(line)
-    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    out = pathlib.Path(args.out or f"bench/results/permutation_probe_{stamp}.csv")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=("run", "seed", "metric", "layer", "rows_moved"))
-        writer.writeheader()
-        for r in rows:
-            for layer, moved in r.get("moved", {"": ""}).items():
-                writer.writerow(
-                    dict(
-                        run=r["run"],
-                        seed=r["seed"],
-                        metric=r["metric"],
-                        layer=layer,
-                        rows_moved=moved,
-                    )
-                )
-    print(f"wrote {out}")
+    per_layer = [
+        dict(run=r["run"], seed=r["seed"], metric=r["metric"], layer=layer, rows_moved=moved)
+        for r in rows
+        for layer, moved in r.get("moved", {"": ""}).items()
+    ]
+    fields = ("run", "seed", "metric", "layer", "rows_moved")
+    write_csv(per_layer, fields, "permutation_probe", args.out)
 
 
 if __name__ == "__main__":

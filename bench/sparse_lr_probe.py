@@ -19,8 +19,6 @@ Prints mean +- std per method and factor; writes a CSV (``--out``, default
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import pathlib
 import sys
 import tempfile
@@ -29,6 +27,7 @@ import tempfile
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
+from diag_matmul import write_csv  # noqa: E402 - bench/, beside this
 
 from train import baselines  # noqa: E402
 from train import results_runs as R  # noqa: E402
@@ -102,14 +101,7 @@ def main(argv=None) -> None:
             )
             spread = values.std(ddof=1) if len(values) > 1 else 0.0
             print(f"  {method:<17} x{factor:<6g} {values.mean():.4f} +- {spread:.4f}")
-    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    out = pathlib.Path(args.out or f"bench/results/sparse_lr_probe_{stamp}.csv")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=("method", "factor", "seed", "metric"))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out}")
+    write_csv(rows, ("method", "factor", "seed", "metric"), "sparse_lr_probe", args.out)
 
 
 if __name__ == "__main__":

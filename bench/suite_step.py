@@ -32,8 +32,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import functools
 import os
 import pathlib
@@ -46,7 +44,7 @@ sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from diag_matmul import time_interleaved  # noqa: E402 - bench/, beside this
+from diag_matmul import time_interleaved, write_csv  # noqa: E402 - bench/, beside this
 from tqdm import tqdm  # noqa: E402
 
 from dynadiag_jax import training as T  # noqa: E402
@@ -220,14 +218,7 @@ def main(argv=None) -> None:
             print(
                 f"  working-set / frozen step, {name}: {ratio:.2f}x (bytes accessed {traffic:.1f}x)"
             )
-    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    out = pathlib.Path(args.out or f"bench/results/suite_step_{stamp}.csv")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=("what", "value", "unit"))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out}")
+    write_csv(rows, ("what", "value", "unit"), "suite_step", args.out)
 
 
 if __name__ == "__main__":
