@@ -1,4 +1,5 @@
-"""RigL, SET and MEST: hand-checked mask updates and the invariants of the optax wrappers."""
+"""RigL, SET, MEST and the fixed mask: hand-checked mask updates and the invariants of the optax
+wrappers."""
 
 import functools
 
@@ -338,6 +339,24 @@ def test_no_update_outside_the_schedule_and_state_is_checkpointable():
     for leaf in jax.tree.leaves(states[-1]):
         assert isinstance(leaf, jax.Array)
     assert states[-1].key.dtype == jnp.uint32 and int(states[-1].count) == 10
+
+
+def test_static_mask_is_the_first_mask_of_set_and_never_changes():
+    distribution = functools.partial(B.uniform, sparsity=0.9)
+    key = jax.random.key(4)
+    static = list(_run(B.static_mask(optax.sgd(0.1), distribution=distribution, key=key), 12))
+    # SET with no drops: the same first mask, updates that change nothing, the same weights
+    kw = dict(distribution=distribution, key=key, update_every=2, end_step=11, drop_fraction=0.0)
+    no_drops = B.set_(optax.sgd(0.1), **kw)
+    first = jax.jit(no_drops.init)(_params()).masks
+    budget = jax.tree.leaves(B.budgets(distribution, _params()))
+    for (_, state, params), (_, _, p_set) in zip(static, _run(no_drops, 12)):
+        assert _counts(state) == budget
+        _check_masked(state, params)
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(state.masks)):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(p_set)):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_same_key_same_run():

@@ -1,8 +1,15 @@
-"""Baselines for DynaDiag: unstructured RigL, SET and MEST as optax wrappers, sparsity
+"""Baselines for DynaDiag: unstructured RigL, SET, MEST and a fixed mask as optax wrappers, sparsity
 distributions, and unstructured sparse layers (masked dense, BCOO) for speed comparisons."""
 
 from dynadiag_jax.baselines.distributions import erk, include_paths, path_str, uniform
-from dynadiag_jax.baselines.dst import cosine_decay, drop_and_grow, periodic, rigl, set_
+from dynadiag_jax.baselines.dst import (
+    cosine_decay,
+    drop_and_grow,
+    periodic,
+    rigl,
+    set_,
+    static_mask,
+)
 from dynadiag_jax.baselines.masks import num_active, random_mask, top_n_mask
 from dynadiag_jax.baselines.mest import mest, prune_and_grow
 from dynadiag_jax.baselines.sparse_state import (
@@ -36,6 +43,7 @@ __all__ = [
     "rigl",
     "set_",
     "sparse_wrapper",
+    "static_mask",
     "top_n_mask",
     "uniform",
 ]

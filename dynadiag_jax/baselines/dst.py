@@ -1,4 +1,5 @@
-"""Unstructured drop-and-grow sparse training: RigL and SET as optax wrappers.
+"""Unstructured sparse training: RigL and SET (drop and grow) as optax wrappers, and their fixed
+first mask (:func:`static_mask`, the control without updates).
 
 Every ``update_every`` steps in ``[start_step, end_step)`` each sparsified layer drops the
 ``round(f(t) * n)`` active weights of smallest magnitude and grows as many inactive ones: by
@@ -27,7 +28,7 @@ from dynadiag_jax._checks import int_at_least
 from dynadiag_jax.baselines.masks import top_n_mask
 from dynadiag_jax.baselines.sparse_state import map_masks, random_scores, sparse_wrapper
 
-__all__ = ["rigl", "set_", "drop_and_grow", "cosine_decay", "periodic"]
+__all__ = ["rigl", "set_", "static_mask", "drop_and_grow", "cosine_decay", "periodic"]
 
 Schedule = float | Callable[[jax.Array], jax.Array]
 
@@ -181,4 +182,28 @@ def set_(
         start_step=start_step,
         drop_fraction=drop_fraction,
         grow_scores=grow_scores,
+    )
+
+
+def static_mask(
+    inner: optax.GradientTransformation, *, distribution, key
+) -> optax.GradientTransformationExtraArgs:
+    """A fixed random unstructured mask: the first mask of :func:`rigl` and :func:`set_` (the same
+    draw for the same ``key``), never updated.
+
+    The control that tells what the drop-and-grow updates add over an unstructured layout alone
+    (with ``drop_fraction=0`` SET trains the same weights, bit for bit, while still scheduling
+    updates that change nothing). Arguments as in :func:`rigl`.
+    """
+
+    def keep(masks, params, grads, count, key):
+        del params, grads, count, key
+        return masks
+
+    return sparse_wrapper(
+        inner,
+        distribution=distribution,
+        rule=keep,
+        is_update_step=lambda count: jnp.zeros((), jnp.bool_),
+        key=key,
     )
