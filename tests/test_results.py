@@ -134,11 +134,7 @@ def test_run_plan_goal_sparsity_first_block_methods_there_only_fewer_sweep_seeds
     assert [p for p in goal if p[3] == 0] == [
         ("vit", m, 0.0 if m == "dense" else 0.9, 0)
         for m in (
-            "dense",
-            "dynadiag",
-            "static_diagonals",
-            "rigl",
-            "set",
+            *results_config.ELEMENT_METHODS[:-1],  # the ViT has no MEST
             "dynadiag_b16",
             *results_config.PERMUTED_METHODS,
             *results_config.LORA_METHODS,
@@ -151,7 +147,7 @@ def test_run_plan_goal_sparsity_first_block_methods_there_only_fewer_sweep_seeds
         parse(p[1])[1] > 1 or results.method_permutation(p[1]) or results.method_rank(p[1])
         for p in sweep
     )
-    assert len(sweep) == 2 * 4
+    assert len(sweep) == 2 * 5
 
 
 def parse(method):
@@ -543,6 +539,15 @@ def test_fingerprint_changes_only_for_methods_that_read_the_changed_setting():
         config.unstructured.drop_fraction = 0.1
     after_drop = prints(config)
     assert sorted(m for m in methods if after_gate[m] != after_drop[m]) == ["mest", "rigl", "set"]
+    with config.unlocked():
+        config.unstructured.distribution = "erk"  # the fixed mask reads where its weights go
+    after_dist = prints(config)
+    assert sorted(m for m in methods if after_drop[m] != after_dist[m]) == [
+        "mest",
+        "rigl",
+        "set",
+        "static_unstructured",
+    ]
     assert results.fingerprint(config, "mlp", "dense", 200) != after_drop["dense"]
 
 

@@ -9,7 +9,9 @@ recipe:
 * ``static_diagonals``: DiagonalDense in its frozen form from the start, ``K`` random offsets
   (with ``dynadiag.permutation="random"``, a fixed random input permutation too);
 * ``rigl``, ``set``, ``mest``: dense layers whose selected kernels an optimizer wrapper keeps
-  unstructured-sparse (masks in the optimizer state, :mod:`dynadiag_jax.baselines`).
+  unstructured-sparse (masks in the optimizer state, :mod:`dynadiag_jax.baselines`);
+* ``static_unstructured``: the same layers with RigL's and SET's first random mask, never
+  updated (the control for their updates, as ``static_diagonals`` is for DynaDiag's search).
 
 The ``unstructured`` config section holds the drop-and-grow schedule (see :func:`check`). Every
 training script selects the method with its config's ``method`` entry (:func:`from_config`).
@@ -31,8 +33,13 @@ from dynadiag_jax import baselines as B
 from dynadiag_jax import models
 from train import common
 
-METHODS = ("dense", "dynadiag", "static_diagonals", "rigl", "set", "mest")
-UNSTRUCTURED = {"rigl": B.rigl, "set": B.set_, "mest": B.mest}
+METHODS = ("dense", "dynadiag", "static_diagonals", "static_unstructured", "rigl", "set", "mest")
+UNSTRUCTURED = {
+    "rigl": B.rigl,
+    "set": B.set_,
+    "mest": B.mest,
+    "static_unstructured": B.static_mask,
+}
 DISTRIBUTIONS = {"uniform": B.uniform, "erk": B.erk}
 # The entries of the ``dynadiag`` and ``unstructured`` sections that each method reads (a section's
 # name: all of it); the other sections (model, optimizer, ...) every method reads.
@@ -47,6 +54,13 @@ READS = {
         "dynadiag.permutation",
     ),
     **{m: ("dynadiag.layers", "dynadiag.sparsity", "unstructured") for m in UNSTRUCTURED},
+    # no updates: no schedule to read
+    "static_unstructured": (
+        "dynadiag.layers",
+        "dynadiag.sparsity",
+        "unstructured.distribution",
+        "unstructured.fan_in",
+    ),
 }
 # Folded into the run's seed for the masks' key, apart from the initialisation and data keys.
 MASK_STREAM = 0x6D61736B
@@ -242,14 +256,16 @@ def build(
             include=kernel_include(dynadiag_cfg.layers),
         )
         kwargs = dict(
-            distribution=distribution,
-            update_every=int(u.update_every),
-            end_step=max(1, round(float(u.end_fraction) * num_steps)),
-            key=jax.random.fold_in(jax.random.key(seed), MASK_STREAM),
+            distribution=distribution, key=jax.random.fold_in(jax.random.key(seed), MASK_STREAM)
         )
+        if method != "static_unstructured":
+            kwargs.update(
+                update_every=int(u.update_every),
+                end_step=max(1, round(float(u.end_fraction) * num_steps)),
+            )
         if method == "mest":
             kwargs.update(mutation_ratio=float(u.mutation_ratio), soft_bound=bool(u.soft_bound))
-        else:
+        elif method in ("rigl", "set"):
             kwargs.update(drop_fraction=float(u.drop_fraction))
         optimizer = UNSTRUCTURED[method](optimizer, **kwargs)
     return Method(method, model, optimizer, lr, gate, freeze, READS[method], working_set, scale)

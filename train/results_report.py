@@ -30,6 +30,7 @@ METHOD_NAMES = {
     "dense": "Dense",
     "dynadiag": "DynaDiag",
     "static_diagonals": "Static diagonals",
+    "static_unstructured": "Static unstructured",
     "rigl": "RigL",
     "set": "SET",
     "mest": "MEST",

@@ -418,7 +418,7 @@ def fingerprint(config, model_name: str, method: str, steps: int) -> str:
     """Hash of the settings a run's result depends on (a changed one retrains the run): the model,
     recipe and data; the sparse layers for sparse methods; the whole ``dynadiag`` section for
     DynaDiag (with the method's block size), and the ``unstructured`` section for RigL, SET and
-    MEST."""
+    MEST (its distribution and fan-in for the fixed mask, which has no schedule)."""
     m = config.models[model_name]
     base, block = parse_method(method)
     if is_language_model(m):
@@ -467,7 +467,10 @@ def fingerprint(config, model_name: str, method: str, steps: int) -> str:
         if permutation != "none":
             parts["permutation"] = permutation
     if base in baselines.UNSTRUCTURED:
-        parts["unstructured"] = config.unstructured.to_dict()
+        section = config.unstructured.to_dict()
+        # the entries the method reads (a fixed mask reads no schedule), else the section
+        read = [r.split(".", 1)[1] for r in baselines.READS[base] if r.startswith("unstructured.")]
+        parts["unstructured"] = {k: section[k] for k in read} if read else section
     if method_rank(method):
         parts["lora"] = m.lora.to_dict()
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]

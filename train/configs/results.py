@@ -43,7 +43,17 @@ from train.configs.common import (
 )
 
 SUITES = ("mlp", "mixer", "vit", "gpt")
-ELEMENT_METHODS = ("dense", "dynadiag", "static_diagonals", "rigl", "set", "mest")
+# static_unstructured: RigL's and SET's first mask, never updated (what their updates add);
+# the last entry, MEST, is the MLP's and the Mixer's only.
+ELEMENT_METHODS = (
+    "dense",
+    "dynadiag",
+    "static_diagonals",
+    "static_unstructured",
+    "rigl",
+    "set",
+    "mest",
+)
 # An input permutation in front of the diagonals (PA-DST), learned or fixed at random (the control
 # that says whether learning it matters), on element diagonals and blocks of 16.
 PERMUTED_METHODS = (
