@@ -50,42 +50,60 @@ def probe(config, data, suite, methods, factors, seeds) -> list[dict]:
                 tx = baselines.scaled_sparse_updates(
                     built.optimizer, m.dynadiag.layers, weight, factor
                 )
-                with tempfile.TemporaryDirectory(prefix="sparse_lr_probe") as workdir:
-                    result = R.train_built(
-                        config,
-                        data,
-                        suite,
-                        built._replace(optimizer=tx),
-                        seed,
-                        steps,
-                        pathlib.Path(workdir),
-                        checkpoints=False,
-                    )
-                metrics = result.eval_metrics
-                metric = metrics["perplexity" if "perplexity" in metrics else "accuracy"]
-                rows.append(dict(method=method, factor=factor, seed=seed, metric=float(metric)))
+                metric = final_metric(config, data, suite, built._replace(optimizer=tx), seed)
+                rows.append(dict(method=method, factor=factor, seed=seed, metric=metric))
     return rows
+
+
+def final_metric(config, data, suite: str, built, seed: int) -> float:
+    """The test accuracy (language model: validation perplexity) of ``built`` trained with
+    suite ``suite``'s recipe, in a scratch directory, no checkpoint but the ones the loop must
+    write."""
+    steps = R.steps_of(config.models[suite], data)
+    with tempfile.TemporaryDirectory(prefix="probe") as workdir:
+        result = R.train_built(
+            config, data, suite, built, seed, steps, pathlib.Path(workdir), checkpoints=False
+        )
+    metrics = result.eval_metrics
+    return float(metrics["perplexity" if "perplexity" in metrics else "accuracy"])
+
+
+def add_run_arguments(parser, methods: tuple[str, ...], default: str) -> None:
+    """``--suite``, ``--methods`` (of ``methods``), ``--seeds``, ``--data`` and ``--out``: what
+    a probe that trains a results suite's methods takes (read back by :func:`methods_and_seeds`)."""
+    parser.add_argument("--suite", default="mlp", choices=results_config.SUITES)
+    parser.add_argument("--methods", default=default, help=f"of {methods}")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--data", default="auto", help="the suites' data.source (mnist5k: small)")
+    parser.add_argument("--out", default=None)
+
+
+def methods_and_seeds(parser, args, methods: tuple[str, ...]) -> tuple[list[str], list[int]]:
+    """The checked ``--methods`` and ``--seeds`` (``parser.error`` on bad ones)."""
+    chosen = args.methods.split(",")
+    if not set(chosen) <= set(methods):
+        parser.error(f"--methods must be among {methods}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        parser.error("--seeds is a comma-separated list of integers")
+    if not seeds or min(seeds) < 0:
+        parser.error("need seeds >= 0")
+    return chosen, seeds
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", default="mlp", choices=results_config.SUITES)
-    parser.add_argument("--methods", default="dense,dynadiag", help=f"of {METHODS}")
+    add_run_arguments(parser, METHODS, "dense,dynadiag")
     parser.add_argument("--factors", default="1,3.16")
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--data", default="auto", help="the suites' data.source (mnist5k: small)")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    methods = args.methods.split(",")
-    if not set(methods) <= set(METHODS):
-        parser.error(f"--methods must be among {METHODS}")
+    methods, seeds = methods_and_seeds(parser, args, METHODS)
     try:
-        seeds = [int(s) for s in args.seeds.split(",")]
         factors = [float(f) for f in args.factors.split(",")]
     except ValueError:
-        parser.error("--seeds and --factors are comma-separated numbers")
-    if not seeds or min(seeds) < 0 or not all(np.isfinite(f) and f > 0 for f in factors):
-        parser.error("need seeds >= 0 and --factors > 0")
+        parser.error("--factors is a comma-separated list of numbers")
+    if not all(np.isfinite(f) and f > 0 for f in factors):
+        parser.error("need --factors > 0")
     config = results_config.get_config(f"models={args.suite}")
     config.data.source = args.data
     # The factors replace the recipe's own (the suites default to init_gain): x1 is the plain rate.

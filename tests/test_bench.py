@@ -5,12 +5,16 @@ import math
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import load_script
 from training_helpers import fast_compile  # noqa: F401 - fixture
 
+import dynadiag_jax as dd
 from dynadiag_jax.layout import diag_indices
+from dynadiag_jax.training.state import TrainState
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--shapes", "16:32", "--sparsities", "0.5", "--batch", "4", "--repeats", "1"]
@@ -624,3 +628,65 @@ def test_sparse_lr_probe_reports_each_method_and_factor(tmp_path, capsys):
 )
 def test_sparse_lr_probe_refuses_bad_options(capsys, option):
     assert_refuses(ROOT / "bench" / "sparse_lr_probe.py", option, capsys)
+
+
+def test_diagonal_regrow_swaps_the_smallest_diagonals_for_new_ones_at_zero():
+    """One update on a frozen layer: the smallest-norm quarter leaves, distinct offsets not in the
+    layer enter with zero values and zero Adam moments, the rest is untouched."""
+    regrow = load_script(ROOT / "bench" / "diagonal_regrow.py").regrow
+    layer = dd.nn.DiagonalDense(24, sparsity=0.5, init_phase="frozen", name="fc")
+    variables = layer.init(jax.random.key(0), np.ones((2, 24), np.float32))
+    params = {"fc": variables["params"]}
+    k = variables["diagonals"]["offsets"].shape[0]
+    norms = np.arange(1, k + 1, dtype=np.float32)[::-1]  # the last rows are the smallest
+    params["fc"]["values"] = jnp.asarray(norms[:, None] * np.ones((k, 24), np.float32))
+    tx = optax.adam(1e-3)
+    opt_state = jax.tree.map(lambda x: x + 1.0 if x.dtype == jnp.float32 else x, tx.init(params))
+    state = TrainState(
+        step=jnp.asarray(0, jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        collections={"diagonals": {"fc": variables["diagonals"]}},
+        rng=jax.random.key_data(jax.random.key(1)),
+    )
+    new = regrow(state, {"fc": 24}, 0.25, 100)  # at step 0 f = 0.25: round(0.25 K) swapped
+    before = np.asarray(variables["diagonals"]["offsets"])
+    after = np.asarray(new.collections["diagonals"]["fc"]["offsets"])
+    n = round(0.25 * k)
+    assert len(set(after.tolist())) == k and (after[: k - n] == before[: k - n]).all()
+    assert not set(after[k - n :].tolist()) & set(before.tolist())
+    values = np.asarray(new.params["fc"]["values"])
+    assert (values[k - n :] == 0).all() and (values[: k - n] == norms[: k - n, None]).all()
+    mu = np.asarray(new.opt_state[0].mu["fc"]["values"])
+    assert (mu[k - n :] == 0).all() and (mu[: k - n] == 1).all()
+
+
+@pytest.mark.usefixtures("fast_compile")
+def test_diagonal_regrow_probe_reports_each_method_with_and_without(tmp_path, capsys):
+    """The small digits' MLP suite, one seed: a CSV row per method with and without the updates,
+    and the updates change the run."""
+    out = tmp_path / "regrow.csv"
+    args = ["--data", "mnist5k", "--methods", "static_diagonals", "--every", "10"]
+    load_script(ROOT / "bench" / "diagonal_regrow.py").main(
+        [*args, "--seeds", "0", "--out", str(out)]
+    )
+    stdout = capsys.readouterr().out
+    _, rows = read_rows(out)
+    got = {r["regrow"]: float(r["metric"]) for r in rows}
+    assert set(got) == {"False", "True"} and all(0.0 < v <= 1.0 for v in got.values())
+    assert got["False"] != got["True"]
+    assert "whole diagonals swapped" in stdout
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--methods", "rigl"],
+        ["--seeds", "x"],
+        ["--every", "0"],
+        ["--end", "0"],
+        ["--fraction", "2"],
+    ],
+)
+def test_diagonal_regrow_probe_refuses_bad_options(capsys, option):
+    assert_refuses(ROOT / "bench" / "diagonal_regrow.py", option, capsys)
