@@ -1,5 +1,6 @@
 """ViT on ImageNet-1k: tfds ``data_source("imagenet2012")`` + grain, the DeiT recipe; DynaDiag or a
-baseline (``method=``: dense, static_diagonals, rigl, set, mest) on the same layers.
+baseline (``method=``: dense, static_diagonals, static_unstructured, rigl, set, mest) on the same
+layers.
 
   python train/imagenet.py --workdir=runs/vit_b16_s90 \\
       --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9 \\

@@ -1,5 +1,5 @@
 """GPT-2 on a byte-level corpus, DynaDiag or a baseline (``method=``: dense, static_diagonals,
-rigl, set, mest); reports validation perplexity.
+static_unstructured, rigl, set, mest); reports validation perplexity.
 
   python train/lm.py --workdir=runs/lm_fortunes_s90           # mini GPT-2, fortunes, sparsity 0.9
   python train/lm.py --workdir=/tmp/lm_smoke --config=train/configs/gpt2_lm.py:runlocal

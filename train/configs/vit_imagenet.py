@@ -15,7 +15,7 @@ block; search phase = the first 30% of steps, then the selection freezes.
       --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9,method=rigl \\
       --config.data.data_dir=$TFDS_DATA_DIR
   (variants: B/16, S/16, Ti/16; sparsity: 0 (dense), 0.8, 0.9, 0.95; method: dynadiag,
-  static_diagonals, rigl, set, mest)
+  static_diagonals, static_unstructured, rigl, set, mest)
   python train/imagenet.py --workdir=/tmp/vit_smoke --config=train/configs/vit_imagenet.py:runlocal
   python train/imagenet.py --workdir=/tmp/vit_b16_fake \\
       --config=train/configs/vit_imagenet.py:variant=B/16,sparsity=0.9 \\
