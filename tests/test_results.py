@@ -406,6 +406,32 @@ def test_permutation_goals_compare_learned_with_the_baselines_and_the_random_per
     assert results_report.permutation_goals(config, {}, {}) == []
 
 
+def test_control_lines_compare_each_selection_with_its_fixed_layout():
+    config = _config("models=mlp+gpt")
+    stats = {
+        ("mlp", "dynadiag", 0.9): (0.875, 0.001, 3),
+        ("mlp", "static_diagonals", 0.9): (0.874, 0.002, 3),
+        ("mlp", "static_unstructured", 0.9): (0.871, 0.002, 3),
+        ("mlp", "set", 0.9): (0.876, 0.002, 3),
+        ("mlp", "mest", 0.9): (0.880, 0.002, 3),
+    }
+    ppl = {
+        ("gpt", "dynadiag", 0.9): (10.0, 0.1, 2),
+        ("gpt", "static_diagonals", 0.9): (10.2, 0.1, 2),
+        ("gpt", "static_unstructured", 0.9): (10.1, 0.1, 2),
+        ("gpt", "rigl", 0.9): (10.3, 0.1, 2),
+    }
+    assert results_report.control_lines(config, stats, ppl) == [
+        "- mlp: over the fixed control (points; DynaDiag against static diagonals, the others "
+        "against the static unstructured mask): DynaDiag +0.10, SET +0.50, MEST +0.90. Static "
+        "diagonals against the static unstructured mask: +0.30.",
+        "- gpt: over the fixed control (perplexity; DynaDiag against static diagonals, the "
+        "others against the static unstructured mask): DynaDiag -0.20, RigL +0.20. Static "
+        "diagonals against the static unstructured mask: +0.10.",
+    ]
+    assert results_report.control_lines(config, {}, {}) == []
+
+
 def test_sparse_layer_density_counts_nonzeros_and_diagonals():
     params = {
         "a": {"kernel": jnp.array([[1.0, 0.0], [0.0, 2.0]])},
