@@ -160,9 +160,10 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
                 title=f"DynaDiag MLP, sparsity {dyn.sparsity:g}: test accuracy {acc:.4f}",
             )
             print(f"figure: {png}")
-    print("\nmodel                test accuracy   parameters   time")
+    width = max([20, *(len(name) for name, *_ in summary)])  # static_unstructured_s90: 23
+    print(f"\n{'model':<{width}} test accuracy   parameters   time")
     for name, acc, params, seconds in summary:
-        print(f"{name:<20} {acc:>13.4f} {params:>12,} {seconds:>5.0f}s")
+        print(f"{name:<{width}} {acc:>13.4f} {params:>12,} {seconds:>5.0f}s")
     return summary
 
 
