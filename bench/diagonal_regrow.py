@@ -57,8 +57,7 @@ def regrow(state, candidates: dict[str, int], fraction, end: int):
     zero values and zero optimizer moments.
     """
     t = state.step
-    done = jnp.minimum(t, end).astype(jnp.float32) / end
-    f = fraction * 0.5 * (1.0 + jnp.cos(jnp.pi * done))
+    f = B.cosine_decay(fraction, end)(t)  # SET's and RigL's drop fraction
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), REGROW_STREAM)
     key = jax.random.fold_in(key, t)
     diagonals = traverse_util.flatten_dict(state.collections["diagonals"])
@@ -119,11 +118,12 @@ def probe(config, data, suite, methods, seeds, every, end_fraction, fraction) ->
     end = max(1, round(end_fraction * steps))
     rows = []
     for method in methods:
+        model = R.build(config, suite, method, SPARSITY, 0, data, steps).model
+        shapes = common.layer_shapes(model, R.example_input(m, data))
+        candidates = {path: max(shape) for path, shape in shapes.items()}
         for on in (False, True):
             for seed in seeds:
                 built = R.build(config, suite, method, SPARSITY, seed, data, steps)
-                shapes = common.layer_shapes(built.model, R.example_input(m, data))
-                candidates = {path: max(shape) for path, shape in shapes.items()}
                 updates = regrowing(candidates, every, end, fraction)
                 with updates if on else contextlib.nullcontext():
                     metric = final_metric(config, data, suite, built, seed)
