@@ -430,6 +430,48 @@ def test_control_lines_compare_each_selection_with_its_fixed_layout():
         "diagonals against the static unstructured mask: +0.10.",
     ]
     assert results_report.control_lines(config, {}, {}) == []
+    records = [
+        {"model": "mlp", "method": m, "sparsity": 0.9, "seed": seed, "accuracy": a}
+        for m, accs in (
+            ("dynadiag", (0.876, 0.874, 0.875)),
+            ("static_diagonals", (0.873, 0.875, 0.874)),
+        )
+        for seed, a in enumerate(accs)
+    ] + [
+        {"model": "gpt", "method": m, "sparsity": 0.9, "seed": seed, "perplexity": p}
+        for m, ppls in (("dynadiag", (9.9, 10.1)), ("static_diagonals", (10.1, 10.3)))
+        for seed, p in enumerate(ppls)
+    ]
+    lines = results_report.control_lines(config, stats, ppl, records=records)
+    # seed by seed: +0.3, -0.1, +0.1 points; -0.2, -0.2 perplexity (lower is better)
+    assert "DynaDiag +0.10 (by seed +0.10 ± 0.20, better in 2 of 3), SET +0.50, MEST" in lines[0]
+    assert "DynaDiag -0.20 (by seed -0.20 ± 0.00, better in 2 of 2), RigL +0.20." in lines[1]
+
+
+def test_paired_difference_reads_the_seeds_both_methods_have():
+    records = [
+        {"model": "vit", "method": "a", "sparsity": 0.9, "seed": 0, "accuracy": 0.80},
+        {"model": "vit", "method": "a", "sparsity": 0.9, "seed": 1, "accuracy": 0.82},
+        {"model": "vit", "method": "a", "sparsity": 0.9, "seed": 2, "accuracy": 0.90},
+        {"model": "vit", "method": "b", "sparsity": 0.9, "seed": 0, "accuracy": 0.81},
+        {"model": "vit", "method": "b", "sparsity": 0.9, "seed": 1, "accuracy": 0.80},
+        {"model": "vit", "method": "b", "sparsity": 0.95, "seed": 2, "accuracy": 0.50},
+        {"model": "mlp", "method": "b", "sparsity": 0.9, "seed": 2, "accuracy": 0.50},
+    ]
+    mean, std, better, n = results_report.paired_difference(
+        records, "vit", "a", "b", 0.9, "accuracy"
+    )
+    assert (better, n) == (1, 2)  # seed 2 of b is at another sparsity or another suite
+    assert mean == pytest.approx(0.005) and std == pytest.approx(np.std([-0.01, 0.02], ddof=1))
+    one_seed = [r for r in records if r["seed"] != 1]
+    assert results_report.paired_difference(one_seed, "vit", "a", "b", 0.9, "accuracy") is None
+    assert results_report.paired_difference(records, "vit", "a", "c", 0.9, "accuracy") is None
+    ppl = [
+        {"model": "gpt", "method": m, "sparsity": 0.9, "seed": s, "perplexity": v}
+        for m, vs in (("a", (9.0, 9.5, 9.0)), ("b", (9.2, 9.4, 9.0)))
+        for s, v in enumerate(vs)
+    ]
+    assert results_report.paired_difference(ppl, "gpt", "a", "b", 0.9, "perplexity")[2:] == (1, 3)
 
 
 def test_sparse_layer_density_counts_nonzeros_and_diagonals():

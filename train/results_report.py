@@ -479,11 +479,44 @@ def search_goals(config, stats, ppl_stats, records, sparsity=0.9, clean_runs=Non
     return out
 
 
-def control_lines(config, stats, ppl_stats, sparsity=0.9) -> list[str]:
+def paired_difference(records, model, method, control, sparsity, metric):
+    """Seed by seed ``method - control`` of ``metric`` at ``sparsity``, over the seeds both have
+    a record for: ``(mean, std, seeds where method is better, seeds)``, better meaning higher
+    (lower for perplexity); None without two such seeds. A suite's runs of one seed see the same
+    batches in the same order, so the paired difference leaves that part of the seed spread out."""
+    runs = collections.defaultdict(dict)
+    for r in records:
+        if r["model"] == model and r["sparsity"] == sparsity and metric in r:
+            runs[r["method"]][r["seed"]] = r[metric]
+    seeds = sorted(set(runs[method]) & set(runs[control]))
+    if len(seeds) < 2:
+        return None
+    diffs = np.array([runs[method][s] - runs[control][s] for s in seeds], np.float64)
+    better = int(np.sum(diffs < 0 if metric == "perplexity" else diffs > 0))
+    return float(diffs.mean()), float(diffs.std(ddof=1)), better, len(seeds)
+
+
+def _over_control(table, records, where, method, control, lm: bool) -> str:
+    """``method``'s mean over ``control``'s in ``table`` at ``where = (model, sparsity)``, and
+    with ``records`` the seed-by-seed difference."""
+    model, sparsity = where
+    scale = 1.0 if lm else 100.0
+    gain = table[(model, method, sparsity)][0] - table[(model, control, sparsity)][0]
+    text = f"{method_name(method)} {scale * gain:+.2f}"
+    metric = "perplexity" if lm else "accuracy"
+    paired = paired_difference(records, model, method, control, sparsity, metric)
+    if paired is None:
+        return text
+    mean, std, better, n = paired
+    return f"{text} (by seed {scale * mean:+.2f} ± {scale * std:.2f}, better in {better} of {n})"
+
+
+def control_lines(config, stats, ppl_stats, sparsity=0.9, records=()) -> list[str]:
     """What each way of choosing a mask adds over its fixed control at ``sparsity``: DynaDiag's
     search over static diagonals, RigL's, SET's and MEST's updates over the static unstructured
     mask (their first mask, never updated); and the two fixed layouts against each other.
-    Accuracy points, or perplexity for a language model (lower is better)."""
+    Accuracy points, or perplexity for a language model (lower is better); with ``records``, also
+    the seed-by-seed difference (:func:`paired_difference`) and the seeds it is better on."""
     out = []
     for model in suites(config):
         lm = is_language_model(config.models[model])
@@ -494,12 +527,12 @@ def control_lines(config, stats, ppl_stats, sparsity=0.9) -> list[str]:
             continue
         scale, unit = (1.0, "perplexity") if lm else (100.0, "points")
         gains = [
-            f"{method_name(method)} {scale * (get(method)[0] - control[0]):+.2f}"
+            _over_control(table, records, (model, sparsity), method, control, lm)
             for method, control in (
-                ("dynadiag", diagonals),
-                ("rigl", unstructured),
-                ("set", unstructured),
-                ("mest", unstructured),
+                ("dynadiag", "static_diagonals"),
+                ("rigl", "static_unstructured"),
+                ("set", "static_unstructured"),
+                ("mest", "static_unstructured"),
             )
             if get(method) is not None
         ]
@@ -923,7 +956,7 @@ def write(docs, config, records, timings, *, data_name: str) -> pathlib.Path:
         (
             "Each selection against its fixed control (not a goal: what the search and the "
             "mask updates add over a fixed random layout)",
-            control_lines(config, stats, ppl_stats, goal),
+            control_lines(config, stats, ppl_stats, goal, records),
         ),
         (
             "Block against element diagonals",
