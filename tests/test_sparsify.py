@@ -215,6 +215,39 @@ def test_mlp_dense_and_dense_general():
     check_sparsified(Mlp(), rules, x, ["Dense_0", "split", "merge"], variables=v)
 
 
+def test_static_random_diagonals_through_a_rule():
+    """``init_phase="frozen"`` in a rule: random offsets at init, no gate, trained as they are,
+    and the model equals the dense oracle with those diagonals in its kernels."""
+    x = jax.random.normal(jax.random.key(1), (32, 12))
+    y = jax.random.normal(jax.random.key(2), (32, 4))
+    sparse = dd.nn.sparsify(Mlp(), [(r"Dense_0|merge", {"sparsity": 0.75, "init_phase": "frozen"})])
+    v = jax.jit(sparse.init)(jax.random.key(0), x)
+    assert "dynadiag" not in v and set(v["params"]["Dense_0"]) == {"values", "bias"}
+    offsets = v["diagonals"]["merge"]["offsets"]  # 32 -> 16: K = 8 distinct of P = 32
+    assert offsets.shape == (8,) and len(set(np.asarray(offsets).tolist())) == 8
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(v["params"])
+
+    @jax.jit
+    def step(params, opt_state):
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.mean((sparse.apply({**v, "params": p}, x) - y) ** 2)
+        )(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params, losses = v["params"], []
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as in train() above
+        for _ in range(STEPS):
+            params, opt_state, loss = step(params, opt_state)
+            losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    trained = {**v, "params": params}
+    assert dd.freeze_tree(trained)["diagonals"]["merge"]["offsets"].tolist() == offsets.tolist()
+    want = Mlp().apply({"params": dense_oracle_params(Mlp(), trained, x)}, x)
+    np.testing.assert_allclose(sparse.apply(trained, x), want, rtol=1e-5, atol=1e-5)
+
+
 def test_attention_block():
     x = jax.random.normal(jax.random.key(1), (8, 6, 16))
     rules = [(r".*/(query|key|value|out)", SPARSE)]  # the MLP's Dense layers stay dense
