@@ -1,6 +1,7 @@
 """Smoke runs of the benchmark scripts on their tiniest configuration: table and CSV complete."""
 
 import csv
+import json
 import math
 import pathlib
 
@@ -690,3 +691,67 @@ def test_diagonal_regrow_probe_reports_each_method_with_and_without(tmp_path, ca
 )
 def test_diagonal_regrow_probe_refuses_bad_options(capsys, option):
     assert_refuses(ROOT / "bench" / "diagonal_regrow.py", option, capsys)
+
+
+def _write_records(workdir, records):
+    workdir.mkdir()
+    (workdir / "accuracy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_paired_seeds_tables_each_method_against_its_control(tmp_path, capsys):
+    """Seeds both methods have, accuracy in points, perplexity lower-is-better; a pair with one
+    common seed or a missing method is left out; the CSV and the PNG are written."""
+    acc = [
+        {"model": "vit", "method": m, "sparsity": 0.9, "seed": s, "accuracy": a}
+        for m, accs in (("dynadiag", (0.84, 0.83, 0.85)), ("static_diagonals", (0.83, 0.84)))
+        for s, a in enumerate(accs)
+    ]
+    ppl = [
+        {"model": "gpt", "method": m, "sparsity": 0.95, "seed": s, "perplexity": p}
+        for m, ppls in (("dynadiag", (8.5, 8.8)), ("static_diagonals", (8.6, 8.6)), ("set", (8.0,)))
+        for s, p in enumerate(ppls)
+    ]
+    _write_records(tmp_path / "runs_a", acc)
+    _write_records(tmp_path / "runs_b", ppl + [{**ppl[-1], "method": "static_unstructured"}])
+    out = tmp_path / "paired.csv"
+    load_script(ROOT / "bench" / "paired_seeds.py").main(
+        ["--workdir", str(tmp_path / "runs_a"), "--workdir", str(tmp_path / "runs_b")]
+        + ["--out", str(out)]
+    )
+    stdout = capsys.readouterr().out
+    _, rows = read_rows(out)
+    assert [(r["model"], r["method"], r["control"], r["seeds"]) for r in rows] == [
+        ("vit", "dynadiag", "static_diagonals", "2"),  # seed 2 has no static run
+        ("gpt", "dynadiag", "static_diagonals", "2"),  # set: one seed of each, left out
+    ]
+    assert float(rows[0]["paired_mean"]) == pytest.approx(0.0)
+    assert rows[0]["better"] == "1" and rows[1]["better"] == "1"  # 8.5 < 8.6, 8.8 > 8.6
+    assert "| runs_a | vit | 90% | dynadiag | static_diagonals | 83.50 +- 0.71 |" in stdout
+    assert "| 8.65 +- 0.21 | 8.60 +- 0.00 | +0.05 +- 0.21 | 1 of 2 |" in stdout  # -0.1, +0.2
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--pairs", "dynadiag"],
+        ["--pairs", "a:b:c"],
+        ["--pairs", ","],
+        ["--pairs", "rigl:nothing"],  # no pair with two common seeds
+    ],
+)
+def test_paired_seeds_refuses_bad_options(tmp_path, capsys, option):
+    records = [
+        {"model": "mlp", "method": m, "sparsity": 0.9, "seed": s, "accuracy": 0.8}
+        for m in ("dynadiag", "static_diagonals")
+        for s in (0, 1)
+    ]
+    _write_records(tmp_path / "w", records)
+    assert_refuses(
+        ROOT / "bench" / "paired_seeds.py", ["--workdir", str(tmp_path / "w"), *option], capsys
+    )
+
+
+def test_paired_seeds_names_a_workdir_without_records(tmp_path):
+    with pytest.raises(FileNotFoundError, match="accuracy.jsonl does not exist"):
+        load_script(ROOT / "bench" / "paired_seeds.py").main(["--workdir", str(tmp_path)])

@@ -85,7 +85,8 @@ def _metric(config, model: str) -> str:
     return "perplexity" if is_language_model(config.models[model]) else "accuracy"
 
 
-def _stats(values):
+def stats_of(values) -> tuple[float, float, int]:
+    """``(mean, std, n)`` of ``values`` (the sample std; 0 for one value)."""
     v = np.asarray(values, np.float64)
     return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0, len(v)
 
@@ -97,7 +98,7 @@ def metric_stats(records, metric: str = "accuracy") -> dict:
     for r in records:
         if metric in r:
             groups[(r["model"], r["method"], r["sparsity"])].append(r[metric])
-    return {k: _stats(v) for k, v in groups.items()}
+    return {k: stats_of(v) for k, v in groups.items()}
 
 
 def _fmt(stat, scale=100.0, digits=2):
@@ -479,21 +480,28 @@ def search_goals(config, stats, ppl_stats, records, sparsity=0.9, clean_runs=Non
     return out
 
 
-def paired_difference(records, model, method, control, sparsity, metric):
-    """Seed by seed ``method - control`` of ``metric`` at ``sparsity``, over the seeds both have
-    a record for: ``(mean, std, seeds where method is better, seeds)``, better meaning higher
-    (lower for perplexity); None without two such seeds. A suite's runs of one seed see the same
-    batches in the same order, so the paired difference leaves that part of the seed spread out."""
+def common_seeds(records, model, method, control, sparsity, metric):
+    """``(values of method, values of control)``: ``metric`` of the seeds both have a record for
+    at ``sparsity``, in seed order."""
     runs = collections.defaultdict(dict)
     for r in records:
         if r["model"] == model and r["sparsity"] == sparsity and metric in r:
             runs[r["method"]][r["seed"]] = r[metric]
     seeds = sorted(set(runs[method]) & set(runs[control]))
-    if len(seeds) < 2:
+    return [runs[method][s] for s in seeds], [runs[control][s] for s in seeds]
+
+
+def paired_difference(records, model, method, control, sparsity, metric):
+    """Seed by seed ``method - control`` of ``metric`` at ``sparsity``, over the seeds both have
+    a record for: ``(mean, std, seeds where method is better, seeds)``, better meaning higher
+    (lower for perplexity); None without two such seeds. A suite's runs of one seed see the same
+    batches in the same order, so the paired difference leaves that part of the seed spread out."""
+    a, b = common_seeds(records, model, method, control, sparsity, metric)
+    if len(a) < 2:
         return None
-    diffs = np.array([runs[method][s] - runs[control][s] for s in seeds], np.float64)
+    diffs = np.asarray(a, np.float64) - np.asarray(b, np.float64)
     better = int(np.sum(diffs < 0 if metric == "perplexity" else diffs > 0))
-    return float(diffs.mean()), float(diffs.std(ddof=1)), better, len(seeds)
+    return float(diffs.mean()), float(diffs.std(ddof=1)), better, len(diffs)
 
 
 def _over_control(table, records, where, method, control, lm: bool) -> str:
