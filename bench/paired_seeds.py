@@ -18,7 +18,6 @@ their spread, one row per line of the table). Trains nothing. Example::
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 
@@ -27,12 +26,8 @@ sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 
 from diag_matmul import write_csv  # noqa: E402 - bench/, beside this
 
-from train.results_report import (  # noqa: E402
-    common_seeds,
-    metric_stats,
-    paired_difference,
-    stats_of,
-)
+from train import results_runs as R  # noqa: E402
+from train.results_report import common_seeds, paired_of, stats_of  # noqa: E402
 
 # Each selection against its fixed control, as docs/RESULTS.md's goal lines pair them.
 PAIRS = ",".join(
@@ -76,10 +71,10 @@ def parse_pairs(text: str) -> list[tuple[str, str]]:
 
 def read_records(workdir) -> list[dict]:
     """The records of ``workdir/accuracy.jsonl``."""
-    path = pathlib.Path(workdir) / "accuracy.jsonl"
+    path = pathlib.Path(workdir) / R.ACCURACY_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: train the runs with train/results.py")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return R.read_records(path)
 
 
 def rows_of(records, pairs, workdir="") -> list[dict]:
@@ -87,15 +82,14 @@ def rows_of(records, pairs, workdir="") -> list[dict]:
     those seeds."""
     rows = []
     for metric in ("accuracy", "perplexity"):
-        stats = metric_stats(records, metric)
-        for model, sparsity in sorted({(k[0], k[2]) for k in stats}):
+        suites = sorted({(r["model"], r["sparsity"]) for r in records if metric in r})
+        for model, sparsity in suites:
             for method, control in pairs:
-                paired = paired_difference(records, model, method, control, sparsity, metric)
+                values = common_seeds(records, model, method, control, sparsity, metric)
+                paired = paired_of(*values, metric)
                 if paired is None:
                     continue
-                a, b = map(
-                    stats_of, common_seeds(records, model, method, control, sparsity, metric)
-                )
+                a, b = map(stats_of, values)
                 rows.append(
                     dict(
                         zip(

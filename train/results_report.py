@@ -496,7 +496,11 @@ def paired_difference(records, model, method, control, sparsity, metric):
     a record for: ``(mean, std, seeds where method is better, seeds)``, better meaning higher
     (lower for perplexity); None without two such seeds. A suite's runs of one seed see the same
     batches in the same order, so the paired difference leaves that part of the seed spread out."""
-    a, b = common_seeds(records, model, method, control, sparsity, metric)
+    return paired_of(*common_seeds(records, model, method, control, sparsity, metric), metric)
+
+
+def paired_of(a, b, metric):
+    """:func:`paired_difference` of the values ``a`` and ``b`` of the same seeds, in order."""
     if len(a) < 2:
         return None
     diffs = np.asarray(a, np.float64) - np.asarray(b, np.float64)
@@ -504,14 +508,13 @@ def paired_difference(records, model, method, control, sparsity, metric):
     return float(diffs.mean()), float(diffs.std(ddof=1)), better, len(diffs)
 
 
-def _over_control(table, records, where, method, control, lm: bool) -> str:
+def _over_control(table, records, where, method, control, metric: str) -> str:
     """``method``'s mean over ``control``'s in ``table`` at ``where = (model, sparsity)``, and
     with ``records`` the seed-by-seed difference."""
     model, sparsity = where
-    scale = 1.0 if lm else 100.0
+    scale = 1.0 if metric == "perplexity" else 100.0
     gain = table[(model, method, sparsity)][0] - table[(model, control, sparsity)][0]
     text = f"{method_name(method)} {scale * gain:+.2f}"
-    metric = "perplexity" if lm else "accuracy"
     paired = paired_difference(records, model, method, control, sparsity, metric)
     if paired is None:
         return text
@@ -534,8 +537,9 @@ def control_lines(config, stats, ppl_stats, sparsity=0.9, records=()) -> list[st
         if diagonals is None or unstructured is None:
             continue
         scale, unit = (1.0, "perplexity") if lm else (100.0, "points")
+        metric = _metric(config, model)
         gains = [
-            _over_control(table, records, (model, sparsity), method, control, lm)
+            _over_control(table, records, (model, sparsity), method, control, metric)
             for method, control in (
                 ("dynadiag", "static_diagonals"),
                 ("rigl", "static_unstructured"),
