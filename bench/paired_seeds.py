@@ -8,11 +8,15 @@ suite, sparsity and ``method:control`` pair of ``--pairs`` with at least two com
 both means, the paired difference (mean +- std) and the seeds the method is better on (higher
 accuracy, lower perplexity). Writes a CSV (``--out``, default
 ``bench/results/paired_seeds_<time>.csv``) and a PNG beside it (the paired differences with
-their spread, one row per line of the table). Trains nothing. Example::
+their spread, one row per line of the table). With ``--against DIR`` every method of each
+``--workdir`` is paired with the same method at the same suite and sparsity in ``DIR`` instead
+(a change of config, seed by seed: the workdirs of the same command with and without the
+change). Trains nothing. Example::
 
     python train/results.py --suite=vit --notiming --workdir=runs/vit8 \\
         --config=train/configs/results.py:models=vit,methods=dynadiag+static_diagonals,sparsities=0.9,seeds=8
     python bench/paired_seeds.py --workdir runs/vit8
+    python bench/paired_seeds.py --workdir runs/vit8_changed --against runs/vit8
 """
 
 from __future__ import annotations
@@ -75,6 +79,14 @@ def read_records(workdir) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: train the runs with train/results.py")
     return R.read_records(path)
+
+
+def against(records, control_records, control_name) -> tuple[list[dict], list[tuple[str, str]]]:
+    """``records`` with ``control_records`` renamed ``<method>@<control_name>``, and the pairs
+    of each method of ``records`` with its renamed self."""
+    renamed = [dict(r, method=f"{r['method']}@{control_name}") for r in control_records]
+    methods = sorted({r["method"] for r in records})
+    return records + renamed, [(m, f"{m}@{control_name}") for m in methods]
 
 
 def rows_of(records, pairs, workdir="") -> list[dict]:
@@ -163,17 +175,30 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", action="append", required=True, help="repeat for several")
     parser.add_argument("--pairs", default=PAIRS, help="method:control, comma-separated")
+    parser.add_argument(
+        "--against",
+        help="a control workdir: each method against the same method there (--pairs unused)",
+    )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     try:
         pairs = parse_pairs(args.pairs)
     except ValueError as e:
         parser.error(str(e))
+    control = read_records(args.against) if args.against else None
     rows = []
     for workdir in args.workdir:
-        rows += rows_of(read_records(workdir), pairs, workdir)
+        records = read_records(workdir)
+        if control is not None:
+            records, pairs = against(records, control, pathlib.Path(args.against).name)
+        rows += rows_of(records, pairs, workdir)
     if not rows:
-        parser.error("no pair of --pairs has two common seeds in these workdirs")
+        what = (
+            "method of --workdir has two seeds in common with --against"
+            if control
+            else ("pair of --pairs has two common seeds in these workdirs")
+        )
+        parser.error(f"no {what}")
     print("\n".join(format_table(rows)))
     csv_path = write_csv(rows, FIELDS, "paired_seeds", args.out)
     plot(rows, csv_path.with_suffix(".png"))

@@ -731,6 +731,43 @@ def test_paired_seeds_tables_each_method_against_its_control(tmp_path, capsys):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_paired_seeds_against_a_control_workdir(tmp_path, capsys):
+    """--against pairs each method with itself in the control workdir, seed by seed; a method
+    the control lacks is left out, and a control sharing no method is refused."""
+    changed = [
+        {"model": "mlp", "method": m, "sparsity": 0.9, "seed": s, "accuracy": a}
+        for m, accs in (("dynadiag", (0.86, 0.88, 0.87)), ("rigl", (0.85, 0.86)))
+        for s, a in enumerate(accs)
+    ]
+    control = [
+        {"model": "mlp", "method": "dynadiag", "sparsity": 0.9, "seed": s, "accuracy": a}
+        for s, a in enumerate((0.85, 0.88, 0.86, 0.90))
+    ]
+    _write_records(tmp_path / "changed", changed)
+    _write_records(tmp_path / "before", control)
+    out = tmp_path / "against.csv"
+    script = load_script(ROOT / "bench" / "paired_seeds.py")
+    script.main(
+        ["--workdir", str(tmp_path / "changed"), "--against", str(tmp_path / "before")]
+        + ["--out", str(out)]
+    )
+    stdout = capsys.readouterr().out
+    _, rows = read_rows(out)
+    assert [(r["method"], r["control"], r["seeds"], r["better"]) for r in rows] == [
+        ("dynadiag", "dynadiag@before", "3", "2")  # seed 3 only in the control; rigl in neither
+    ]
+    assert float(rows[0]["paired_mean"]) == pytest.approx(0.02 / 3)
+    assert (
+        "| dynadiag | dynadiag@before | 87.00 +- 1.00 | 86.33 +- 1.53 | +0.67 +- 0.58 |" in stdout
+    )
+    _write_records(tmp_path / "other", [dict(r, method="set") for r in control])
+    assert_refuses(
+        ROOT / "bench" / "paired_seeds.py",
+        ["--workdir", str(tmp_path / "changed"), "--against", str(tmp_path / "other")],
+        capsys,
+    )
+
+
 @pytest.mark.parametrize(
     "option",
     [
