@@ -135,19 +135,24 @@ def test_run_plan_goal_sparsity_first_block_methods_there_only_fewer_sweep_seeds
         ("vit", m, 0.0 if m == "dense" else 0.9, 0)
         for m in (
             *results_config.ELEMENT_METHODS[:-1],  # the ViT has no MEST
-            "dynadiag_b16",
             *results_config.PERMUTED_METHODS,
+            "dynadiag_b16",
             *results_config.LORA_METHODS,
         )
     ]
     assert {p[3] for p in goal} == {0, 1, 2}
     sweep = plan[len(goal) :]
     assert {p[2] for p in sweep} == {0.8, 0.95} and {p[3] for p in sweep} == {0}
+    # the permuted methods at every sparsity, block diagonals and LoRA-FA at the goal only
     assert not any(
-        parse(p[1])[1] > 1 or results.method_permutation(p[1]) or results.method_rank(p[1])
+        (parse(p[1])[1] > 1 and not results.method_permutation(p[1])) or results.method_rank(p[1])
         for p in sweep
     )
-    assert len(sweep) == 2 * 5
+    assert [p[1] for p in sweep if p[2] == 0.95] == [
+        *results_config.ELEMENT_METHODS[1:-1],
+        *results_config.PERMUTED_METHODS,
+    ]
+    assert len(sweep) == 2 * (5 + 5)
 
 
 def parse(method):
@@ -386,6 +391,11 @@ def test_permutation_goals_compare_learned_with_the_baselines_and_the_random_per
         ("mlp", "set", 0.9): (0.872, 0.002, 3),
         ("mlp", "dynadiag_learned_perm", 0.9): (0.875, 0.001, 3),
         ("mlp", "dynadiag_random_perm", 0.9): (0.873, 0.003, 3),
+        # at 80% the learned one wins by more than the spread; 95% has one seed: no spread
+        ("mlp", "dynadiag_learned_perm", 0.8): (0.890, 0.001, 3),
+        ("mlp", "dynadiag_random_perm", 0.8): (0.880, 0.002, 3),
+        ("mlp", "dynadiag_learned_perm", 0.95): (0.870, 0.0, 1),
+        ("mlp", "dynadiag_random_perm", 0.95): (0.860, 0.0, 1),
     }
     ppl = {
         ("gpt", "dynadiag", 0.9): (10.0, 0.1, 2),
@@ -397,11 +407,13 @@ def test_permutation_goals_compare_learned_with_the_baselines_and_the_random_per
         "- mlp: DynaDiag + learned permutation at least max(RigL, SET): **met** "
         "(87.50 ± 0.10% against 87.20%).",
         "- mlp: DynaDiag with a learned permutation better than with a random one by more than "
-        "the seed spread: **missed** (87.500 against 87.300; spread 0.300 points).",
+        "the seed spread somewhere: **met** (90%: 87.500 against 87.300, spread 0.300 points; "
+        "80%: 89.000 against 88.000, spread 0.200 points).",
         "- gpt: blocks 16x16 + learned permutation within 2% of element diagonals' perplexity: "
         "**missed** (10.500 against 10.000, +5.00%).",
         "- gpt: DynaDiag, blocks 16x16 with a learned permutation better than with a random one "
-        "by more than the seed spread: **missed** (10.500 against 10.200; spread 0.300).",
+        "by more than the seed spread somewhere: **missed** (90%: 10.500 against 10.200, "
+        "spread 0.300).",
     ]
     assert results_report.permutation_goals(config, {}, {}) == []
 

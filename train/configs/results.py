@@ -13,10 +13,11 @@ rate); unstructured methods use RigL's schedule:
   fortunes where installed, else the Python standard library's sources); c_attn, c_proj, c_fc and
   the MLP's c_proj sparse; embeddings (tied head) dense. Validation perplexity and bits per byte.
 
-Per suite: ``methods`` train at every sparsity, ``goal_methods`` (block diagonals,
-``dynadiag_b<b>``, and the methods with an input permutation, ``<method>_random_perm`` or
-``<method>_learned_perm``) only at ``goal_sparsity``; ``seeds`` seeds at the goal sparsity (and
-dense), ``sweep_seeds`` at the others. An image suite trains ``epochs`` epochs unless ``steps``
+Per suite: ``methods`` train at every sparsity (the element methods, and those with an input
+permutation, ``<method>_random_perm`` or ``<method>_learned_perm``, on element diagonals and
+blocks of 16), ``goal_methods`` (block diagonals, ``dynadiag_b<b>``, and LoRA-FA) only at
+``goal_sparsity``; ``seeds`` seeds at the goal sparsity (and dense), ``sweep_seeds`` at the
+others. An image suite trains ``epochs`` epochs unless ``steps``
 is above 0 (a control trained as long as a LoRA-FA row: ``--config.models.vit.steps=1171``).
 ``<method>_lorafa_r<r>`` (the MLP's, ViT's and GPT's
 ``goal_methods`` at r = 4, 8, 16) is the diagonal method trained as usual, then a LoRA-FA phase of
@@ -111,9 +112,9 @@ def _suites():
             seeds=3,
             sweep_seeds=3,
             sparsities=sparsities,
-            methods=ELEMENT_METHODS,
+            methods=(*ELEMENT_METHODS, *PERMUTED_METHODS),
             # b = 32 does not divide the 784 inputs.
-            goal_methods=("dynadiag_b8", "dynadiag_b16", *PERMUTED_METHODS, *LORA_METHODS),
+            goal_methods=("dynadiag_b8", "dynadiag_b16", *LORA_METHODS),
             inference_batches=(1, 256),
             lora=_lora(),
         ),
@@ -132,9 +133,9 @@ def _suites():
             seeds=3,
             sweep_seeds=3,
             sparsities=sparsities,
-            methods=ELEMENT_METHODS,
+            methods=(*ELEMENT_METHODS, *PERMUTED_METHODS),
             # b = 32 does not divide the 16-token mixing layers.
-            goal_methods=("dynadiag_b8", "dynadiag_b16", *PERMUTED_METHODS),
+            goal_methods=("dynadiag_b8", "dynadiag_b16"),
             inference_batches=(1, 256),
             lora=_lora(),
         ),
@@ -149,8 +150,8 @@ def _suites():
             seeds=3,
             sweep_seeds=1,
             sparsities=sparsities,
-            methods=ELEMENT_METHODS[:-1],
-            goal_methods=("dynadiag_b16", *PERMUTED_METHODS, *LORA_METHODS),
+            methods=(*ELEMENT_METHODS[:-1], *PERMUTED_METHODS),
+            goal_methods=("dynadiag_b16", *LORA_METHODS),
             inference_batches=(1, 256),
             lora=_lora(),
         ),
@@ -170,8 +171,8 @@ def _suites():
             seeds=2,
             sweep_seeds=1,
             sparsities=sparsities,
-            methods=ELEMENT_METHODS[:-1],
-            goal_methods=("dynadiag_b16", *PERMUTED_METHODS, *LORA_METHODS),
+            methods=(*ELEMENT_METHODS[:-1], *PERMUTED_METHODS),
+            goal_methods=("dynadiag_b16", *LORA_METHODS),
             inference_batches=(1, 16),
             lora=_lora(),
         ),
