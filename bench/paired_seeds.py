@@ -195,8 +195,8 @@ def main(argv=None) -> None:
     if not rows:
         what = (
             "method of --workdir has two seeds in common with --against"
-            if control
-            else ("pair of --pairs has two common seeds in these workdirs")
+            if control is not None
+            else "pair of --pairs has two common seeds in these workdirs"
         )
         parser.error(f"no {what}")
     print("\n".join(format_table(rows)))
