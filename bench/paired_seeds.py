@@ -31,17 +31,10 @@ sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 from diag_matmul import write_csv  # noqa: E402 - bench/, beside this
 
 from train import results_runs as R  # noqa: E402
-from train.results_report import common_seeds, paired_of, stats_of  # noqa: E402
+from train.results_report import CONTROL_PAIRS, common_seeds, paired_of, stats_of  # noqa: E402
 
 # Each selection against its fixed control, as docs/RESULTS.md's goal lines pair them.
-PAIRS = ",".join(
-    (
-        "dynadiag:static_diagonals",
-        "rigl:static_unstructured",
-        "set:static_unstructured",
-        "mest:static_unstructured",
-    )
-)
+PAIRS = ",".join(f"{method}:{control}" for method, control in CONTROL_PAIRS)
 FIELDS = (
     "workdir",
     "model",

@@ -522,6 +522,16 @@ def _over_control(table, records, where, method, control, metric: str) -> str:
     return f"{text} (by seed {scale * mean:+.2f} ± {scale * std:.2f}, better in {better} of {n})"
 
 
+# Each way of choosing a mask and its fixed control: the search over static diagonals, the
+# unstructured methods' updates over their first mask, never updated.
+CONTROL_PAIRS = (
+    ("dynadiag", "static_diagonals"),
+    ("rigl", "static_unstructured"),
+    ("set", "static_unstructured"),
+    ("mest", "static_unstructured"),
+)
+
+
 def control_lines(config, stats, ppl_stats, sparsity=0.9, records=()) -> list[str]:
     """What each way of choosing a mask adds over its fixed control at ``sparsity``: DynaDiag's
     search over static diagonals, RigL's, SET's and MEST's updates over the static unstructured
@@ -540,12 +550,7 @@ def control_lines(config, stats, ppl_stats, sparsity=0.9, records=()) -> list[st
         metric = _metric(config, model)
         gains = [
             _over_control(table, records, (model, sparsity), method, control, metric)
-            for method, control in (
-                ("dynadiag", "static_diagonals"),
-                ("rigl", "static_unstructured"),
-                ("set", "static_unstructured"),
-                ("mest", "static_unstructured"),
-            )
+            for method, control in CONTROL_PAIRS
             if get(method) is not None
         ]
         layout = scale * (diagonals[0] - unstructured[0])
@@ -595,14 +600,6 @@ def block_goals(config, stats, ppl_stats, sparsity=0.9) -> list[str]:
     return out
 
 
-_PERMUTATION_GOAL_METHODS = (
-    "dynadiag",
-    "rigl",
-    "set",
-    *(f"{base}_{p}_perm" for base in ("dynadiag", "dynadiag_b16") for p in ("learned", "random")),
-)
-
-
 def lora_goals(config, stats, ppl_stats, sparsity=0.9) -> list[str]:
     """DynaDiag + LoRA-FA at ``sparsity`` (each rank the suite trains, adapters counted in its
     density): at least max(RigL, SET) (classification), a perplexity below both (language
@@ -643,10 +640,7 @@ def permutation_goals(config, stats, ppl_stats, sparsity=0.9) -> list[str]:
         m = config.models[model]
         lm = is_language_model(m)
         table = ppl_stats if lm else stats
-        stat = {
-            method: table.get((model, method, sparsity)) for method in _PERMUTATION_GOAL_METHODS
-        }
-        get = stat.get
+        get = lambda method: table.get((model, method, sparsity))  # noqa: B023, E731
         if lm:
             ours, element = get("dynadiag_b16_learned_perm"), get("dynadiag")
             if ours and element:
