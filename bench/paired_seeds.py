@@ -167,15 +167,18 @@ def plot(rows, path) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", action="append", required=True, help="repeat for several")
-    parser.add_argument("--pairs", default=PAIRS, help="method:control, comma-separated")
     parser.add_argument(
-        "--against",
-        help="a control workdir: each method against the same method there (--pairs unused)",
+        "--pairs", help=f"method:control, comma-separated (default: {PAIRS}); not with --against"
+    )
+    parser.add_argument(
+        "--against", help="a control workdir: each method against the same method there"
     )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    if args.pairs is not None and args.against:
+        parser.error("--pairs and --against: give one (--against pairs each method with itself)")
     try:
-        pairs = parse_pairs(args.pairs)
+        pairs = parse_pairs(PAIRS if args.pairs is None else args.pairs)
     except ValueError as e:
         parser.error(str(e))
     control = read_records(args.against) if args.against else None

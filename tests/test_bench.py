@@ -775,6 +775,7 @@ def test_paired_seeds_against_a_control_workdir(tmp_path, capsys):
         ["--pairs", "a:b:c"],
         ["--pairs", ","],
         ["--pairs", "rigl:nothing"],  # no pair with two common seeds
+        ["--pairs", "dynadiag:static_diagonals", "--against", "."],  # one or the other
     ],
 )
 def test_paired_seeds_refuses_bad_options(tmp_path, capsys, option):
