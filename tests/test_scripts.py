@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from absl import flags
 from training_helpers import CompileCounter, fast_compile  # noqa: F401 - fixture
 
 import dynadiag_jax as dd
@@ -229,6 +230,30 @@ def test_command_line_checks_accept_what_ml_collections_accepts():
         assert cli.check_command_line(["fashion_mnist.py", *args], default).seed == 0
     with pytest.raises(common.ConfigError, match="but no --config was given"):
         cli.check_command_line(["imagenet.py", "--config.seed=1"], None)
+
+
+# ml_collections loads a config file with importlib's deprecated load_module()
+@pytest.mark.filterwarnings("ignore:the load_module\\(\\) method is deprecated:DeprecationWarning")
+def test_overrides_typed_before_the_config_apply_to_it():
+    """ml_collections refuses a --config.<key> read before --config; the scripts' parser moves
+    the config first, so the override applies to the config the command line names."""
+    path = str(CONFIGS / "fashion_mnist.py")
+    argv = ["x.py", "--workdir=w", "--config.seed=5", f"--config={path}:sparsity=0.95", "-v", "1"]
+    assert cli.config_first(argv) == [
+        "x.py", "--workdir=w", f"--config={path}:sparsity=0.95", "--config.seed=5", "-v", "1"
+    ]  # fmt: skip
+    two_tokens = ["x.py", "--config.seed", "5", "--config", path, "--", "--config=z"]
+    assert cli.config_first(two_tokens) == [
+        "x.py", "--config", path, "--config.seed", "5", "--", "--config=z"
+    ]  # fmt: skip
+    assert cli.config_first(["x.py", f"--config={path}", "--config.seed=5"]) == [
+        "x.py", f"--config={path}", "--config.seed=5"
+    ]  # fmt: skip
+    for order in (argv[2:4], argv[3:1:-1]):
+        values = flags.FlagValues()
+        holder = cli.define_config_flag(None, argv=["x.py", *order], flag_values=values)
+        values(cli.config_first(["x.py", *order]))
+        assert (holder.value.seed, holder.value.dynadiag.sparsity) == (5, 0.95)
 
 
 def test_imagenet_bad_data_dirs_and_variants(tmp_path):

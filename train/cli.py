@@ -42,26 +42,70 @@ def define_config_flag(
     default: str | None,
     help_text: str = "config file and its arguments, path[:key=value,...]; "
     "--config.<key>=<value> overrides one entry",
+    *,
+    argv: Sequence[str] | None = None,
+    flag_values: flags.FlagValues = flags.FLAGS,
 ):
     """``config_flags.DEFINE_config_file("config", default, lock_config=True)``, after
-    :func:`check_command_line` on ``sys.argv`` (a problem exits with status 2)."""
+    :func:`check_command_line` on ``argv`` (default ``sys.argv``; a problem exits with status 2).
+
+    The flag reads its overrides from ``argv`` with ``--config`` moved first
+    (:func:`config_first`), so they may be typed before it."""
+    argv = sys.argv if argv is None else list(argv)
     try:
-        check_command_line(sys.argv, default)
+        check_command_line(argv, default)
     except common.ConfigError as e:
         common.die(str(e))
-    holder = config_flags.DEFINE_config_file(FLAG, default, help_text, lock_config=True)
+    holder = config_flags.DEFINE_config_file(
+        FLAG,
+        default,
+        help_text,
+        flag_values=flag_values,
+        lock_config=True,
+        sys_argv=config_first(argv),
+    )
     # --help lists the main module's key flags only; defined here, --config would be in --helpfull.
-    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[FLAG])
+    flag_values.register_key_flag_for_module(argv[0], flag_values[FLAG])
     return holder
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """``app.run``'s ``flags_parser``: absl's flag errors as one line and status 2."""
+    """``app.run``'s ``flags_parser``: absl's flag errors as one line and status 2.
+
+    ``--config`` is read before the ``--config.<key>`` overrides wherever it was typed (see
+    :func:`config_first`).
+    """
     try:
-        return flags.FLAGS(argv)
+        return flags.FLAGS(config_first(argv))
     except flags.Error as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         common.die(lines[-1] if lines else type(e).__name__)
+
+
+def config_first(argv: Sequence[str]) -> list[str]:
+    """``argv`` with its ``--config`` arguments moved before the first ``--config.<key>``
+    override, the rest in order.
+
+    ml_collections applies an override as absl reads it, so it refuses one typed before the
+    config it overrides ("Found --config.seed=0 in argv before a value for --config was
+    specified"); the overrides apply to the config the command line selects either way.
+    """
+    argv = list(argv)
+    end = argv.index("--") if "--" in argv else len(argv)
+    config, rest = [], []
+    i = 1
+    while i < end:
+        arg = argv[i]
+        if re.fullmatch(rf"--?{FLAG}=.*", arg, re.DOTALL):
+            config.append(arg)
+        elif re.fullmatch(rf"--?{FLAG}", arg):
+            config += argv[i : i + 2]
+            i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    first = next((j for j, a in enumerate(rest) if re.match(rf"--?(no)?{FLAG}\.", a)), len(rest))
+    return argv[:1] + rest[:first] + config + rest[first:] + argv[end:]
 
 
 def check_command_line(argv: Sequence[str], default: str | None) -> ml_collections.ConfigDict:
