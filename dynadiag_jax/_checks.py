@@ -12,20 +12,37 @@ import numbers
 import operator
 from collections.abc import Mapping
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+
+def _as_int(value, name: str) -> int:
+    """``value`` as an int; ``TypeError`` if not integral (a bool is not)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
 def int_at_least(value, name: str, minimum: int) -> int:
     """``value`` as an int; ``TypeError`` if not integral (a bool is not), ``ValueError`` below
     ``minimum``."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    value = _as_int(value, name)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def int_in_range(value, name: str, low: int, high: int, what: str = "") -> int:
+    """``value`` as an int; ``TypeError`` if not integral, ``ValueError`` outside ``[low, high]``
+    (``what`` names the bounds in the message, e.g. ``"[1, P]"``)."""
+    value = _as_int(value, name)
+    if not low <= value <= high:
+        bounds = f"{what} = [{low}, {high}]" if what else f"[{low}, {high}]"
+        raise ValueError(f"{name} must be in {bounds}, got {value}")
     return value
 
 
@@ -87,3 +104,54 @@ def check_variables(variables, name: str, what: str) -> None:
         )
     if "params" not in variables:
         raise ValueError(f"{what}: {name} must be variables with a 'params' collection")
+
+
+def host_array(value) -> np.ndarray | None:
+    """``value`` as numpy when it can be read without a trace or a device sync, else None."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    if isinstance(value, jax.Array) and not all(d.platform == "cpu" for d in value.devices()):
+        return None
+    return np.asarray(value)
+
+
+def floating_dtype(dtype, name: str):
+    """``dtype`` as a floating ``jnp.dtype``; ``TypeError`` naming ``name`` for anything else."""
+    try:
+        resolved = jnp.dtype(dtype)
+    except (TypeError, ValueError):
+        resolved = None
+    if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
+        got = repr(dtype) if resolved is None else resolved.name
+        raise TypeError(
+            f"{name} must be a floating dtype (jnp.float32, jnp.bfloat16, ...), got {got}"
+        )
+    return resolved
+
+
+def check_layer_arguments(*, num_buckets, dtype, param_dtype, kernel_init, bias_init) -> None:
+    """The arguments both diagonal layers (linen and NNX) check alike: ``num_buckets >= 1``,
+    floating ``dtype`` (or None) and ``param_dtype``, callable initializers."""
+    int_at_least(num_buckets, "num_buckets", 1)
+    if dtype is not None:
+        floating_dtype(dtype, "dtype")
+    # an integer param_dtype would init the values to zeros and make the layer output 0
+    floating_dtype(param_dtype, "param_dtype")
+    for name, init in (("kernel_init", kernel_init), ("bias_init", bias_init)):
+        if not callable(init):
+            raise TypeError(
+                f"{name} must be an initializer (key, shape, dtype) -> array, such as "
+                f"flax.linen.initializers.lecun_normal(), got {init!r}"
+            )
+
+
+def as_int32(a):
+    """Integer ``a`` as int32, entries outside int32 becoming -1 rather than wrapping into range:
+    -1 is out of range as an offset and as a perm entry, so the products' rule poisons it."""
+    info, limit = jnp.iinfo(a.dtype), jnp.iinfo(jnp.int32)
+    if info.min >= limit.min and info.max <= limit.max:
+        return a.astype(jnp.int32)
+    outside = a > limit.max
+    if info.min < limit.min:
+        outside = outside | (a < limit.min)
+    return jnp.where(outside, jnp.int32(-1), a.astype(jnp.int32))

@@ -37,6 +37,11 @@ def export(
       A function of the arguments (or their ``jax.ShapeDtypeStruct``) returning a
       :class:`jax.export.Exported`; ``.serialize()`` gives bytes that
       ``jax.export.deserialize`` reads back.
+
+    Shapes must be concrete: symbolic (shape-polymorphic) dimensions, such as a batch size from
+    ``jax.export.symbolic_shape("b, 16")``, are not supported, since ``impl="auto"`` and the
+    kernels' plans and workspaces are chosen for a concrete number of rows; ``diag_matmul`` raises
+    ``ValueError`` at trace time for them. Export one program per concrete batch size instead.
     """
     if not hasattr(fun_jit, "trace"):
         fun_jit = jax.jit(fun_jit)

@@ -220,3 +220,285 @@ def test_in_range_variant_skips_the_rule_and_matches_on_good_offsets(impl, form,
         assert trusted_lines == checked_lines
     else:
         assert trusted_lines < checked_lines
+
+
+def test_x_of_the_wrong_width_is_named_with_the_width_values_imply():
+    with pytest.raises(
+        ValueError,
+        match=r"x must have shape \[\.\.\., 8\] to match values of shape \(2, 8\) and "
+        r"out_features=12, got \(3, 9\); or else values must have shape "
+        r"\[K, min\(in, out\)\] = \[K, 9\]",
+    ):
+        jax.jit(lambda x: dd.diag_matmul(x, V, OFF, out_features=12))(jnp.ones((3, 9)))
+
+
+@pytest.mark.parametrize(
+    "x,values,out_features,match",
+    [
+        # values [K, L_b, b, b] with L_b * b = 24 > out: in = 24
+        (jnp.ones((3, 16)), jnp.ones((2, 3, 8, 8)), 16, r"x must have shape \[\.\.\., 24\]"),
+        # D = out: any in >= out fits values
+        (jnp.ones((3, 8)), jnp.ones((2, 12)), 12, r"with in_features >= 12 to match values"),
+        (
+            jnp.ones((3, 0)),
+            V,
+            12,
+            r"x must have shape \[\.\.\., in_features\] with in_features >= 1",
+        ),
+    ],
+    ids=["block", "element, values as wide as out", "zero width"],
+)
+def test_x_width_messages(x, values, out_features, match):
+    with pytest.raises(ValueError, match=match):
+        dd.diag_matmul(x, values, OFF, out_features=out_features)
+
+
+@pytest.mark.parametrize("impl", [i for i in dd.available_impls() if i != "auto"])
+def test_traced_int64_offsets_and_perm_beyond_int32_give_nan(impl):
+    """Narrowed to int32 they would wrap into range (2**32 + 5 to 5); they are out of range."""
+    dy = jnp.ones((3, 12), jnp.float32)
+
+    @jax.jit
+    def step(offsets, perm):
+        def loss(x, v):
+            y = dd.diag_matmul(x, v, offsets, out_features=12, impl=impl, perm=perm)
+            return jnp.sum(y * dy), y
+
+        (_, y), (dx, dv) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(X, V)
+        return y, dx, dv
+
+    with jax.enable_x64(True):
+        good = jnp.asarray([0, 5], jnp.int64)
+        identity = jnp.arange(8, dtype=jnp.int64)
+        for perm in (None, identity):
+            assert all(np.isfinite(np.asarray(a)).all() for a in step(good, perm))
+        for offset in (2**32 + 5, -(2**32) + 5):
+            y, dx, dv = (np.asarray(a) for a in step(good.at[1].set(offset), None))
+            assert np.isnan(y).all() and np.isnan(dx).all(), offset
+            assert np.isnan(dv[1]).all() and np.isfinite(dv[0]).all(), offset
+        for a in step(good, identity.at[7].set(2**32 + 7)):
+            assert np.isnan(np.asarray(a)).all()
+
+
+def test_symbolic_batch_size_is_refused_with_a_clear_error():
+    spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 8"), jnp.float32)
+    with pytest.raises(
+        ValueError,
+        match=r"x has the symbolic shape \(b, 8\): diag_matmul does not support symbolic "
+        r"\(shape-polymorphic\) dimensions.*export one concrete batch size",
+    ):
+        dd.export(lambda x: dd.diag_matmul(x, V, OFF, out_features=12))(spec)
+
+
+# --- the CPU targets, called directly --------------------------------------------------------
+#
+# (kind, results, operands, in, message) for dynadiag_diag_matmul_{v2,permuted_v1}_{kind}; the
+# permuted targets get perm = arange(in) as their last operand. Element diagonals are 8 -> 12
+# (D = 8) unless noted, block diagonals 16 -> 16 with b = 8. Only calls with a non-empty result
+# reach a handler (XLA elides the others).
+
+
+def _f32(*shape):
+    return np.zeros(shape, np.float32)
+
+
+def _results(*shapes, dtype=jnp.float32):
+    return [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+
+
+_OFF3, _OFF1 = np.asarray([0, 1, 2], np.int32), np.asarray([0], np.int32)
+_BF16 = jnp.zeros((4, 0), jnp.bfloat16), jnp.zeros((3, 0), jnp.bfloat16)
+_WIDTHS = r"feature dimensions must lie in \[1, 2\^31\): "
+_DX = r"dx must have shape \[\.\.\., in\] = \[4, 8\] with the leading dimensions of dy \[4, 12\], "
+RAW_SHAPE_ERRORS = {
+    "fwd in=0": ("fwd", _results((4, 12)), (_f32(4, 0), _f32(3, 0), _OFF3), 0, _WIDTHS + "in = 0"),
+    "fwd in=0 bf16": (
+        "fwd",
+        _results((4, 12), dtype=jnp.bfloat16),
+        (*_BF16, _OFF3),
+        0,
+        _WIDTHS + r"in = 0 \(x \[4, 0\]\), out = 12 \(y \[4, 12\]\)",
+    ),
+    "fwd in=0 K=0": ("fwd", _results((4, 12)), (_f32(4, 0), _f32(0, 0), _OFF3[:0]), 0, _WIDTHS),
+    "fwd block in=0": (
+        "fwd",
+        _results((4, 16)),
+        (_f32(4, 0), _f32(1, 2, 8, 8), _OFF1),
+        0,
+        _WIDTHS + "in = 0",
+    ),
+    "fwd y rows": (
+        "fwd",
+        _results((5, 12)),
+        (_f32(4, 8), _f32(3, 8), _OFF3),
+        8,
+        r"y must have shape \[\.\.\., out\] = \[4, 12\] with the leading dimensions of x",
+    ),
+    "dx out=0": ("dx", _results((4, 8)), (_f32(4, 0), _f32(3, 0), _OFF3), 8, _WIDTHS + "in = 8"),
+    "dx rows": ("dx", _results((2, 2, 8)), (_f32(4, 12), _f32(3, 8), _OFF3), 8, _DX + r"got \[2"),
+    "dvalues block in=0": (
+        "dvalues",
+        _results((1, 2, 8, 8)),
+        (_f32(4, 16), _f32(4, 0), _OFF1),
+        0,
+        _WIDTHS + r"in = 0 \(x \[4, 0\]\), out = 16 \(dy \[4, 16\]\)",
+    ),
+    # no rows: nothing is allocated, and dvalues (zeros) is still a result
+    "dvalues in=2^31": (
+        "dvalues",
+        _results((1, 12)),
+        (_f32(0, 12), _f32(0, 2**31), _OFF1),
+        8,
+        _WIDTHS + "in = 2147483648",
+    ),
+    "dvalues x rows": (
+        "dvalues",
+        _results((3, 8)),
+        (_f32(4, 12), _f32(5, 8), _OFF3),
+        8,
+        r"x must have shape \[\.\.\., in\] = \[4, 8\] with the leading dimensions of dy",
+    ),
+    "dvalues width": (
+        "dvalues",
+        _results((3, 7)),
+        (_f32(4, 12), _f32(4, 8), _OFF3),
+        8,
+        r"dvalues must have shape \[K, min\(in, out\)\] = \[3, 8\]",
+    ),
+    "bwd out=0": (
+        "bwd",
+        _results((4, 8), (3, 0)),
+        (_f32(4, 0), _f32(4, 8), _f32(3, 0), _OFF3),
+        8,
+        _WIDTHS + "in = 8 \\(x \\[4, 8\\]\\), out = 0",
+    ),
+    "bwd block in=0": (
+        "bwd",
+        _results((4, 0), (1, 2, 8, 8)),
+        (_f32(4, 16), _f32(4, 0), _f32(1, 2, 8, 8), _OFF1),
+        0,
+        _WIDTHS + "in = 0",
+    ),
+    "bwd dx narrow": (
+        "bwd",
+        _results((4, 7), (3, 8)),
+        (_f32(4, 12), _f32(4, 8), _f32(3, 8), _OFF3),
+        8,
+        _DX + r"got \[4, 7\]",
+    ),
+    "bwd dx wide": (
+        "bwd",
+        _results((4, 9), (3, 8)),
+        (_f32(4, 12), _f32(4, 8), _f32(3, 8), _OFF3),
+        8,
+        _DX + r"got \[4, 9\]",
+    ),
+    "bwd dx rows": (
+        "bwd",
+        _results((5, 8), (3, 8)),
+        (_f32(4, 12), _f32(4, 8), _f32(3, 8), _OFF3),
+        8,
+        _DX + r"got \[5, 8\]",
+    ),
+    "bwd block dx narrow": (
+        "bwd",
+        _results((4, 8), (1, 2, 8, 8)),
+        (_f32(4, 16), _f32(4, 16), _f32(1, 2, 8, 8), _OFF1),
+        16,
+        r"dx must have shape \[\.\.\., in\] = \[4, 16\] .*, got \[4, 8\]",
+    ),
+    "bwd x rows": (
+        "bwd",
+        _results((4, 8), (3, 8)),
+        (_f32(4, 12), _f32(5, 8), _f32(3, 8), _OFF3),
+        8,
+        r"x must have shape \[\.\.\., in\] = \[4, 8\] with the leading dimensions of dy",
+    ),
+    "bwd dvalues width": (
+        "bwd",
+        _results((4, 8), (3, 9)),
+        (_f32(4, 12), _f32(4, 8), _f32(3, 8), _OFF3),
+        8,
+        r"dvalues must have shape \[K, min\(in, out\)\] = \[3, 8\] \(K from offsets\), "
+        r"got \[3, 9\]",
+    ),
+}
+_CPU_PREFIXES = ("v2", "permuted_v1")
+_needs_cpu_kernels = pytest.mark.skipif(
+    not dd.has_cpu_kernels() or jax.default_backend() != "cpu", reason="no CPU kernels"
+)
+
+
+@_needs_cpu_kernels
+@pytest.mark.parametrize("prefix", _CPU_PREFIXES)
+@pytest.mark.parametrize("case", sorted(RAW_SHAPE_ERRORS))
+def test_cpu_targets_reject_bad_shapes(prefix, case):
+    kind, results, operands, in_f, match = RAW_SHAPE_ERRORS[case]
+    target = f"dynadiag_diag_matmul_{prefix}_{kind}"
+    if prefix == "permuted_v1":
+        operands = (*operands, np.arange(in_f, dtype=np.int32))
+    call = jax.ffi.ffi_call(target, results)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"INVALID_ARGUMENT: {target}: {match}"):
+        jax.block_until_ready(call(*operands))
+
+
+@_needs_cpu_kernels
+@pytest.mark.parametrize("perm_length", [7, 9])
+def test_permuted_bwd_rejects_a_perm_of_another_length(perm_length):
+    target = "dynadiag_diag_matmul_permuted_v1_bwd"
+    call = jax.ffi.ffi_call(target, _results((4, 8), (3, 8)))
+    operands = (_f32(4, 12), _f32(4, 8), _f32(3, 8), _OFF3, np.arange(perm_length, dtype=np.int32))
+    match = rf"{target}: perm must have shape \[in\] = \[8\], got \[{perm_length}\]"
+    with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+        jax.block_until_ready(call(*operands))
+
+
+def _gate_results(rows, p, k, **changed):
+    shapes = {
+        "order": ((rows, p), jnp.int32),
+        "rank": ((rows, p), jnp.int32),
+        "topk": ((rows, k), jnp.int32),
+        "changed": ((rows,), jnp.float32),
+        "kth": ((rows,), jnp.float32),
+        "tau": ((rows,), jnp.float32),
+        "share": ((rows,), jnp.float32),
+    } | changed
+    return [jax.ShapeDtypeStruct(*s) for s in shapes.values()]
+
+
+@_needs_cpu_kernels
+@pytest.mark.parametrize(
+    "p,k,changed,match",
+    [
+        (0, 1, {}, r"alpha must have shape \[R, P\] with P in \[1, 2\^31\), got \[2, 0\]"),
+        (6, 0, {}, r"old_topk must have shape \[R, K\] with R = 2 and 1 <= K <= P = 6"),
+        (
+            6,
+            3,
+            {"order": ((2, 5), jnp.int32)},
+            r"order must have shape \[R, P\] = \[2, 6\] and dtype S32, got \[2, 5\] S32",
+        ),
+        (6, 3, {"topk": ((2, 4), jnp.int32)}, r"topk must have shape \[R, K\] = \[2, 3\]"),
+        (6, 3, {"share": ((2,), jnp.int32)}, r"share must have shape \[R\] = \[2\] and dtype F32"),
+    ],
+    ids=["P=0", "K=0", "order", "topk", "share dtype"],
+)
+def test_gate_rank_target_rejects_bad_shapes(p, k, changed, match):
+    from dynadiag_jax.ops import ranking  # noqa: PLC0415
+
+    call = jax.ffi.ffi_call(ranking.TARGET, _gate_results(2, p, k, **changed))
+    operands = (_f32(2, p), _f32(2), np.zeros((2, k), np.int32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"{ranking.TARGET}: {match}"):
+        jax.block_until_ready(call(*operands, sparse=True))
+
+
+@_needs_cpu_kernels
+def test_bad_shape_cases_cover_every_registered_cpu_target():
+    from dynadiag_jax import _cpu_ext  # noqa: PLC0415
+    from dynadiag_jax.ops import ranking  # noqa: PLC0415
+
+    kinds = {case[0] for case in RAW_SHAPE_ERRORS.values()}
+    covered = {f"dynadiag_diag_matmul_{p}_{kind}" for p in _CPU_PREFIXES for kind in kinds}
+    assert set(_cpu_ext.registrations()) == covered | {ranking.TARGET}
+    # every product target has a zero or out-of-range feature width among its cases
+    assert {c[0] for c in RAW_SHAPE_ERRORS.values() if c[4].startswith(_WIDTHS)} == kinds

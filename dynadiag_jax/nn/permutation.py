@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from dynadiag_jax._checks import finite_number, permutation_problem
+from dynadiag_jax._checks import as_int32, finite_number, host_array, permutation_problem
 from dynadiag_jax.layout import block_indices, diag_indices
 from dynadiag_jax.ops.reference import gather_columns, is_permutation, scatter_columns
 
@@ -173,15 +172,6 @@ def permute_inputs(x, perm):
     return _gather(x, perm)
 
 
-def host_array(value) -> np.ndarray | None:
-    """``value`` as numpy when it can be read without a trace or a device sync, else None."""
-    if isinstance(value, jax.core.Tracer):
-        return None
-    if isinstance(value, jax.Array) and not all(d.platform == "cpu" for d in value.devices()):
-        return None
-    return np.asarray(value)
-
-
 def checked_permutation(perm, n: int, label: str):
     """``perm`` as int32 after checking it against the input width ``n`` (errors name ``label``).
 
@@ -208,7 +198,7 @@ def checked_permutation(perm, n: int, label: str):
         if problem is not None:
             raise ValueError(f"{label}: perm is not a permutation of range({n}): {problem}")
         return jnp.asarray(host, jnp.int32)
-    return perm.astype(jnp.int32)
+    return as_int32(perm)
 
 
 def apply_permutation(x, perm, label: str):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax._checks import permutation_problem
+from dynadiag_jax._checks import as_int32, permutation_problem
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, geometry
 from dynadiag_jax.ops import auto, dense, products, reference
 
@@ -101,11 +101,48 @@ def _check_values(values, element):
     return geo
 
 
+def _x_shape_for(values, out_features):
+    """The shape ``x`` needs for ``values`` to fit ``out_features`` (as ``"[..., n]"`` text), or
+    None where no width of ``x`` would make them fit."""
+    if values.ndim == 2:
+        d = values.shape[1]
+        if 1 <= d < out_features:  # D = min(in, out) below out: in = D
+            return f"[..., {d}]"
+        return f"[..., in_features] with in_features >= {d}" if d == out_features else None
+    if values.ndim != 4:
+        return None
+    b = values.shape[-1]
+    if b < 2 or values.shape[2] != b or out_features % b:
+        return None
+    span = values.shape[1] * b  # max(in, out)
+    if span > out_features:
+        return f"[..., {span}]"
+    if span == out_features:
+        return f"[..., in_features] with in_features a multiple of {b} up to {out_features}"
+    return None
+
+
 def _check_args(x, values, offsets, out_features, host_offsets):
     if x.ndim < 1:
         raise ValueError("x must have shape [..., in_features], got a scalar")
+    if x.shape[-1] < 1:
+        raise ValueError(
+            f"x must have shape [..., in_features] with in_features >= 1, got {x.shape}"
+        )
     # names bad widths before any shape message uses them
-    geo = _check_values(values, geometry(x.shape[-1], out_features))
+    element = geometry(x.shape[-1], out_features)
+    try:
+        geo = _check_values(values, element)
+    except ValueError as e:
+        # in_features is x's width, while values are usually a layer's parameters: where they fit
+        # another width, the likelier mistake is x
+        want = _x_shape_for(values, element.out_features)
+        if want is None:
+            raise
+        raise ValueError(
+            f"x must have shape {want} to match values of shape {values.shape} and "
+            f"out_features={element.out_features}, got {x.shape}; or else {e}"
+        ) from None
     if offsets.ndim != 1:
         raise ValueError(f"offsets must have shape [K] = [{values.shape[0]}], got {offsets.shape}")
     if offsets.shape[0] != values.shape[0]:
@@ -128,6 +165,19 @@ def _check_args(x, values, offsets, out_features, host_offsets):
                 f"[{off.min()}, {off.max()}]"
             )
     return geo
+
+
+def _check_concrete(**arrays):
+    """``ValueError`` for a symbolic (shape-polymorphic) dimension in any of ``arrays``."""
+    for name, a in arrays.items():
+        if any(jax.export.is_symbolic_dim(d) for d in a.shape):
+            raise ValueError(
+                f"{name} has the symbolic shape {a.shape}: diag_matmul does not support "
+                "symbolic (shape-polymorphic) dimensions, since impl='auto', the kernels' plans "
+                "and their workspaces are chosen for a concrete number of rows; export one "
+                "concrete batch size (one jax.ShapeDtypeStruct with integer dimensions) per "
+                "program instead"
+            )
 
 
 def _check_perm(perm, host_perm, in_features):
@@ -214,14 +264,16 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto", pe
     outside ``[0, P)`` (``[0, P_b)``) there gives, with every impl and in both forms, a ``y`` that
     is NaN everywhere, and derivatives poisoned the same way: ``dx`` (and any tangent of ``y``)
     NaN everywhere, ``dvalues`` NaN in the rows of the bad offsets (the other rows are exact).
-    No kernel reads through a bad offset, and nothing wraps it modulo ``P``. A ``perm`` that is not
-    a permutation of ``range(in)`` raises ``ValueError`` when it is host data; traced (or on an
-    accelerator) it makes ``y``, ``dx`` and ``dvalues`` NaN everywhere, and the kernels read through
-    the identity instead.
+    No kernel reads through a bad offset, and nothing wraps it modulo ``P`` (nor into int32: an
+    int64 offset such as ``2**32 + 1`` is out of range too). A ``perm`` that is not a permutation
+    of ``range(in)`` (int64 entries beyond int32 included) raises ``ValueError`` when it is host
+    data; traced (or on an accelerator) it makes ``y``, ``dx`` and ``dvalues`` NaN everywhere, and
+    the kernels read through the identity instead.
 
     Raises:
       TypeError, ValueError: at trace time, for bad ranks, shapes, dtypes, block sizes, host
-        offsets out of range, or a host ``perm`` that is not a permutation.
+        offsets out of range, a host ``perm`` that is not a permutation, or symbolic
+        (shape-polymorphic) dimensions, which are not supported (export one concrete batch size).
     """
     return _diag_matmul(
         x, values, offsets, out_features=out_features, impl=impl, guard=True, perm=perm
@@ -244,12 +296,15 @@ def _diag_matmul(x, values, offsets, *, out_features, impl, guard, perm=None):
     x, values, offsets = (
         _as_array(a, n) for a, n in ((x, "x"), (values, "values"), (offsets, "offsets"))
     )
+    _check_concrete(x=x, values=values, offsets=offsets)
     geo = _check_args(x, values, offsets, out_features, host_offsets)
     if perm is not None:
         host_perm = _on_host(perm)
         perm = _as_array(perm, "perm")
+        _check_concrete(perm=perm)
         _check_perm(perm, host_perm, geo.in_features)
-        perm = perm.astype(jnp.int32)
+        perm = as_int32(perm)
+    offsets = as_int32(offsets)
     lead = x.shape[:-1]
     # checks the impl; "auto" goes on to the products, which decide per lowering platform
     resolve_impl(impl, x.dtype, geo, int(np.prod(lead, dtype=np.int64)), values.shape[0])
@@ -260,7 +315,7 @@ def _diag_matmul(x, values, offsets, *, out_features, impl, guard, perm=None):
         y2 = products.fwd(
             x2,
             values,
-            offsets.astype(jnp.int32),
+            offsets,
             perm,
             out_features=geo.out_features,
             impl=impl,

@@ -71,16 +71,33 @@ std::optional<ffi::Error> CheckRowsOperand(const char* target, const char* name,
   return std::nullopt;
 }
 
-// `b` must have the leading dimensions of `a` (same rows, same order).
+// `b` must be `[..., b_width]` with the leading dimensions of `a` (same rows, same order): the
+// kernels sweep every rows operand of a call with one row count and one row stride per operand,
+// so a wrong width anywhere reads or writes past a buffer, or leaves part of a result unwritten.
 std::optional<ffi::Error> CheckSameRows(const char* target, const char* a_name, Dims a,
                                         const char* b_name, Dims b, int64_t b_width,
                                         const char* b_width_name) {
   std::vector<int64_t> expected(a.begin(), a.end() - 1);
   expected.push_back(b_width);
-  if (b.size() != a.size() || !std::equal(a.begin(), a.end() - 1, b.begin())) {
+  if (!std::equal(b.begin(), b.end(), expected.begin(), expected.end())) {
     return Invalid(target, std::string(b_name) + " must have shape [..., " + b_width_name +
                                "] = " + ShapeString(expected) + " with the leading dimensions of " +
                                a_name + " " + ShapeString(a) + ", got " + ShapeString(b));
+  }
+  return std::nullopt;
+}
+
+// The plans divide by the widths (and by P_b, 0 for a width of 0) and hold column positions,
+// perm entries and offsets as int32.
+std::optional<ffi::Error> CheckFeatures(const char* target, const char* in_name, Dims in_dims,
+                                        const char* out_name, Dims out_dims) {
+  constexpr int64_t kLimit = int64_t{1} << 31;
+  const int64_t in = in_dims.back(), out = out_dims.back();
+  if (in < 1 || out < 1 || in >= kLimit || out >= kLimit) {
+    return Invalid(target, "feature dimensions must lie in [1, 2^31): in = " +
+                               std::to_string(in) + " (" + in_name + " " + ShapeString(in_dims) +
+                               "), out = " + std::to_string(out) + " (" + out_name + " " +
+                               ShapeString(out_dims) + ")");
   }
   return std::nullopt;
 }
@@ -242,6 +259,7 @@ std::optional<ffi::Error> DecodeFwd(const char* target, const ffi::AnyBuffer* pe
   w.values = values.untyped_data();
   DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "x", x.dimensions(), "y", y->dimensions(), w.out,
                                          "out"));
+  DYNADIAG_RETURN_IF_ERROR(CheckFeatures(target, "x", x.dimensions(), "y", y->dimensions()));
   DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(target, "values", values.dimensions(), w));
   DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w, guard));
   if (perm != nullptr) {
@@ -268,6 +286,7 @@ std::optional<ffi::Error> DecodeDx(const char* target, const ffi::AnyBuffer* per
   w.values = values.untyped_data();
   DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "dy", dy.dimensions(), "dx", dx->dimensions(),
                                          w.in, "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckFeatures(target, "dx", dx->dimensions(), "dy", dy.dimensions()));
   DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(target, "values", values.dimensions(), w));
   DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w, guard));
   if (perm != nullptr) {
@@ -295,6 +314,7 @@ std::optional<ffi::Error> DecodeDvalues(const char* target, const ffi::AnyBuffer
   w.out = dy.dimensions().back();
   DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "dy", dy.dimensions(), "x", x.dimensions(),
                                          w.in, "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckFeatures(target, "x", x.dimensions(), "dy", dy.dimensions()));
   DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(target, "dvalues", dvalues->dimensions(), w));
   DYNADIAG_RETURN_IF_ERROR(CheckOffsets(target, offsets, w, guard));
   if (perm != nullptr) {
@@ -326,6 +346,7 @@ std::optional<ffi::Error> DecodeBwd(const char* target, const ffi::AnyBuffer* pe
   w.values = values.untyped_data();
   DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "dy", dy.dimensions(), "x", x.dimensions(), w.in,
                                          "in"));
+  DYNADIAG_RETURN_IF_ERROR(CheckFeatures(target, "x", x.dimensions(), "dy", dy.dimensions()));
   DYNADIAG_RETURN_IF_ERROR(CheckSameRows(target, "dy", dy.dimensions(), "dx", dx->dimensions(),
                                          w.in, "in"));
   DYNADIAG_RETURN_IF_ERROR(CheckBlockSize(target, "values", values.dimensions(), w));

@@ -11,7 +11,9 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -153,14 +155,45 @@ void RankRows(ffi::AnyBuffer alpha, ffi::AnyBuffer hyper, const int32_t* old_top
   }
 }
 
+std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+const char* DtypeName(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::S32: return "S32";
+    case ffi::DataType::F32: return "F32";
+    case ffi::DataType::F64: return "F64";
+    default: return "another dtype";
+  }
+}
+
+// `buffer` must have exactly the shape `want` (spelled `form`) and dtype `dtype`.
+std::optional<ffi::Error> CheckBuffer(const char* name, const ffi::AnyBuffer& buffer,
+                                      const char* form, std::vector<int64_t> want,
+                                      ffi::DataType dtype) {
+  const auto dims = buffer.dimensions();
+  if (buffer.element_type() == dtype &&
+      std::equal(dims.begin(), dims.end(), want.begin(), want.end())) {
+    return std::nullopt;
+  }
+  return Invalid(std::string(name) + " must have shape " + form + " = " +
+                 ShapeString(ffi::AnyBuffer::Dimensions(want.data(), want.size())) +
+                 " and dtype " + DtypeName(dtype) + ", got " + ShapeString(dims) + " " +
+                 DtypeName(buffer.element_type()));
+}
+
 ffi::Error GateRankImpl(ffi::AnyBuffer alpha, ffi::AnyBuffer hyper, ffi::AnyBuffer old_topk,
                         ffi::Result<ffi::AnyBuffer> order, ffi::Result<ffi::AnyBuffer> rank,
                         ffi::Result<ffi::AnyBuffer> topk, ffi::Result<ffi::AnyBuffer> changed,
                         ffi::Result<ffi::AnyBuffer> kth, ffi::Result<ffi::AnyBuffer> tau,
                         ffi::Result<ffi::AnyBuffer> share, bool sparse) {
   const auto dims = alpha.dimensions();
-  if (dims.size() != 2 || dims[1] < 1) {
-    return Invalid("alpha must have shape [R, P] with P >= 1");
+  // P counts a layer's candidate diagonals, max(in, out), and order and rank index them in S32.
+  if (dims.size() != 2 || dims[1] < 1 || dims[1] >= (int64_t{1} << 31)) {
+    return Invalid("alpha must have shape [R, P] with P in [1, 2^31), got " + ShapeString(dims));
   }
   const ffi::DataType dtype = alpha.element_type();
   if (dtype != ffi::DataType::F32 && dtype != ffi::DataType::F64) {
@@ -169,25 +202,22 @@ ffi::Error GateRankImpl(ffi::AnyBuffer alpha, ffi::AnyBuffer hyper, ffi::AnyBuff
   const int64_t rows = dims[0], p = dims[1];
   const auto old_dims = old_topk.dimensions();
   if (old_dims.size() != 2 || old_dims[0] != rows || old_dims[1] < 1 || old_dims[1] > p) {
-    return Invalid("old_topk must have shape [R, K] with 1 <= K <= P = " + std::to_string(p));
+    return Invalid("old_topk must have shape [R, K] with R = " + std::to_string(rows) +
+                   " and 1 <= K <= P = " + std::to_string(p) + ", got " + ShapeString(old_dims));
   }
   const int64_t k = old_dims[1];
-  if (old_topk.element_type() != ffi::DataType::S32) return Invalid("old_topk must be S32");
-  if (hyper.element_type() != dtype || hyper.dimensions().size() != 1 ||
-      hyper.dimensions()[0] != rows) {
-    return Invalid("hyper must have shape [R] and the dtype of alpha");
-  }
-  auto shaped = [](const ffi::AnyBuffer& b, ffi::DataType t, std::vector<int64_t> want) {
-    const auto d = b.dimensions();
-    return b.element_type() == t && std::equal(d.begin(), d.end(), want.begin(), want.end());
-  };
-  if (!shaped(*order, ffi::DataType::S32, {rows, p}) ||
-      !shaped(*rank, ffi::DataType::S32, {rows, p}) ||
-      !shaped(*topk, ffi::DataType::S32, {rows, k}) ||
-      !shaped(*changed, ffi::DataType::F32, {rows}) || !shaped(*kth, dtype, {rows}) ||
-      !shaped(*tau, dtype, {rows}) || !shaped(*share, dtype, {rows})) {
-    return Invalid("results must be order, rank [R, P] S32, topk [R, K] S32, changed [R] F32 "
-                   "and kth, tau, share [R] in the dtype of alpha");
+  for (const auto& [name, buffer, form, want, type] :
+       {std::tuple{"old_topk", &old_topk, "[R, K]", std::vector<int64_t>{rows, k},
+                   ffi::DataType::S32},
+        {"hyper", &hyper, "[R]", {rows}, dtype},
+        {"order", &*order, "[R, P]", {rows, p}, ffi::DataType::S32},
+        {"rank", &*rank, "[R, P]", {rows, p}, ffi::DataType::S32},
+        {"topk", &*topk, "[R, K]", {rows, k}, ffi::DataType::S32},
+        {"changed", &*changed, "[R]", {rows}, ffi::DataType::F32},
+        {"kth", &*kth, "[R]", {rows}, dtype},
+        {"tau", &*tau, "[R]", {rows}, dtype},
+        {"share", &*share, "[R]", {rows}, dtype}}) {
+    if (auto error = CheckBuffer(name, *buffer, form, want, type)) return *error;
   }
   const int32_t* old = old_topk.typed_data<int32_t>();
   int32_t* o = order->typed_data<int32_t>();
