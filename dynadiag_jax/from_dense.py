@@ -27,7 +27,7 @@ from dynadiag_jax.nn.functional import (
     LAYER_COLLECTIONS,
     select_diagonals,
 )
-from dynadiag_jax.nn.gate_state import alpha_from_values
+from dynadiag_jax.nn.gate_state import alpha_from_values, check_scale
 from dynadiag_jax.ops.reference import dense_to_diag
 
 __all__ = ["from_dense"]
@@ -187,8 +187,9 @@ def from_dense(
         same module, or a ``dd.models`` model with ``ByPath``), in the search phase; only its
         structure, shapes, dtypes and gate state are used.
       gate_value: the strength (``gate="sparse_topk"``) or temperature (``"softmax"``) that
-        scales the scores; default: each layer's value in ``template["dynadiag"]`` (its
-        ``gate_init``), the value a search continued with ``dd.nn.set_gate`` should start at.
+        scales the scores, a number > 0; default: each layer's value in
+        ``template["dynadiag"]`` (its ``gate_init``), the value a search continued with
+        ``dd.nn.set_gate`` should start at (it must then be > 0 too).
       keep_norm: scale each layer's values by ``sqrt(E / E_K)``, with ``E`` the energy of all
         its diagonals and ``E_K`` that of the K it keeps, so that the kept diagonals carry the
         dense kernel's whole Frobenius norm (otherwise the one-shot layer's outputs shrink by
@@ -200,13 +201,18 @@ def from_dense(
       Variables of the structure of ``template`` (search phase), or of ``freeze_tree`` of it.
 
     Raises:
-      ValueError: a checkpoint of another model or size: a diagonal layer without a dense
-        kernel at its path, a kernel whose shape does not flatten to the layer's
-        ``[in, out]``, params or collections present in one model only, or shapes that differ;
-        and a template with frozen layers. Each message names the path and the shapes.
+      TypeError: a ``gate_value`` that is not a number.
+      ValueError: a ``gate_value`` <= 0 or NaN (or, without one, a template's gate value <= 0),
+        which would erase or reverse the ranking; a checkpoint of another model or size: a
+        diagonal layer without a dense kernel at its path, a kernel whose shape does not flatten
+        to the layer's ``[in, out]``, params or collections present in one model only, or shapes
+        that differ; and a template with frozen layers. Each message names the path and the
+        shapes.
     """
     for name, variables in (("dense_variables", dense_variables), ("template", template)):
         check_variables(variables, name, "from_dense")
+    if gate_value is not None:
+        check_scale(gate_value, "gate_value", "from_dense")
     flat_t = traverse_util.flatten_dict(template["params"])
     layers = _diagonal_layers(flat_t)
     diagonals = traverse_util.flatten_dict(template.get(DIAGONALS_COLLECTION, {}))
@@ -229,9 +235,14 @@ def from_dense(
             )
         value = gate_value
         if value is None:
-            value = next(
-                (gates[path + (g,)] for g in HYPER_NAME.values() if path + (g,) in gates), 1.0
-            )
+            hyper = next((path + (g,) for g in HYPER_NAME.values() if path + (g,) in gates), None)
+            value = 1.0 if hyper is None else gates[hyper]
+            if not np.all(np.asarray(value) > 0):
+                raise ValueError(
+                    f"from_dense: gate_value defaults to the template's gate value, "
+                    f"{np.asarray(value).tolist()} at {GATE_COLLECTION}/{_name(hyper)}, which "
+                    f"would erase the ranking by energy (it scales alpha); pass gate_value > 0"
+                )
         value = jnp.expand_dims(jnp.asarray(value, jnp.float32), -1)  # per slice of a stack
         layer_t = {k[-1]: v for k, v in flat_t.items() if k[:-1] == path}
         layer_d = {k[-1]: v for k, v in dense_params.items() if k[:-1] == path}

@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynadiag_jax import gpu_cost, launch_plan
+from dynadiag_jax._checks import int_at_least
 from dynadiag_jax.layout import geometry
-from dynadiag_jax.ops import auto
+from dynadiag_jax.ops import auto, cuda
 
 __all__ = [
     "KernelStats",
@@ -80,18 +81,24 @@ def kernel_stats(
       offsets: ``[K]`` concrete integer diagonal ids in ``[0, P)`` (``[0, P_b)`` for blocks; numpy
         or a non-traced array, e.g. the ``offsets`` of a frozen layer).
       in_features, out_features: the layer shape.
-      dtype: input dtype of the product: float16/bfloat16 can use tensor cores, float32 cannot.
+      dtype: input dtype of the product, one the CUDA kernels take: float16/bfloat16 can use
+        tensor cores, float32 cannot.
       block_size: 1 for element diagonals ``values[K, D]``, ``b`` for ``values[K, L_b, b, b]``.
-      rows: rows of ``x`` (product of its leading dimensions); None skips the cost model.
+      rows: rows of ``x`` (product of its leading dimensions), an int >= 1; None skips the cost
+        model.
       device: a name in ``gpu_cost.DEVICES`` or a ``gpu_cost.DeviceSpec``.
 
     Returns:
       :class:`KernelStats` for the forward and ``dx`` products.
 
     Raises:
-      TypeError: for traced or non-integer offsets. ValueError: for offsets out of range.
+      TypeError: for traced or non-integer offsets, a ``dtype`` the kernels do not take, a
+        non-integer ``rows``. ValueError: for offsets out of range, ``rows < 1``.
     """
     geo = geometry(in_features, out_features, block_size)
+    dtype = _kernel_dtype(dtype)
+    if rows is not None:
+        rows = int_at_least(rows, "rows", 1)
     off = _concrete_offsets(offsets, geo.num_candidates, "P_b" if geo.blocked else "P")
     stats = _block_stats(off, geo, dtype) if geo.blocked else _element_stats(off, geo, dtype)
     if rows is None:
@@ -155,6 +162,22 @@ def _block_stats(off, geo, dtype) -> KernelStats:
         path="tensor_core" if tensor_cores else "cuda_core",
         block_size=b,
     )
+
+
+def _kernel_dtype(dtype):
+    """``dtype`` as a numpy dtype; ``TypeError`` unless the CUDA kernels take it."""
+    supported = [jnp.dtype(d) for d in cuda.KERNELS.dtypes]
+    try:
+        parsed = None if dtype is None else jnp.dtype(dtype)
+    except TypeError:
+        parsed = None
+    if parsed not in supported:
+        got = repr(dtype) if parsed is None else str(parsed)
+        raise TypeError(
+            f"kernel_stats: dtype must be one the CUDA kernels take "
+            f"({', '.join(map(str, supported))}), got {got}"
+        )
+    return parsed
 
 
 def _concrete_offsets(offsets, num_candidates: int, name: str) -> np.ndarray:

@@ -1,9 +1,12 @@
 """Schedules ``step -> value`` for the gate's strength or temperature, and the freeze step.
 
 Each factory takes plain numbers (configs live in ``train/configs`` and pass them in) and returns a
-jit-able function of an integer step (Python int or traced array) giving a float32 scalar: optax's
-schedule of that shape with checked arguments (the exponential is computed here, see there). A
-schedule holds its end value after ``steps``: the released recipe anneals the temperature over the
+jit-able function of an integer step (Python int or integer array, traced or not) giving float32
+values of the step's shape, computed with optax's formulas (the exponential with its own, see
+there). A step is clipped to ``[0, steps]`` at its own integer width, before the float32 cast (so
+an int64 step beyond int32 cannot wrap): a schedule gives its init value before step 0 and holds
+exactly its end value from ``steps`` on. Every value lies between the end values, so it is finite;
+the end values must be finite in float32. The released recipe anneals the temperature over the
 search phase only (cosine 5.0 -> 0.05 until the freeze), then holds it.
 
 Example (the released recipe, freeze after 30% of training)::
@@ -15,9 +18,12 @@ Example (the released recipe, freeze after 30% of training)::
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from dynadiag_jax._checks import finite_number, int_at_least
@@ -35,39 +41,81 @@ __all__ = [
 
 Schedule = Callable[..., jnp.ndarray]
 
+_MAX = float(np.finfo(np.float32).max)
+# The smallest magnitude that float32 rounds to inf: half an ulp above _MAX.
+_INF = 2.0**128 - 2.0**103
+_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
-def _progress(step, steps: int):
-    """``clip(step / steps, 0, 1)`` as float32."""
-    t = jnp.asarray(step).astype(jnp.float32) / jnp.float32(steps)
-    return jnp.clip(t, 0.0, 1.0)
+
+def _float32_number(value, name: str) -> float:
+    """``finite_number`` that float32, where the schedules compute, holds too (not inf there)."""
+    value = finite_number(value, name)
+    if abs(value) >= _INF:
+        raise ValueError(
+            f"{name} must be finite in float32 (|{name}| <= {_MAX:.8g}), got {value!r}"
+        )
+    return value
 
 
-def _float32(schedule) -> Schedule:
-    """``schedule`` of a float32 step, as a float32 value of ``step``'s shape (optax's schedules
-    mix the step with Python floats, which strict dtype promotion refuses for an int step)."""
+def _step(step, end: int):
+    """``clip(step, 0, end)`` as float32, clipped at the step's own width: JAX would narrow an
+    int64 step to int32 by wrapping it."""
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        return jnp.float32(min(max(int(step), 0), end))
+    if isinstance(step, (list, tuple)):
+        step = np.asarray(step)
+    dtype = getattr(step, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        kind = type(step).__name__ if dtype is None else f"an array of dtype {dtype}"
+        raise TypeError(f"step must be an integer (a Python int or an integer array), got {kind}")
+    xp = jnp if isinstance(step, jax.Array) else np
+    return jnp.asarray(xp.clip(step, 0, min(end, int(np.iinfo(dtype).max))).astype(np.float32))
 
-    def wrapped(step):
-        value = schedule(jnp.asarray(step).astype(jnp.float32))
-        return jnp.broadcast_to(jnp.asarray(value, jnp.float32), jnp.shape(step))
 
-    return wrapped
+def _schedule(value_of, steps: int) -> Schedule:
+    """``step -> value_of(t)`` with ``t`` the float32 step clipped to ``[0, steps]``, as float32
+    values of the step's shape."""
+
+    def schedule(step):
+        t = _step(step, steps)
+        return jnp.broadcast_to(jnp.asarray(value_of(t), jnp.float32), jnp.shape(t))
+
+    return schedule
+
+
+def _held(a: float, b: float, value, done):
+    """``value`` clipped to ``[min(a, b), max(a, b)]`` (float32 rounding could leave it, to inf
+    near float32's limit), and exactly ``b`` where ``done``."""
+    return jnp.where(done, jnp.float32(b), jnp.clip(value, min(a, b), max(a, b)))
+
+
+def _between(a: float, b: float, weight, done):
+    """``b + (a - b) * weight`` for ``weight`` in ``[0, 1]``, :func:`_held`; computed at half
+    scale when ``a - b`` overflows float32 (halving is exact)."""
+    s = 2.0 if abs(a - b) > _MAX else 1.0
+    return _held(a, b, s * ((a / s - b / s) * weight + b / s), done)
+
+
+def _linear(a: float, b: float, steps: int, t):
+    return _between(a, b, 1 - t / steps, t >= steps)
+
+
+def _cosine(a: float, b: float, steps: int, t):
+    # optax's cosine decays by a ratio end / init, undefined for init = 0: its shape from 1 to 0.
+    return _between(a, b, optax.cosine_decay_schedule(1.0, steps)(t), t >= steps)
 
 
 def constant(value) -> Schedule:
     """``step -> value``."""
-    return _float32(optax.constant_schedule(finite_number(value, "value")))
+    value = _float32_number(value, "value")
+    return _schedule(lambda t: value, 0)
 
 
 def linear(init_value, end_value, steps) -> Schedule:
     """Linear from ``init_value`` at step 0 to ``end_value`` at ``steps``, held afterwards."""
-    a, b = finite_number(init_value, "init_value"), finite_number(end_value, "end_value")
-    return _float32(optax.linear_schedule(a, b, int_at_least(steps, "steps", 1)))
-
-
-def _cosine(a: float, b: float, steps: int):
-    # optax's cosine decays by a ratio end / init, undefined for init = 0: its shape from 1 to 0.
-    shape = optax.cosine_decay_schedule(1.0, steps)
-    return lambda step: b + (a - b) * shape(step)
+    a, b = _float32_number(init_value, "init_value"), _float32_number(end_value, "end_value")
+    steps = int_at_least(steps, "steps", 1)
+    return _schedule(lambda t: _linear(a, b, steps, t), steps)
 
 
 def cosine(init_value, end_value, steps) -> Schedule:
@@ -75,28 +123,39 @@ def cosine(init_value, end_value, steps) -> Schedule:
 
     ``v(t) = end + (init - end) * (1 + cos(pi * t / steps)) / 2``.
     """
-    a, b = finite_number(init_value, "init_value"), finite_number(end_value, "end_value")
-    return _float32(_cosine(a, b, int_at_least(steps, "steps", 1)))
+    a, b = _float32_number(init_value, "init_value"), _float32_number(end_value, "end_value")
+    steps = int_at_least(steps, "steps", 1)
+    return _schedule(lambda t: _cosine(a, b, steps, t), steps)
 
 
 def exponential(init_value, end_value, steps) -> Schedule:
     """Geometric from ``init_value`` to ``end_value`` (both > 0) over ``steps``, held afterwards.
 
     ``v(t) = init * (end / init) ** (t / steps)``: a constant ratio per step, e.g. 5.0 -> 0.05
-    over 100 steps multiplies by 0.955 each step.
+    over 100 steps multiplies by 0.955 each step. Both values must be at least float32's smallest
+    normal number (about 1.2e-38).
     """
-    a, b = finite_number(init_value, "init_value"), finite_number(end_value, "end_value")
-    if a <= 0 or b <= 0:
-        raise ValueError(f"exponential needs init_value > 0 and end_value > 0, got {a}, {b}")
+    a, b = _float32_number(init_value, "init_value"), _float32_number(end_value, "end_value")
+    for name, value in (("init_value", a), ("end_value", b)):
+        if value < _TINY:
+            raise ValueError(
+                f"exponential needs {name} > 0, at least float32's smallest normal number "
+                f"{_TINY:.8g}, got {value!r}"
+            )
     steps = int_at_least(steps, "steps", 1)
     # Not optax.exponential_decay: its init * rate ** p rounds differently in float32, enough to
     # change the trained runs of the default gate, whose strength decays so (docs/RESULTS.md).
     log_ratio = math.log(b / a)
+    # init * exp(...) needs exp(log_ratio * p) to be a normal float32; a wider ratio is taken
+    # in log space.
+    wide = abs(log_ratio) >= -math.log(_TINY)
 
-    def schedule(step):
-        return a * jnp.exp(log_ratio * _progress(step, steps))
+    def value_of(t):
+        p = jnp.clip(t / jnp.float32(steps), 0.0, 1.0)
+        geometric = jnp.exp(math.log(a) + log_ratio * p) if wide else a * jnp.exp(log_ratio * p)
+        return _held(a, b, geometric, t >= steps)
 
-    return schedule
+    return _schedule(value_of, steps)
 
 
 def warmup_cosine(init_value, peak_value, end_value, warmup_steps, steps) -> Schedule:
@@ -105,18 +164,22 @@ def warmup_cosine(init_value, peak_value, end_value, warmup_steps, steps) -> Sch
     ``steps`` counts from step 0 and includes the warm-up (as in optax's
     ``warmup_cosine_decay_schedule``); the value is held at ``end_value`` afterwards.
     """
-    a = finite_number(init_value, "init_value")
-    peak = finite_number(peak_value, "peak_value")
-    b = finite_number(end_value, "end_value")
+    a = _float32_number(init_value, "init_value")
+    peak = _float32_number(peak_value, "peak_value")
+    b = _float32_number(end_value, "end_value")
     warmup_steps = int_at_least(warmup_steps, "warmup_steps", 0)
     steps = int_at_least(steps, "steps", 1)
     if warmup_steps >= steps:
         raise ValueError(f"warmup_steps ({warmup_steps}) must be < steps ({steps})")
-    decay = _cosine(peak, b, steps - warmup_steps)
-    if not warmup_steps:
-        return _float32(decay)
-    warm = optax.linear_schedule(a, peak, warmup_steps)
-    return _float32(optax.join_schedules([warm, decay], [warmup_steps]))
+
+    def value_of(t):
+        decay = _cosine(peak, b, steps - warmup_steps, jnp.maximum(t - warmup_steps, 0))
+        if not warmup_steps:
+            return decay
+        warm = _linear(a, peak, warmup_steps, jnp.minimum(t, warmup_steps))
+        return jnp.where(t < warmup_steps, warm, decay)
+
+    return _schedule(value_of, steps)
 
 
 _FACTORIES = {

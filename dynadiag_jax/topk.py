@@ -12,6 +12,15 @@ limit of the gate as the value goes to 0 (see each function), a traced negative 
 as 0, and gradients there are zero. Concrete values are checked at trace time: negative or NaN
 raises.
 
+Infinite scores give the gate's limit as they grow, never NaN: ``+inf`` scores share the budget
+as ties at the top do (sparse gate: 1 each while fewer than ``k``, else ``k / count``; softmax
+gate: ``min(1, k / count)`` each, 0 elsewhere), and ``-inf`` scores get 0 (sparse gate: unless
+fewer than ``ceil(k)`` scores lie above them, which then get 1 and leave them the rest, shared).
+Where that limit is the hard gate (an infinite ``ceil(k)``-th largest score for the sparse gate,
+an infinite maximum for the softmax one) the gate is the hard gate for every value of the
+hyper-parameter, with zero gradient. A NaN score has no rank: its whole row of gates is NaN (so
+the loss shows the diverged score), with zero gradient.
+
 References:
   Sander, Puigcerver, Djolonga, Peyre, Blondel, "Fast, Differentiable and Sparse Top-k: a Convex
   Analysis Perspective", ICML 2023, https://arxiv.org/abs/2302.01425
@@ -66,7 +75,8 @@ def check_gate_value(value, name: str, fn: str | None = None):
     if isinstance(value, jax.core.Tracer):
         return
     arr = np.asarray(value)
-    if isinstance(value, bool) or not np.issubdtype(arr.dtype, np.number):
+    real = jnp.issubdtype(arr.dtype, jnp.integer) or jnp.issubdtype(arr.dtype, jnp.floating)
+    if isinstance(value, bool) or not real:  # jnp's test: numpy's misses bfloat16
         raise TypeError(f"{where}{name} must be a number >= 0, got {value!r}")
     if arr.ndim != 0:
         raise ValueError(f"{where}{name} must be a scalar, got shape {arr.shape}")
@@ -226,17 +236,28 @@ def sparse_gate(s, k, strength, solution: SparseSolution):
     Differentiable in ``s`` (the projection's closed-form VJP); ``strength`` as in
     :func:`sparse_solution`.
     """
+    nan_rows = jnp.any(jnp.isnan(s), axis=-1, keepdims=True)
     if k == s.shape[-1]:  # the feasible set is the single point y = 1, for every strength
-        return jnp.ones_like(s)
+        return _nan_where(nan_rows, jnp.ones_like(s))
     positive, safe = _split_hyper(_row_hyper(strength, s), s.dtype)
+    # s - kth is NaN on a row with a NaN score or an infinite kth (ceil(k) scores at +inf, or
+    # fewer above -inf); the gate's limit as those infinite scores grow is the hard gate. The
+    # soft branch sees zeros there, so that its discarded gradient is 0, not NaN.
+    defined = jnp.isfinite(solution.kth) & ~nan_rows
     # Shift before scaling (exact by shift invariance) so 1/strength does not magnify rounding.
     # The clip to [-2, 2] changes no output (see sparse_solution).
-    z = _scaled(s - solution.kth, safe, -2.0, 2.0)
+    z = _scaled(jnp.where(defined, s - solution.kth, 0), safe, -2.0, 2.0)
     soft = _threshold(z, solution.tau)
     # strength 0: 1 above the ceil(k)-th largest, 0 below it, the rest of the budget shared by
     # the scores tied with it (no gradient)
     hard = jnp.where(s > solution.kth, 1.0, jnp.where(s == solution.kth, solution.share, 0.0))
-    return jnp.where(positive, soft, hard.astype(s.dtype))
+    return _nan_where(nan_rows, jnp.where(positive & defined, soft, hard.astype(s.dtype)))
+
+
+def _nan_where(rows, gate):
+    """``gate`` with NaN on ``rows`` (``[..., 1]``), those holding a NaN score: such a row has no
+    ranking, and the loss should show the diverged score rather than a gate made up around it."""
+    return jnp.where(rows, jnp.asarray(jnp.nan, gate.dtype), gate)
 
 
 def capped_simplex_projection(z, k):
@@ -324,7 +345,9 @@ def sparse_soft_topk(scores, k, *, strength):
     and the remaining budget shared equally by the scores tied with it; the gradient is zero
     there. A traced negative or NaN strength (e.g. a schedule overshooting 0 inside ``jit``) acts
     as 0. The gradient with respect to the scores grows as ``1 / strength`` on the free set, which
-    only holds scores within ``strength`` of each other.
+    only holds scores within ``strength`` of each other. Infinite scores give the gate's limit,
+    NaN ones a NaN row (see the module docstring): with ``k`` below the number of ``+inf``
+    scores, each gets ``k / count``, whatever the strength.
 
     Args:
       scores: ``[..., n]`` floating.
@@ -355,7 +378,9 @@ def softmax_topk(scores, k, *, temperature):
 
     ``temperature = 0`` is that limit: ``min(1, k / m)`` on each of the ``m`` scores equal to the
     maximum (a single 1 for distinct scores), 0 elsewhere, with zero gradient. A traced negative or
-    NaN temperature acts as 0.
+    NaN temperature acts as 0. An infinite maximum gives that limit too, whatever the
+    temperature (``+inf`` scores share ``k``, at most 1 each); ``-inf`` scores otherwise get 0,
+    and a NaN score makes its row NaN (see the module docstring).
 
     Args:
       scores: ``[..., n]`` floating.
@@ -378,7 +403,13 @@ def softmax_gate(s, k, temperature):
     """:func:`softmax_topk` of work-dtype scores ``s[..., n]`` without the checks; ``temperature``
     is a scalar or one value per row (``[...]``)."""
     positive, safe = _split_hyper(_row_hyper(temperature, s), s.dtype)
-    shifted = s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))  # <= 0
+    top = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))  # NaN if a score is NaN
+    # s - top is NaN on a row with a NaN score or an infinite maximum; the gate's limit as the
+    # scores equal to an infinite maximum grow is the hard gate. The soft branch sees zeros
+    # there, so that its discarded gradient is 0, not NaN.
+    finite = jnp.isfinite(top)
+    shifted = jnp.where(finite, s - top, 0)  # <= 0
     p = jax.nn.softmax(_scaled(shifted, safe, _MIN_LOGIT, 1.0), axis=-1)
     soft = jnp.clip(jnp.asarray(k, s.dtype) * p, 0, 1)
-    return jnp.where(positive, soft, _hard_argmax(s, k))
+    gate = jnp.where(positive & finite, soft, _hard_argmax(s, k))
+    return _nan_where(jnp.isnan(top), gate)

@@ -109,6 +109,27 @@ def test_bad_offsets_are_rejected():
         jax.jit(lambda o: dd.kernel_stats(o, 48, 20).nonzeros)(jnp.arange(3))
 
 
+@pytest.mark.parametrize(
+    "rows, error, message",
+    [
+        (-5, ValueError, "rows must be >= 1, got -5"),
+        (0, ValueError, "rows must be >= 1"),
+        (3.5, TypeError, "rows must be an int, got float"),
+        (True, TypeError, "rows must be an int"),
+    ],
+)
+def test_bad_rows_are_rejected_by_name(rows, error, message):
+    with pytest.raises(error, match=message):
+        dd.kernel_stats(np.array([0, 3]), 8, 12, rows=rows)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float64, "int8", "no-such-dtype", None])
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_dtypes_the_kernels_do_not_take_are_rejected_by_name(dtype, block_size):
+    with pytest.raises(TypeError, match=r"dtype must be one .*\(float32, bfloat16, float16\)"):
+        dd.kernel_stats(np.array([0]), 8, 12, dtype=dtype, block_size=block_size, rows=4)
+
+
 class _TwoLayers(nn.Module):
     """A tall element layer in bfloat16 and a wide block layer without a bias, in float32."""
 

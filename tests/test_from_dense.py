@@ -315,3 +315,35 @@ def test_a_checkpoint_of_another_model_or_size_is_refused():
         dd.from_dense([dense_of()], template)
     with pytest.raises(ValueError, match="from_dense: template must be variables with a 'params'"):
         dd.from_dense(dense_of(), {"diagonals": {}})
+
+
+@pytest.mark.parametrize(
+    "gate_value, error, message",
+    [
+        (0.0, ValueError, "gate_value must be > 0"),
+        (-1.0, ValueError, "gate_value must be > 0"),
+        (float("nan"), ValueError, "gate_value must be > 0"),
+        (jnp.float32(0), ValueError, "gate_value must be > 0"),
+        ("1", TypeError, "gate_value must be a number > 0"),
+        (True, TypeError, "gate_value must be a number > 0"),
+    ],
+)
+def test_a_gate_value_that_would_erase_or_reverse_the_ranking_is_refused(
+    gate_value, error, message
+):
+    x = jnp.ones((2, 16))
+    dense = random_dense(Single(40), x)
+    template = dd.nn.sparsify(Single(40), [("layer", {"sparsity": 0.7})]).init(jax.random.key(5), x)
+    with pytest.raises(error, match=f"from_dense: {message}"):
+        dd.from_dense(dense, template, gate_value=gate_value)
+
+
+def test_a_template_whose_gate_starts_at_zero_needs_a_gate_value():
+    x = jnp.ones((2, 16))
+    dense = random_dense(Single(40), x)
+    rule = {"sparsity": 0.7, "gate_init": 0.0}
+    template = dd.nn.sparsify(Single(40), [("layer", rule)]).init(jax.random.key(5), x)
+    with pytest.raises(ValueError, match=r"0.0 at dynadiag/layer/strength.*pass gate_value > 0"):
+        dd.from_dense(dense, template)
+    alpha = dd.from_dense(dense, template, gate_value=0.5)["params"]["layer"]["alpha"]
+    assert np.all(np.isfinite(alpha)) and np.ptp(np.asarray(alpha)) > 0

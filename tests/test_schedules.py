@@ -81,3 +81,83 @@ def test_bad_arguments():
         schedules.warmup_cosine(0.0, 1.0, 0.0, warmup_steps=10, steps=10)
     with pytest.raises(ValueError, match="search_fraction"):
         schedules.freeze_step(100, search_fraction=1.5)
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: schedules.constant(1e39), "value"),
+        (lambda: schedules.linear(1e39, 0.0, 10), "init_value"),
+        (lambda: schedules.cosine(0.0, -1e39, 10), "end_value"),
+        (lambda: schedules.exponential(1e-300, 1e300, 10), "end_value"),
+        (lambda: schedules.warmup_cosine(0.0, 4e38, 0.0, 2, 10), "peak_value"),
+    ],
+)
+def test_values_beyond_float32_are_refused_by_name(make, name):
+    with pytest.raises(ValueError, match=f"{name} must be finite in float32"):
+        make()
+
+
+@pytest.mark.parametrize("init, end", [(1e-60, 1.0), (1.0, 1e-40)])
+def test_exponential_refuses_values_below_float32_normals(init, end):
+    name = "init_value" if init < end else "end_value"
+    with pytest.raises(ValueError, match=f"exponential needs {name} > 0, at least"):
+        schedules.exponential(init, end, 10)
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize(
+    "schedule, init, end",
+    [
+        (schedules.linear(-F32_MAX, F32_MAX, 10), -F32_MAX, F32_MAX),
+        (schedules.cosine(3e38, -3e38, 10), 3e38, -3e38),
+        (schedules.exponential(1e-30, 1e10, 10), 1e-30, 1e10),
+        (schedules.exponential(F32_MAX, 1.2e-38, 10), F32_MAX, 1.2e-38),
+        (schedules.exponential(1.2e-38, F32_MAX, 7), 1.2e-38, F32_MAX),
+        (schedules.warmup_cosine(0.0, 3e38, -3e38, 3, 10), -3e38, 3e38),
+    ],
+)
+@pytest.mark.parametrize("jit", [False, True])
+def test_extreme_accepted_values_stay_finite_between_the_ends(schedule, init, end, jit):
+    v = values(jax.jit(schedule) if jit else schedule, np.arange(-2, 14))
+    assert np.all(np.isfinite(v))
+    assert np.all(v >= np.float32(min(init, end))) and np.all(v <= np.float32(max(init, end)))
+
+
+@pytest.mark.parametrize("name", ["linear", "cosine", "exponential"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_end_value_is_held_exactly(name, jit):
+    s = schedules.by_name(name, init_value=1.0, end_value=0.1, steps=8)
+    s = jax.jit(s) if jit else s
+    np.testing.assert_array_equal(values(s, [8, 9, 10**6]), np.float32(0.1))
+    assert float(jax.jit(schedules.linear(1.0, 0.0, 10))(10)) == 0.0
+
+
+@pytest.mark.parametrize(
+    "step",
+    [np.int64(2**32 + 3), 2**70, np.uint64(2**63), np.array([2**40, 2**32 + 3]), [2**33]],
+)
+def test_steps_beyond_int32_hold_the_end_value(step):
+    out = np.asarray(schedules.cosine(1.0, 0.0, 10)(step))
+    assert out.shape == np.shape(step)
+    np.testing.assert_array_equal(out, 0.0)
+
+
+def test_steps_before_zero_give_the_init_value():
+    np.testing.assert_array_equal(schedules.cosine(1.0, 0.0, 10)(np.int64(-(2**40))), 1.0)
+    np.testing.assert_array_equal(values(schedules.linear(2.0, 0.0, 10), [-3]), 2.0)
+
+
+@pytest.mark.parametrize("step", [None, "3", 3.0, True, np.array([1.5]), jnp.float32(2)])
+def test_a_step_that_is_not_an_integer_is_refused(step):
+    with pytest.raises(TypeError, match="step must be an integer"):
+        schedules.linear(1.0, 0.0, 10)(step)
+    with pytest.raises(TypeError, match="step must be an integer"):
+        schedules.constant(1.0)(step)
+
+
+def test_a_traced_float_step_is_refused():
+    with pytest.raises(TypeError, match="step must be an integer .* dtype float32"):
+        jax.jit(schedules.cosine(1.0, 0.0, 10))(jnp.float32(3))

@@ -274,3 +274,121 @@ def test_every_traced_value_is_finite(rng, fn, kw):
         if not h > 0:
             np.testing.assert_array_equal(np.asarray(d_scores), 0)
             assert float(d_h) == 0
+
+
+INF, NAN = float("inf"), float("nan")
+
+# (scores, k, gate): an infinite ceil(k)-th largest score; the limit as the infinite scores grow
+# is the hard gate, whatever the strength
+SPARSE_HARD = [
+    ([INF, INF, 1.0, 0.0, -1.0], 2, [1, 1, 0, 0, 0]),  # the +inf scores take the budget
+    ([INF, INF, INF, 0.0, -1.0], 2, [2 / 3, 2 / 3, 2 / 3, 0, 0]),  # and share it as ties
+    ([1.0, -INF, -INF, -INF, -INF], 2, [1, 0.25, 0.25, 0.25, 0.25]),  # -inf: the rest, shared
+    ([INF] * 5, 2, [0.4] * 5),
+    ([-INF] * 5, 2, [0.4] * 5),
+]
+
+
+@pytest.mark.parametrize("scores, k, want", SPARSE_HARD)
+def test_sparse_gate_of_an_infinite_kth_score_is_the_hard_gate(scores, k, want):
+    s = jnp.asarray(scores, jnp.float32)
+    w = jnp.arange(5, dtype=jnp.float32)
+    grad = jax.jit(jax.grad(lambda s, h: jnp.sum(w * topk(s, k, h)), argnums=(0, 1)))
+    for strength in (0.0, 1e-3, 0.5, 30.0):
+        np.testing.assert_allclose(topk(s, k, strength), want, rtol=1e-6)
+        d_scores, d_strength = grad(s, jnp.float32(strength))
+        np.testing.assert_array_equal(d_scores, 0)
+        assert float(d_strength) == 0
+
+
+@pytest.mark.parametrize(
+    "scores, k", [([INF, INF, 1.0, 0.0, -1.0], 2.5), ([3.0, 2.0, 1.0, -INF, -INF], 2)]
+)
+def test_sparse_gate_of_infinite_scores_around_a_finite_kth_is_their_limit(scores, k):
+    """+inf scores get 1 and -inf ones 0, as very large finite ones would; the others' gate and
+    gradient are finite."""
+    s = jnp.asarray(scores, jnp.float32)
+    large = jnp.clip(s, -1e6, 1e6)
+    grad = jax.jit(jax.grad(lambda s, h: jnp.sum(jnp.sin(topk(s, k, h))), argnums=(0, 1)))
+    for strength in (0.0, 1e-3, 0.5, 30.0):
+        np.testing.assert_allclose(topk(s, k, strength), topk(large, k, strength), atol=1e-6)
+        d_scores, d_strength = grad(s, jnp.float32(strength))
+        assert np.all(np.isfinite(np.asarray(d_scores))) and np.isfinite(float(d_strength))
+        np.testing.assert_array_equal(np.asarray(d_scores)[np.isinf(scores)], 0)
+
+
+@pytest.mark.parametrize(
+    "scores, k, want",
+    [
+        ([INF, INF, 1.0, 0.0], 1, [0.5, 0.5, 0, 0]),  # min(1, k / m) on the +inf scores
+        ([INF, INF, 1.0, 0.0], 3, [1, 1, 0, 0]),
+        ([-INF] * 4, 2, [0.5] * 4),
+    ],
+)
+def test_softmax_gate_of_an_infinite_maximum_is_the_hard_limit(scores, k, want):
+    s = jnp.asarray(scores, jnp.float32)
+    w = jnp.arange(4, dtype=jnp.float32)
+    grad = jax.jit(
+        jax.grad(lambda s, t: jnp.sum(w * dd.softmax_topk(s, k, temperature=t)), argnums=(0, 1))
+    )
+    for temperature in (0.0, 0.5, 30.0):
+        np.testing.assert_allclose(dd.softmax_topk(s, k, temperature=temperature), want)
+        d_scores, d_temperature = grad(s, jnp.float32(temperature))
+        np.testing.assert_array_equal(d_scores, 0)
+        assert float(d_temperature) == 0
+
+
+def test_softmax_gate_gives_minus_inf_scores_nothing():
+    s = jnp.asarray([2.0, 1.0, -INF, -INF])
+    y = np.asarray(dd.softmax_topk(s, 2, temperature=0.5))
+    assert np.all(np.isfinite(y)) and np.all(y[2:] == 0) and np.all(y[:2] > 0)
+
+
+@pytest.mark.parametrize(
+    "fn,kw", [(dd.sparse_soft_topk, "strength"), (dd.softmax_topk, "temperature")]
+)
+@pytest.mark.parametrize("k", [2, 5])
+def test_a_nan_score_makes_its_row_nan_with_zero_gradient(fn, kw, k):
+    s = jnp.asarray([[NAN, 2.0, 1.0, 0.0, -1.0], [3.0, 2.0, 1.0, 0.0, NAN], [3, 2, 1, 0, -1]])
+    w = jnp.arange(15, dtype=jnp.float32).reshape(3, 5)
+    gate = jax.jit(lambda s, h: fn(s, k, **{kw: h}))
+    grad = jax.jit(jax.grad(lambda s, h: jnp.nansum(w * fn(s, k, **{kw: h})), argnums=(0, 1)))
+    for h in (0.0, 0.5):
+        y = np.asarray(gate(s, jnp.float32(h)))
+        assert np.all(np.isnan(y[:2])) and np.all(np.isfinite(y[2]))
+        np.testing.assert_array_equal(y[2], gate(s[2:], jnp.float32(h))[0])
+        d_scores, d_h = grad(s, jnp.float32(h))
+        np.testing.assert_array_equal(d_scores[:2], 0)
+        assert np.all(np.isfinite(np.asarray(d_scores))) and np.isfinite(float(d_h))
+
+
+@pytest.mark.parametrize("gate", ["sparse_topk", "softmax"])
+@pytest.mark.parametrize("impl", ["jax", "auto"])
+def test_a_layer_with_infinite_scores_runs_the_hard_gate(gate, impl):
+    layer = dd.nn.DiagonalDense(16, k=4, gate=gate, impl=impl)
+    x = jax.random.normal(jax.random.key(0), (3, 16))
+    v = layer.init(jax.random.key(1), x)
+    name = layer.hyper_name
+    apply = jax.jit(lambda v, h: layer.apply(v, x, **{name: h}))
+    p = v["params"]["alpha"].shape[0]
+    mixed = jnp.where(jnp.arange(p) % 3 == 0, INF, -INF)
+    for alpha in (jnp.full(p, INF), jnp.full(p, -INF), mixed):
+        scored = dict(v, params=dict(v["params"], alpha=alpha))
+        y = np.asarray(apply(scored, 0.5))
+        assert np.all(np.isfinite(y))
+        np.testing.assert_allclose(y, apply(scored, 0.0), rtol=1e-5, atol=1e-5)
+        grads = jax.grad(
+            lambda q, scored=scored: jnp.sum(layer.apply(dict(scored, params=q), x, **{name: 0.5}))
+        )(v["params"])
+        assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
+    nan_alpha = jnp.where(jnp.arange(p) == 5, NAN, 0.0)
+    assert np.all(
+        np.isnan(np.asarray(apply(dict(v, params=dict(v["params"], alpha=nan_alpha)), 0.5)))
+    )
+
+
+def test_a_bfloat16_strength_is_a_number():
+    y = dd.sparse_soft_topk(jnp.ones(4), 2, strength=jnp.bfloat16(0.5))
+    np.testing.assert_allclose(y, 0.5)
+    with pytest.raises(TypeError, match="strength must be a number"):
+        dd.sparse_soft_topk(jnp.ones(4), 2, strength=1 + 2j)

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import traverse_util
 
 from dynadiag_jax.nn.functional import GATE_COLLECTION, HYPER_NAME
@@ -29,6 +30,29 @@ def _describe(found: Counter) -> str:
     return ", ".join(gates) or "no gate hyper-parameter"
 
 
+def check_score(score, fn: str) -> None:
+    """Rejects a dense-scoring flag that is not a bool or a bool array (traced or not): any other
+    value would be stored as its truth value (``"no"`` as True)."""
+    if not isinstance(score, bool) and getattr(score, "dtype", None) != jnp.bool_:
+        raise TypeError(f"{fn}: score must be a bool (or a bool array), got {score!r}")
+
+
+def check_scale(value, name: str, fn: str) -> None:
+    """Rejects a concrete scale of the scores that is not a number > 0 everywhere: 0 would erase
+    their ranking, a negative value reverse it. A traced value is not checked."""
+    if isinstance(value, jax.core.Tracer):
+        return
+    arr = np.asarray(value)
+    real = jnp.issubdtype(arr.dtype, jnp.integer) or jnp.issubdtype(arr.dtype, jnp.floating)
+    if isinstance(value, bool) or not real:  # jnp's test: numpy's misses bfloat16
+        raise TypeError(f"{fn}: {name} must be a number > 0, got {value!r}")
+    if not np.all(arr > 0):
+        raise ValueError(
+            f"{fn}: {name} must be > 0 (it scales the scores: 0 would erase their ranking, a "
+            f"negative value reverse it), got {value!r}"
+        )
+
+
 def set_gate(variables, *, strength=None, temperature=None, score=None):
     """``variables`` with every layer's ``"dynadiag"`` entries replaced (pure, jit-able).
 
@@ -37,12 +61,14 @@ def set_gate(variables, *, strength=None, temperature=None, score=None):
       strength: new ``strength`` of every ``gate="sparse_topk"`` layer (scalar ``>= 0``; 0 is the
         hard top-K, see :func:`dynadiag_jax.sparse_soft_topk`).
       temperature: new ``temperature`` of every ``gate="softmax"`` layer (scalar ``>= 0``).
-      score: bool scalar, sets the dense-scoring flag of ``explore="dense_score"`` layers.
+      score: bool (a Python bool or a bool array, e.g. traced), sets the dense-scoring flag of
+        ``explore="dense_score"`` layers.
 
     Returns:
       A new variables dict; other collections are shared, not copied.
 
     Raises:
+      TypeError: a ``score`` that is not a bool, a strength/temperature that is not a number.
       ValueError: nothing to set; a concrete negative or NaN strength/temperature; an argument
         that no layer takes (``strength=`` with only softmax layers, ``temperature=`` with only
         sparse ones, or no ``"dynadiag"`` collection at all: a frozen or dense model, or
@@ -53,6 +79,8 @@ def set_gate(variables, *, strength=None, temperature=None, score=None):
     for name, value in (("strength", strength), ("temperature", temperature)):
         if value is not None:
             check_gate_value(value, name, "set_gate")
+    if score is not None:
+        check_score(score, "set_gate")
     if not isinstance(variables, Mapping):
         raise TypeError(
             f"variables must be a mapping of collections, got {type(variables).__name__}"
@@ -98,7 +126,13 @@ def alpha_from_values(params, scale):
     most rank first). ``scale`` is typically the gate's current strength, so the scores spread over
     a few strengths and the gate narrows from there. Pure and jit-able; other leaves are shared.
     A layer whose norms are all equal (std 0) gets ``alpha = 0``.
+
+    ``scale`` is a number > 0 (or an array of them that broadcasts against ``alpha``); a concrete
+    value <= 0 or NaN raises ``ValueError``. Under ``jit``, where it cannot be checked,
+    a value <= 0 or NaN has no ranking to give and makes ``alpha`` NaN there (the loss shows it, and
+    freezing refuses such a layer).
     """
+    check_scale(scale, "scale", "alpha_from_values")
     flat = traverse_util.flatten_dict(params)
     out = dict(flat)
     for key, alpha in flat.items():
@@ -114,5 +148,6 @@ def alpha_from_values(params, scale):
         centred = norms - jnp.mean(norms, axis=-1, keepdims=True)
         std = jnp.std(norms, axis=-1, keepdims=True)
         z = jnp.where(std > 0, centred / jnp.where(std > 0, std, 1), 0)
-        out[key] = jax.lax.stop_gradient(jnp.asarray(scale, alpha.dtype) * z)
+        g = jnp.asarray(scale, alpha.dtype)
+        out[key] = jax.lax.stop_gradient(jnp.where(g > 0, g * z, jnp.asarray(jnp.nan, g.dtype)))
     return traverse_util.unflatten_dict(out)
