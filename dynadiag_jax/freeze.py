@@ -23,9 +23,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import traverse_util
 
-from dynadiag_jax._checks import check_variables
+from dynadiag_jax._checks import check_variables, int_in_range
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
 from dynadiag_jax.nn.functional import (
     DIAGONALS_COLLECTION,
@@ -118,6 +119,35 @@ def _search_layers(flat: dict) -> dict[tuple, dict]:
     return {path: node for path, node in nodes.items() if _is_search_layer(node)}
 
 
+def _path_text(path: tuple) -> str:
+    return "/".join(map(str, path)) or "(root)"
+
+
+def _checked_budgets(budgets, layers: dict, frozen: set) -> dict:
+    """``budgets`` as a dict after checking its paths against the layers' (search-phase
+    ``layers`` and already ``frozen`` ones, whose budget is ignored) and each K against ``[1, P]``.
+    """
+    if budgets is None:
+        return {}
+    if not isinstance(budgets, Mapping):
+        raise TypeError(
+            f"freeze_tree: budgets must be a mapping {{params path tuple: K}}, "
+            f"got {type(budgets).__name__}"
+        )
+    known = set(layers) | frozen
+    for path, k in budgets.items():
+        if path not in known:
+            listed = ", ".join(repr(p) for p in sorted(known, key=str)) or "none"
+            raise ValueError(
+                f"freeze_tree: budgets has the path {path!r}, which is no DiagonalDense's params "
+                f"path (a tuple of the keys under 'params'); the layers are at: {listed}"
+            )
+        if path in layers:
+            p = layers[path]["alpha"].shape[-1]
+            int_in_range(k, f"freeze_tree: budgets[{path!r}]", 1, p, "[1, P]")
+    return dict(budgets)
+
+
 def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
     """Freezes every search-phase ``DiagonalDense`` in a model's ``variables`` (pure, jit-able).
 
@@ -129,7 +159,8 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
     Args:
       variables: ``{"params": ..., "dynadiag": ..., ...}`` of a whole model.
       budgets: optional ``{path tuple: K}`` for layers whose ``"dynadiag"`` collection is absent
-        (path = keys under ``"params"``, e.g. ``("Block_0", "DiagonalDense_0")``).
+        (path = keys under ``"params"``, e.g. ``("Block_0", "DiagonalDense_0")``; ``K`` in
+        ``[1, P]``). A layer already frozen keeps its K.
 
     Returns:
       Variables with each such layer's params ``{"values": [..., K, *V], "bias"?}``, its
@@ -138,7 +169,9 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
       search entries removed from ``"dynadiag"`` (the collection disappears when empty).
 
     Raises:
-      ValueError: a layer in the working-set form (leave it first:
+      TypeError: ``budgets`` is not a mapping, or one of its K is not an int.
+      ValueError: a ``budgets`` path that is no layer's (the message lists the layers' paths) or
+        a K outside ``[1, P]``; a layer in the working-set form (leave it first:
         :func:`dynadiag_jax.training.leave_working_set`); a search layer whose K or input width
         cannot be determined (without its ``"diagonals"`` entry only a bias or a square layer
         fixes the width), or whose concrete ``alpha`` holds NaN or inf (naming its path). Inside
@@ -146,7 +179,6 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
         instead, so its outputs (and the loss) are NaN.
     """
     check_variables(variables, "variables", "freeze_tree")
-    budgets = dict(budgets or {})
     params = traverse_util.flatten_dict(variables["params"], keep_empty_nodes=True)
     gates = traverse_util.flatten_dict(variables.get(GATE_COLLECTION, {}))
     in_working_set = sorted("/".join(key[:-1]) for key in gates if key[-1] == "working_set")
@@ -161,6 +193,8 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
         variables.get(DIAGONALS_COLLECTION, {}), keep_empty_nodes=True
     )
     layers = _search_layers(params)
+    frozen = {key[:-1] for key in diagonals if key[-1] == "offsets"}
+    budgets = _checked_budgets(budgets, layers, frozen)
     for path, layer in layers.items():
         if path in budgets:
             k = budgets[path]
@@ -257,6 +291,69 @@ def _is_params_like(node, params) -> bool:
     return isinstance(node, Mapping) and isinstance(params, Mapping) and set(node) == set(params)
 
 
+def _checked_pair(params_before, params_after) -> tuple[dict, dict, dict]:
+    """``(before, after, layers)``: both params trees flattened and the search layers of
+    ``params_before``, after checking that ``params_after`` has the structure and shapes of its
+    frozen form (shapes only: which rows were kept cannot be checked without the offsets)."""
+    for name, tree in (("params_before", params_before), ("params_after", params_after)):
+        if not isinstance(tree, Mapping):
+            raise TypeError(
+                f"freeze_opt_state: {name} must be a params tree (variables['params'], a "
+                f"mapping), got {type(tree).__name__}"
+            )
+        if isinstance(tree.get("params"), Mapping):
+            raise ValueError(
+                f"freeze_opt_state: {name} holds a 'params' collection: pass the params "
+                f"(variables['params']), not the whole variables"
+            )
+    before = traverse_util.flatten_dict(params_before)
+    after = traverse_util.flatten_dict(params_after)
+    layers = _search_layers(before)
+    searching = _search_layers(after)
+    if searching:
+        swapped = "" if layers else " (params_before holds none: are the two swapped?)"
+        raise ValueError(
+            f"freeze_opt_state: params_after holds a search-phase DiagonalDense (alpha beside "
+            f"values) at params path {_path_text(next(iter(searching)))}{swapped}; "
+            f"params_before: the search-phase params the optimizer state was made for, "
+            f"params_after: freeze_tree(...)['params']"
+        )
+    expected = {
+        key: leaf
+        for key, leaf in before.items()
+        if not (key[:-1] in layers and key[-1] in _SEARCH_PARAMS)
+    }
+    hint = "pass params_after = freeze_tree(variables)['params'] of the same model"
+    missing = sorted(expected.keys() - after.keys(), key=str)
+    if missing:
+        raise ValueError(
+            f"freeze_opt_state: params_after has no entry {_path_text(missing[0])}, which the "
+            f"frozen form of params_before has; {hint}"
+        )
+    extra = sorted(after.keys() - expected.keys(), key=str)
+    if extra:
+        raise ValueError(
+            f"freeze_opt_state: params_after has the entry {_path_text(extra[0])}, which the "
+            f"frozen form of params_before has not; {hint}"
+        )
+    for key, leaf in expected.items():
+        want, got = np.shape(leaf), np.shape(after[key])
+        if key[:-1] in layers and key[-1] == "values":
+            # the freeze cuts the P axis of values to K in [1, P]; every other axis stays
+            axis = layers[key[:-1]]["alpha"].ndim - 1
+            fits = len(got) == len(want) and 1 <= got[axis] <= want[axis]
+            fits = fits and got[:axis] + got[axis + 1 :] == want[:axis] + want[axis + 1 :]
+            want = f"{list(want)} with axis {axis} (P = {want[axis]}) cut to K in [1, P]"
+        else:
+            fits, want = got == want, list(want)
+        if not fits:
+            raise ValueError(
+                f"freeze_opt_state: params_after's {_path_text(key)} has shape {list(got)}, "
+                f"params_before's frozen form has {want}; {hint}"
+            )
+    return before, after, layers
+
+
 def freeze_opt_state(opt_state: Any, params_before, params_after):
     """The optimizer state for ``params_after = freeze_tree(...)["params"]`` (pure, jit-able).
 
@@ -264,28 +361,39 @@ def freeze_opt_state(opt_state: Any, params_before, params_after):
     including the ``MaskedNode`` trees of ``optax.masked``/``multi_transform``) loses its ``alpha``
     (and ``perm_soft``) entries, and keeps for ``values`` the rows of the selected diagonals,
     selected exactly as :func:`freeze_tree` does (top-K of ``params_before``'s alpha, K from
-    ``params_after``). Counts and other leaves are kept. The result has the structure
-    ``tx.init(params_after)`` would give.
+    ``params_after``). Counts and other leaves are kept, and so are trees already in the frozen
+    form. The result has the structure ``tx.init(params_after)`` would give.
 
     Args:
       opt_state: state of an optax transformation initialised on ``params_before``.
       params_before: the search-phase params (``variables["params"]``).
       params_after: the frozen params.
-    """
 
-    before = traverse_util.flatten_dict(params_before)
-    after = traverse_util.flatten_dict(params_after)
+    Raises:
+      TypeError: ``params_before`` or ``params_after`` is not a params tree.
+      ValueError: ``params_after`` does not have the structure and shapes of the frozen form of
+        ``params_before`` (whole variables instead of their ``"params"``, the two swapped, another
+        model's), or ``opt_state`` holds a params tree made for other params.
+    """
+    before, after, layers = _checked_pair(params_before, params_after)
     offsets = {
         path: select_diagonals(
             layer["alpha"], after[path + ("values",)].shape[layer["alpha"].ndim - 1]
         )
-        for path, layer in _search_layers(before).items()
-        if path + ("values",) in after
+        for path, layer in layers.items()
     }
 
     def convert(node):
         flat = traverse_util.flatten_dict(node, keep_empty_nodes=True)
+        if traverse_util.flatten_dict(node).keys() == after.keys():
+            return node  # already in the frozen form
         for path, kept in offsets.items():
+            if path + ("alpha",) not in flat:
+                raise ValueError(
+                    f"freeze_opt_state: opt_state holds a params tree without the alpha of the "
+                    f"DiagonalDense at params path {_path_text(path)}, which is not "
+                    f"params_before's structure; pass the state of tx.init(params_before)"
+                )
             for name in _SEARCH_PARAMS:
                 flat.pop(path + (name,), None)
             value = flat.get(path + ("values",))
@@ -293,8 +401,9 @@ def freeze_opt_state(opt_state: Any, params_before, params_after):
                 flat[path + ("values",)] = _gather_rows(value, kept)
         return traverse_util.unflatten_dict(flat)
 
+    def is_params(node) -> bool:
+        return _is_params_like(node, params_before) or _is_params_like(node, params_after)
+
     return jax.tree_util.tree_map(
-        lambda node: convert(node) if _is_params_like(node, params_before) else node,
-        opt_state,
-        is_leaf=lambda node: _is_params_like(node, params_before),
+        lambda node: convert(node) if is_params(node) else node, opt_state, is_leaf=is_params
     )

@@ -31,10 +31,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax._checks import check_sparsity, int_at_least
+from dynadiag_jax._checks import check_sparsity, host_array, int_at_least
 
 __all__ = [
     "KERNEL_BLOCK_SIZES",
@@ -155,19 +156,51 @@ def num_diagonals(in_features: int, out_features: int, sparsity: float, *, block
     return max(1, min(geo.num_candidates, math.ceil(nonzeros / per_diagonal)))
 
 
+def _checked_offsets(offsets, geo: DiagGeometry):
+    """``offsets`` as int32 ``[K]``: ``TypeError`` unless integer, ``ValueError`` unless 1-D.
+
+    Values that can be read without a trace or a device sync must lie in ``[0, P)`` too; traced
+    ones (inside ``jit``) cannot be read, and wrap modulo ``P``.
+    """
+    if not hasattr(offsets, "shape") or not hasattr(offsets, "dtype"):
+        offsets = np.asarray(offsets)
+    got = f"{offsets.dtype}{list(offsets.shape)}"
+    if not jnp.issubdtype(offsets.dtype, jnp.integer):
+        raise TypeError(f"offsets must be an integer array [K] of diagonal ids, got {got}")
+    if offsets.ndim != 1:
+        raise ValueError(f"offsets must be an integer array [K] of diagonal ids, got {got}")
+    host = host_array(offsets)
+    if host is not None:
+        outside = host[(host < 0) | (host >= geo.num_candidates)]
+        if outside.size:
+            p = "P_b" if geo.blocked else "P"
+            raise ValueError(
+                f"offsets must lie in [0, {p}) = [0, {geo.num_candidates}) for W[{geo.out_features}"
+                f", {geo.in_features}]"
+                + (f" in blocks of {geo.block_size}" if geo.blocked else "")
+                + f"; got {outside[0]}"
+            )
+    return jnp.asarray(offsets, jnp.int32)
+
+
 def diag_indices(offsets, in_features: int, out_features: int):
     """Dense coordinates of every element-diagonal entry.
 
     Args:
-      offsets: ``[K]`` integer diagonal ids in ``[0, P)`` (may be traced).
+      offsets: ``[K]`` integer diagonal ids in ``[0, P)`` (may be traced; a traced id outside
+        wraps modulo ``P``).
       in_features, out_features: the shape of ``W[out, in]``.
 
     Returns:
       ``(rows, cols)``, each ``[K, D]`` int32: ``values[k, t]`` sits at
       ``W[rows[k, t], cols[k, t]]``.
+
+    Raises:
+      TypeError, ValueError: ``offsets`` not an integer ``[K]``, or (when it can be read on the
+        host) holding an id outside ``[0, P)``.
     """
     geo = geometry(in_features, out_features)
-    offsets = jnp.asarray(offsets, jnp.int32)[:, None]
+    offsets = _checked_offsets(offsets, geo)[:, None]
     t = jnp.arange(geo.length, dtype=jnp.int32)[None, :]
     moving = (t + offsets) % geo.num_candidates
     fixed = jnp.broadcast_to(t, moving.shape)
@@ -178,15 +211,19 @@ def block_indices(offsets, in_features: int, out_features: int, block_size: int)
     """Block coordinates of every block of the given block diagonals.
 
     Args:
-      offsets: ``[K]`` integer diagonal ids in ``[0, P_b)`` (may be traced).
+      offsets: ``[K]`` integer diagonal ids in ``[0, P_b)`` (may be traced; a traced id outside
+        wraps modulo ``P_b``).
       in_features, out_features: the shape of ``W[out, in]``; block_size: ``b >= 2``.
 
     Returns:
       ``(block_rows, block_cols)``, each ``[K, L_b]`` int32: ``values[k, t]`` is the block
       ``W[block_rows[k, t] * b : ... + b, block_cols[k, t] * b : ... + b]``.
+
+    Raises:
+      TypeError, ValueError: as :func:`diag_indices`.
     """
     geo = geometry(in_features, out_features, int_at_least(block_size, "block_size", 2))
-    offsets = jnp.asarray(offsets, jnp.int32)[:, None]
+    offsets = _checked_offsets(offsets, geo)[:, None]
     t = jnp.arange(geo.length, dtype=jnp.int32)[None, :]
     wrapped = (t + offsets) % geo.num_candidates  # along the shorter block axis
     along = jnp.broadcast_to(t, wrapped.shape)
@@ -202,14 +239,34 @@ def transpose_diagonals(values, offsets, in_features: int, out_features: int):
     block is transposed as well.
 
     Args:
-      values: ``[K, D]`` or ``[K, L_b, b, b]``; offsets: ``[K]`` integer.
+      values: ``[K, D]`` or ``[K, L_b, b, b]``; offsets: ``[K]`` integer in ``[0, P)`` (may be
+        traced, as :func:`diag_indices`).
 
     Returns:
       ``(values_t, offsets_t [K] int32)``, ``values_t`` of the shape of ``values``.
+
+    Raises:
+      TypeError, ValueError: ``values`` not of the shape above for ``W[out, in]``, ``offsets`` as
+        :func:`diag_indices` or not as long as ``values``.
     """
+    if not hasattr(values, "shape") or not hasattr(values, "ndim"):
+        raise TypeError(
+            f"values must be an array [K, D] or [K, L_b, b, b], got {type(values).__name__}"
+        )
     block_size = values.shape[-1] if values.ndim == 4 else 1
     geo = geometry(in_features, out_features, block_size)
-    offsets = jnp.asarray(offsets, jnp.int32)
+    if values.shape[1:] != geo.values_shape:
+        names = "[K, L_b, b, b]" if geo.blocked else "[K, D]"
+        raise ValueError(
+            f"values must have shape {names} = [K, {', '.join(map(str, geo.values_shape))}] for "
+            f"W[{geo.out_features}, {geo.in_features}], got {list(values.shape)}"
+        )
+    offsets = _checked_offsets(offsets, geo)
+    if offsets.shape[0] != values.shape[0]:
+        raise ValueError(
+            f"offsets must have shape [K] = [{values.shape[0]}] to match values "
+            f"{list(values.shape)}, got {list(offsets.shape)}"
+        )
     if geo.blocked:
         values = jnp.swapaxes(values, -1, -2)
     if geo.in_features != geo.out_features:
@@ -230,18 +287,25 @@ def coverage(offsets, in_features: int, out_features: int, *, block_size: int = 
     unread.
 
     Args:
-      offsets: ``[K]`` concrete diagonal ids in ``[0, P)`` (``[0, P_b)`` for blocks).
+      offsets: ``[K]`` concrete integer diagonal ids in ``[0, P)`` (``[0, P_b)`` for blocks);
+        host-only: the counts are numpy arrays, so not inside ``jit``.
       in_features, out_features: the shape of ``W[out, in]``; block_size: 1 or ``b >= 2``.
 
     Returns:
       ``(rows[out], cols[in])`` int64 numpy arrays (repeated offsets count twice).
+
+    Raises:
+      TypeError: traced ``offsets``, or not integer.
+      ValueError: ``offsets`` not ``[K]``, or holding an id outside ``[0, P)``.
     """
     geo = geometry(in_features, out_features, block_size)
-    off = np.asarray(offsets)
-    if off.ndim != 1 or (off.size and (off.min() < 0 or off.max() >= geo.num_candidates)):
-        raise ValueError(
-            f"offsets must be [K] ids in [0, {geo.num_candidates}), got {off.tolist()!r}"
+    if isinstance(offsets, jax.core.Tracer):
+        raise TypeError(
+            "coverage: offsets must be concrete (it counts on the host and returns numpy "
+            "arrays), got a traced array; call it outside jit"
         )
+    off = np.asarray(offsets)
+    _checked_offsets(off, geo)
     if geo.blocked:
         b = geo.block_size
         brows, bcols = (np.asarray(a) for a in block_indices(off, in_features, out_features, b))

@@ -31,13 +31,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dynadiag_jax._checks import int_at_least, non_negative
+from dynadiag_jax._checks import check_layer_arguments, int_at_least, non_negative
 from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.freeze import finite_values
 from dynadiag_jax.freeze import freeze_opt_state as freeze_params_opt_state
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
 from dynadiag_jax.nn import permutation as perms
+from dynadiag_jax.nn.gate_state import check_score
 from dynadiag_jax.nn.lora import adapter_rules, check_rank, default_a_init, low_rank_term
 from dynadiag_jax.nn.search import gate_inputs, search_forward
 from dynadiag_jax.nn.sparsify import first_match, parse_rules, unmatched_message
@@ -132,12 +133,24 @@ class DiagonalDense(nnx.Module):
         if init_phase not in ("search", "frozen"):
             raise ValueError(f"unknown init_phase {init_phase!r}; expected 'search' or 'frozen'")
         non_negative(slack, "slack")
+        check_layer_arguments(
+            num_buckets=num_buckets,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+        )
         F.check_init_and_search(fan_in, scale)
         perms.check_permutation_args(
             permutation, permutation_penalty, permutation_start, permutation_relaxation
         )
         if gate_init is not None:
             check_gate_value(gate_init, "gate_init")
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(
+                f"rngs must be an nnx.Rngs with a 'params' stream (nnx.Rngs(0)), "
+                f"got {type(rngs).__name__}"
+            )
         budget = F.layer_budget(
             in_features, out_features, sparsity=sparsity, k=k, block_size=block_size
         )
@@ -220,6 +233,7 @@ class DiagonalDense(nnx.Module):
             raise ValueError(
                 f"DiagonalDense: x has width {x.shape[-1]}, the layer expects {spec.in_features}"
             )
+        self._check_state()
         name = spec.hyper_name
         given, wrong = (strength, temperature) if name == "strength" else (temperature, strength)
         if wrong is not None:
@@ -258,6 +272,36 @@ class DiagonalDense(nnx.Module):
             bias = self.bias.get_value().astype(dtype)
             y = y + bias.reshape((1,) * (y.ndim - 1) + (spec.out_features,))
         return y
+
+    def _label(self) -> str:
+        """The layer's path where it knows one (:class:`DiagonalDenseGeneral`), else its widths."""
+        spec = self.spec
+        return getattr(self, "path", "") or (
+            f"DiagonalDense({spec.in_features} -> {spec.out_features})"
+        )
+
+    def _check_state(self):
+        """Raises naming the layer when its variables do not have its phase's shapes (a
+        search-phase state loaded into a frozen layer, or the reverse)."""
+        spec = self.spec
+        if self.frozen:
+            phase, n = "frozen", spec.k
+            expected = {"offsets": (spec.k,)}
+        else:
+            phase, n = "search-phase", spec.num_candidates
+            expected = {"alpha": (n,), "topk": (spec.k,)}
+        expected["values"] = (n, *spec.row_shape)
+        if self.bias is not None:
+            expected["bias"] = (spec.out_features,)
+        for name, shape in expected.items():
+            got = tuple(getattr(self, name).get_value().shape)
+            if got != shape:
+                raise ValueError(
+                    f"{self._label()}: {name} has shape {list(got)}, but this {phase} layer "
+                    f"(K = {spec.k} of P = {spec.num_candidates} diagonals) holds {list(shape)}: "
+                    f"its state was made for another layer or phase (e.g. a search-phase state "
+                    f"loaded into a frozen layer)"
+                )
 
     def _soft_matrix(self):
         soft = self.perm_soft.get_value().astype(work_dtype(self.param_dtype))
@@ -324,12 +368,15 @@ def set_gate(model, *, strength=None, temperature=None, score=None):
     Works inside ``nnx.jit`` (traced values are fine). Raises ``ValueError`` when nothing is given,
     for a concrete negative or NaN value, and when an argument matches no layer (``strength=``
     with only softmax layers, or a frozen model); the message names the gates present.
+    ``TypeError`` for a ``score`` that is not a bool (or a bool array).
     """
     if strength is None and temperature is None and score is None:
         raise ValueError("set_gate needs strength=, temperature= and/or score=")
     for name, value in (("strength", strength), ("temperature", temperature)):
         if value is not None:
             check_gate_value(value, name, "set_gate")
+    if score is not None:
+        check_score(score, "set_gate")
     layers = [m for _, m in _layers(model) if not m.frozen]
     present = {
         name: sum(m.spec.hyper_name == name for m in layers) for name in F.HYPER_NAME.values()
@@ -414,17 +461,57 @@ def freeze(model):
     return frozen
 
 
+def _path_list(layers) -> str:
+    return ", ".join(sorted("/".join(map(str, path)) for path in layers)) or "none"
+
+
 def freeze_opt_state(optimizer: nnx.Optimizer, model, frozen) -> nnx.Optimizer:
     """An ``nnx.Optimizer`` for ``frozen = freeze(model)`` that continues ``optimizer`` (made for
     ``model``), as :func:`dynadiag_jax.freeze_opt_state` does for linen: the same transformation,
     ``wrt`` and step count; every params-shaped tree of its state (Adam's moments, ...) loses
     ``alpha`` and keeps the rows of the diagonals ``freeze`` kept. ``optimizer`` is unchanged.
+
+    Raises:
+      TypeError: ``optimizer`` is not an ``nnx.Optimizer``, or ``model``/``frozen`` not modules.
+      ValueError: ``frozen`` is not ``freeze(model)`` (the arguments swapped, layers at other
+        paths, or params of other shapes), naming the layer.
     """
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            f"dd.nnx.freeze_opt_state: optimizer must be an nnx.Optimizer, "
+            f"got {type(optimizer).__name__}"
+        )
+    for name, module in (("model", model), ("frozen", frozen)):
+        if not isinstance(module, nnx.Module):
+            raise TypeError(
+                f"dd.nnx.freeze_opt_state: {name} must be an nnx.Module, "
+                f"got {type(module).__name__}"
+            )
+    before, after = dict(_layers(model)), dict(_layers(frozen))
+    if before.keys() != after.keys():
+        raise ValueError(
+            f"dd.nnx.freeze_opt_state: frozen must be dd.nnx.freeze(model), but its "
+            f"DiagonalDense layers are at {_path_list(after)} and model's at {_path_list(before)}"
+        )
+    for path, layer in after.items():
+        if not layer.frozen:
+            swapped = (
+                " (and model's is frozen: are the two swapped?)" if before[path].frozen else ""
+            )
+            raise ValueError(
+                f"dd.nnx.freeze_opt_state: the DiagonalDense at {'/'.join(map(str, path))} of "
+                f"frozen is in the search phase{swapped}; pass frozen = dd.nnx.freeze(model)"
+            )
     params_before = nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
     params_after = nnx.to_pure_dict(nnx.state(frozen, optimizer.wrt))
-    state = freeze_params_opt_state(
-        nnx.to_pure_dict(nnx.state(optimizer)), params_before, params_after
-    )
+    try:
+        state = freeze_params_opt_state(
+            nnx.to_pure_dict(nnx.state(optimizer)), params_before, params_after
+        )
+    except ValueError as e:  # name the arguments of this function
+        raise ValueError(
+            f"dd.nnx.{e} (params_before: model's params, params_after: frozen's)"
+        ) from None
     continued = nnx.Optimizer(frozen, optimizer.tx, wrt=optimizer.wrt)
     template = nnx.state(continued)
     nnx.replace_by_pure_dict(template, state)

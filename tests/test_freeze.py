@@ -463,3 +463,76 @@ def test_loss_is_continuous_across_the_freeze_at_hard_gates(options):
     frozen = dd.freeze_tree(variables)
     assert "alpha" not in frozen["params"]["element"]
     np.testing.assert_allclose(loss(frozen), loss(variables), rtol=F32_TOL)
+
+
+def test_select_diagonals_checks_k_and_alpha():
+    """k = -1 gave P - 1 offsets, k > P was clamped, k = 0 gave none; a float k, integer,
+    scalar or list alpha gave errors that named neither argument."""
+    alpha = jnp.linspace(0.0, 1.0, 32)
+    for k in (-1, 0, 33):
+        with pytest.raises(ValueError, match=r"k must be in \[1, P\] = \[1, 32\], got"):
+            dd.select_diagonals(alpha, k)
+    with pytest.raises(TypeError, match="k must be an int, got float"):
+        dd.select_diagonals(alpha, 2.5)
+    for bad, error in ((jnp.arange(32), TypeError), (jnp.float32(1.0), ValueError)):
+        with pytest.raises(error, match=r"alpha must be a floating array \[\.\.\., P\]"):
+            dd.select_diagonals(bad, 1)
+    with pytest.raises(TypeError, match="alpha must be a floating array .*got list"):
+        dd.select_diagonals([1.0, 2.0], 1)
+    np.testing.assert_array_equal(dd.select_diagonals(alpha, 32), np.arange(32))
+
+
+def test_freeze_tree_checks_budgets():
+    """budgets={(): -1} froze 31 of 32 diagonals, 2.5 failed obscurely and a path that is no
+    layer's was ignored."""
+    model = Model()
+    v = model.init(jax.random.key(0), jnp.ones((1, 16)))
+    layer = DiagonalDense(32, k=4, impl="jax")
+    lv = layer.init(jax.random.key(0), jnp.ones((1, 16)))
+    for k in (-1, 0, 33):
+        with pytest.raises(ValueError, match=r"budgets\[\(\)\] must be in \[1, P\] = \[1, 32\]"):
+            dd.freeze_tree(lv, budgets={(): k})
+    with pytest.raises(TypeError, match=r"budgets\[\(\)\] must be an int, got float"):
+        dd.freeze_tree(lv, budgets={(): 2.5})
+    with pytest.raises(TypeError, match="budgets must be a mapping"):
+        dd.freeze_tree(lv, budgets=4)
+    with pytest.raises(
+        ValueError,
+        match=r"budgets has the path \('Block_0',\).*layers are at: \('Block_0', 'inner'\), "
+        r"\('first',\)",
+    ):
+        dd.freeze_tree(v, budgets={("Block_0",): 2})
+    fv = dd.freeze_tree(v, budgets={("first",): 3})
+    assert fv["diagonals"]["first"]["offsets"].shape == (3,)
+    assert dd.freeze_tree(fv, budgets={("first",): 3})["params"].keys() == fv["params"].keys()
+
+
+def test_freeze_opt_state_checks_its_params():
+    """The whole variables, the two params swapped or ints came back unchanged (or with an
+    AssertionError) and failed later in tx.update."""
+    model = Model()
+    v = random_alpha(model.init(jax.random.key(0), jnp.ones((1, 16))))
+    fv = dd.freeze_tree(v)
+    tx = optax.sgd(0.1, momentum=0.9)
+    state = tx.init(v["params"])
+    with pytest.raises(ValueError, match="params_after holds a 'params' collection"):
+        dd.freeze_opt_state(state, v["params"], fv)
+    with pytest.raises(ValueError, match="params_before holds a 'params' collection"):
+        dd.freeze_opt_state(state, v, fv["params"])
+    with pytest.raises(ValueError, match="params_after holds a search-phase.*swapped"):
+        dd.freeze_opt_state(state, fv["params"], v["params"])
+    with pytest.raises(TypeError, match="params_before must be a params tree.*got int"):
+        dd.freeze_opt_state(state, 1, 2)
+    other = dd.freeze_tree(Model().init(jax.random.key(0), jnp.ones((1, 12))))["params"]
+    with pytest.raises(ValueError, match=r"params_after's first/values has shape \[\d+, 12\]"):
+        dd.freeze_opt_state(state, v["params"], other)
+    without_head = {key: value for key, value in fv["params"].items() if key != "Dense_0"}
+    with pytest.raises(ValueError, match="params_after has no entry Dense_0/bias"):
+        dd.freeze_opt_state(state, v["params"], without_head)
+    first = {key: value for key, value in v["params"]["first"].items() if key != "alpha"}
+    odd = tx.init(dict(v["params"], first=first))
+    with pytest.raises(ValueError, match="opt_state holds a params tree without the alpha.*first"):
+        dd.freeze_opt_state(odd, v["params"], fv["params"])
+    converted = dd.freeze_opt_state(state, v["params"], fv["params"])
+    again = dd.freeze_opt_state(converted, v["params"], fv["params"])  # already frozen: kept
+    assert jax.tree.structure(again) == jax.tree.structure(tx.init(fv["params"]))

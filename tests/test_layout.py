@@ -253,3 +253,47 @@ def test_the_block_size_hint_names_sizes_the_layer_takes():
     with pytest.raises(ValueError, match=r"that fit: 8, 16 \(DiagonalDense and the kernels take "):
         init(64)
     assert init(16)["params"]["values"].shape == (16, 49, 16, 16)
+
+
+def test_index_functions_check_offsets_they_can_read():
+    """Host offsets outside [0, P) wrapped modulo P (12 of P = 12 gave offset 0's coordinates),
+    float offsets were truncated and 2-D ones gave a broadcasting error."""
+    for bad in ([12], [-1]):
+        with pytest.raises(ValueError, match=r"offsets must lie in \[0, P\) = \[0, 12\)"):
+            dd.layout.diag_indices(np.asarray(bad), 4, 12)
+    with pytest.raises(ValueError, match=r"offsets must lie in \[0, P_b\) = \[0, 2\)"):
+        block_indices(jnp.asarray([2]), 4, 12, 2)
+    with pytest.raises(TypeError, match=r"offsets must be an integer array \[K\].*float32\[1\]"):
+        dd.layout.diag_indices(jnp.asarray([1.5]), 4, 12)
+    with pytest.raises(ValueError, match=r"offsets must be an integer array \[K\].*int32\[2, 2\]"):
+        block_indices(jnp.zeros((2, 2), jnp.int32), 4, 12, 2)
+    # Traced offsets (the library's products, inside jit) cannot be read: they wrap, as documented.
+    rows, _ = jax.jit(lambda o: dd.layout.diag_indices(o, 4, 12))(jnp.asarray([12, 1]))
+    np.testing.assert_array_equal(rows, [[0, 1, 2, 3], [1, 2, 3, 4]])
+
+
+def test_transpose_diagonals_checks_values_and_offsets():
+    """Values of the wrong D, a values/offsets K mismatch and offsets out of range ran."""
+    values, offsets = jnp.ones((2, 4)), jnp.asarray([0, 1])
+    with pytest.raises(ValueError, match=r"values must have shape \[K, D\] = \[K, 4\].*\[2, 5\]"):
+        transpose_diagonals(jnp.ones((2, 5)), offsets, 4, 12)
+    with pytest.raises(
+        ValueError, match=r"values must have shape \[K, L_b, b, b\] = \[K, 6, 2, 2\]"
+    ):
+        transpose_diagonals(jnp.ones((2, 5, 2, 2)), offsets, 4, 12)
+    with pytest.raises(ValueError, match=r"offsets must have shape \[K\] = \[2\] to match values"):
+        transpose_diagonals(values, jnp.asarray([0]), 4, 4)
+    with pytest.raises(ValueError, match=r"offsets must lie in \[0, P\) = \[0, 4\)"):
+        transpose_diagonals(values, jnp.asarray([0, 4]), 4, 4)
+    with pytest.raises(TypeError, match="values must be an array"):
+        transpose_diagonals([[1.0]], [0], 1, 1)
+    _, offsets_t = jax.jit(lambda v, o: transpose_diagonals(v, o, 4, 4))(values, offsets)
+    np.testing.assert_array_equal(offsets_t, [0, 3])
+
+
+def test_coverage_is_host_only_and_checks_offsets():
+    """Float offsets were accepted, and traced ones gave TracerArrayConversionError."""
+    with pytest.raises(TypeError, match="offsets must be an integer array"):
+        coverage([0.5], 4, 12)
+    with pytest.raises(TypeError, match="coverage: offsets must be concrete.*outside jit"):
+        jax.jit(lambda o: coverage(o, 4, 12)[0])(jnp.asarray([1]))

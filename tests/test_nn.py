@@ -712,3 +712,90 @@ def test_a_nan_gate_value_raises_eagerly_and_gives_nan_outputs_under_jit(gate):
         assert np.all(np.isnan(np.asarray(f(v, jnp.nan))))
         np.testing.assert_array_equal(f(v, -1.0), f(v, 0.0))
         assert np.all(np.isfinite(np.asarray(f(v, -1.0))))
+
+
+@pytest.mark.parametrize("score", ["no", 3.7, 1, np.float32(1), jnp.asarray(1)])
+def test_set_gate_refuses_a_score_that_is_not_a_bool(score):
+    layer = DiagonalDense(8, sparsity=0.5, explore="dense_score", impl="jax")
+    v, _ = init(layer, 8)
+    with pytest.raises(TypeError, match="set_gate: score must be a bool"):
+        set_gate(v, score=score)
+    model = dd.nnx.DiagonalDense(8, 8, sparsity=0.5, explore="dense_score", rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="set_gate: score must be a bool"):
+        dd.nnx.set_gate(model, score=score)
+
+
+def test_set_gate_takes_python_numpy_and_traced_bools():
+    layer = DiagonalDense(8, sparsity=0.5, explore="dense_score", impl="jax")
+    v, _ = init(layer, 8)
+    for score in (True, np.bool_(True), jnp.asarray(True)):
+        assert bool(set_gate(v, score=score)["dynadiag"]["score"])
+    at_step = jax.jit(lambda v, step: set_gate(v, score=step % 3 == 0)["dynadiag"]["score"])
+    assert bool(at_step(v, 3)) and not bool(at_step(v, 4))
+    model = dd.nnx.DiagonalDense(8, 8, sparsity=0.5, explore="dense_score", rngs=nnx.Rngs(0))
+    for score in (np.bool_(False), True):
+        dd.nnx.set_gate(model, score=score)
+        assert bool(model.score.get_value()) is bool(score)
+
+
+@pytest.mark.parametrize(
+    "scale, error",
+    [(0.0, ValueError), (-1.0, ValueError), (float("nan"), ValueError), ("1", TypeError)],
+)
+def test_alpha_from_values_refuses_a_scale_that_erases_or_reverses_the_ranking(scale, error):
+    params = DiagonalDense(24, k=4).init(jax.random.key(0), jnp.ones((2, 16)))["params"]
+    with pytest.raises(error, match="alpha_from_values: scale must be"):
+        dd.nn.alpha_from_values(params, scale)
+    with pytest.raises(ValueError, match="scale must be > 0"):
+        dd.nn.alpha_from_values(params, jnp.asarray([0.5, -0.5]))
+
+
+def test_alpha_from_values_under_jit_is_nan_for_a_scale_that_is_not_positive():
+    params = DiagonalDense(24, k=4).init(jax.random.key(0), jnp.ones((2, 16)))["params"]
+    restart = jax.jit(lambda p, s: dd.nn.alpha_from_values(p, s)["alpha"])
+    for scale in (0.0, -1.0, jnp.nan):
+        assert np.all(np.isnan(np.asarray(restart(params, scale))))
+    np.testing.assert_allclose(
+        restart(params, 0.5), dd.nn.alpha_from_values(params, 0.5)["alpha"], rtol=1e-6
+    )
+
+
+def test_search_variables_of_another_budget_features_or_block_size_are_refused():
+    """DiagonalDense(32, sparsity=0.9) ran silently on variables made with sparsity 0.5 (and
+    freeze_tree then froze topk's old count); another features gave Flax's shape error."""
+    x = jnp.ones((2, 16))
+    v = DiagonalDense(32, sparsity=0.5, impl="jax").init(jax.random.key(0), x)
+    sparser = DiagonalDense(32, sparsity=0.9, impl="jax")
+    for apply in (sparser.apply, jax.jit(sparser.apply)):
+        with pytest.raises(
+            ValueError, match=r"DiagonalDense: dynadiag/topk holds K = 16 .*budget is K = 4"
+        ):
+            apply(v, x)
+    with pytest.raises(ValueError, match=r"params/bias has shape \[32\].*features=16"):
+        DiagonalDense(16, sparsity=0.5).apply(v, x)
+    bare = DiagonalDense(32, sparsity=0.5, use_bias=False).init(jax.random.key(0), x)
+    for layer in (
+        DiagonalDense(24, sparsity=0.5, use_bias=False),
+        DiagonalDense(32, sparsity=0.5, use_bias=False, block_size=8),
+    ):
+        with pytest.raises(ValueError, match=r"values \[P, 16\]\) were made by a layer with other"):
+            layer.apply(bare, x)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(param_dtype=jnp.int32), "param_dtype must be a floating dtype.*got int32"),
+        (dict(dtype=jnp.int32), "dtype must be a floating dtype.*got int32"),
+        (dict(dtype="foo"), "dtype must be a floating dtype.*got 'foo'"),
+        (dict(kernel_init=3), "kernel_init must be an initializer.*got 3"),
+        (dict(bias_init=None), "bias_init must be an initializer.*got None"),
+    ],
+)
+def test_dtype_and_initializer_arguments_are_checked(kwargs, match):
+    """param_dtype=int32 gave values of zeros and an output of exactly 0; the others named x, or
+    nothing."""
+    with pytest.raises(TypeError, match=match):
+        DiagonalDense(8, sparsity=0.5, **kwargs)
+    with pytest.raises(TypeError, match=match):
+        dd.nnx.DiagonalDense(8, 8, sparsity=0.5, rngs=nnx.Rngs(0), **kwargs)

@@ -240,3 +240,57 @@ def test_static_diagonals_and_lazy_import():
     layer = fresh.nnx.DiagonalDense(64, 64, k=3, init_phase="frozen", rngs=nnx.Rngs(0))
     assert layer.frozen and layer.offsets.get_value().shape == (3,)
     assert len(set(np.asarray(layer.offsets.get_value()).tolist())) == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(num_buckets=0), ValueError, "num_buckets must be >= 1, got 0"),
+        (dict(num_buckets=-3), ValueError, "num_buckets must be >= 1, got -3"),
+        (dict(num_buckets=2.5), TypeError, "num_buckets must be an int, got float"),
+        (dict(rngs=None), TypeError, "rngs must be an nnx.Rngs.*got NoneType"),
+    ],
+)
+def test_constructor_checks_num_buckets_and_rngs(kwargs, error, match):
+    """num_buckets 0 and -3 were accepted and 2.5 truncated (the linen layer raised); rngs=None
+    gave an AttributeError."""
+    kwargs = {"rngs": nnx.Rngs(0), **kwargs}
+    with pytest.raises(error, match=match):
+        dd.nnx.DiagonalDense(16, 32, sparsity=0.5, **kwargs)
+
+
+def test_a_state_of_the_other_phase_names_the_layer():
+    """A search-phase state loaded into a frozen layer failed in diag_matmul with "offsets must
+    have shape [K] = [32] to match values (32, 16)", naming no layer."""
+    layer = dd.nnx.DiagonalDense(16, 32, sparsity=0.5, rngs=nnx.Rngs(0))
+    frozen = dd.nnx.freeze(layer)
+    nnx.update(frozen, nnx.state(layer))
+    with pytest.raises(
+        ValueError, match=r"DiagonalDense\(16 -> 32\): values has shape \[32, 16\].*frozen layer"
+    ):
+        frozen(jnp.ones((2, 16)))
+    general = dd.nnx.DiagonalDenseGeneral(
+        (4, 4), (32,), sparsity=0.5, path="blocks/0/fc", rngs=nnx.Rngs(0)
+    )
+    general.values.set_value(general.values.get_value()[:8])
+    with pytest.raises(ValueError, match=r"blocks/0/fc: values has shape \[8, 16\]"):
+        general(jnp.ones((2, 4, 4)))
+
+
+def test_freeze_opt_state_checks_its_arguments(standard_promotion):
+    """freeze_opt_state(optimizer, frozen, model) silently returned an optimizer for the
+    search-phase model."""
+    model = MLP(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    frozen = dd.nnx.freeze(model)
+    with pytest.raises(ValueError, match="fc1 of frozen is in the search phase.*swapped"):
+        dd.nnx.freeze_opt_state(optimizer, frozen, model)
+    with pytest.raises(ValueError, match="fc1 of frozen is in the search phase"):
+        dd.nnx.freeze_opt_state(optimizer, model, model)
+    with pytest.raises(ValueError, match="frozen must be dd.nnx.freeze\\(model\\).*none"):
+        dd.nnx.freeze_opt_state(optimizer, model, nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(TypeError, match="optimizer must be an nnx.Optimizer"):
+        dd.nnx.freeze_opt_state(None, model, frozen)
+    with pytest.raises(TypeError, match="frozen must be an nnx.Module"):
+        dd.nnx.freeze_opt_state(optimizer, model, {"fc1": 1})
+    assert dd.nnx.freeze_opt_state(optimizer, model, frozen).step.get_value() == 0

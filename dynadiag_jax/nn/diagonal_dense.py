@@ -38,7 +38,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from dynadiag_jax._checks import int_at_least, non_negative
+from dynadiag_jax._checks import check_layer_arguments, int_at_least, non_negative
 from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
@@ -131,10 +131,10 @@ class DiagonalDense(nn.Module):
       num_buckets: number of static sizes for ``explore="buckets"``.
       gate_init: value ``init`` stores for the gate hyper-parameter when the call gives none
         (default 1.0 strength / 5.0 temperature).
-      dtype: computation dtype (default: promote the input and ``param_dtype``).
-      param_dtype: dtype of ``values`` and ``bias``. ``alpha`` is stored in at least float32:
-        its init noise and the small updates that rank the diagonals are below the resolution
-        of a 16-bit float (in bfloat16 every alpha would start equal).
+      dtype: floating computation dtype (default: promote the input and ``param_dtype``).
+      param_dtype: floating dtype of ``values`` and ``bias``. ``alpha`` is stored in at least
+        float32: its init noise and the small updates that rank the diagonals are below the
+        resolution of a 16-bit float (in bfloat16 every alpha would start equal).
       impl: passed to :func:`dynadiag_jax.diag_matmul`.
       kernel_init: the initializer of the dense kernel ``[in, features]`` this layer stands for
         (``nn.Dense``'s argument, same default): ``values`` are that kernel's entries on the
@@ -225,7 +225,13 @@ class DiagonalDense(nn.Module):
         if self.explore not in F.EXPLORE_MODES:
             raise ValueError(f"unknown explore {self.explore!r}; expected one of {F.EXPLORE_MODES}")
         non_negative(self.slack, "slack")
-        int_at_least(self.num_buckets, "num_buckets", 1)
+        check_layer_arguments(
+            num_buckets=self.num_buckets,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=self.kernel_init,
+            bias_init=self.bias_init,
+        )
         F.check_init_and_search(self.fan_in, self.scale)
         perms.check_permutation_args(
             self.permutation,
@@ -278,6 +284,7 @@ class DiagonalDense(nn.Module):
         F.check_layer_input(x)
         self._check_frozen_entries()
         self._check_phase()
+        self._check_stored_shapes()
         self._check_width(x.shape[-1])
         try:
             spec = self.spec(x.shape[-1])
@@ -309,6 +316,9 @@ class DiagonalDense(nn.Module):
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             y = y + bias.astype(dtype).reshape((1,) * (y.ndim - 1) + (self.features,))
         return y
+
+    def _budget_text(self) -> str:
+        return f"sparsity={self.sparsity}" if self.k is None else f"k={self.k}"
 
     def _label(self) -> str:
         """The layer's module path (``"encoder/block_0/mlp/fc1"``), for error messages."""
@@ -421,6 +431,38 @@ class DiagonalDense(nn.Module):
                 f"and computes the frozen product, but was given search-phase variables (params "
                 f"alpha [P], values [P, ...]): apply the search-phase layer to them, or freeze "
                 f"them first (dd.freeze, dd.freeze_tree)"
+            )
+
+    def _check_stored_shapes(self):
+        """Raises when the variables were made for another ``features`` or ``block_size``: a
+        ``bias`` of another width, or search-phase ``values`` that no layer with this output
+        width and block size has (element ``[P, D]``: ``features`` is ``P`` or ``D <= P``; block
+        ``[P_b, L_b, b, b]``: ``features`` is ``L_b * b`` or ``P_b * b <= L_b * b``)."""
+        if self.is_initializing():
+            return
+        bias = self.get_variable("params", "bias")
+        if self.use_bias and bias is not None and bias.shape != (self.features,):
+            raise ValueError(
+                f"{self._label()}: params/bias has shape {list(bias.shape)}, but the layer has "
+                f"features={self.features}: the variables were made by a layer with other "
+                f"features"
+            )
+        if not self.has_variable("params", "alpha") or not self.has_variable("params", "values"):
+            return
+        p = self.get_variable("params", "alpha").shape[-1]
+        rows = self.get_variable("params", "values").shape[1:]
+        b = self.block_size
+        if len(rows) == 1 and b == 1:
+            outs = {p} | ({rows[0]} if rows[0] <= p else set())
+        elif len(rows) == 3 and rows[1:] == (b, b):
+            outs = {rows[0] * b} | ({p * b} if p <= rows[0] else set())
+        else:
+            outs = set()
+        if self.features not in outs:
+            raise ValueError(
+                f"{self._label()}: the search-phase params (alpha [P] = [{p}], values "
+                f"[P, {', '.join(map(str, rows))}]) were made by a layer with other features or "
+                f"block_size than this one's features={self.features}, block_size={b}"
             )
 
     def _check_width(self, width: int):
@@ -537,6 +579,15 @@ class DiagonalDense(nn.Module):
                     f"[W, *V] = {list(expected)} (W = len(dynadiag/working_set)), got "
                     f"{list(values.shape)}"
                 )
+        stored = self.get_variable(F.GATE_COLLECTION, "topk")
+        if stored is not None and stored.shape[-1] != spec.k and not self.is_initializing():
+            # the freeze takes K from topk's length: a mismatch would freeze another budget
+            raise ValueError(
+                f"{self._label()}: dynadiag/topk holds K = {stored.shape[-1]} diagonals (the "
+                f"budget the variables were made with), but this layer's budget is K = {spec.k} "
+                f"({self._budget_text()} at {spec.in_features} -> {spec.out_features}): make the "
+                f"layer with the sparsity/k the variables were made with"
+            )
         tracking = self.has_variable(F.GATE_COLLECTION, "topk") and self.is_mutable_collection(
             F.GATE_COLLECTION
         )

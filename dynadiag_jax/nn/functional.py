@@ -33,7 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dynadiag_jax._checks import check_sparsity
+from dynadiag_jax._checks import check_sparsity, int_in_range
 from dynadiag_jax.layout import DiagGeometry, geometry, num_diagonals
 from dynadiag_jax.ops import diag_matmul
 from dynadiag_jax.ops.ranking import descending_order
@@ -221,7 +221,21 @@ def select_diagonals(alpha, k: int):
 
     Ties go to the lower offset; NaN scores rank with -inf, below every other score (the order of
     :func:`dynadiag_jax.ops.ranking.descending_order`, which the search phase's ``topk`` uses).
+
+    Raises:
+      TypeError: ``alpha`` is not a floating array, or ``k`` is not an int.
+      ValueError: ``alpha`` is a scalar, or ``k`` is outside ``[1, P]``.
     """
+    if not hasattr(alpha, "shape") or not hasattr(alpha, "dtype"):
+        raise TypeError(
+            f"select_diagonals: alpha must be a floating array [..., P], got {type(alpha).__name__}"
+        )
+    got = f"{alpha.dtype}{list(alpha.shape)}"
+    if not jnp.issubdtype(alpha.dtype, jnp.floating):
+        raise TypeError(f"select_diagonals: alpha must be a floating array [..., P], got {got}")
+    if alpha.ndim < 1:
+        raise ValueError(f"select_diagonals: alpha must be a floating array [..., P], got {got}")
+    k = int_in_range(k, "select_diagonals: k", 1, alpha.shape[-1], "[1, P]")
     order = descending_order(jax.lax.stop_gradient(alpha))
     return jnp.sort(order[..., :k], axis=-1)
 
