@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from dynadiag_jax import optim
+from dynadiag_jax import training as T
 
 PARAMS = {
     "layer": {"alpha": jnp.ones(6), "values": jnp.ones((6, 4)), "bias": jnp.ones(6)},
@@ -116,3 +117,47 @@ def test_diag_optimizer_values_lr_scale_scales_the_values_updates_only():
     for bad in (0.0, -1.0):
         with pytest.raises(ValueError, match="values_lr_scale must be > 0"):
             optim.diag_optimizer(1e-3, alpha_learning_rate=0.1, values_lr_scale=bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(learning_rate=float("nan")), ValueError, "learning_rate must be a finite number"),
+        (dict(learning_rate=-1.0), ValueError, "learning_rate must be > 0, got -1.0"),
+        (dict(learning_rate=0.0), ValueError, "learning_rate must be > 0"),
+        (dict(learning_rate="fast"), TypeError, "learning_rate must be a number or a schedule"),
+        (dict(weight_decay=-1.0), ValueError, "weight_decay must be >= 0"),
+        (dict(weight_decay=float("inf")), ValueError, "weight_decay must be a finite number"),
+        (dict(b1=2.0), ValueError, r"b1 must be in \[0, 1\), got 2.0"),
+        (dict(b2=1.0), ValueError, r"b2 must be in \[0, 1\)"),
+        (dict(b1="0.9"), TypeError, "b1 must be a number"),
+        (dict(eps=-1e-8), ValueError, "eps must be >= 0"),
+        (dict(clip_norm=-1.0), ValueError, "clip_norm .* must be >= 0"),
+        (dict(clip_norm=float("nan")), ValueError, "clip_norm .* must be a finite number"),
+        (dict(alpha_lr_scale=float("nan")), ValueError, "alpha_lr_scale must be a finite number"),
+        (dict(alpha_lr_scale=0.0), ValueError, "alpha_lr_scale must be > 0"),
+        (dict(values_lr_scale=float("nan")), ValueError, "values_lr_scale must be a finite"),
+    ],
+)
+def test_adamw_refuses_bad_constants_naming_them(kwargs, error, message):
+    """optax took each of these without a word: NaN rates trained to NaN, a negative rate or
+    clip norm ascended the loss, b1 >= 1 divided by zero in the bias correction."""
+    kwargs = {"learning_rate": 1e-3, "weight_decay": 0.0, **kwargs}
+    with pytest.raises(error, match=message):
+        T.adamw(kwargs.pop("learning_rate"), **kwargs)
+
+
+def test_adamw_takes_schedules_and_clip_norm_none_or_zero_as_no_clipping():
+    schedule = optax.cosine_decay_schedule(1e-3, 10)
+    params = {"head": {"kernel": jnp.ones((6, 2))}}
+    grads = {"head": {"kernel": jnp.full((6, 2), 100.0)}}
+
+    def update(**kwargs):
+        tx = T.adamw(schedule, weight_decay=0.0, **kwargs)
+        with jax.numpy_dtype_promotion("standard"):
+            return tx.update(grads, tx.init(params), params)[0]["head"]["kernel"]
+
+    off = update()
+    assert np.all(np.isfinite(off)) and np.all(np.asarray(off) < 0)
+    np.testing.assert_array_equal(update(clip_norm=0.0), off)
+    np.testing.assert_array_equal(update(clip_norm=None), off)

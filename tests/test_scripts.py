@@ -506,6 +506,57 @@ def test_eval_batch_not_divisible_by_devices_is_reported(run_python, tmp_path, s
             [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.optimizer.warmup_steps=6"],
             "optimizer.warmup_steps=6 must be fewer than the 6 training steps",
         ),
+        # once trained to a NaN checkpoint and exited 0
+        (
+            "fashion_mnist.py",
+            [
+                f"--config={CONFIGS / 'fashion_mnist.py'}:runlocal",
+                "--config.data.source=mnist5k",
+                "--config.compare_dense=false",
+                "--config.optimizer.learning_rate=nan",
+            ],
+            "optimizer.learning_rate must be a finite number, got nan; it must be > 0",
+        ),
+        (
+            "lm.py",
+            [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.optimizer.learning_rate=inf"],
+            "optimizer.learning_rate must be a finite number, got inf",
+        ),
+        # once found only after every training step, with a traceback
+        (
+            "lm.py",
+            [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.data.eval_windows=-1"],
+            "data.eval_windows must be >= 0 (0: every window), got -1",
+        ),
+        (
+            "imagenet.py",
+            [
+                f"--config={CONFIGS / 'vit_imagenet.py'}:runlocal",
+                "--config.data.eval_max_examples=-5",
+            ],
+            "data.eval_max_examples must be >= 0 (0: the whole split), got -5",
+        ),
+        # once a traceback from the input pipeline, after compiling had begun
+        (
+            "imagenet.py",
+            [f"--config={CONFIGS / 'vit_imagenet.py'}:runlocal", "--config.data.image_size=0"],
+            "data.image_size must be >= 1, got 0",
+        ),
+        # once "warmup_steps=0 must be fewer than the 0 training steps"
+        (
+            "lm.py",
+            [
+                f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal",
+                "--config.train.num_steps=0",
+                "--config.optimizer.warmup_steps=0",
+            ],
+            "train.num_steps must be >= 1, got 0",
+        ),
+        (
+            "lm.py",
+            [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.optimizer.warmup_steps=-3"],
+            "optimizer.warmup_steps=-3 must be >= 0 (0: no warm-up)",
+        ),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(run_python, tmp_path, script, args, message):
@@ -765,3 +816,101 @@ def test_sparsify_script_on_a_dense_language_model(tmp_path):
     assert table[0]["perplexity"] == pytest.approx(result.eval_metrics["perplexity"], rel=1e-5)
     variables = T.Checkpointer(out / "checkpoints").restore_variables()
     assert variables["diagonals"]["block_0"]["mlp"]["c_fc"]["offsets"].shape == (13,)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("learning_rate", float("nan"), "optimizer.learning_rate must be a finite number"),
+        ("learning_rate", -1.0, "optimizer.learning_rate must be > 0, got -1.0"),
+        ("end_learning_rate", -1e-5, "optimizer.end_learning_rate must be >= 0"),
+        ("weight_decay", -1.0, "optimizer.weight_decay must be >= 0, got -1.0"),
+        ("b1", 2.0, r"optimizer.b1 must be in \[0, 1\), got 2.0"),
+        ("b2", 1.0, r"optimizer.b2 must be in \[0, 1\), got 1.0"),
+        ("clip_norm", -1.0, r"optimizer.clip_norm must be >= 0 \(0: no clipping\), got -1.0"),
+        ("label_smoothing", 1.5, r"optimizer.label_smoothing must be in \[0, 1\), got 1.5"),
+        ("warmup_steps", -3, r"optimizer.warmup_steps=-3 must be >= 0 \(0: no warm-up\)"),
+    ],
+)
+def test_bad_optimizer_entries_are_reported_before_compiling(key, value, message):
+    """The optimizer section was never checked: each of these trained (to NaN, or ascending the
+    loss) and exited 0."""
+    config = fashion_config.get_config()
+    config.optimizer[key] = value
+    with CompileCounter() as c, pytest.raises(common.ConfigError, match=message):
+        fashion_mnist.prepare(config)
+    assert c.count == 0
+
+
+def test_bad_alpha_lr_scale_and_lora_learning_rate_are_reported_before_compiling():
+    config = fashion_config.get_config()
+    config.dynadiag.alpha_lr_scale = float("nan")
+    with CompileCounter() as c, pytest.raises(common.ConfigError, match="dynadiag.alpha_lr_scale"):
+        fashion_mnist.prepare(config)
+    config = gpt2_lm.get_config("runlocal")
+    config.lora.update(steps=2, learning_rate=float("inf"))
+    with pytest.raises(common.ConfigError, match="lora.learning_rate must be a finite number"):
+        lm.prepare(config)
+    assert c.count == 0
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            dict(train=dict(num_steps=-1)),
+            "train.num_steps must be >= 1, or 0 with train.epochs >= 1 .* got num_steps=-1",
+        ),
+        (dict(train=dict(num_steps=0, epochs=0)), "got num_steps=0, epochs=0"),
+        (
+            dict(optimizer=dict(warmup_epochs=-1)),
+            r"optimizer.warmup_epochs=-1 \(-8 steps\) must be >= 0",
+        ),
+    ],
+)
+def test_imagenet_bad_lengths_are_reported_before_compiling(changes, message):
+    config = vit_imagenet.get_config("runlocal")
+    for section, values in changes.items():
+        config[section].update(values)
+    with CompileCounter() as c, pytest.raises(common.ConfigError, match=message):
+        imagenet.prepare(config)
+    assert c.count == 0
+
+
+# ml_collections loads a config file with importlib's deprecated load_module()
+@pytest.mark.filterwarnings("ignore:the load_module\\(\\) method is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("config_file", ["fashion_mnist.py", "gpt2_lm.py", "lora_fa.py"])
+def test_lora_layers_can_be_overridden_on_the_command_line(config_file):
+    """ml_collections overrides no list: lora.layers was one ("Type <class 'list'> of field
+    config.lora.layers is not supported for overriding")."""
+    argv = ["x.py", f"--config={CONFIGS / config_file}", "--config.lora.layers=('hidden_0',)"]
+    values = flags.FlagValues()
+    holder = cli.define_config_flag(None, argv=argv, flag_values=values)
+    values(cli.config_first(argv))
+    assert holder.value.lora.layers == ("hidden_0",)
+
+
+@pytest.mark.parametrize("script", ["fashion_mnist.py", "lm.py", "imagenet.py"])
+def test_an_empty_workdir_is_refused(script):
+    """``--workdir=`` would write into the current directory (or save nothing) and say to resume."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train" / script), "--workdir="],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: --workdir is empty: give the directory for the run's checkpoints and logs"
+    )
+
+
+def test_a_bare_interrupt_says_when_it_came(capsys):
+    def body():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as done:
+        common.run_script(body)
+    assert done.value.code == 130
+    assert "interrupted (not during a training step" in capsys.readouterr().err

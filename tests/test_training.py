@@ -1,6 +1,8 @@
 """The training library: loop, resuming, checkpoint shape checks, compile counts, metrics, tasks."""
 
 import json
+import os
+import shutil
 import signal
 import time
 
@@ -14,6 +16,7 @@ from training_helpers import CompileCounter, Crash, blobs, comparable, crash_at,
 from dynadiag_jax import data as D
 from dynadiag_jax import models
 from dynadiag_jax import training as T
+from dynadiag_jax.training import loop
 
 
 def test_loss_goes_down_and_eval_is_reported(tmp_path):
@@ -350,3 +353,102 @@ def test_optimizer_decays_only_matrices_outside_no_decay():
     np.testing.assert_allclose(
         updates["layer"]["alpha"], 0.1 * updates["layer"]["values"][:, 0], rtol=1e-6
     )
+
+
+def _damage(step_dir, how):
+    """Damage a committed checkpoint as a disk or a user might, after its commit."""
+    if how == "truncated array file":
+        data = max((step_dir / "state" / "ocdbt.process_0" / "d").iterdir(), key=os.path.getsize)
+        data.write_bytes(data.read_bytes()[:100])
+    elif how == "meta deleted":
+        (step_dir / "meta" / "metadata").unlink()
+    elif how == "meta garbled":
+        (step_dir / "meta" / "metadata").write_text("garbage{")
+    elif how == "state removed":
+        shutil.rmtree(step_dir / "state")
+    else:  # an empty step directory
+        shutil.rmtree(step_dir)
+        step_dir.mkdir()
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["truncated array file", "meta deleted", "meta garbled", "state removed", "empty directory"],
+)
+def test_unreadable_newest_checkpoint_resumes_from_the_one_before(tmp_path, caplog, how):
+    full = train_tiny(tmp_path / "full", num_steps=8, eval_every=4)
+    with pytest.raises(Crash):
+        train_tiny(tmp_path / "cut", num_steps=8, eval_every=4, hooks=[crash_at(7)])
+    checkpoints = tmp_path / "cut" / "checkpoints"
+    _damage(checkpoints / "6", how)
+    resumed = train_tiny(tmp_path / "cut", num_steps=8, eval_every=4)
+    assert resumed.start_step == 4 and resumed.eval_metrics == full.eval_metrics
+    jax.tree.map(np.testing.assert_array_equal, resumed.state.params, full.state.params)
+    a = comparable(T.read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    assert comparable(T.read_jsonl(tmp_path / "cut" / "metrics.jsonl")) == a
+    [warning] = [r.getMessage() for r in caplog.records if r.name == loop.__name__]
+    assert f"{checkpoints} step 6 cannot be read (" in warning and "\n" not in warning
+    assert "resuming from step 4" in warning
+    # kept under a name Orbax does not read, and step 6 written again by the resumed run
+    assert (checkpoints / "6.unreadable").is_dir() and (checkpoints / "6" / "state").is_dir()
+
+
+def test_no_readable_checkpoint_is_an_error_that_names_the_newest_and_deletes_nothing(tmp_path):
+    train_tiny(tmp_path, num_steps=6)  # checkpoints 2, 4, 6
+    for step in (4, 6):
+        _damage(tmp_path / "checkpoints" / str(step), "meta deleted")
+    (tmp_path / "checkpoints" / "2" / "state").rename(tmp_path / "state")  # 2 lacks its state
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with CompileCounter() as compiles, pytest.raises(T.CheckpointMismatch) as err:
+        train_tiny(tmp_path, num_steps=8)
+    message = str(err.value)
+    assert message.startswith(f"checkpoint {tmp_path / 'checkpoints'} step 6 cannot be read (meta")
+    assert "; delete it or use another workdir" in message and "steps 4, 2" in message
+    assert "\n" not in message and compiles.count == 0
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+def test_another_recipe_is_refused_even_when_the_newest_checkpoint_is_unreadable(tmp_path):
+    train_tiny(tmp_path, num_steps=4, run_info={"lr": 0.1})  # checkpoints 2, 4
+    _damage(tmp_path / "checkpoints" / "4", "truncated array file")
+    with pytest.raises(T.CheckpointMismatch, match="lr: 0.1 in the checkpoint, 0.2 in this run"):
+        train_tiny(tmp_path, num_steps=6, run_info={"lr": 0.2})
+    assert (tmp_path / "checkpoints" / "4").is_dir()  # set aside only for a resumed run
+
+
+def test_checkpointer_checks_its_directory_up_front(tmp_path):
+    (tmp_path / "file").write_text("")
+    for path, problem in (
+        (tmp_path / "file", "is a file, not a directory"),
+        (tmp_path / "file" / "checkpoints", f"{tmp_path / 'file'} is a file, not a directory"),
+    ):
+        with pytest.raises(T.CheckpointMismatch, match=problem):
+            T.Checkpointer(path)
+    with pytest.raises(T.CheckpointMismatch, match=r"/proc/nope cannot be created \("):
+        T.Checkpointer("/proc/nope")
+    # a run's workdir that is a file: refused before anything is compiled
+    with CompileCounter() as compiles, pytest.raises(T.CheckpointMismatch, match="is a file"):
+        train_tiny(tmp_path / "file", num_steps=2)
+    assert compiles.count == 0
+    reader = T.Checkpointer(tmp_path / "absent", read_only=True)  # a reader creates nothing
+    assert reader.latest_step() is None and not (tmp_path / "absent").exists()
+    with pytest.raises(ValueError, match="read_only"):
+        reader.save(None, meta={})
+    reader.close()
+
+
+def test_restore_variables_of_an_unreadable_step_names_it(tmp_path):
+    train_tiny(tmp_path, num_steps=2, checkpoint_every=0)
+    _damage(tmp_path / "checkpoints" / "2", "truncated array file")
+    with pytest.raises(T.CheckpointMismatch) as err:
+        T.Checkpointer(tmp_path / "checkpoints").restore_variables()
+    message = str(err.value)
+    assert message.startswith(f"checkpoint {tmp_path / 'checkpoints'} step 2 cannot be read (state")
+    assert "\n" not in message
+
+
+def test_a_second_ctrl_c_says_what_it_did():
+    with loop.stop_requests():
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt, match="second Ctrl-C stopped the run at once"):
+            signal.raise_signal(signal.SIGINT)

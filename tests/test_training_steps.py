@@ -378,3 +378,100 @@ def test_stop_requests_outside_the_main_thread_install_nothing():
     thread.start()
     thread.join()
     assert seen == [(False, signal.getsignal(signal.SIGTERM))]
+
+
+def _train_arguments(**changes):
+    """Arguments of a tiny dense :func:`T.train` run, with ``changes``."""
+    return {
+        "model": tiny_mlp(),
+        "optimizer": T.adamw(1e-2, weight_decay=0.0),
+        "task": T.Classification(NUM_CLASSES),
+        "train_data": D.ArrayBatches(blobs(), BATCH, seed=0),
+        "num_steps": 2,
+        "example_input": jax.ShapeDtypeStruct((BATCH, FEATURES), jnp.float32),
+        "seed": 0,
+        "progress": False,
+        **changes,
+    }
+
+
+@pytest.mark.parametrize(
+    "changes, error, message",
+    [
+        (dict(seed="x"), TypeError, "seed must be an int, got str"),
+        (dict(seed=None), TypeError, "seed must be an int, got NoneType"),
+        (dict(seed=1.5), TypeError, "seed must be an int, got float"),
+        (dict(seed=2**64), ValueError, "seed must be in"),
+        (dict(model="mlp"), TypeError, "model must be a flax.linen Module, got str"),
+        (dict(optimizer=None), TypeError, "optimizer must be an optax GradientTransformation"),
+        (dict(task=None), TypeError, "task must be a task such as Classification"),
+        (dict(train_data=[blobs()]), TypeError, "train_data must be a BatchSource .* got list"),
+        (dict(example_input=(BATCH, FEATURES)), TypeError, "example_input must be an array"),
+        (dict(eval_data=5), TypeError, "eval_data must be re-iterable batches or None"),
+        (dict(hooks=[5]), TypeError, r"hooks\[0\] must be callable"),
+        (dict(hooks=print), TypeError, "hooks must be a sequence"),
+        (dict(workdir=5), TypeError, "workdir must be a path"),
+        (dict(keep_checkpoints="3"), TypeError, "keep_checkpoints must be an int, got str"),
+        (dict(keep_checkpoints=0), ValueError, "keep_checkpoints must be >= 1"),
+        (dict(learning_rate=1e-2), TypeError, "learning_rate must be a schedule"),
+        (dict(gate="strength"), TypeError, "gate must be a GateSchedule or None"),
+        (dict(finetune=3), TypeError, "finetune must be a Finetune or None"),
+        (dict(initial_variables=[1]), TypeError, "initial_variables must be a mapping"),
+    ],
+)
+def test_train_refuses_arguments_of_the_wrong_kind_before_compiling(changes, error, message):
+    """Each once failed deep in JAX or pathlib, only after the first step (a hook), or not at all
+    (a str keep_checkpoints)."""
+    with CompileCounter() as c, pytest.raises(error, match=message):
+        T.train(**_train_arguments(**changes))
+    assert c.count == 0
+
+
+def test_train_takes_an_iterable_eval_data_and_hooks_as_documented():
+    seen = []
+    result = T.train(
+        **_train_arguments(
+            eval_data=list(D.EvalBatches(blobs(64, seed=1), 32)),
+            hooks=(lambda step, state: seen.append(step),),
+        )
+    )
+    assert seen == [1, 2] and result.eval_metrics["count"] == 64
+
+
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        ((0,), ValueError, "Classification: num_classes must be >= 2, got 0"),
+        ((10.0,), TypeError, "Classification: num_classes must be an int, got float"),
+        ((10, 2.0), ValueError, r"Classification: label_smoothing must be in \[0, 1\), got 2.0"),
+        ((10, float("nan")), ValueError, "Classification: label_smoothing must be a finite"),
+        ((10, "0.1"), TypeError, "Classification: label_smoothing must be a number"),
+        ((10, 0.0, 3), TypeError, "Classification: mixup must be a MixupCutmix or None"),
+    ],
+)
+def test_classification_refuses_bad_arguments_naming_them(args, error, message):
+    with pytest.raises(error, match=message):
+        T.Classification(*args)
+
+
+def test_classification_names_a_num_classes_that_differs_from_the_logits():
+    """It was "incompatible shapes (32, 5), (32, 10)" from inside the loss."""
+    task = T.Classification(NUM_CLASSES + 1)
+    batch = {k: v[:BATCH] for k, v in blobs().items()}
+    _, targets = task.train_inputs(batch, jax.random.key(0))
+    logits = jnp.zeros((BATCH, NUM_CLASSES), jnp.float32)
+    message = f"num_classes={NUM_CLASSES + 1} differs from the width of the model's logits \\(4\\)"
+    with pytest.raises(ValueError, match=message):
+        jax.jit(lambda: task.loss(logits, targets, batch))()
+    with pytest.raises(ValueError, match=message):
+        task.eval_sums(logits, batch)
+    with pytest.raises(ValueError, match=message):
+        T.train(**_train_arguments(task=task))
+
+
+def test_selection_helpers_name_an_argument_that_is_not_a_mapping():
+    with pytest.raises(TypeError, match="kept_offsets: collections must be a mapping .* int"):
+        T.kept_offsets(5)
+    with pytest.raises(TypeError, match="parameter_counts: params must be a mapping .* NoneType"):
+        T.parameter_counts(None)
+    assert T.kept_offsets({}) == {} and T.parameter_counts({}).total == 0

@@ -1,6 +1,7 @@
 """train/unedited_vit.py: a ViT written with plain linen layers, made diagonal by path rules."""
 
 import json
+import pathlib
 import re
 
 import jax
@@ -9,8 +10,13 @@ import pytest
 from flax import traverse_util
 
 import dynadiag_jax as dd
+from dynadiag_jax import training as T
+from train import common
+from train import results_runs as R
 from train import unedited_vit as U
 from train.configs import results as results_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(
     not hasattr(dd.nn, "sparsify"), reason="dd.nn.sparsify is not in this checkout"
@@ -79,3 +85,84 @@ def test_trains_both_models_reports_and_resumes(tmp_path, monkeypatch):
         ours.split("|")[2]
         == next(line for line in text.splitlines() if line.startswith("| ours |")).split("|")[2]
     )
+
+
+def _recorded_workdir(tmp_path, config, steps, *, record=None, checkpoint=False):
+    """A workdir as a run of ``config`` leaves it: a record of the ``ours`` run of seed 0 in
+    accuracy.jsonl (``record``: these fields instead), or only its checkpoint (a stand-in state:
+    the recipe is checked before the arrays), as an interrupted run leaves it."""
+    recipe = U.recipe(config, "ours", 0.9, steps)
+    tmp_path.mkdir()
+    if checkpoint:
+        rng = jax.random.key_data(jax.random.key(0))
+        state = T.TrainState(jnp.asarray(7), {"w": jnp.ones(3)}, (), {}, rng)
+        ckpt = T.Checkpointer(tmp_path / "ours_s90_seed0" / "checkpoints")
+        ckpt.save(state, meta={"run": {**recipe, "seed": 0}, "frozen": False, "interval": {}})
+        ckpt.close()
+    else:
+        if record is None:
+            record = {"variant": "ours", "seed": 0, "sparsity": 0.9, "recipe": recipe}
+        (tmp_path / "accuracy.jsonl").write_text(json.dumps(record) + "\n")
+    return tmp_path
+
+
+def test_another_recipe_in_the_workdir_is_refused_with_the_settings_that_differ(
+    tmp_path, monkeypatch
+):
+    config = _config()
+    with config.unlocked():  # RigL's schedule would not fit in 62 steps: no longer checked
+        config.unstructured.update_every = 100
+    data = R.prepare(U.trained_config(config, 0.9))
+    steps = R.steps_of(config.models.vit, data)
+    with pytest.raises(common.ConfigError, match=f"{steps} training steps leave no room"):
+        R.prepare(config)  # which plans RigL and SET
+    faster = config.copy_and_resolve_references()
+    faster.models.vit.optimizer.learning_rate = 0.05
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a run of another recipe was trained or reported")
+
+    monkeypatch.setattr(R, "train_built", no_training)
+    monkeypatch.setattr(U, "time_frozen", no_training)
+    recorded = _recorded_workdir(tmp_path / "recorded", config, steps)
+    with pytest.raises(common.ConfigError) as err:
+        U.run(faster, recorded, seeds=1, sparsity=0.9)
+    assert "records the ours run of seed 0 with another recipe" in str(err.value)
+    assert "optimizer.learning_rate: 0.001 in accuracy.jsonl, 0.05 in this run" in str(err.value)
+    old = {"variant": "ours", "seed": 0, "sparsity": 0.9, "accuracy": 0.5}
+    unknown = _recorded_workdir(tmp_path / "old", config, steps, record=old)
+    with pytest.raises(common.ConfigError, match="without its recipe"):
+        U.run(config, unknown, seeds=1, sparsity=0.9)
+    interrupted = _recorded_workdir(tmp_path / "interrupted", config, steps, checkpoint=True)
+    monkeypatch.undo()  # the checkpoint's recipe is what T.train checks
+    with pytest.raises(common.ConfigError) as err:
+        U.run(faster, interrupted, seeds=1, sparsity=0.9)
+    assert "optimizer.learning_rate: 0.001 in the checkpoint, 0.05 in this run" in str(err.value)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(common.ConfigError, match="--workdir: .* is a file, not a directory"):
+        U.run(config, tmp_path / "file", seeds=1, sparsity=0.9)
+
+
+def test_script_refuses_to_resume_another_recipe_in_one_message(run_python, tmp_path):
+    config = _config()
+    data = R.prepare(U.trained_config(config, 0.9))
+    workdir = _recorded_workdir(
+        tmp_path / "run", config, R.steps_of(config.models.vit, data), checkpoint=True
+    )
+    proc = run_python(
+        [
+            str(ROOT / "train" / "unedited_vit.py"),
+            "--seeds=1",
+            f"--config={ROOT / 'train' / 'configs' / 'results.py'}:quick,models=vit",
+            "--config.data.source=mnist5k",
+            "--config.models.vit.model.variant=mu/7",
+            "--config.models.vit.optimizer.learning_rate=0.05",
+            f"--workdir={workdir}",
+        ],
+        check=False,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"error: checkpoint {workdir / 'ours_s90_seed0' / 'checkpoints'}/7 was written" in (
+        proc.stderr
+    )
+    assert "optimizer.learning_rate: 0.001 in the checkpoint, 0.05 in this run" in proc.stderr

@@ -73,13 +73,18 @@ def parse_flags(argv: list[str]) -> list[str]:
     """``app.run``'s ``flags_parser``: absl's flag errors as one line and status 2.
 
     ``--config`` is read before the ``--config.<key>`` overrides wherever it was typed (see
-    :func:`config_first`).
+    :func:`config_first`). An empty ``--workdir=`` is refused.
     """
     try:
-        return flags.FLAGS(config_first(argv))
+        rest = flags.FLAGS(config_first(argv))
     except flags.Error as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         common.die(lines[-1] if lines else type(e).__name__)
+    # An empty --workdir= would write into the current directory, or save nothing (T.train).
+    workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
+    if workdir is not None and not workdir.strip():
+        common.die("--workdir is empty: give the directory for the run's checkpoints and logs")
+    return rest
 
 
 def config_first(argv: Sequence[str]) -> list[str]:

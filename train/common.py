@@ -25,6 +25,7 @@ from flax import traverse_util
 import dynadiag_jax as dd
 from dynadiag_jax import models
 from dynadiag_jax import training as T
+from dynadiag_jax._checks import finite_number
 from dynadiag_jax.kernel_stats import describe_paths, model_paths
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn.functional import HYPER_NAME
@@ -267,15 +268,73 @@ def freeze_step(dynadiag_cfg, num_steps: int) -> int | None:
         raise ConfigError(f"dynadiag: {e}") from None
 
 
+# A config number's ranges: the words its error message uses -> the test.
+POSITIVE = ("> 0", lambda v: v > 0)
+NON_NEGATIVE = (">= 0", lambda v: v >= 0)
+FRACTION = ("in [0, 1)", lambda v: 0 <= v < 1)
+
+
+def config_number(section, key: str, prefix: str, bounds: tuple[str, Callable]) -> float:
+    """``section[key]`` as a float, finite and within ``bounds`` (:data:`POSITIVE`, ...); else
+    :class:`ConfigError` naming ``prefix.key``."""
+    name, (words, within) = f"{prefix}.{key}", bounds
+    try:
+        value = finite_number(section[key], name)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{e}; it must be {words}") from None
+    if not within(value):
+        raise ConfigError(f"{name} must be {words}, got {section[key]!r}")
+    return value
+
+
+def check_optimizer_section(opt_cfg, dynadiag_cfg) -> None:
+    """The ``optimizer`` section's numbers, and alpha's factor on the rate
+    (``dynadiag.alpha_lr_scale``): each finite and in range. optax takes a NaN or negative rate,
+    a negative clip norm (which flips the gradient) or ``b1 >= 1`` without a word and trains to
+    NaN or away from the minimum, so they are refused here, before anything is built."""
+    checks = {
+        "learning_rate": POSITIVE,
+        "end_learning_rate": NON_NEGATIVE,
+        "weight_decay": NON_NEGATIVE,
+        "b1": FRACTION,
+        "b2": FRACTION,
+        "clip_norm": (">= 0 (0: no clipping)", NON_NEGATIVE[1]),
+        "label_smoothing": FRACTION,  # the classification configs only
+    }
+    for key, bounds in checks.items():
+        if key in opt_cfg:
+            config_number(opt_cfg, key, "optimizer", bounds)
+    config_number(dynadiag_cfg, "alpha_lr_scale", "dynadiag", POSITIVE)
+
+
+def check_lora_learning_rate(lora_cfg) -> None:
+    """``lora.learning_rate``, finite and > 0, where the config has a LoRA-FA phase (``lora.steps``
+    > 0, or no such entry: train/lora_fa.py). The phase's optimizer is built from the optimizer
+    section with this rate in it, whose check would name ``optimizer.learning_rate``."""
+    if int(lora_cfg.get("steps", 1)):
+        config_number(lora_cfg, "learning_rate", "lora", POSITIVE)
+
+
+def check_eval_limit(data_cfg, key: str, zero: str) -> None:
+    """``data.<key>``, a cap on the evaluation set (0: ``zero``), must be >= 0: a negative one
+    gives an evaluation of no batch, which fails only after the whole training."""
+    if int(data_cfg[key]) < 0:
+        raise ConfigError(f"data.{key} must be >= 0 (0: {zero}), got {data_cfg[key]}")
+
+
 def learning_rate(opt_cfg, num_steps: int, warmup: int):
     """Linear warm-up over ``warmup`` steps to ``learning_rate``, then cosine decay to
     ``end_learning_rate``."""
-    if not 0 <= warmup < num_steps:
-        # Name the entry the user sets: warmup_steps, or warmup_epochs (imagenet.py).
-        if "warmup_epochs" in opt_cfg:
-            entry = f"optimizer.warmup_epochs={opt_cfg.warmup_epochs} ({warmup} steps)"
-        else:
-            entry = f"optimizer.warmup_steps={warmup}"
+    # Name the entry the user sets: warmup_steps, or warmup_epochs (imagenet.py).
+    if "warmup_epochs" in opt_cfg:
+        entry = f"optimizer.warmup_epochs={opt_cfg.warmup_epochs} ({warmup} steps)"
+    else:
+        entry = f"optimizer.warmup_steps={warmup}"
+    if warmup < 0:
+        raise ConfigError(f"{entry} must be >= 0 (0: no warm-up)")
+    if num_steps < 1:
+        raise ConfigError(f"the number of training steps must be >= 1, got {num_steps}")
+    if warmup >= num_steps:
         raise ConfigError(
             f"{entry} must be fewer than the {num_steps} training steps: lower it or train longer"
         )
@@ -292,7 +351,9 @@ def build_optimizer(
     opt_cfg, dynadiag_cfg, num_steps: int, warmup_steps: int, *, values_lr_scale: float = 1.0
 ):
     """``(optimizer, learning-rate schedule)`` from the config's optimizer section; the
-    DiagonalDense values' updates times ``values_lr_scale``."""
+    DiagonalDense values' updates times ``values_lr_scale``. The section is checked first
+    (:func:`check_optimizer_section`), so every script refuses a bad one before it compiles."""
+    check_optimizer_section(opt_cfg, dynadiag_cfg)
     lr = learning_rate(opt_cfg, num_steps, warmup_steps)
     clip = float(opt_cfg.clip_norm) or None
     tx = T.adamw(
@@ -442,7 +503,7 @@ def restore_run_variables(checkpoint, step: int = 0) -> dict:
         directory = directory / "checkpoints"
     if not directory.is_dir():
         raise ConfigError(f"checkpoint: no directory {directory}")
-    reader = T.Checkpointer(directory, async_save=False)
+    reader = T.Checkpointer(directory, async_save=False, read_only=True)
     try:
         return reader.restore_variables(int(step) or None)
     finally:
@@ -495,7 +556,10 @@ def run_script(body: Callable[[], Any]) -> Any:
     except ConfigError as e:
         die(str(e))
     except KeyboardInterrupt as e:
-        print(f"\ninterrupted ({e}); run the same command to resume", file=sys.stderr)
+        # Python's own handler raises a bare KeyboardInterrupt: the signal came outside the
+        # training loop's steps, whose handler stops after a step and says where.
+        reason = str(e) or "not during a training step: start-up, compiling, evaluating or timing"
+        print(f"\ninterrupted ({reason}); run the same command to resume", file=sys.stderr)
         raise SystemExit(interrupt_status(e)) from None
 
 

@@ -52,6 +52,7 @@ def prepare(config):
     """
     common.check_config(config, default_config.get_config())
     common.check_train_section(config.train)
+    common.check_lora_learning_rate(config.lora)
     data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
     batch, mesh = int(config.train.batch_size), T.data_mesh()
     T.check_batch_size(batch, mesh)

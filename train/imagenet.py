@@ -48,6 +48,7 @@ def prepare(config):
     """
     common.check_config(config, vit_imagenet.get_config())
     common.check_train_section(config.train)
+    _check_sizes(config)
     mesh = T.data_mesh()
     T.check_batch_size(int(config.train.batch_size), mesh, name="train.batch_size")
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
@@ -92,6 +93,20 @@ def prepare(config):
         max_examples=int(config.data.eval_max_examples) or None,
     )
     return method, train_data, eval_data, num_steps, example
+
+
+def _check_sizes(config) -> None:
+    """The run's length, image size and evaluation limit (:func:`common.check_eval_limit`): a
+    bad image size failed in the input pipeline once compiling had begun."""
+    t, data = config.train, config.data
+    if int(t.num_steps) < 0 or (int(t.num_steps) == 0 and int(t.epochs) < 1):
+        raise common.ConfigError(
+            f"train.num_steps must be >= 1, or 0 with train.epochs >= 1 (num_steps > 0 overrides "
+            f"epochs), got num_steps={t.num_steps}, epochs={t.epochs}"
+        )
+    if int(data.image_size) < 1:
+        raise common.ConfigError(f"data.image_size must be >= 1, got {data.image_size}")
+    common.check_eval_limit(data, "eval_max_examples", "the whole split")
 
 
 def _sources(data_cfg):

@@ -48,6 +48,10 @@ def prepare(config):
     """
     common.check_config(config, gpt2_lm.get_config())
     common.check_train_section(config.train)
+    if int(config.train.num_steps) < 1:
+        raise common.ConfigError(f"train.num_steps must be >= 1, got {config.train.num_steps}")
+    common.check_eval_limit(config.data, "eval_windows", "every window")
+    common.check_lora_learning_rate(config.lora)
     mesh = T.data_mesh()
     T.check_batch_size(int(config.train.batch_size), mesh, name="train.batch_size")
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")

@@ -92,6 +92,9 @@ def prepare(config) -> Prepared:
     if not common.sparsity_of(config.dynadiag):
         raise common.ConfigError("dynadiag.sparsity must be in (0, 1): the checkpoint's")
     finetuning.check_lora(config.lora)
+    common.check_lora_learning_rate(config.lora)
+    if config.suite == "gpt":
+        common.check_eval_limit(config.data, "eval_windows", "every window")
     mesh = T.data_mesh()
     T.check_batch_size(int(config.train.batch_size), mesh)
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")

@@ -137,6 +137,12 @@ def time_suites(config, data, suites, workdir: pathlib.Path, begun: float) -> No
 
 def main(argv):
     del argv
+    if _REPORT_ONLY.value and _TIMING_ONLY.value:
+        # Either alone is a plan; both would skip the timing --timing_only asks for.
+        common.die(
+            "--report_only and --timing_only exclude each other: --timing_only times the suites "
+            "and then rewrites the report, --report_only only rewrites it; give one"
+        )
     logging.set_verbosity(logging.WARNING)
     cold_compiles()  # whole runs are timed with their compilation
     config = _CONFIG.value

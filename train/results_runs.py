@@ -396,7 +396,12 @@ def prepare(config) -> Data:
     data = Data(images, corpus)
     for name, m in config.models.items():
         steps = steps_of(m, data)
-        if steps <= int(config.unstructured.update_every):
+        # RigL, SET and MEST update their masks; a suite that trains none of them has no schedule.
+        updates = any(
+            "unstructured" in baselines.READS[parse_method(method)[0]]
+            for _, method, _, _ in run_plan(config, [name])
+        )
+        if updates and steps <= int(config.unstructured.update_every):
             raise common.ConfigError(
                 f"model {name}: {steps} training steps leave no room for a mask update "
                 f"every {config.unstructured.update_every} steps"
@@ -415,10 +420,18 @@ def prepare(config) -> Data:
 
 
 def fingerprint(config, model_name: str, method: str, steps: int) -> str:
-    """Hash of the settings a run's result depends on (a changed one retrains the run): the model,
-    recipe and data; the sparse layers for sparse methods; the whole ``dynadiag`` section for
-    DynaDiag (with the method's block size), and the ``unstructured`` section for RigL, SET and
-    MEST (its distribution and fan-in for the fixed mask, which has no schedule)."""
+    """Hash of :func:`recipe` (a changed setting retrains the run)."""
+    parts = recipe(config, model_name, method, steps)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def recipe(config, model_name: str, method: str, steps: int) -> dict:
+    """The settings a run's result depends on, nested: the model, recipe and data; the sparse
+    layers for sparse methods; the whole ``dynadiag`` section for DynaDiag (with the method's block
+    size), and the ``unstructured`` section for RigL, SET and MEST (its distribution and fan-in for
+    the fixed mask, which has no schedule). Entries added since are left out where their value
+    changes nothing (element diagonals, no permutation, no working set), so that
+    :func:`fingerprint` hashes the runs from before them as it did."""
     m = config.models[model_name]
     base, block = parse_method(method)
     if is_language_model(m):
@@ -473,7 +486,7 @@ def fingerprint(config, model_name: str, method: str, steps: int) -> str:
         parts["unstructured"] = {k: section[k] for k in read} if read else section
     if method_rank(method):
         parts["lora"] = m.lora.to_dict()
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return parts
 
 
 def sparse_layer_density(params, shapes: dict[str, tuple[int, int]], adapters=None) -> float:

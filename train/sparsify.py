@@ -17,7 +17,9 @@ table of test accuracy, or validation perplexity for the GPT (printed, and
   python train/sparsify.py --workdir=runs/sparsify_mlp_oneshot \\
       --config=train/configs/sparsify.py:checkpoint=<dense run>,finetune_fraction=0
 
-A checkpoint of another model, size or method is refused with the layer and shapes that differ.
+A checkpoint of another model, size or method is refused with the layer and shapes that differ;
+a ``--workdir`` that holds the checkpoint of another recipe (another sparsity, say) is refused with
+the settings that differ, one-shot (``finetune_fraction=0``) or fine-tuned.
 """
 
 from __future__ import annotations
@@ -111,11 +113,39 @@ def prepare(config):
     return data, dense_model, dense, search, fitted, built, steps, example
 
 
+def save_one_shot(config, built, variables, example, workdir: pathlib.Path) -> None:
+    """Write the one-shot model (``variables`` frozen, with a fresh optimizer state) as step 0 of
+    ``workdir/checkpoints``, unless the same recipe's is there already.
+
+    Raises:
+      common.ConfigError: ``workdir`` cannot hold checkpoints, or it holds a checkpoint of another
+        recipe (the message lists the settings that differ) or one that cannot be read.
+    """
+    run_info = json.loads(json.dumps(common.recipe(config, built)))  # as the checkpoint keeps it
+    try:
+        ckpt = T.Checkpointer(workdir / "checkpoints", async_save=False)
+        try:
+            latest = ckpt.latest_step()
+            if latest is not None:
+                ckpt.check_run(latest, run_info)
+                return  # the same recipe computes the same model
+            state = T.create_train_state(
+                built.model, built.optimizer, example, seed=int(config.seed), variables=variables
+            )
+            ckpt.save(T.freeze_state(state), meta={"run": run_info, "frozen": True, "interval": {}})
+        finally:
+            ckpt.close()
+    except T.CheckpointMismatch as e:
+        raise common.ConfigError(f"{e} (--workdir)") from None
+
+
 def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int]]:
     """One-shot and fine-tuned DynaDiag from the dense checkpoint; returns the table's rows
     ``(name, test accuracy or validation perplexity, steps trained after the dense run)``."""
     data, dense_model, dense, search, fitted, built, steps, example = prepare(config)
     workdir = pathlib.Path(workdir)
+    if not steps:  # the one-shot model is the frozen checkpoint: written (or refused) first
+        save_one_shot(config, built, search if fitted is None else fitted, example, workdir)
     task = data.task
 
     def metric(model, variables):
@@ -128,7 +158,6 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
         )
     else:
         tuning = task
-    seed = int(config.seed)
     one_shot = dd.freeze_tree(search)
     s = round(100 * float(config.dynadiag.sparsity))
     rows = [
@@ -152,16 +181,6 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
             initial_variables=search,
         )
         rows.append((f"dynadiag_s{s} fine-tuned", result.eval_metrics[data.metric], steps))
-    else:  # the one-shot model is the frozen checkpoint, with a fresh optimizer state
-        state = T.create_train_state(
-            built.model, built.optimizer, example, seed=seed, variables=search
-        )
-        ckpt = T.Checkpointer(workdir / "checkpoints", async_save=False)
-        ckpt.save(
-            T.freeze_state(state),
-            meta={"run": common.recipe(config, built), "frozen": True, "interval": {}},
-        )
-        ckpt.close()
     heading = "test accuracy" if data.metric == "accuracy" else "perplexity"
     print(f"\n{'model':<30} {heading:>13}   steps")
     for name, value, n in rows:

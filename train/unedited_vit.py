@@ -16,6 +16,9 @@ the table:
   python train/unedited_vit.py --seeds=1 --config=train/configs/results.py:quick
 
 Interrupt at any time: finished runs are kept and the same command resumes the interrupted one.
+Each run's recipe (the suite's DynaDiag settings, data and sparsity) is kept with its checkpoints
+and its record: running another one in the same ``--workdir`` is refused with the settings that
+differ, instead of resuming or reporting runs of the old one.
 """
 
 from __future__ import annotations
@@ -31,17 +34,20 @@ if __package__ in (None, ""):  # run as a file: make `train` importable from the
 
 import flax.linen as nn
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import app, flags
 
 import dynadiag_jax as dd
 from dynadiag_jax import training as T
 from dynadiag_jax.models import variants, vit
+from dynadiag_jax.training.checkpoint import run_differences, usable_directory
 from train import baselines, cli, common, speed
 from train import results_runs as R
 from train.configs import results as default_config
 
 SUITE = "vit"
+VARIANTS = ("ours", "plain")  # the suite's ViT, and PlainViT through dd.nn.sparsify
 # The suite's sparse layers in PlainViT's paths: attention projections and both MLP layers.
 RULES = (r".*/attention/(query|key|value|out)", r".*/mlp/Dense_[01]")
 XAVIER = nn.initializers.xavier_uniform()
@@ -116,12 +122,65 @@ def models(config, data, sparsity: float, seed: int, steps: int):
     plain = dd.nn.sparsify(
         plain_vit(config, data.images.num_classes), rules(config.models[SUITE].dynadiag, sparsity)
     )
-    return {"ours": ours, "plain": ours._replace(model=plain)}
+    return dict(zip(VARIANTS, (ours, ours._replace(model=plain)), strict=True))
 
 
-def train_one(config, data, built, seed: int, steps: int, workdir: pathlib.Path) -> dict:
-    """One run of the suite's recipe; its accuracy, parameters and logged step times."""
-    result = R.train_built(config, data, SUITE, built, seed, steps, workdir)
+def trained_config(config, sparsity: float):
+    """``config`` with the suite alone, planning only what this script trains (DynaDiag at
+    ``sparsity``): what :func:`R.prepare` checks (not RigL's mask schedule, which needs more steps
+    than an epoch of mnist5k, nor the other suites' data)."""
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.models = ml_collections.ConfigDict({SUITE: config.models[SUITE]})
+        m = config.models[SUITE]
+        m.methods, m.goal_methods, m.sparsities = ("dynadiag",), (), (sparsity,)
+    return config
+
+
+def recipe(config, variant: str, sparsity: float, steps: int) -> dict:
+    """What a run of ``variant`` computes from, as its checkpoints and its record keep it (after
+    JSON): the suite's DynaDiag settings, data and steps (:func:`R.recipe`) and ``sparsity``."""
+    info = {"variant": variant, "sparsity": sparsity, **R.recipe(config, SUITE, "dynadiag", steps)}
+    return json.loads(json.dumps(info))
+
+
+def check_recorded(
+    records: list[dict], recipes: dict[str, dict], seeds: int, sparsity: float, path: pathlib.Path
+) -> None:
+    """Raise :class:`common.ConfigError` if ``records`` (``path``) hold a run this command would
+    report, recorded with another recipe than ``recipes[variant]``: its accuracy is not this
+    recipe's."""
+    for r in records:
+        if r["variant"] not in recipes or r["sparsity"] != sparsity or r["seed"] >= seeds:
+            continue
+        run = f"{path} records the {r['variant']} run of seed {r['seed']}"
+        if "recipe" not in r:
+            raise common.ConfigError(
+                f"{run} without its recipe (it was trained before recipes were recorded): use "
+                "another workdir (--workdir)"
+            )
+        differences = run_differences(r["recipe"], recipes[r["variant"]], where=path.name)
+        if differences:
+            shown = "\n  ".join(differences)
+            raise common.ConfigError(
+                f"{run} with another recipe:\n  {shown}\nrun with the settings it was recorded "
+                "with, or use another workdir (--workdir)"
+            )
+
+
+def train_one(
+    config, data, built, seed: int, steps: int, workdir: pathlib.Path, run_info: dict
+) -> dict:
+    """One run of the suite's recipe; its accuracy, parameters and logged step times.
+
+    Raises:
+      common.ConfigError: ``workdir`` holds a checkpoint of another ``run_info`` or seed, or one
+        that cannot be read.
+    """
+    try:
+        result = R.train_built(config, data, SUITE, built, seed, steps, workdir, run_info)
+    except T.CheckpointMismatch as e:
+        raise common.ConfigError(f"{e} (--workdir)") from None
     counts = T.parameter_counts(result.state.params)
     metrics = workdir / "metrics.jsonl"
     return {
@@ -172,7 +231,7 @@ def report(records: list[dict], timings: dict[str, float], sparsity: float) -> s
         "/ frozen | timed frozen step, x ours |",
         "|---|---|---|---|---|---|",
     ]
-    for name in ("ours", "plain"):
+    for name in VARIANTS:
         rs = [r for r in records if r["variant"] == name]
         if not rs:
             continue
@@ -193,11 +252,16 @@ def report(records: list[dict], timings: dict[str, float], sparsity: float) -> s
 
 
 def run(config, workdir: pathlib.Path, seeds: int, sparsity: float) -> str:
-    data = R.prepare(config)
+    try:
+        workdir = usable_directory(workdir)
+    except ValueError as e:
+        raise common.ConfigError(f"--workdir: {e}") from None
+    data = R.prepare(trained_config(config, sparsity))
     steps = R.steps_of(config.models[SUITE], data)
-    workdir.mkdir(parents=True, exist_ok=True)
+    recipes = {name: recipe(config, name, sparsity, steps) for name in VARIANTS}
     path = workdir / R.ACCURACY_FILE
     records = R.read_records(path) if path.exists() else []
+    check_recorded(records, recipes, seeds, sparsity, path)
     done = {(r["variant"], r["seed"], r["sparsity"]) for r in records}
     for seed in range(seeds):
         for name, built in models(config, data, sparsity, seed, steps).items():
@@ -205,8 +269,8 @@ def run(config, workdir: pathlib.Path, seeds: int, sparsity: float) -> str:
                 continue
             print(f"training {name} seed {seed} ...", flush=True)
             run_dir = workdir / f"{name}_s{round(100 * sparsity)}_seed{seed}"
-            record = {"variant": name, "seed": seed, "sparsity": sparsity}
-            record.update(train_one(config, data, built, seed, steps, run_dir))
+            record = {"variant": name, "seed": seed, "sparsity": sparsity, "recipe": recipes[name]}
+            record.update(train_one(config, data, built, seed, steps, run_dir, recipes[name]))
             with path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             records.append(record)

@@ -5,26 +5,151 @@ record (what the training loop needs besides the state: the phase, the run's des
 metrics not logged yet). A checkpoint interrupted mid-write stays a temporary directory that Orbax
 ignores, so the latest *committed* step is always complete. Restoring checks every stored shape
 against the expected one first and names the mismatching parameters instead of failing deep inside
-TensorStore.
+TensorStore; a committed step damaged afterwards (a truncated or deleted file) raises
+:class:`UnreadableCheckpoint` naming the step and the reason, and the directory itself is checked
+when the :class:`Checkpointer` is made, not at its first (background) save.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import logging
+import os
 import pathlib
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from flax import traverse_util
+from jax.experimental import multihost_utils
 
 from dynadiag_jax.training.state import TrainState
 
-__all__ = ["CheckpointMismatch", "Checkpointer"]
+__all__ = [
+    "CheckpointMismatch",
+    "Checkpointer",
+    "UnreadableCheckpoint",
+    "run_differences",
+    "usable_directory",
+]
+
+# What a resumed run can do about a step it cannot read.
+RESUME_ADVICE = "delete it or use another workdir"
+# The step directories this process failed to read (see _quiet_failed_reads).
+_UNREADABLE: set[str] = set()
 
 
 class CheckpointMismatch(ValueError):
-    """A checkpoint that this run cannot resume from (another model shape, recipe or seed)."""
+    """A checkpoint directory that this run cannot use: a checkpoint of another model shape, recipe
+    or seed, one that cannot be read (:class:`UnreadableCheckpoint`), or a path that cannot hold
+    checkpoints (a file, or not writable)."""
+
+
+class UnreadableCheckpoint(CheckpointMismatch):
+    """A committed step whose files cannot be read (truncated, deleted or garbled after the commit).
+
+    Attributes:
+      step: the step.
+      reason: what failed, one line.
+    """
+
+    def __init__(self, directory, step: int, reason: str, advice: str = ""):
+        super().__init__(
+            f"checkpoint {directory} step {step} cannot be read ({reason})"
+            + (f"; {advice}" if advice else "")
+        )
+        self.step, self.reason = step, reason
+
+
+def usable_directory(directory, *, create: bool = True) -> pathlib.Path:
+    """``directory`` as an absolute path, checked up front: a directory (or a path that can become
+    one), created if missing and writable; with ``create=False`` (to read only) nothing is created
+    or checked for writing.
+
+    Raises:
+      ValueError: the path or a directory above it is a file, it cannot be created, or it is not
+        writable (an Orbax save would fail in its background thread, after the run trained).
+    """
+    path = pathlib.Path(directory).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing == path and not path.is_dir():
+        raise ValueError(f"{path} is a file, not a directory")
+    if not existing.is_dir():
+        raise ValueError(f"{path} cannot be created: {existing} is a file, not a directory")
+    if not create:
+        return path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{path} cannot be created ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{path} is not writable")
+    return path
+
+
+def run_differences(stored: Mapping, current: Mapping, where: str = "the checkpoint") -> list[str]:
+    """``"key: X in <where>, Y in this run"`` for each entry (nested keys dotted) on which two run
+    descriptions differ (``stored``: the one recorded in ``where``)."""
+    a, b = (
+        traverse_util.flatten_dict(t, keep_empty_nodes=True, sep=".") for t in (stored, current)
+    )
+
+    def show(tree, key):
+        if key not in tree:
+            return "absent"
+        return "{}" if tree[key] is traverse_util.empty_node else repr(tree[key])
+
+    return [
+        f"{key}: {show(a, key)} in {where}, {show(b, key)} in this run"
+        for key in sorted(set(a) | set(b))
+        if key not in a or key not in b or a[key] != b[key]
+    ]
+
+
+def _quiet_failed_reads(step_dir: pathlib.Path) -> None:
+    """Leave out, from now on, the reports of what a failed restore of ``step_dir`` left behind.
+
+    When one array read fails, Orbax returns with the restore's other reads still pending on the
+    event loop it closes. As they end or are collected (seconds later, or at exit), Python prints
+    each as "Exception ignored in" (with a TensorStore spec of a hundred lines), a closed loop's
+    refusal of their callback, or "Future exception was never retrieved": after the one line that
+    says which step cannot be read and why, pages of noise. Reports of other errors still go to
+    the hook and the logger there were.
+    """
+    if not _UNREADABLE:
+        previous = sys.unraisablehook
+
+        def hook(unraisable):
+            if not _left_behind(unraisable.exc_value):
+                previous(unraisable)
+
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(
+            lambda record: not (record.exc_info and _left_behind(record.exc_info[1]))
+        )
+    _UNREADABLE.add(f"{step_dir}/")
+
+
+def _left_behind(error) -> bool:
+    """Whether ``error`` is one of a failed restore's pending reads (:func:`_quiet_failed_reads`):
+    an error naming a step found unreadable, or a closed event loop's."""
+    text = str(error)
+    if isinstance(error, RuntimeError) and text == "Event loop is closed":
+        return True
+    return any(step_dir in text for step_dir in _UNREADABLE)
+
+
+def _reason(error: BaseException) -> str:
+    """The first line of the innermost cause of ``error``, with its type (Orbax wraps TensorStore's
+    error, which names the file and what is wrong with it, in a generic one)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def _shape_of(leaf) -> tuple[int, ...] | None:
@@ -40,6 +165,11 @@ class Checkpointer:
       max_to_keep: number of most recent checkpoints kept.
       async_save: write in a background thread (``save`` returns after the device-to-host copy).
       clock: ``() -> seconds``, the clock of :meth:`writing_since`.
+      read_only: only read (another run's checkpoints, perhaps on a read-only file system): the
+        directory is neither created nor checked for writing, and :meth:`save` refuses.
+
+    Raises:
+      CheckpointMismatch: ``directory`` cannot hold checkpoints (:func:`usable_directory`).
     """
 
     def __init__(
@@ -49,15 +179,22 @@ class Checkpointer:
         max_to_keep: int = 3,
         async_save: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        read_only: bool = False,
     ):
         if int(max_to_keep) < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep!r}")
-        self.directory = pathlib.Path(directory).absolute()
+        try:
+            self.directory = usable_directory(directory, create=not read_only)
+        except ValueError as e:
+            raise CheckpointMismatch(f"checkpoint directory: {e}") from None
+        self._read_only = read_only
         self._clock, self._async = clock, async_save
         # a background write issued and not yet seen finished; when the last one was seen finished
         self._writing, self._seen_done = False, -float("inf")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=int(max_to_keep), create=True, enable_async_checkpointing=async_save
+            max_to_keep=int(max_to_keep),
+            create=not read_only,
+            enable_async_checkpointing=async_save,
         )
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -77,6 +214,8 @@ class Checkpointer:
 
     def save(self, state: TrainState, *, meta: Mapping[str, Any]) -> None:
         """Save ``state`` under its ``step`` (a no-op if that step is already saved)."""
+        if self._read_only:
+            raise ValueError(f"{self.directory} was opened read_only: nothing can be saved there")
         step = int(jax.device_get(state.step))
         if step in self._manager.all_steps():
             return
@@ -99,16 +238,61 @@ class Checkpointer:
             self._writing, self._seen_done = False, self._clock()
         return self._seen_done > start
 
-    def read_meta(self, step: int) -> dict:
-        """The JSON record saved with ``step``."""
-        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-            "meta"
-        ]
+    @contextlib.contextmanager
+    def _reading(self, step: int, item: str, advice: str = ""):
+        """Raise :class:`UnreadableCheckpoint` (with ``advice``) if ``item`` (``"meta"``,
+        ``"state"``) of ``step`` is missing, or if reading it fails other than by a mismatch."""
+        path = self.directory / str(step)
+        missing = None
+        if path.is_dir() and not any(path.iterdir()):
+            missing = "its directory is empty"
+        elif not (path / item).is_dir():
+            missing = f"it has no {item}/"
+        if missing:
+            raise UnreadableCheckpoint(self.directory, step, missing, advice)
+        try:
+            yield
+        except CheckpointMismatch:
+            raise
+        except Exception as e:  # Orbax, TensorStore and json raise many types; the step is lost
+            _quiet_failed_reads(path)
+            raise UnreadableCheckpoint(self.directory, step, f"{item}: {_reason(e)}", advice) from e
+
+    def read_meta(self, step: int, *, advice: str = "") -> dict:
+        """The JSON record saved with ``step``.
+
+        Raises:
+          UnreadableCheckpoint: the record cannot be read (its message ends with ``advice``).
+        """
+        with self._reading(step, "meta", advice):
+            return self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"]
+
+    def check_run(self, step: int, run_info: Mapping[str, Any]) -> dict:
+        """The JSON record saved with ``step``, after checking that it was written by the run
+        ``run_info`` describes (as it comes back from JSON: lists, not tuples).
+
+        Raises:
+          CheckpointMismatch: the record's ``"run"`` differs from ``run_info``; the message lists
+            every differing key (:func:`run_differences`).
+          UnreadableCheckpoint: the record cannot be read.
+        """
+        meta = self.read_meta(step, advice=RESUME_ADVICE)
+        differences = run_differences(meta.get("run", {}), run_info)
+        if differences:
+            shown = "\n  ".join(differences)
+            raise CheckpointMismatch(
+                f"checkpoint {self.directory}/{step} was written by another run:\n  {shown}\n"
+                "resume with the settings it was written with, or use another workdir"
+            )
+        return meta
 
     def check_compatible(self, step: int, target: TrainState) -> None:
         """Raise :class:`CheckpointMismatch` if the state stored at ``step`` does not have
-        ``target``'s shapes."""
-        stored = self._manager.item_metadata(step)["state"]
+        ``target``'s shapes (:class:`UnreadableCheckpoint` if its metadata cannot be read)."""
+        with self._reading(step, "state", RESUME_ADVICE):
+            stored = self._manager.item_metadata(step)["state"]
         stored = getattr(stored, "tree", stored)
         problems = []
         stored_params = _by_path(stored["params"])
@@ -145,13 +329,31 @@ class Checkpointer:
         """Restore ``step`` into the structure, shapes and shardings of ``target``.
 
         ``target`` may be abstract (``jax.ShapeDtypeStruct`` leaves, with ``sharding`` set).
-        Raises :class:`CheckpointMismatch` (see :meth:`check_compatible`) before reading any array.
+        Raises :class:`CheckpointMismatch` (see :meth:`check_compatible`) before reading any array,
+        :class:`UnreadableCheckpoint` if an array cannot be read.
         """
         self.check_compatible(step, target)
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-        )
+        with self._reading(step, "state", RESUME_ADVICE):
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            )
         return restored["state"]
+
+    def set_aside(self, step: int) -> pathlib.Path:
+        """Rename ``step``'s directory to ``<step>.unreadable`` (``-2``, ``-3``, ... if taken), a
+        name Orbax does not read as a step: a run resumed from an earlier step can save this one
+        again, and nothing is deleted. Returns the new path."""
+        names = (f"{step}.unreadable" + (f"-{k}" if k > 1 else "") for k in itertools.count(1))
+        target = next(self.directory / n for n in names if not (self.directory / n).exists())
+        # On a shared file system one process renames, once every one has chosen the same name.
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+        if jax.process_index() == 0:
+            (self.directory / str(step)).rename(target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"checkpoint {step} set aside")
+        self._manager.reload()
+        return target
 
     def restore_variables(self, step: int | None = None) -> dict:
         """The model variables (``{"params": ..., **collections}``) stored at ``step`` (default:
@@ -160,6 +362,7 @@ class Checkpointer:
 
         Raises:
           FileNotFoundError: no committed checkpoint (at ``step``) in the directory.
+          UnreadableCheckpoint: the step's state cannot be read.
         """
         steps = self.all_steps()
         step = max(steps, default=None) if step is None else step
@@ -168,9 +371,10 @@ class Checkpointer:
                 f"no checkpoint{'' if step is None else f' of step {step}'} in {self.directory}"
                 + (f" (steps: {steps})" if steps else "")
             )
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore())
-        )["state"]
+        with self._reading(step, "state"):
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore())
+            )["state"]
         return {"params": restored["params"], **restored["collections"]}
 
     def wait(self) -> None:

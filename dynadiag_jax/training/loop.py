@@ -22,6 +22,8 @@ import contextlib
 import functools
 import itertools
 import json
+import logging
+import os
 import pathlib
 import signal
 import threading
@@ -35,11 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import tqdm
-from flax import traverse_util
 
-from dynadiag_jax._checks import int_at_least
+from dynadiag_jax._checks import check_variables, int_at_least, int_in_range
 from dynadiag_jax.training.ahead import CompileAhead
-from dynadiag_jax.training.checkpoint import Checkpointer, CheckpointMismatch
+from dynadiag_jax.training.checkpoint import (
+    RESUME_ADVICE,
+    Checkpointer,
+    CheckpointMismatch,
+    UnreadableCheckpoint,
+)
 from dynadiag_jax.training.finetune import Finetune, enter_finetune
 from dynadiag_jax.training.metrics import MetricWriter
 from dynadiag_jax.training.parallel import (
@@ -159,7 +165,9 @@ def stop_requests():
 
     def handler(signum, frame):
         if flag.is_set() and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(
+                "a second Ctrl-C stopped the run at once; the last checkpoint is kept"
+            )
         if not flag.is_set():
             flag.signum = signum
 
@@ -571,7 +579,10 @@ def restore_or_create_state(
       finetuned: the abstract state of the run's fine-tuning phase (None: it has none); a
         checkpoint written in that phase is restored into it.
       step: the checkpoint to restore (the caller's ``ckpt.latest_step()``), or None for a fresh
-        state.
+        state. If it cannot be read (a file truncated or deleted after its commit), the newest
+        earlier committed step that can is restored instead, with a warning naming the step and
+        why, and the unreadable steps are renamed out of the way (:meth:`Checkpointer.set_aside`:
+        kept, and the run can save those steps again).
       working_set: the run's working-set option; a checkpoint written in the working-set form is
         restored into ``abstract``'s working-set form of this factor.
 
@@ -582,17 +593,46 @@ def restore_or_create_state(
     Raises:
       CheckpointMismatch: the checkpoint was written with another ``run_info`` or other shapes
         (before any array is read or anything compiled).
+      UnreadableCheckpoint: no committed step up to ``step`` can be read (the message names
+        ``step``; nothing is renamed).
     """
     if step is None:
         return jax.jit(init, out_shardings=sharding)(initial_variables), None, MetricSums()
-    meta = ckpt.read_meta(step)
-    differences = _differences(meta.get("run", {}), run_info)
-    if differences:
-        shown = "\n  ".join(differences)
-        raise CheckpointMismatch(
-            f"checkpoint {ckpt.directory}/{step} was written by another run:\n  {shown}\n"
-            "resume with the settings it was written with, or use another workdir"
+    unreadable = []
+    for candidate in sorted((s for s in ckpt.all_steps() if s <= step), reverse=True):
+        try:
+            state, sums = _restore_step(
+                ckpt, candidate, abstract, run_info, sharding, finetuned, working_set
+            )
+        except UnreadableCheckpoint as e:
+            unreadable.append(e)
+            continue
+        for e in unreadable:
+            kept = ckpt.set_aside(e.step)
+            logging.getLogger(__name__).warning(
+                "checkpoint %s step %d cannot be read (%s); resuming from step %d, the "
+                "unreadable step kept as %s",
+                ckpt.directory,
+                e.step,
+                e.reason,
+                candidate,
+                kept,
+            )
+        return state, candidate, sums
+    newest, *earlier = unreadable
+    advice = RESUME_ADVICE
+    if earlier:
+        steps = ", ".join(str(e.step) for e in earlier)
+        advice += (
+            f" (the earlier step{'s' if len(earlier) > 1 else ''} {steps} cannot be read either)"
         )
+    raise UnreadableCheckpoint(ckpt.directory, newest.step, newest.reason, advice)
+
+
+def _restore_step(ckpt, step, abstract, run_info, sharding, finetuned, working_set):
+    """``(state, metric sums)`` of checkpoint ``step``, as :func:`restore_or_create_state` takes
+    them (its checks and its choice of the stored form included)."""
+    meta = ckpt.check_run(step, run_info)
     target = abstract
     if meta.get("finetune"):
         if finetuned is None:
@@ -613,7 +653,7 @@ def restore_or_create_state(
             functools.partial(enter_working_set, factor=working_set.factor), abstract
         )
     state = ckpt.restore(step, _abstract(target, sharding))
-    return state, step, MetricSums(meta.get("interval"))
+    return state, MetricSums(meta.get("interval"))
 
 
 def _abstract(tree, sharding):
@@ -721,6 +761,8 @@ def _check_args(
     if checkpoint_every and workdir is None:
         raise ValueError("checkpoint_every needs a workdir to write checkpoints to")
     if finetune is not None:
+        if not isinstance(finetune, Finetune):
+            raise TypeError(f"finetune must be a Finetune or None, got {type(finetune).__name__}")
         start = finetune.start_step
         if not (isinstance(start, (int, np.integer)) and 0 <= start < num_steps):
             raise ValueError(
@@ -745,6 +787,81 @@ def _check_args(
                 f"{'freeze_step' if freeze_step is not None else 'num_steps'}={end}: the working "
                 "set is a form of the search phase"
             )
+
+
+def _check_kinds(
+    model,
+    optimizer,
+    task,
+    train_data,
+    example_input,
+    seed,
+    eval_data,
+    gate,
+    workdir,
+    keep_checkpoints,
+    learning_rate,
+    hooks,
+    initial_variables,
+):
+    """What :func:`train` takes besides the step counts, periods and phases
+    (:func:`_check_args`), each checked before anything is traced: an argument of the wrong kind
+    would otherwise fail deep in JAX or pathlib, or only after the first step (a hook)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a flax.linen Module, got {type(model).__name__}")
+    if not all(callable(getattr(optimizer, m, None)) for m in ("init", "update")):
+        raise TypeError(
+            "optimizer must be an optax GradientTransformation (init and update), "
+            f"got {type(optimizer).__name__}"
+        )
+    # The evaluation's methods are called only with eval_data.
+    methods = ("train_inputs", "loss")
+    if eval_data is not None:
+        methods += ("eval_inputs", "eval_sums", "summarise")
+    missing = [m for m in methods if not callable(getattr(task, m, None))]
+    if missing:
+        raise TypeError(
+            f"task must be a task such as Classification or LanguageModeling, got "
+            f"{type(task).__name__} (without {', '.join(missing)})"
+        )
+    if not (
+        hasattr(train_data, "global_batch_size") and callable(getattr(train_data, "iterate", None))
+    ):
+        raise TypeError(
+            "train_data must be a BatchSource (global_batch_size and iterate(start_step)), such "
+            f"as dynadiag_jax.data.ArrayBatches, got {type(train_data).__name__}"
+        )
+    if not (hasattr(example_input, "shape") and hasattr(example_input, "dtype")):
+        raise TypeError(
+            "example_input must be an array or a jax.ShapeDtypeStruct, "
+            f"got {type(example_input).__name__}"
+        )
+    int_in_range(seed, "seed", -(2**63), 2**63 - 1)
+    if eval_data is not None and not isinstance(eval_data, Iterable):
+        raise TypeError(
+            f"eval_data must be re-iterable batches or None, got {type(eval_data).__name__}"
+        )
+    if gate is not None and not isinstance(gate, GateSchedule):
+        raise TypeError(f"gate must be a GateSchedule or None, got {type(gate).__name__}")
+    if workdir is not None and not isinstance(workdir, (str, os.PathLike)):
+        raise TypeError(
+            f"workdir must be a path (str or os.PathLike) or None, got {type(workdir).__name__}"
+        )
+    int_at_least(keep_checkpoints, "keep_checkpoints", 1)
+    if learning_rate is not None and not callable(learning_rate):
+        raise TypeError(
+            "learning_rate must be a schedule step -> rate (only logged) or None, "
+            f"got {type(learning_rate).__name__}"
+        )
+    if not isinstance(hooks, Sequence) or isinstance(hooks, str):
+        raise TypeError(
+            f"hooks must be a sequence of hook(step, state), got {type(hooks).__name__}"
+        )
+    for i, hook in enumerate(hooks):
+        if not callable(hook):
+            raise TypeError(f"hooks[{i}] must be callable as hook(step, state), got {hook!r}")
+    if initial_variables is not None:
+        check_variables(initial_variables, "initial_variables", "train")
 
 
 def train(
@@ -831,11 +948,15 @@ def train(
       A :class:`TrainResult`.
 
     Raises:
-      TypeError: a step count or period that is not an int.
+      TypeError: a step count, period or seed that is not an int, or an argument of the wrong kind
+        (a model that is not a Module, a train_data that is not a BatchSource, a hook not callable).
       ValueError: a step count or period out of range, other bad arguments or a batch size not
         divisible by the device count;
         :class:`CheckpointMismatch` (a ``ValueError``): the newest checkpoint in ``workdir`` was
-        written with another ``run_info``, seed or model shape — all before anything is compiled.
+        written with another ``run_info``, seed or model shape, no committed checkpoint there can
+        be read (one that cannot while an earlier one can is set aside, with a warning, and the
+        run resumes from the earlier one), or ``workdir`` cannot hold checkpoints (a file, not
+        writable) — all before anything is compiled.
       Interrupted: (a ``KeyboardInterrupt``) after SIGINT/SIGTERM, once the current step is
         checkpointed; its ``signum`` says which.
     """
@@ -849,6 +970,21 @@ def train(
         workdir,
         finetune,
         working_set,
+    )
+    _check_kinds(
+        model,
+        optimizer,
+        task,
+        train_data,
+        example_input,
+        seed,
+        eval_data,
+        gate,
+        workdir,
+        keep_checkpoints,
+        learning_rate,
+        hooks,
+        initial_variables,
     )
     mesh = data_mesh() if mesh is None else mesh
     check_batch_size(train_data.global_batch_size, mesh, name="batch_size")
@@ -1112,22 +1248,3 @@ def train(
         writer.close()
         if ckpt is not None:
             ckpt.close()
-
-
-def _differences(stored: Mapping, current: Mapping) -> list[str]:
-    """``"key: X in the checkpoint, Y in this run"`` for each entry (nested keys dotted) on which
-    two run descriptions differ."""
-    a, b = (
-        traverse_util.flatten_dict(t, keep_empty_nodes=True, sep=".") for t in (stored, current)
-    )
-
-    def show(tree, key):
-        if key not in tree:
-            return "absent"
-        return "{}" if tree[key] is traverse_util.empty_node else repr(tree[key])
-
-    return [
-        f"{key}: {show(a, key)} in the checkpoint, {show(b, key)} in this run"
-        for key in sorted(set(a) | set(b))
-        if key not in a or key not in b or a[key] != b[key]
-    ]

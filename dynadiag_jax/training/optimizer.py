@@ -7,6 +7,7 @@ rest), whose state :func:`dynadiag_jax.freeze_opt_state` maps to the compact fro
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Sequence
 
 import jax
@@ -14,6 +15,7 @@ import optax
 from flax import traverse_util
 
 import dynadiag_jax as dd
+from dynadiag_jax._checks import finite_number, non_negative
 
 __all__ = ["NO_DECAY", "adamw", "merge_params", "split_params", "train_only"]
 
@@ -37,16 +39,40 @@ def adamw(
     """AdamW with decoupled weight decay on matrices only; Adam on ``alpha``.
 
     Args:
-      learning_rate: a float or an optax schedule ``step -> lr``.
-      weight_decay: decay coefficient for parameters with >= 2 dimensions not in ``no_decay``.
-      b1, b2, eps: Adam's constants.
-      clip_norm: clip the gradient's global norm first (``None``: no clipping).
+      learning_rate: a finite float > 0 or an optax schedule ``step -> lr``.
+      weight_decay: decay coefficient (finite, >= 0) for parameters with >= 2 dimensions not in
+        ``no_decay``.
+      b1, b2, eps: Adam's constants: ``b1`` and ``b2`` in ``[0, 1)``, ``eps`` finite and >= 0.
+      clip_norm: clip the gradient's global norm to this (finite, > 0) first (``None`` or 0: no
+        clipping).
       no_decay: path patterns (``re.fullmatch``) never decayed.
-      alpha_lr_scale: ``alpha`` (DiagonalDense scores) learns at ``alpha_lr_scale`` times the rate.
-      values_lr_scale: DiagonalDense ``values`` take their updates times this
-        (:func:`dynadiag_jax.optim.diag_optimizer`; ``dd.optim.init_gain(sparsity)`` for
+      alpha_lr_scale: ``alpha`` (DiagonalDense scores) learns at ``alpha_lr_scale`` (finite,
+        > 0) times the rate.
+      values_lr_scale: DiagonalDense ``values`` take their updates times this (finite, > 0;
+        :func:`dynadiag_jax.optim.diag_optimizer`; ``dd.optim.init_gain(sparsity)`` for
         ``fan_in="sparse"`` layers).
+
+    Raises:
+      TypeError: a constant that is not a real number (``learning_rate``: nor a schedule).
+      ValueError: a constant out of its range, NaN or infinite (optax would train to NaN, or
+        ascend the loss with a negative rate or clip norm, without an error).
     """
+    if not callable(learning_rate):
+        if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real):
+            raise TypeError(
+                "learning_rate must be a number or a schedule step -> rate, "
+                f"got {type(learning_rate).__name__}"
+            )
+        _positive(learning_rate, "learning_rate")
+    non_negative(weight_decay, "weight_decay")
+    for name, value in (("b1", b1), ("b2", b2)):
+        if not 0.0 <= finite_number(value, name) < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    non_negative(eps, "eps")
+    if clip_norm is not None:
+        non_negative(clip_norm, "clip_norm (None or 0: no clipping)")
+    _positive(alpha_lr_scale, "alpha_lr_scale")
+    _positive(values_lr_scale, "values_lr_scale")
     if callable(learning_rate):
         alpha_lr = lambda count: alpha_lr_scale * learning_rate(count)  # noqa: E731
     else:
@@ -62,6 +88,14 @@ def adamw(
         values_lr_scale=values_lr_scale,
     )
     return optax.chain(optax.clip_by_global_norm(clip_norm), tx) if clip_norm else tx
+
+
+def _positive(value, name: str) -> float:
+    """``value`` as a float; ``TypeError`` if not a real number, ``ValueError`` unless finite and
+    > 0."""
+    if finite_number(value, name) <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return float(value)
 
 
 def train_only(tx: optax.GradientTransformation, patterns: Sequence[str]):

@@ -8,7 +8,7 @@ without DiagonalDense layers passes through every function unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -116,8 +116,21 @@ def freeze_state(state: TrainState) -> TrainState:
     return state._replace(params=params, opt_state=opt_state, collections=after)
 
 
+def _check_mapping(tree, name: str, what: str, example: str) -> None:
+    """Raises ``TypeError`` naming ``what``'s argument ``name`` unless ``tree`` is a mapping
+    (else the first access fails as an AttributeError or an assertion in flax)."""
+    if not isinstance(tree, Mapping):
+        raise TypeError(
+            f"{what}: {name} must be a mapping such as {example}, got {type(tree).__name__}"
+        )
+
+
 def kept_offsets(collections) -> dict[str, np.ndarray]:
-    """``{layer path: offsets}``: the frozen diagonals, or while searching the top-K by alpha."""
+    """``{layer path: offsets}``: the frozen diagonals, or while searching the top-K by alpha.
+
+    ``collections``: the model's non-param collections (``state.collections``); ``TypeError``
+    for anything but a mapping."""
+    _check_mapping(collections, "collections", "kept_offsets", "state.collections")
     out = _leaves(collections.get(DIAGONALS_COLLECTION, {}), "offsets")
     for p, v in _leaves(collections.get(GATE_COLLECTION, {}), "topk").items():
         out.setdefault(p, v)
@@ -152,7 +165,9 @@ class ParameterCounts(NamedTuple):
 
 
 def parameter_counts(params) -> ParameterCounts:
-    """Count the parameters of ``params`` by role (see :class:`ParameterCounts`)."""
+    """Count the parameters of ``params`` by role (see :class:`ParameterCounts`); ``TypeError``
+    if ``params`` is not a mapping (the ``"params"`` collection)."""
+    _check_mapping(params, "params", "parameter_counts", "state.params")
     diag_layers = set(_leaves(params, "values"))
     flat = traverse_util.flatten_dict(params)
     diagonal = alpha = other = 0

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dynadiag_jax._checks import finite_number, int_at_least
 from dynadiag_jax.training.mixup import MixupCutmix
 
 __all__ = ["Classification", "Distillation", "LanguageModeling"]
@@ -25,21 +26,50 @@ def _mask(batch, n):
     return batch["mask"].astype(jnp.float32) if "mask" in batch else jnp.ones((n,), jnp.float32)
 
 
-class Classification(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Classification:
     """Image (or any input) classification from ``{"image": [B, ...], "label": [B] int}``.
 
     Attributes:
-      num_classes: number of classes.
-      label_smoothing: mass spread uniformly over all classes in training targets.
+      num_classes: number of classes (an int >= 2), the width of the model's logits.
+      label_smoothing: mass spread uniformly over all classes in training targets, in ``[0, 1)``.
       mixup: batch mixing applied to training inputs (``None``: no mixing).
       normalize: ``(mean, std)`` per channel for uint8 images in [0, 255] (e.g.
         ``dynadiag_jax.data.IMAGENET_MEAN_STD``); ``None``: images are used as given.
+
+    Raises:
+      TypeError: ``num_classes`` not an int, ``label_smoothing`` not a number, ``mixup`` not
+        callable.
+      ValueError: ``num_classes`` < 2, ``label_smoothing`` outside ``[0, 1)``; when a step is
+        traced, logits whose width is not ``num_classes``.
     """
 
     num_classes: int
     label_smoothing: float = 0.0
     mixup: MixupCutmix | None = None
     normalize: tuple | None = None
+
+    def __post_init__(self):
+        int_at_least(self.num_classes, "Classification: num_classes", 2)
+        smoothing = finite_number(self.label_smoothing, "Classification: label_smoothing")
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(
+                f"Classification: label_smoothing must be in [0, 1), got {self.label_smoothing!r}"
+            )
+        if self.mixup is not None and not callable(self.mixup):
+            raise TypeError(
+                "Classification: mixup must be a MixupCutmix or None, "
+                f"got {type(self.mixup).__name__}"
+            )
+
+    def _check_width(self, logits):
+        """Raises unless the logits (traced: their shape is static) are ``num_classes`` wide;
+        else the first op to meet both would report mismatched shapes without naming them."""
+        if logits.shape[-1] != self.num_classes:
+            raise ValueError(
+                f"Classification: num_classes={self.num_classes} differs from the width of the "
+                f"model's logits ({logits.shape[-1]}): give the task the model's number of classes"
+            )
 
     def _images(self, batch):
         images = batch["image"]
@@ -62,6 +92,7 @@ class Classification(NamedTuple):
 
     def loss(self, logits, targets, batch):
         """Mean soft-target cross-entropy and the training metrics (accuracy vs the hard label)."""
+        self._check_width(logits)
         loss = optax.softmax_cross_entropy(logits, targets).mean()
         accuracy = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32).mean()
         return loss, {"loss": loss, "accuracy": accuracy}
@@ -71,6 +102,7 @@ class Classification(NamedTuple):
 
     def eval_sums(self, logits, batch):
         """Sums of per-example loss and correct predictions over the unmasked examples."""
+        self._check_width(logits)
         m = _mask(batch, logits.shape[0])
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
         correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)

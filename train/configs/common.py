@@ -174,8 +174,9 @@ def finetune(arg, *, selection_every: int, suites=FINETUNE_SUITES) -> ml_collect
 def lora_section(layers, *, steps: int | None = 0) -> dict:
     """A config's ``lora`` section: the defaults (r = 8, alpha 16, B alone at 1e-2, which beat
     the suites' 1e-3 on the MLP: docs/training.md) on ``layers``; ``steps`` is the in-run phase's
-    length (0: none; None: no such entry, for train/lora_fa.py, whose length is a fraction)."""
-    section = dict(rank=8, alpha=16.0, layers=list(layers), train_values=False, learning_rate=1e-2)
+    length (0: none; None: no such entry, for train/lora_fa.py, whose length is a fraction).
+    ``layers`` is a tuple: ml_collections overrides no list entry from the command line."""
+    section = dict(rank=8, alpha=16.0, layers=tuple(layers), train_values=False, learning_rate=1e-2)
     return section if steps is None else dict(section, steps=steps)
 
 
