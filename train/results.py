@@ -42,6 +42,7 @@ if __package__ in (None, ""):  # run as a file: make `train` importable from the
 import tqdm
 from absl import app, flags, logging
 
+from dynadiag_jax import training as T
 from train import cli, common, results_report, speed
 from train.configs import results as default_config
 from train.results_runs import (
@@ -108,6 +109,8 @@ def train_all(config, data, suites, workdir: pathlib.Path) -> None:
         except KeyboardInterrupt as e:
             print(f"\ninterrupted; the same command resumes ({run_dir} keeps its checkpoint)")
             raise SystemExit(common.interrupt_status(e)) from None
+        except T.CheckpointMismatch as e:  # e.g. no step of the run's checkpoints restores
+            common.die(f"{e} ({run_dir})")
         with accuracy_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         metric = (
