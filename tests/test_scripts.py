@@ -5,6 +5,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -609,6 +610,17 @@ def test_fashion_mnist_script_end_to_end(run_python, tmp_path):
     assert "resumed at step 31" in again.stdout
 
 
+def _quick_dense_mlp(workdir):
+    """results.py's arguments for one short dense run of the MLP suite in ``workdir``."""
+    return [
+        str(ROOT / "train" / "results.py"),
+        "--suite=mlp",
+        f"--config={CONFIGS / 'results.py'}:quick,models=mlp,methods=dense,sparsities=0.9,seeds=1",
+        f"--workdir={workdir}",
+        "--noprogress",
+    ]
+
+
 def test_results_smoke_run_reports_in_its_workdir_and_never_writes_docs(run_python, tmp_path):
     """A smoke run as a user types it, from a checkout (it once rewrote docs/RESULTS.md and
     the plots): its report goes under --workdir, and --docs, the explicit way to write the
@@ -617,13 +629,7 @@ def test_results_smoke_run_reports_in_its_workdir_and_never_writes_docs(run_pyth
     docs.mkdir()
     (docs / "RESULTS.md").write_text("the shipped report")
     run = tmp_path / "run"
-    args = [
-        str(ROOT / "train" / "results.py"),
-        "--suite=mlp",
-        f"--config={CONFIGS / 'results.py'}:quick,models=mlp,methods=dense,sparsities=0.9,seeds=1",
-        f"--workdir={run}",
-        "--noprogress",
-    ]
+    args = _quick_dense_mlp(run)
     # A persistent compilation cache in the user's environment stays unused: whole runs are timed
     # with their compilation (the campaign's runs here, the clean runs of --timing_only).
     cache = tmp_path / "jax_cache"
@@ -660,6 +666,29 @@ def test_results_smoke_run_reports_in_its_workdir_and_never_writes_docs(run_pyth
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --docs writes the shipped report") and ":quick" in last
     assert not (tmp_path / "other").exists() and os.listdir(docs) == ["RESULTS.md"]
+
+
+def test_results_reports_a_run_whose_checkpoints_cannot_be_restored_on_one_line(
+    run_python, tmp_path
+):
+    """An unfinished run (no row in accuracy.jsonl) whose every checkpoint step is damaged: one
+    error line naming the run's directory, nothing renamed, no traceback."""
+    run = tmp_path / "run"
+    args = [*_quick_dense_mlp(run), "--notiming"]
+    run_python(args, timeout=300)
+    (run / results_runs.ACCURACY_FILE).unlink()  # as if killed before its row was written
+    [run_dir] = (run / "mlp").iterdir()
+    steps = [p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
+    assert steps
+    for step in steps:
+        shutil.rmtree(step / "state")
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    proc = run_python(args, check=False, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert line.startswith(f"error: checkpoint {run_dir / 'checkpoints'} step ")
+    assert "cannot be read (it has no state/)" in line and line.endswith(f"({run_dir})")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == kept
 
 
 def test_only_the_full_campaign_may_write_docs(tmp_path):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax._checks import as_int32, permutation_problem
+from dynadiag_jax._checks import as_int32, host_array, permutation_problem
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, geometry
 from dynadiag_jax.ops import auto, dense, products, reference
 
@@ -45,20 +45,6 @@ def _as_array(a, name):
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
         raise TypeError(f"{name} must be an array, got {type(a).__name__}")
     return a
-
-
-def _on_host(a):
-    """``a`` (offsets, perm) as a numpy array if it is already on the host, else None.
-
-    Reading arrays that live on an accelerator would copy them to the host and wait for the device
-    on every eager call; the products check those at run time instead.
-    """
-    if isinstance(a, np.ndarray):
-        return a
-    if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
-        if all(d.platform == "cpu" for d in a.devices()):
-            return np.asarray(a)
-    return None
 
 
 def _check_values(values, element):
@@ -292,14 +278,14 @@ def diag_matmul_in_range(x, values, offsets, *, out_features: int, impl: str = "
 
 
 def _diag_matmul(x, values, offsets, *, out_features, impl, guard, perm=None):
-    host_offsets = _on_host(offsets)  # before _as_array moves numpy data to the device
+    host_offsets = host_array(offsets)  # before _as_array moves numpy data to the device
     x, values, offsets = (
         _as_array(a, n) for a, n in ((x, "x"), (values, "values"), (offsets, "offsets"))
     )
     _check_concrete(x=x, values=values, offsets=offsets)
     geo = _check_args(x, values, offsets, out_features, host_offsets)
     if perm is not None:
-        host_perm = _on_host(perm)
+        host_perm = host_array(perm)
         perm = _as_array(perm, "perm")
         _check_concrete(perm=perm)
         _check_perm(perm, host_perm, geo.in_features)

@@ -25,7 +25,6 @@
 namespace ffi = xla::ffi;
 
 namespace dynadiag {
-namespace {
 
 using Dims = ffi::AnyBuffer::Dimensions;
 
@@ -37,9 +36,12 @@ std::string ShapeString(Dims dims) {
   return s.str();
 }
 
+// Outside the unnamed namespace: declared in there it would hide the overload above.
 std::string ShapeString(const std::vector<int64_t>& dims) {
   return ShapeString(Dims(dims.data(), dims.size()));
 }
+
+namespace {
 
 ffi::Error Invalid(const char* target, const std::string& message) {
   return ffi::Error::InvalidArgument(std::string(target) + ": " + message);

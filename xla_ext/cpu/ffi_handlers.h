@@ -2,7 +2,10 @@
 #ifndef DYNADIAG_XLA_EXT_CPU_FFI_HANDLERS_H_
 #define DYNADIAG_XLA_EXT_CPU_FFI_HANDLERS_H_
 
+#include <string>
+
 #include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
 
 extern "C" {
 XLA_FFI_Error* DynadiagDiagMatmulFwdCpu(XLA_FFI_CallFrame* call_frame);
@@ -15,5 +18,12 @@ XLA_FFI_Error* DynadiagDiagMatmulPermutedDvaluesCpu(XLA_FFI_CallFrame* call_fram
 XLA_FFI_Error* DynadiagDiagMatmulPermutedBwdCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* DynadiagGateRankCpu(XLA_FFI_CallFrame* call_frame);
 }
+
+namespace dynadiag {
+
+// "[d0, d1, ...]": how the handlers' messages write a shape.
+std::string ShapeString(xla::ffi::AnyBuffer::Dimensions dims);
+
+}  // namespace dynadiag
 
 #endif  // DYNADIAG_XLA_EXT_CPU_FFI_HANDLERS_H_

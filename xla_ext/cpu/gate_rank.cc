@@ -155,12 +155,6 @@ void RankRows(ffi::AnyBuffer alpha, ffi::AnyBuffer hyper, const int32_t* old_top
   }
 }
 
-std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
 const char* DtypeName(ffi::DataType dtype) {
   switch (dtype) {
     case ffi::DataType::S32: return "S32";
