@@ -183,6 +183,28 @@ def test_traced_offset_out_of_range_gives_nan_with_every_impl(impl, form, bad, r
     np.testing.assert_allclose(np.delete(dv, 1, axis=0), np.delete(np.asarray(dv_good), 1, axis=0))
 
 
+@pytest.mark.parametrize("impl,form", OOR_CASES)
+def test_a_non_finite_input_reaches_the_outputs_its_diagonals_read(impl, form, rng):
+    """docs/kernel_abi.md: the sparse paths make non-finite only the outputs whose kept diagonals
+    read the column; the dense path every output of the row. Either way the row is non-finite."""
+    in_f, out_f, vshape, p = FORMS[form]
+    x = jnp.asarray(rng.standard_normal((3, in_f)), jnp.float32)
+    x = x.at[0, 1].set(jnp.nan).at[1, in_f - 1].set(jnp.inf)
+    values = jnp.asarray(rng.standard_normal(vshape), jnp.float32)
+    offsets = jnp.asarray([0, p - 1], jnp.int32)
+    values = values[:2]
+    y = np.asarray(dd.diag_matmul(x, values, offsets, out_features=out_f, impl=impl))
+    # the outputs that read each column: the dense W's non-zero pattern
+    w = dd.diag_matmul(jnp.eye(in_f), jnp.ones_like(values), offsets, out_features=out_f)
+    reads = np.asarray(w).T != 0  # [out, in]
+    bad = ~np.isfinite(y)
+    want = np.stack([reads[:, 1], reads[:, in_f - 1], np.zeros(out_f, bool)])
+    if impl == "dense":
+        want[:2] = True
+    np.testing.assert_array_equal(bad, want)
+    assert bad[:2].any(axis=1).all() and np.isfinite(y[2]).all()
+
+
 @pytest.mark.parametrize("impl", [i for i in dd.available_impls() if i != "auto"])
 def test_bad_offsets_of_one_vmapped_element_poison_only_that_element(impl):
     offsets = jnp.asarray([[0, 5], [0, 12]], jnp.int32)
