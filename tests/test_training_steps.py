@@ -411,6 +411,7 @@ def _train_arguments(**changes):
         (dict(hooks=[5]), TypeError, r"hooks\[0\] must be callable"),
         (dict(hooks=print), TypeError, "hooks must be a sequence"),
         (dict(workdir=5), TypeError, "workdir must be a path"),
+        (dict(workdir=""), ValueError, r"workdir must be a directory path or None .* got ''"),
         (dict(keep_checkpoints="3"), TypeError, "keep_checkpoints must be an int, got str"),
         (dict(keep_checkpoints=0), ValueError, "keep_checkpoints must be >= 1"),
         (dict(learning_rate=1e-2), TypeError, "learning_rate must be a schedule"),
@@ -421,7 +422,8 @@ def _train_arguments(**changes):
 )
 def test_train_refuses_arguments_of_the_wrong_kind_before_compiling(changes, error, message):
     """Each once failed deep in JAX or pathlib, only after the first step (a hook), or not at all
-    (a str keep_checkpoints)."""
+    (a str keep_checkpoints; an empty workdir, which wrote metrics.jsonl into the current
+    directory and no checkpoint)."""
     with CompileCounter() as c, pytest.raises(error, match=message):
         T.train(**_train_arguments(**changes))
     assert c.count == 0

@@ -847,6 +847,9 @@ def _check_kinds(
         raise TypeError(
             f"workdir must be a path (str or os.PathLike) or None, got {type(workdir).__name__}"
         )
+    if workdir is not None and not os.fspath(workdir):
+        # "" once meant no checkpoints yet metrics.jsonl in the current directory
+        raise ValueError("workdir must be a directory path or None (no workdir), got ''")
     int_at_least(keep_checkpoints, "keep_checkpoints", 1)
     if learning_rate is not None and not callable(learning_rate):
         raise TypeError(
@@ -909,7 +912,8 @@ def train(
         with ``step == freeze_step`` and every later one is frozen); ``None``: never.
       gate: the gate schedule of the search phase (required when the model has search-phase
         layers).
-      workdir: directory for ``checkpoints/``, ``metrics.jsonl`` and TensorBoard events.
+      workdir: directory for ``checkpoints/``, ``metrics.jsonl`` and TensorBoard events;
+        ``None``: nothing is written (``""`` is refused).
       checkpoint_every: save every this many steps (and at the freeze, at the end and on
         SIGINT/SIGTERM).
       keep_checkpoints: how many checkpoints to keep.
@@ -1032,7 +1036,7 @@ def train(
 
     ckpt = (
         Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=keep_checkpoints)
-        if workdir
+        if workdir is not None
         else None
     )
     writer = _NullWriter()
