@@ -935,11 +935,41 @@ def test_an_empty_workdir_is_refused(script):
     )
 
 
-def test_a_bare_interrupt_says_when_it_came(capsys):
+def test_a_bare_interrupt_says_when_it_came(capsys, monkeypatch):
     def body():
         raise KeyboardInterrupt
 
+    def exit_now(status):
+        raise SystemExit(status)
+
+    monkeypatch.setattr(common.os, "_exit", exit_now)  # in the test's own process
     with pytest.raises(SystemExit) as done:
         common.run_script(body)
     assert done.value.code == 130
     assert "interrupted (not during a training step" in capsys.readouterr().err
+
+
+def test_an_interrupted_script_exits_without_python_teardown(tmp_path):
+    """A compile still running on XLA's threads when Ctrl-C came segfaulted in Python's
+    teardown (unedited_vit.py, status 139): the scripts now leave without it, output flushed."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(
+        "import atexit, sys\n"
+        "from train import common\n"
+        "atexit.register(lambda: print('teardown ran', file=sys.stderr))\n"
+        "print('buffered output', end='')\n"
+        "def body():\n"
+        "    raise KeyboardInterrupt\n"
+        "common.run_script(body)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert done.stdout == "buffered output"
+    assert "interrupted (not during a training step" in done.stderr
+    assert "teardown ran" not in done.stderr

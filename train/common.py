@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import pathlib
 import signal
 import sys
@@ -546,6 +547,26 @@ def interrupt_status(interrupt: KeyboardInterrupt) -> int:
     return 128 + getattr(interrupt, "signum", signal.SIGINT)
 
 
+def exit_interrupted(interrupt: KeyboardInterrupt, message: str) -> None:
+    """Print ``message`` to stderr and exit with :func:`interrupt_status`, skipping Python's
+    teardown.
+
+    An interrupt can come while XLA compiles on its own threads (jit's compile does not stop
+    with the Python frame that waited for it), and Python's teardown destroyed the runtime
+    beneath that compile: a segfault (status 139) instead of 130 when unedited_vit.py was
+    interrupted while compiling its timed steps. What the scripts write is closed by then (the
+    training loop saves and closes its checkpoints and logs before it raises). A multi-process
+    run exits normally, so that the distributed runtime shuts down with the other processes.
+    """
+    print(message, file=sys.stderr)
+    status = interrupt_status(interrupt)
+    if jax.distributed.is_initialized():
+        raise SystemExit(status) from None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def run_script(body: Callable[[], Any]) -> Any:
     """Run a script's body: a :class:`ConfigError` exits with ``error: ...`` (status 2); an
     interrupt (Ctrl-C, SIGTERM), once the loop has saved its checkpoint, exits with
@@ -559,8 +580,7 @@ def run_script(body: Callable[[], Any]) -> Any:
         # Python's own handler raises a bare KeyboardInterrupt: the signal came outside the
         # training loop's steps, whose handler stops after a step and says where.
         reason = str(e) or "not during a training step: start-up, compiling, evaluating or timing"
-        print(f"\ninterrupted ({reason}); run the same command to resume", file=sys.stderr)
-        raise SystemExit(interrupt_status(e)) from None
+        exit_interrupted(e, f"\ninterrupted ({reason}); run the same command to resume")
 
 
 def die(message: str) -> None:

@@ -107,8 +107,9 @@ def train_all(config, data, suites, workdir: pathlib.Path) -> None:
         try:
             record = train_run(config, data, spec, steps, run_dir, fp)
         except KeyboardInterrupt as e:
-            print(f"\ninterrupted; the same command resumes ({run_dir} keeps its checkpoint)")
-            raise SystemExit(common.interrupt_status(e)) from None
+            common.exit_interrupted(
+                e, f"\ninterrupted; the same command resumes ({run_dir} keeps its checkpoint)"
+            )
         except T.CheckpointMismatch as e:  # e.g. no step of the run's checkpoints restores
             common.die(f"{e} ({run_dir})")
         with accuracy_path.open("a") as f:
