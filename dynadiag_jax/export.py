@@ -38,10 +38,11 @@ def export(
       :class:`jax.export.Exported`; ``.serialize()`` gives bytes that
       ``jax.export.deserialize`` reads back.
 
-    Shapes must be concrete: symbolic (shape-polymorphic) dimensions, such as a batch size from
-    ``jax.export.symbolic_shape("b, 16")``, are not supported, since ``impl="auto"`` and the
-    kernels' plans and workspaces are chosen for a concrete number of rows; ``diag_matmul`` raises
-    ``ValueError`` at trace time for them. Export one program per concrete batch size instead.
+    The leading (row) dimensions of each ``diag_matmul``'s ``x`` may be symbolic, e.g. a batch
+    from ``jax.export.symbolic_shape("b")``, so one program serves every batch size; feature
+    widths and the diagonals must be concrete. ``impl="auto"`` then takes the choice it makes at
+    both 1 and 2**20 rows where the two agree, else ``"dense"``, and ``"dense"`` on CUDA, whose
+    kernels size their workspaces for a concrete row count (``ops/auto.py``).
     """
     if not hasattr(fun_jit, "trace"):
         fun_jit = jax.jit(fun_jit)

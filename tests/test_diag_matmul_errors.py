@@ -302,14 +302,44 @@ def test_traced_int64_offsets_and_perm_beyond_int32_give_nan(impl):
             assert np.isnan(np.asarray(a)).all()
 
 
-def test_symbolic_batch_size_is_refused_with_a_clear_error():
-    spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 8"), jnp.float32)
-    with pytest.raises(
-        ValueError,
-        match=r"x has the symbolic shape \(b, 8\): diag_matmul does not support symbolic "
-        r"\(shape-polymorphic\) dimensions.*export one concrete batch size",
-    ):
-        dd.export(lambda x: dd.diag_matmul(x, V, OFF, out_features=12))(spec)
+_B, _N = jax.export.symbolic_shape("b, n")
+
+
+def _spec(*shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def test_symbolic_rows_are_accepted():
+    exported = dd.export(lambda x: dd.diag_matmul(x, V, OFF, out_features=12))(_spec(_B, 8))
+    assert exported.out_avals[0].shape == (_B, 12)
+    x = jnp.arange(40, dtype=jnp.float32).reshape(5, 8)
+    want = dd.diag_matmul(x, V, OFF, out_features=12, impl="jax")
+    np.testing.assert_allclose(exported.call(x), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "args,out_features,match",
+    [
+        (
+            (_spec(3, _N), V, OFF),
+            12,
+            r"x has the symbolic shape \(3, n\): its last dimension \(in_features\) must be "
+            "concrete",
+        ),
+        ((X, _spec(_N, 8), OFF), 12, r"values has the symbolic shape \(n, 8\): values must be"),
+        ((X, V, _spec(_N, dtype=jnp.int32)), 12, r"offsets has the symbolic shape \(n,\)"),
+        ((X, V, OFF, _spec(_N, dtype=jnp.int32)), 12, r"perm has the symbolic shape \(n,\)"),
+        ((_spec(_B, 8), V, OFF), _B, "out_features must be a concrete integer, got b"),
+    ],
+    ids=["in_features", "values", "offsets", "perm", "out_features"],
+)
+def test_symbolic_dimensions_other_than_rows_are_refused(args, out_features, match):
+    def product(x, values, offsets, perm=None):
+        return dd.diag_matmul(x, values, offsets, out_features=out_features, perm=perm)
+
+    only = r"; only the leading \(row\) dimensions of x may be symbolic"
+    with pytest.raises(ValueError, match=match + ".*" + only):
+        dd.export(product)(*args)
 
 
 # --- the CPU targets, called directly --------------------------------------------------------

@@ -186,3 +186,87 @@ def test_search_phase_layer_exports_with_its_ranking_call():
         assert "dynadiag_gate_rank_v1" in targets
     restored = jax.export.deserialize(exported.serialize())
     np.testing.assert_allclose(restored.call(variables, x), layer.apply(variables, x), rtol=1e-6)
+
+
+# --- a symbolic batch: one program for every batch size ----------------------------------------
+
+BATCHES = (1, 3, 130)
+
+
+def assert_close_f32(got, want, what):
+    got, want = (np.asarray(a, np.float64) for a in (got, want))
+    scale = max(1.0, float(np.max(np.abs(want), initial=0.0)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale, err_msg=what)
+
+
+def frozen_layer(features, x, **kwargs):
+    """``dd.freeze`` of a fresh DiagonalDense at 75% sparsity, initialised on ``x``."""
+    layer = dd.nn.DiagonalDense(features, sparsity=0.75, **kwargs)
+    return dd.freeze(layer, layer.init(jax.random.key(0), x))
+
+
+def params_gradient(apply, frozen):
+    """The gradient of a loss in the floating parameters of ``frozen`` (a training step's)."""
+
+    def gradient(x, frozen):
+        def loss(params):
+            return jnp.sum(jnp.sin(apply({**frozen, "params": params}, x)))
+
+        return jax.grad(loss)(frozen["params"])
+
+    return gradient
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"block_size": 16}, {"permutation": "random"}], ids=["element", "b16", "perm"]
+)
+def test_frozen_layer_exports_once_for_every_batch_size(kwargs, rng):
+    layer, frozen = frozen_layer(128, jnp.ones((1, 784), jnp.float32), **kwargs)
+    (b,) = jax.export.symbolic_shape("b")
+    spec = jax.ShapeDtypeStruct((b, 784), jnp.float32)
+    gradient = params_gradient(layer.apply, frozen)
+    forward = jax.export.deserialize(dd.export(jax.jit(layer.apply))(frozen, spec).serialize())
+    step = dd.export(jax.jit(gradient))(spec, frozen)
+    if jax.default_backend() == "cpu" and _extension.has_cpu_kernels():
+        # impl="auto" keeps the kernels for a symbolic batch
+        prefix = "permuted_v1" if "perm" in frozen["diagonals"] else "v2"
+        assert f"dynadiag_diag_matmul_{prefix}_dvalues" in custom_call_targets(step.mlir_module())
+    step = jax.export.deserialize(step.serialize())
+    for n in BATCHES:
+        x = jnp.asarray(rng.standard_normal((n, 784)), jnp.float32)
+        assert_close_f32(forward.call(frozen, x), layer.apply(frozen, x), f"y, {n} rows")
+        got, want = step.call(x, frozen), gradient(x, frozen)
+        for name in want:
+            assert_close_f32(got[name], want[name], f"d{name}, {n} rows")
+
+
+def test_sequence_model_exports_with_symbolic_leading_dimensions(rng):
+    """Two frozen layers on ``[batch, time, 64]``: a symbolic batch, then batch and time."""
+    x = jnp.ones((1, 7, 64), jnp.float32)
+    first, first_vars = frozen_layer(96, x)
+    second, second_vars = frozen_layer(64, jnp.ones((1, 7, 96), jnp.float32), block_size=16)
+    frozen = {"first": first_vars, "second": second_vars}
+
+    def model(frozen, x):
+        return second.apply(frozen["second"], jnp.tanh(first.apply(frozen["first"], x)))
+
+    b, t = jax.export.symbolic_shape("b, t")
+    for shape, leads in (((b, 7, 64), ((1, 7), (3, 7), (130, 7))), ((b, t, 64), ((1, 1), (3, 5)))):
+        spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+        restored = jax.export.deserialize(dd.export(jax.jit(model))(frozen, spec).serialize())
+        for lead in leads:
+            x = jnp.asarray(rng.standard_normal((*lead, 64)), jnp.float32)
+            assert_close_f32(restored.call(frozen, x), model(frozen, x), f"{shape} at {lead}")
+
+
+def test_search_phase_layer_exports_once_for_every_batch_size(rng):
+    """A layer still searching (gate, ranking call, bucketed product) with a symbolic batch."""
+    layer = dd.nn.DiagonalDense(64, sparsity=0.9)
+    variables = layer.init(jax.random.key(0), jnp.ones((1, 96), jnp.float32))
+    (b,) = jax.export.symbolic_shape("b")
+    spec = jax.ShapeDtypeStruct((b, 96), jnp.float32)
+    exported = dd.export(jax.jit(layer.apply))(variables, spec)
+    restored = jax.export.deserialize(exported.serialize())
+    for n in BATCHES:
+        x = jnp.asarray(rng.standard_normal((n, 96)), jnp.float32)
+        assert_close_f32(restored.call(variables, x), layer.apply(variables, x), f"y, {n} rows")

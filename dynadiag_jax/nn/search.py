@@ -32,6 +32,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from dynadiag_jax.ops.diag_matmul import diag_matmul_in_range, resolve_impl
+from dynadiag_jax.ops.products import row_count
 from dynadiag_jax.ops.ranking import gate_rank
 from dynadiag_jax.topk import SparseSolution, softmax_gate, sparse_gate
 
@@ -161,7 +162,7 @@ def search_forward(spec, values, x, inputs: GateInputs, *, score=False):
     """
     gate, order, rank = inputs.gate, inputs.order, inputs.rank
     p, k_cap = spec.num_candidates, spec.k_cap
-    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    rows = row_count(x)  # None for a symbolic batch (jax.export)
     if spec.explore == "buckets":
         if resolve_impl(spec.impl, x.dtype, spec.geometry, rows, k_cap) == "dense":
             # W built and XLA's dot: the cost does not depend on how many diagonals, so one

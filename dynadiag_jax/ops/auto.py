@@ -21,6 +21,13 @@ CUDA on a CPU host gets CUDA's choice, and one lowered for ``("cpu", "cuda")`` h
   profiled H100 block kernel within 30% of its measured time (docs/gpu_cost_model.md); at 90% on
   ViT-B's layers it predicts them below dense for a training step, so an H100 runs ``"dense"``.
 * **any other platform** (TPU, ROCm: no kernels): ``"dense"``.
+
+A symbolic row count (``jax.export`` with a symbolic batch, ``rows=None`` here) takes the choice
+the rule above makes at both :data:`SYMBOLIC_ROWS` ends, 1 row and 2**20 rows, where the two
+agree, else ``"dense"``: so the program never runs a path the rule predicts slower than dense at
+either end. On CPU that keeps the kernels (or ``"jax"``) except for element diagonals at
+:data:`CPU_DENSE_DENSITY` and more, which take ``"dense"``. On CUDA it is ``"dense"``: the lowering
+sizes each kernel's workspace from the launch plan of a concrete row count.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ __all__ = [
     "CPU_DENSE_DENSITY",
     "CPU_DENSE_ROWS",
     "MIN_SPEEDUP",
+    "SYMBOLIC_ROWS",
     "Decision",
     "current_platform",
     "decide",
@@ -61,6 +69,10 @@ MIN_SPEEDUP = 1.25
 # Block diagonals keep their kernels: faster at 75% density in 17 of 18 cells, 8 of 18 at 100%.
 CPU_DENSE_DENSITY = 0.75
 CPU_DENSE_ROWS = 1024
+
+# The row counts at which the rule is asked for a symbolic row count: one served example, and more
+# rows than any measured shape.
+SYMBOLIC_ROWS = (1, 2**20)
 
 
 class Decision(NamedTuple):
@@ -112,7 +124,8 @@ def decide(
 
     Args:
       platform: lowering platform (see :func:`current_platform`).
-      rows, in_features, out_features, dtype, num_diagonals, block_size: the product.
+      rows, in_features, out_features, dtype, num_diagonals, block_size: the product; ``rows``
+        None for a symbolic row count (the rule in the module docstring).
       kernel_available: whether ``impl="ffi"`` runs this dtype and block size on ``platform``.
       spec: GPU to predict for (default :func:`gpu_spec`).
 
@@ -124,7 +137,7 @@ def decide(
 
 def _decide(
     platform: str,
-    rows: int,
+    rows: int | None,
     geo: DiagGeometry,
     dtype,
     num_diagonals: int,
@@ -132,6 +145,8 @@ def _decide(
     spec: gpu_cost.DeviceSpec | None,
 ) -> Decision:
     """:func:`decide` for a product whose geometry the caller holds."""
+    if rows is None:
+        return _decide_symbolic(platform, geo, dtype, num_diagonals, kernel_available, spec)
     if platform == "cpu":
         if not kernel_available:
             return Decision("jax", "no C++ kernel for this dtype or block size")
@@ -155,6 +170,26 @@ def _decide(
     if fwd >= MIN_SPEEDUP and step >= MIN_SPEEDUP:
         return Decision("ffi", why, pred)
     return Decision("dense", why, pred)
+
+
+def _decide_symbolic(platform, geo, dtype, num_diagonals, kernel_available, spec) -> Decision:
+    """:func:`decide` for a symbolic row count (the rule in the module docstring)."""
+    if platform == "cuda" and kernel_available:
+        return Decision(
+            "dense",
+            "symbolic row count: the CUDA kernels' workspaces are sized for a concrete row count",
+        )
+    small, large = (
+        _decide(platform, rows, geo, dtype, num_diagonals, kernel_available, spec)
+        for rows in SYMBOLIC_ROWS
+    )
+    if small.impl == large.impl:
+        return Decision(large.impl, f"symbolic row count, as at 1 and 2**20 rows: {large.reason}")
+    return Decision(
+        "dense",
+        f"symbolic row count: {small.impl!r} at 1 row ({small.reason}), {large.impl!r} at 2**20 "
+        f"rows ({large.reason})",
+    )
 
 
 def decide_for_gpu(rows, in_features, out_features, dtype, num_diagonals, block_size=1, spec=None):
@@ -182,11 +217,14 @@ def kernel_available(platform: str, dtype, block_size: int = 1) -> bool:
     return block_size == 1 or (kernels.block_diagonals and block_size in KERNEL_BLOCK_SIZES)
 
 
-def decide_for_lowering(platform: str, *, rows: int, geo, dtype, num_diagonals: int) -> Decision:
+def decide_for_lowering(
+    platform: str, *, rows: int | None, geo, dtype, num_diagonals: int
+) -> Decision:
     """:func:`decide` for ``platform`` with the kernels this installation has for it.
 
-    ``geo``: the product's :class:`dynadiag_jax.layout.DiagGeometry`, computed once by the caller
-    and handed on to the cost model.
+    ``rows``: None for a symbolic row count. ``geo``: the product's
+    :class:`dynadiag_jax.layout.DiagGeometry`, computed once by the caller and handed on to the
+    cost model.
     """
     available = kernel_available(platform, dtype, geo.block_size)
     return _decide(platform, rows, geo, dtype, num_diagonals, available, None)

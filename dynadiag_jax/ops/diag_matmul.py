@@ -153,16 +153,21 @@ def _check_args(x, values, offsets, out_features, host_offsets):
     return geo
 
 
-def _check_concrete(**arrays):
-    """``ValueError`` for a symbolic (shape-polymorphic) dimension in any of ``arrays``."""
+def _check_symbolic(x, out_features, **arrays):
+    """``ValueError`` for a symbolic (shape-polymorphic) dimension anywhere but the leading (row)
+    dimensions of ``x``: the widths and the diagonals fix the layout, the rows are free."""
+    only = "only the leading (row) dimensions of x may be symbolic"
+    if x.ndim and jax.export.is_symbolic_dim(x.shape[-1]):
+        raise ValueError(
+            f"x has the symbolic shape {x.shape}: its last dimension (in_features) must be "
+            f"concrete; {only}"
+        )
+    if jax.export.is_symbolic_dim(out_features):
+        raise ValueError(f"out_features must be a concrete integer, got {out_features}; {only}")
     for name, a in arrays.items():
         if any(jax.export.is_symbolic_dim(d) for d in a.shape):
             raise ValueError(
-                f"{name} has the symbolic shape {a.shape}: diag_matmul does not support "
-                "symbolic (shape-polymorphic) dimensions, since impl='auto', the kernels' plans "
-                "and their workspaces are chosen for a concrete number of rows; export one "
-                "concrete batch size (one jax.ShapeDtypeStruct with integer dimensions) per "
-                "program instead"
+                f"{name} has the symbolic shape {a.shape}: {name} must be concrete; {only}"
             )
 
 
@@ -185,12 +190,12 @@ def _supports(impl: str, dtype) -> bool:
     return any(dtype == d for d in products.backend(impl).dtypes())
 
 
-def resolve_impl(impl: str, dtype, geo, rows: int, num_diagonals: int) -> str:
+def resolve_impl(impl: str, dtype, geo, rows: int | None, num_diagonals: int) -> str:
     """The implementation ``diag_matmul(impl=impl)`` runs for these static facts.
 
     ``geo``: the product's :class:`dynadiag_jax.layout.DiagGeometry`; ``rows``: the number of
-    rows of ``x`` (leading dimensions flattened). Raises as :func:`diag_matmul` does for an impl
-    that cannot run the dtype or block size.
+    rows of ``x`` (leading dimensions flattened), None where they are symbolic. Raises as
+    :func:`diag_matmul` does for an impl that cannot run the dtype or block size.
     """
     block_size = geo.block_size
     if impl == "auto":  # the default platform's choice; diag_matmul decides per lowering platform
@@ -221,7 +226,8 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto", pe
     """``y = x @ W.T`` where ``W[out_features, in]`` is the sum of the given wrapped diagonals.
 
     Args:
-      x: ``[..., in]`` floating input.
+      x: ``[..., in]`` floating input. Its leading dimensions may be symbolic (``jax.export`` with
+        a symbolic batch); ``in`` and every other argument's shape must be concrete.
       values: same dtype as ``x``; either element diagonals ``[K, D]`` with
         ``D = min(in, out_features)``, row ``k`` holding the entries of diagonal ``offsets[k]``,
         or block diagonals ``[K, L_b, b, b]`` with ``b = values.shape[-1] >= 2`` dividing ``in``
@@ -233,8 +239,10 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto", pe
       impl: ``"auto"`` (decided from the static shapes, dtype, K and b: on CPU the compiled
         kernel where it supports the dtype and block size, else ``"jax"``; on GPU the CUDA kernel
         only where the cost model predicts it faster than ``"dense"``; elsewhere ``"dense"``;
-        see ``ops/auto.py``), ``"ffi"``, ``"jax"`` or ``"dense"`` (``W`` built on the device and
-        XLA's dot); see :func:`available_impls`.
+        for symbolic rows, the choice made at both 1 and 2**20 rows where the two agree, else
+        ``"dense"``, and ``"dense"`` on GPU; see ``ops/auto.py``), ``"ffi"``, ``"jax"`` or
+        ``"dense"`` (``W`` built on the device and XLA's dot); see :func:`available_impls`. The
+        CUDA kernels (``"ffi"`` lowered for CUDA, ``"cuda_emulated"``) need concrete rows.
       perm: None, or an integer ``[in]`` permutation of ``range(in)``: the input permutation of a
         layer ``y = W x[..., perm]`` (the product of ``W P``); ``dx`` is scattered back through it.
         ``"ffi"`` on CPU reads ``x`` through ``perm`` inside the kernels; ``"dense"`` permutes the
@@ -258,8 +266,9 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto", pe
 
     Raises:
       TypeError, ValueError: at trace time, for bad ranks, shapes, dtypes, block sizes, host
-        offsets out of range, a host ``perm`` that is not a permutation, or symbolic
-        (shape-polymorphic) dimensions, which are not supported (export one concrete batch size).
+        offsets out of range, a host ``perm`` that is not a permutation, or a symbolic
+        (shape-polymorphic) dimension anywhere but the leading dimensions of ``x``; ValueError
+        when a CUDA kernel is lowered for symbolic rows.
     """
     return _diag_matmul(
         x, values, offsets, out_features=out_features, impl=impl, guard=True, perm=perm
@@ -282,18 +291,18 @@ def _diag_matmul(x, values, offsets, *, out_features, impl, guard, perm=None):
     x, values, offsets = (
         _as_array(a, n) for a, n in ((x, "x"), (values, "values"), (offsets, "offsets"))
     )
-    _check_concrete(x=x, values=values, offsets=offsets)
+    _check_symbolic(x, out_features, values=values, offsets=offsets)
     geo = _check_args(x, values, offsets, out_features, host_offsets)
     if perm is not None:
         host_perm = host_array(perm)
         perm = _as_array(perm, "perm")
-        _check_concrete(perm=perm)
+        _check_symbolic(x, out_features, perm=perm)
         _check_perm(perm, host_perm, geo.in_features)
         perm = as_int32(perm)
     offsets = as_int32(offsets)
     lead = x.shape[:-1]
     # checks the impl; "auto" goes on to the products, which decide per lowering platform
-    resolve_impl(impl, x.dtype, geo, int(np.prod(lead, dtype=np.int64)), values.shape[0])
+    resolve_impl(impl, x.dtype, geo, products.row_count(x), values.shape[0])
     x2 = x.reshape((-1, geo.in_features))
     if impl == "dense":
         y2 = _dense(x2, values, offsets, perm, geo, guard)

@@ -27,7 +27,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.core import ShapedArray
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
@@ -36,7 +35,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.ops import reference
-from dynadiag_jax.ops.products import Backend, abstract_eval, backend, lowering_for_export
+from dynadiag_jax.ops.products import (
+    Backend,
+    abstract_eval,
+    backend,
+    lowering_for_export,
+    row_count,
+)
 
 __all__ = ["PlatformKernels", "make_ffi_backend", "platform_of_default_backend"]
 
@@ -255,17 +260,24 @@ def _custom_call_lowering(prefix: str, kind: str, kernels: PlatformKernels, raw:
             return mlir.lower_fun(widened, multiple_results=kind == "bwd")(ctx, *operands)
         del params  # the handlers read every size from the operand and result shapes
         avals_out = list(ctx.avals_out)
+        target = f"{kernels.permuted_prefix if permuted else prefix}_{kind}"
         if kernels.workspace_bytes is not None:
             in_f, out_f = _features(kind, ctx.avals_in, avals_out)
             a, offsets = ctx.avals_in[0], ctx.avals_in[_NUM_OPERANDS[kind] - 1]
-            rows = int(np.prod(a.shape[:-1], dtype=np.int64))
+            rows = row_count(a)
+            if rows is None:
+                raise ValueError(
+                    f"the CUDA kernels' {target} needs a concrete number of rows: its workspace "
+                    "is sized in the lowering from the launch plan of the row count, and its "
+                    f"first operand has the symbolic shape {a.shape}; impl='auto' takes 'dense' "
+                    "on CUDA for a symbolic batch, and impl='jax' and impl='dense' take any"
+                )
             values = _values_aval(kind, ctx.avals_in, avals_out)
             blocks = {"block_size": values.shape[-1]} if len(values.shape) == 4 else {}
             nbytes = kernels.workspace_bytes(
                 kind, rows, in_f, out_f, offsets.shape[0], a.dtype, **blocks
             )
             avals_out.append(ShapedArray((max(int(nbytes), 1),), jnp.uint8))
-        target = f"{kernels.permuted_prefix if permuted else prefix}_{kind}"
         results = jax.ffi.ffi_lowering(target)(ctx.replace(avals_out=avals_out), *operands)
         return results[: len(ctx.avals_out)]
 

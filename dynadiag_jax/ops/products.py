@@ -30,6 +30,9 @@ Every primitive carries the implementation name (``impl``) as a parameter and lo
 ``impl="auto"`` is decided in the lowering, by a lowering rule per platform (:func:`_auto_impl`), so
 a program lowered for another platform than the default one (``jax.export``, ``lowering_platforms``)
 gets that platform's choice, and one lowered for several switches between their choices.
+
+The leading (row) dimensions of ``x``/``dy`` may be symbolic (``jax.export`` with a symbolic
+batch): nothing here computes with the row count in Python (:func:`row_count` is None for them).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ __all__ = [
     "available_backends",
     "backend",
     "register_backend",
+    "row_count",
     "fwd",
     "dx",
     "dvalues",
@@ -81,6 +85,14 @@ class Backend(NamedTuple):
 
 def _rows(a):
     return a.reshape((-1, a.shape[-1]))
+
+
+def row_count(a) -> int | None:
+    """Rows of ``a[..., n]`` (its leading dimensions flattened); None where one is symbolic."""
+    lead = a.shape[:-1]
+    if any(jax.export.is_symbolic_dim(d) for d in lead):
+        return None
+    return int(np.prod(lead, dtype=np.int64))
 
 
 def _jax_fwd(x, values, offsets, *, out_features, perm=None):
@@ -273,17 +285,18 @@ def _guarded(
         def rows(a):
             return valid.reshape(valid.shape + (1,) * (a.ndim - 1))
 
-        def size(at):
-            return sum(arrays[i].size for i in at)
-
-        n_rows = int(np.prod(arrays[0].shape[:-1], dtype=np.int64))
+        # A symbolic row count is costed at one row: a pass over x, dy or the outputs is a fixed
+        # share of the product at every row count, one over values costs a whole product there.
+        n_rows = row_count(arrays[0])
+        n_rows = 1 if n_rows is None else n_rows
         # Results a NaN operand poisons in the kernel; the others get a pass of their own.
         reached = {o for o in outputs if o != "dvalues" and _reaches_every_output(o, geo)}
         passes = sum(n_rows * (geo.out_features if o == "y" else geo.in_features) for o in reached)
+        moving = n_rows * sum(arrays[i].shape[-1] for i in moving_at)
         route = min(
             (passes, "outputs"),
-            (size(values_at), "values"),
-            (size(moving_at) if moving_at and len(reached) == len(outputs) else np.inf, "moving"),
+            (sum(arrays[i].size for i in values_at), "values"),
+            (moving if moving_at and len(reached) == len(outputs) else np.inf, "moving"),
         )[1]
         if route == "moving":
             arrays = [poison(a, all_valid) if i in moving_at else a for i, a in enumerate(arrays)]
@@ -316,10 +329,9 @@ def _auto_impl(platform, geo, first, offsets) -> str:
         return "dense"
     from dynadiag_jax.ops import auto  # noqa: PLC0415 - auto's cost model imports the FFI backend
 
-    rows = int(np.prod(first.shape[:-1], dtype=np.int64))
     return auto.decide_for_lowering(
         platform,
-        rows=rows,
+        rows=row_count(first),
         geo=geo,
         dtype=first.dtype,
         num_diagonals=offsets.shape[0],
