@@ -115,3 +115,60 @@ def test_a_jax_without_the_private_lowering_hook_warns_instead_of_failing(monkey
     monkeypatch.delattr(dispatch, "prim_requires_devices_during_lowering")
     with pytest.warns(RuntimeWarning, match="replicated"):
         products.require_devices_during_lowering(Primitive("probe"))
+
+
+SHARD_MAP = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import dynadiag_jax as dd
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+    out = {}
+    for impl in [i for i in dd.available_impls(block_size=8) if i != "cuda_emulated"]:
+        for b in (1, 8):
+            layer = dd.nn.DiagonalDense(48, sparsity=0.75, block_size=b, impl=impl)
+            search = layer.init(jax.random.key(0), x)
+            for phase, v in (("search", search), ("frozen", dd.freeze_tree(search))):
+                def loss(p, x):
+                    y = layer.apply({**v, "params": p}, x, mutable=False)
+                    return jnp.mean(jnp.sin(y) ** 2)
+
+                # data parallel: each shard's loss, averaged over the shards
+                sharded = jax.shard_map(
+                    lambda p, x: jax.lax.pmean(loss(p, x), "data"),
+                    mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+                got = jax.jit(jax.grad(sharded, argnums=(0, 1)))(v["params"], x)
+                want = jax.grad(loss, argnums=(0, 1))(v["params"], x)
+                err = jax.tree.map(
+                    lambda a, r: float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r))), got, want)
+                typed = []
+                jax.shard_map(
+                    lambda p, x: typed.append(str(jax.typeof(layer.apply({**v, "params": p}, x))))
+                    or x, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))(v["params"], x)
+                try:  # a per-shard output declared replicated
+                    jax.shard_map(lambda p, x: layer.apply({**v, "params": p}, x), mesh=mesh,
+                                  in_specs=(P(), P("data")), out_specs=P())(v["params"], x)
+                    refused = False
+                except ValueError as e:
+                    refused = "out_specs" in str(e)
+                out[f"{impl}-b{b}-{phase}"] = dict(
+                    err=max(jax.tree.leaves(err)), typed=typed[0], refused=refused)
+    print(json.dumps(out))
+""")
+
+
+def test_shard_map_data_parallel_gradients_match_one_device(run_python):
+    """Inside ``jax.shard_map`` a product's result varies along the mesh axes its operands vary
+    along: typed as replicated, the per-shard output passed ``out_specs=P()`` and the gradients
+    of the replicated parameters came back wrong (relative errors of 1-2), with no error."""
+    proc = run_python(
+        ["-c", SHARD_MAP], env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    )
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {k.split("-")[0] for k in results} >= {"auto", "jax", "dense"}
+    for key, r in results.items():
+        assert r["err"] <= 1e-5, f"{key}: gradients differ by {r['err']}"
+        assert r["typed"] == "float32[4,48]{V:data}", f"{key}: {r['typed']}"
+        assert r["refused"], f"{key}: out_specs=P() accepted for a per-shard output"

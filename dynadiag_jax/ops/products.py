@@ -46,12 +46,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from dynadiag_jax.layout import geometry
 from dynadiag_jax.ops import reference
+from dynadiag_jax.ops.manual_axes import same_varying, shaped_array
 
 __all__ = [
     "Backend",
@@ -192,14 +192,17 @@ def abstract_eval(kind: str):
             dy, x, offsets, *_ = avals
             k, (n_out, n_in) = offsets.shape[0], (dy.shape[-1], x.shape[-1])
             if block_size == 1:
-                return ShapedArray((k, min(n_out, n_in)), x.dtype)
+                return shaped_array((k, min(n_out, n_in)), x.dtype, *avals)
             length = max(n_out, n_in) // block_size
-            return ShapedArray((k, length, block_size, block_size), x.dtype)
+            return shaped_array((k, length, block_size, block_size), x.dtype, *avals)
         if kind == "bwd":  # dy, x, values, offsets (, perm) -> (dx, dvalues)
             _, x, values, *_ = avals
-            return ShapedArray(x.shape, x.dtype), ShapedArray(values.shape, values.dtype)
+            return (
+                shaped_array(x.shape, x.dtype, *avals),
+                shaped_array(values.shape, values.dtype, *avals),
+            )
         a = avals[0]  # fwd (x, ...), dx (dy, ...), fwd_tangent (x_dot, ...)
-        return ShapedArray(a.shape[:-1] + (width,), a.dtype)
+        return shaped_array(a.shape[:-1] + (width,), a.dtype, *avals)
 
     return abstract
 
@@ -458,20 +461,21 @@ def fwd(x, values, offsets, perm=None, *, out_features: int, impl: str, guard: b
     of the candidates) and ``perm`` a permutation, so the lowering skips the out-of-range rule's
     extra passes (also for every derivative of this call).
     """
-    return fwd_p.bind(x, values, *_index(offsets, perm), width=out_features, impl=impl, guard=guard)
+    operands = same_varying(x, values, *_index(offsets, perm))
+    return fwd_p.bind(*operands, width=out_features, impl=impl, guard=guard)
 
 
 def dx(dy, values, offsets, perm=None, *, in_features: int, impl: str, guard: bool = True):
     """``dx[..., perm[j]] = (dy[..., out] @ W)[..., j]`` (the transpose closure)."""
-    return dx_p.bind(dy, values, *_index(offsets, perm), width=in_features, impl=impl, guard=guard)
+    operands = same_varying(dy, values, *_index(offsets, perm))
+    return dx_p.bind(*operands, width=in_features, impl=impl, guard=guard)
 
 
 def dvalues(dy, x, offsets, perm=None, *, block_size: int, impl: str, guard: bool = True):
     """The (block) SDDMM of ``dy`` and ``x[..., perm]``: ``[K, D]`` (``block_size`` 1) or
     ``[K, L_b, b, b]``."""
-    return dvalues_p.bind(
-        dy, x, *_index(offsets, perm), block_size=block_size, impl=impl, guard=guard
-    )
+    operands = same_varying(dy, x, *_index(offsets, perm))
+    return dvalues_p.bind(*operands, block_size=block_size, impl=impl, guard=guard)
 
 
 def _index(offsets, perm):

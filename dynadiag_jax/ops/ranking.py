@@ -26,10 +26,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from dynadiag_jax.ops.manual_axes import same_varying, shaped_array
 from dynadiag_jax.topk import solution_from_kth
 
 __all__ = ["Ranking", "descending_order", "gate_rank", "reference", "register_cpu_target"]
@@ -78,16 +78,17 @@ def reference(alpha, hyper, old_topk, *, sparse: bool) -> Ranking:
 
 
 def _abstract(alpha, hyper, old_topk, *, sparse, impl):
-    del hyper, sparse, impl
+    del sparse, impl
     rows, p = alpha.shape
     k = old_topk.shape[-1]
-    ints = ShapedArray((rows, p), jnp.int32)
-    scalars = ShapedArray((rows,), alpha.dtype)
+    operands = (alpha, hyper, old_topk)
+    ints = shaped_array((rows, p), jnp.int32, *operands)
+    scalars = shaped_array((rows,), alpha.dtype, *operands)
     return (
         ints,
         ints,
-        ShapedArray((rows, k), jnp.int32),
-        ShapedArray((rows,), jnp.float32),
+        shaped_array((rows, k), jnp.int32, *operands),
+        shaped_array((rows,), jnp.float32, *operands),
         scalars,
         scalars,
         scalars,
@@ -178,9 +179,7 @@ def gate_rank(alpha, hyper, old_topk, *, sparse: bool, impl: str = "auto") -> Ra
     hyper = jax.lax.stop_gradient(jnp.broadcast_to(jnp.asarray(hyper, alpha.dtype), lead))
     old = jnp.broadcast_to(old_topk.astype(jnp.int32), lead + (k,))
     outs = gate_rank_p.bind(
-        alpha.reshape(-1, p),
-        hyper.reshape(-1),
-        old.reshape(-1, k),
+        *same_varying(alpha.reshape(-1, p), hyper.reshape(-1), old.reshape(-1, k)),
         sparse=bool(sparse),
         impl="jax" if impl == "jax" else "auto",
     )

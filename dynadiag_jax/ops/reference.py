@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynadiag_jax.layout import block_indices, diag_indices, geometry, transpose_diagonals
+from dynadiag_jax.ops.manual_axes import varying_zeros
 
 __all__ = [
     "diag_to_dense",
@@ -145,7 +146,9 @@ def _block_fwd(x2, values, offsets, out_features: int):
             xs = jax.lax.dynamic_slice(xe, (zero, d, zero), (batch, n_l, b))
             return y + block_products(xs, v), None
 
-        y, _ = jax.lax.scan(body, jnp.zeros((batch, n_l, b), acc), (offsets, values))
+        y, _ = jax.lax.scan(
+            body, varying_zeros((batch, n_l, b), acc, x2, values, offsets), (offsets, values)
+        )
     else:
         # Input block column t feeds output block row (t + d) % nb_out: blocks d .. d + L_b of a
         # buffer folded modulo nb_out at the end.
@@ -157,7 +160,7 @@ def _block_fwd(x2, values, offsets, out_features: int):
             cur = cur + block_products(x3, v)
             return jax.lax.dynamic_update_slice(buf, cur, (zero, d, zero)), None
 
-        buf = jnp.zeros((batch, folds * n_p, b), acc)
+        buf = varying_zeros((batch, folds * n_p, b), acc, x2, values, offsets)
         buf, _ = jax.lax.scan(body, buf, (offsets, values))
         y = buf.reshape(batch, folds, n_p, b).sum(axis=1)
     return y.reshape(batch, out_features).astype(x2.dtype)
@@ -185,7 +188,7 @@ def diag_matmul_fwd_reference(x2, values, offsets, *, out_features: int):
             cur = cur + xa * v.astype(acc)[None, :]
             return jax.lax.dynamic_update_slice(buf, cur, (jnp.int32(0), d)), None
 
-        buf = jnp.zeros((batch, out_features + in_features), acc)
+        buf = varying_zeros((batch, out_features + in_features), acc, x2, values, offsets)
         buf, _ = jax.lax.scan(body, buf, (offsets, values))
         y = buf[:, :out_features].at[:, :in_features].add(buf[:, out_features:])
     else:
@@ -197,7 +200,9 @@ def diag_matmul_fwd_reference(x2, values, offsets, *, out_features: int):
             xs = jax.lax.dynamic_slice(xe, (jnp.int32(0), d), (batch, d_len))
             return y + xs * v.astype(acc)[None, :], None
 
-        y, _ = jax.lax.scan(body, jnp.zeros((batch, out_features), acc), (offsets, values))
+        y, _ = jax.lax.scan(
+            body, varying_zeros((batch, out_features), acc, x2, values, offsets), (offsets, values)
+        )
     return y.astype(x2.dtype)
 
 
