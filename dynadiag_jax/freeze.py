@@ -17,6 +17,7 @@ training loop can freeze inside ``jax.jit``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -44,7 +45,7 @@ _SEARCH_STATE = ("strength", "temperature", "topk", "score")
 _SEARCH_PARAMS = ("alpha", "perm_soft")
 
 
-def _gather_rows(values, offsets):
+def gather_rows(values, offsets):
     """``values[..., P, *V]`` rows ``offsets[..., K]`` -> ``[..., K, *V]``."""
     row_axis = offsets.ndim - 1
     extra = values.ndim - offsets.ndim
@@ -154,7 +155,9 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
     A search-phase layer is found by its params (``alpha[..., P]`` next to ``values[..., P, *V]``);
     its budget K is the length of its ``"dynadiag"`` entry ``topk`` (created by ``init``), so K is
     static under ``jit``. Stacked layers (``nn.scan``/``nn.vmap``: leading axes on every leaf) are
-    frozen per slice. Layers already frozen and all other collections pass through.
+    frozen per slice. Layers already frozen and all other collections pass through. Abstract
+    variables (``jax.ShapeDtypeStruct`` leaves, e.g. ``jax.eval_shape(model.init, ...)``) give the
+    abstract frozen ones: the template to restore a frozen checkpoint into.
 
     Args:
       variables: ``{"params": ..., "dynadiag": ..., ...}`` of a whole model.
@@ -179,6 +182,9 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
         instead, so its outputs (and the loss) are NaN.
     """
     check_variables(variables, "variables", "freeze_tree")
+    if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(variables)):
+        # abstract variables (jax.eval_shape of init): the template of a frozen checkpoint
+        return jax.eval_shape(functools.partial(freeze_tree, budgets=budgets), variables)
     params = traverse_util.flatten_dict(variables["params"], keep_empty_nodes=True)
     gates = traverse_util.flatten_dict(variables.get(GATE_COLLECTION, {}))
     in_working_set = sorted("/".join(key[:-1]) for key in gates if key[-1] == "working_set")
@@ -212,7 +218,7 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
         offsets = select_diagonals(layer["alpha"], k)
         for name in _SEARCH_PARAMS:
             params.pop(path + (name,), None)
-        values = _gather_rows(layer["values"], offsets)
+        values = gather_rows(layer["values"], offsets)
         if "perm_soft" in layer and path + ("perm",) in diagonals:
             # the "blocks" relaxation: a base permutation and a hard forward, so nothing to fold
             diagonals[path + ("perm",)] = harden_blocks(
@@ -398,7 +404,7 @@ def freeze_opt_state(opt_state: Any, params_before, params_after):
                 flat.pop(path + (name,), None)
             value = flat.get(path + ("values",))
             if getattr(value, "shape", None) == before[path + ("values",)].shape:
-                flat[path + ("values",)] = _gather_rows(value, kept)
+                flat[path + ("values",)] = gather_rows(value, kept)
         return traverse_util.unflatten_dict(flat)
 
     def is_params(node) -> bool:

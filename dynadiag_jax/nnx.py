@@ -33,7 +33,7 @@ from flax import nnx
 
 from dynadiag_jax._checks import check_layer_arguments, int_at_least, non_negative
 from dynadiag_jax._dtypes import promote_floats, work_dtype
-from dynadiag_jax.freeze import finite_values
+from dynadiag_jax.freeze import finite_values, gather_rows
 from dynadiag_jax.freeze import freeze_opt_state as freeze_params_opt_state
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
@@ -391,11 +391,17 @@ def set_gate(model, *, strength=None, temperature=None, score=None):
                 f"here take {took or 'nothing (there are none: a frozen or dense model)'}"
             )
     for m in layers:
+        # to the stored shape, as the linen set_gate: a model stacked by nnx.vmap / nnx.scan
+        # keeps a gate per member (a scalar there failed the next vmapped call)
         value = requested[m.spec.hyper_name]
         if value is not None:
-            getattr(m, m.spec.hyper_name).set_value(jnp.asarray(value, jnp.float32))
+            _set_like(getattr(m, m.spec.hyper_name), jnp.asarray(value, jnp.float32))
         if score is not None:
-            m.score.set_value(jnp.asarray(score, jnp.bool_))
+            _set_like(m.score, jnp.asarray(score, jnp.bool_))
+
+
+def _set_like(variable, value) -> None:
+    variable.set_value(jnp.broadcast_to(value, jnp.shape(variable.get_value())))
 
 
 def permutation_penalty(model):
@@ -409,12 +415,13 @@ def permutation_penalty(model):
 
 
 def _kept(alpha, values, k: int):
-    """``(offsets[K], values[K, *V])`` of the ``k`` diagonals with the largest ``alpha[P]``;
-    abstract arrays (``jax.ShapeDtypeStruct``, from ``nnx.eval_shape``) give abstract ones."""
+    """``(offsets[..., K], values[..., K, *V])`` of the ``k`` diagonals with the largest
+    ``alpha[..., P]``; abstract arrays (``jax.ShapeDtypeStruct``, from ``nnx.eval_shape``) give
+    abstract ones."""
 
-    def keep(alpha, values):
+    def keep(alpha, values):  # leading axes of a model stacked by nnx.vmap / nnx.scan too
         offsets = F.select_diagonals(alpha, k)
-        return offsets, values[offsets]
+        return offsets, gather_rows(values, offsets)
 
     if isinstance(alpha, jax.ShapeDtypeStruct):
         return jax.eval_shape(keep, alpha, values)

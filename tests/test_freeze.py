@@ -536,3 +536,22 @@ def test_freeze_opt_state_checks_its_params():
     converted = dd.freeze_opt_state(state, v["params"], fv["params"])
     again = dd.freeze_opt_state(converted, v["params"], fv["params"])  # already frozen: kept
     assert jax.tree.structure(again) == jax.tree.structure(tx.init(fv["params"]))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"block_size": 8}, {"permutation": "learned"}, {"permutation": "random"}],
+    ids=["element", "b8", "learned", "random"],
+)
+def test_abstract_variables_freeze_to_the_frozen_template(kwargs):
+    """The template a frozen checkpoint restores into, from jax.eval_shape of init (it raised
+    "ShapeDtypeStruct is not a valid JAX type"); freeze() gives it too."""
+    layer = dd.nn.DiagonalDense(24, sparsity=0.75, **kwargs)
+    x = jnp.ones((2, 16))
+    abstract = jax.eval_shape(layer.init, jax.random.key(0), x)
+    concrete = dd.freeze_tree(layer.init(jax.random.key(0), x))
+    for template in (dd.freeze_tree(abstract), dd.freeze(layer, abstract)[1]):
+        assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(template))
+        assert jax.tree.map(lambda a: (a.shape, a.dtype), template) == jax.tree.map(
+            lambda a: (a.shape, a.dtype), concrete
+        )

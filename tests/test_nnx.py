@@ -294,3 +294,31 @@ def test_freeze_opt_state_checks_its_arguments(standard_promotion):
     with pytest.raises(TypeError, match="frozen must be an nnx.Module"):
         dd.nnx.freeze_opt_state(optimizer, model, {"fc1": 1})
     assert dd.nnx.freeze_opt_state(optimizer, model, frozen).step.get_value() == 0
+
+
+@pytest.mark.parametrize("block_size", [1, 8])
+def test_a_stacked_ensemble_sets_its_gates_and_freezes_per_member(block_size):
+    """``nnx.vmap`` builds three layers in one: set_gate once made their gate a scalar (the next
+    vmapped call failed) and freeze gathered the kept values across the stacked axis."""
+
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return dd.nnx.DiagonalDense(32, 32, sparsity=0.75, block_size=block_size, rngs=rngs)
+
+    forward = nnx.vmap(lambda m, x: m(x), in_axes=(0, None))
+    x = jax.random.normal(jax.random.key(1), (4, 32))
+    ensemble = make(nnx.Rngs(0))
+    dd.nnx.set_gate(ensemble, strength=0.3, score=True)
+    assert ensemble.strength.get_value().shape == (3,) and ensemble.score.get_value().shape == (3,)
+    np.testing.assert_array_equal(ensemble.strength.get_value(), np.full(3, 0.3, np.float32))
+    searched = forward(ensemble, x)
+    assert searched.shape == (3, 4, 32)
+    frozen = dd.nnx.freeze(ensemble)
+    each = nnx.vmap(dd.nnx.freeze)(ensemble)  # one member at a time
+    for name in ("values", "offsets"):
+        np.testing.assert_array_equal(
+            getattr(frozen, name).get_value(), getattr(each, name).get_value()
+        )
+    assert frozen.offsets.get_value().shape == (3, 8 if block_size == 1 else 1)
+    np.testing.assert_allclose(forward(frozen, x), forward(each, x), rtol=1e-6)

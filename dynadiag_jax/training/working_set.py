@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from dynadiag_jax._checks import finite_number, int_at_least
-from dynadiag_jax.freeze import _gather_rows, _is_params_like
+from dynadiag_jax.freeze import _is_params_like, gather_rows
 from dynadiag_jax.nn.functional import GATE_COLLECTION, select_diagonals
 from dynadiag_jax.training.state import TrainState
 
@@ -173,8 +173,8 @@ def enter_working_set(state: TrainState, factor: float) -> TrainState:
     for path, k in _search_layers(state.params, gates).items():
         alpha, values = params[path + ("alpha",)], params[path + ("values",)]
         ws = select_diagonals(alpha, working_set_width(k, alpha.shape[-1], factor))
-        moments[path] = (values.shape, functools.partial(_gather_rows, offsets=ws))
-        params[path + ("values",)] = _gather_rows(values, ws)
+        moments[path] = (values.shape, functools.partial(gather_rows, offsets=ws))
+        params[path + ("values",)] = gather_rows(values, ws)
         store[path + ("values",)] = values
         gates[path + ("working_set",)] = ws
     return _replaced(state, params, gates, store, moments)
