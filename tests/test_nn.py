@@ -1,5 +1,7 @@
 """DiagonalDense: both phases against a dense reference, gate plumbing, metrics, bad input."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -799,3 +801,33 @@ def test_dtype_and_initializer_arguments_are_checked(kwargs, match):
         DiagonalDense(8, sparsity=0.5, **kwargs)
     with pytest.raises(TypeError, match=match):
         dd.nnx.DiagonalDense(8, 8, sparsity=0.5, rngs=nnx.Rngs(0), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "axes, init_phase, missing",
+    [
+        ({"params": 0}, "search", "['dynadiag', 'diagonals']"),
+        ({"params": 0, "diagonals": 0}, "search", "['dynadiag']"),
+        ({"params": 0}, "frozen", "['diagonals']"),
+        ({"params": 0, "diagonals": 0}, "frozen", None),
+        ({True: 0}, "search", None),
+    ],
+)
+def test_a_lifted_transform_must_carry_the_layer_collections(axes, init_phase, missing):
+    """Flax's own error named one entry of one collection ("Tried to access 'in_features' from
+    collection 'diagonals' ... the collection is empty"); a frozen layer needs no gate state."""
+
+    class Cell(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            layer = dd.nn.DiagonalDense(32, sparsity=0.75, init_phase=init_phase)
+            return jnp.tanh(layer(h)), None
+
+    scan = nn.scan(Cell, variable_axes=axes, split_rngs={"params": True}, length=3)()
+    h = jnp.ones((4, 32))
+    if missing is None:
+        variables = scan.init(jax.random.key(0), h, None)
+        assert scan.apply(variables, h, None)[0].shape == (4, 32)
+        return
+    with pytest.raises(ValueError, match=r"does not carry the collections " + re.escape(missing)):
+        scan.init(jax.random.key(0), h, None)

@@ -301,6 +301,14 @@ class DiagonalDense(nn.Module):
             self.is_initializing() and self.init_phase == "frozen"
         )
         given = self._given_hyper(strength, temperature)  # checked in both phases
+        needed = (F.DIAGONALS_COLLECTION,) if frozen else F.LAYER_COLLECTIONS
+        missing = F.uncarried_collections(self, needed)
+        if missing:  # Flax's own error came later, naming one entry of one collection
+            raise ValueError(
+                f"{self._label()}: this DiagonalDense sits in a lifted transform (nn.scan, "
+                f"nn.vmap) that does not carry the collections {missing} it keeps beside "
+                f"'params': {F.CARRY_ADVICE}"
+            )
         if self.is_initializing():
             self.variable(
                 F.DIAGONALS_COLLECTION,

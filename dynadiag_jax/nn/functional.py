@@ -45,6 +45,7 @@ __all__ = [
     "HYPER_NAME",
     "GATE_COLLECTION",
     "DIAGONALS_COLLECTION",
+    "CARRY_ADVICE",
     "LAYER_COLLECTIONS",
     "DEFAULT_HYPER",
     "LayerSpec",
@@ -75,6 +76,21 @@ GATES = tuple(HYPER_NAME)
 GATE_COLLECTION = "dynadiag"
 DIAGONALS_COLLECTION = "diagonals"
 LAYER_COLLECTIONS = (GATE_COLLECTION, DIAGONALS_COLLECTION)
+# What a lifted transform around a diagonal layer must list to carry its collections.
+CARRY_ADVICE = (
+    "list them in its variable_axes (e.g. variable_axes={'params': 0, 'dynadiag': 0, "
+    "'diagonals': 0}, or {True: 0})"
+)
+
+
+def uncarried_collections(module, collections=LAYER_COLLECTIONS) -> list[str]:
+    """Those of ``collections`` that ``module`` (initialising) cannot create: inside ``nn.scan``
+    or ``nn.vmap``, each one the transform's ``variable_axes`` do not list."""
+    if not module.is_initializing():
+        return []
+    return [c for c in collections if not module.scope.is_mutable_collection(c)]
+
+
 # The gate value a layer starts with when neither the call nor the layer gives one.
 DEFAULT_HYPER = {"strength": 1.0, "temperature": 5.0}
 # alpha = (1 + ALPHA_NOISE * u) / P with u ~ U(0, 1): breaks ties in the ranking, and stays far

@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax
 
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
-from dynadiag_jax.nn.functional import LAYER_COLLECTIONS
+from dynadiag_jax.nn.functional import CARRY_ADVICE, LAYER_COLLECTIONS, uncarried_collections
 
 __all__ = ["LinearLayer", "linear_layer_paths", "sparsify"]
 
@@ -152,16 +152,11 @@ def _diagonal_call(layer, path: str, rule: Rule, x):
                 f"input of shape {tuple(x.shape)}: a diagonal layer maps the trailing axes "
                 f"(axis=-1, or (-2, -1), ...) only; leave this layer out of the rules"
             )
-    if layer.is_initializing() and not all(
-        layer.scope.is_mutable_collection(c) for c in LAYER_COLLECTIONS
-    ):
-        # Inside nn.scan/nn.vmap a collection the transform does not list cannot be created.
+    if uncarried_collections(layer):
         raise ValueError(
             f"sparsify: the layer at {path!r} sits in a lifted transform (nn.scan, nn.vmap) that "
             f"does not carry the collections {list(LAYER_COLLECTIONS)} a diagonal layer keeps "
-            f"beside 'params': list them in its variable_axes (e.g. variable_axes={{'params': 0, "
-            f"'dynadiag': 0, 'diagonals': 0}}, or {{True: 0}}), or leave this layer out of the "
-            f"rules"
+            f"beside 'params': {CARRY_ADVICE}, or leave this layer out of the rules"
         )
     kwargs = {
         "use_bias": layer.use_bias,
