@@ -831,3 +831,33 @@ def test_a_lifted_transform_must_carry_the_layer_collections(axes, init_phase, m
         return
     with pytest.raises(ValueError, match=r"does not carry the collections " + re.escape(missing)):
         scan.init(jax.random.key(0), h, None)
+
+
+@pytest.mark.parametrize("phase", ["search", "frozen"])
+def test_remat_policies_can_save_the_product_by_name(phase, capsys):
+    """Not a dot_general, the product escaped dots_saveable and was always recomputed; its name
+    lets a policy keep it (the one [rows, out] residual) with the same gradients."""
+    layer = dd.nn.DiagonalDense(48, sparsity=0.75)
+    x = jax.random.normal(jax.random.key(1), (4, 32))
+    variables = layer.init(jax.random.key(0), x)
+    if phase == "frozen":
+        variables = dd.freeze_tree(variables)
+
+    def loss(params):
+        return jnp.sum(jnp.sin(layer.apply({**variables, "params": params}, x)))
+
+    def residuals(policy):
+        jax.ad_checkpoint.print_saved_residuals(
+            jax.checkpoint(loss, policy=policy), variables["params"]
+        )
+        return [
+            line for line in capsys.readouterr().out.splitlines() if line.startswith("f32[4,48]")
+        ]
+
+    assert residuals(jax.checkpoint_policies.nothing_saveable) == []
+    policy = jax.checkpoint_policies.save_only_these_names(dd.nn.PRODUCT_NAME)
+    assert len(residuals(policy)) == 1
+    g = jax.grad(jax.checkpoint(loss, policy=policy))(variables["params"])
+    want = jax.grad(loss)(variables["params"])
+    for name in want:
+        np.testing.assert_allclose(g[name], want[name], rtol=1e-5, atol=1e-6)

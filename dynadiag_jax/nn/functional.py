@@ -32,6 +32,7 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from dynadiag_jax._checks import check_sparsity, int_in_range
 from dynadiag_jax.layout import DiagGeometry, geometry, num_diagonals
@@ -47,6 +48,7 @@ __all__ = [
     "DIAGONALS_COLLECTION",
     "CARRY_ADVICE",
     "LAYER_COLLECTIONS",
+    "PRODUCT_NAME",
     "DEFAULT_HYPER",
     "LayerSpec",
     "layer_budget",
@@ -76,6 +78,10 @@ GATES = tuple(HYPER_NAME)
 GATE_COLLECTION = "dynadiag"
 DIAGONALS_COLLECTION = "diagonals"
 LAYER_COLLECTIONS = (GATE_COLLECTION, DIAGONALS_COLLECTION)
+# The name of every layer's product (before the bias) for rematerialisation policies: it is no
+# dot_general, so jax.checkpoint_policies.dots_saveable would recompute it; save it with
+# save_only_these_names(PRODUCT_NAME) or save_any_names_but_these.
+PRODUCT_NAME = "dynadiag_product"
 # What a lifted transform around a diagonal layer must list to carry its collections.
 CARRY_ADVICE = (
     "list them in its variable_axes (e.g. variable_axes={'params': 0, 'dynadiag': 0, "
@@ -263,7 +269,7 @@ def frozen_forward(spec: LayerSpec, values, offsets, x, perm=None):
     input permutation (int32 ``[in]``) or None; the product reads ``x`` through it (on CPU inside
     the kernels, docs/design.md section 4.7).
     """
-    return diag_matmul(
+    y = diag_matmul(
         x,
         values.astype(x.dtype),
         offsets,
@@ -271,6 +277,7 @@ def frozen_forward(spec: LayerSpec, values, offsets, x, perm=None):
         impl=spec.impl,
         perm=perm,
     )
+    return checkpoint_name(y, PRODUCT_NAME)
 
 
 def search_width(values_shape, out_features: int) -> int:

@@ -29,8 +29,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
+from dynadiag_jax.nn.functional import PRODUCT_NAME
 from dynadiag_jax.ops.diag_matmul import diag_matmul_in_range, resolve_impl
 from dynadiag_jax.ops.products import row_count
 from dynadiag_jax.ops.ranking import gate_rank
@@ -202,7 +204,7 @@ def search_forward(spec, values, x, inputs: GateInputs, *, score=False):
         computed_diagonals=jnp.asarray(sizes, jnp.float32)[branch],
         output_scale=_output_scale(gate * c, values, order[: spec.k]),
     )
-    return y, stats
+    return checkpoint_name(y, PRODUCT_NAME), stats
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -253,7 +255,7 @@ def working_set_forward(spec, values, working_set, x, inputs: GateInputs):
         computed_diagonals=jnp.asarray(working_set.shape[0], jnp.float32),
         output_scale=_output_scale(gate * c, values, top),
     )
-    return y, stats
+    return checkpoint_name(y, PRODUCT_NAME), stats
 
 
 def working_set_problem(working_set, num_candidates: int) -> str | None:
