@@ -707,6 +707,15 @@ class LoRAFA(nnx.Module):
     ):
         spec = base.spec if isinstance(base, DiagonalDense) else base
         n_in, n_out = spec.in_features, spec.out_features
+        weights = base.values if isinstance(base, DiagonalDense) else base.kernel
+        one_layer = 4 if isinstance(base, DiagonalDense) and spec.block_size > 1 else 2
+        if weights.get_value().ndim != one_layer:
+            # A and B of one layer beside stacked weights failed at the next nnx.scan call
+            raise ValueError(
+                f"dd.nnx.lora_fa: the layer at {path!r} is stacked (weights of shape "
+                f"{weights.get_value().shape}, nnx.vmap/nnx.scan): adapters are added to "
+                f"single layers; leave this layer out of the patterns"
+            )
         check_rank(rank, n_in, n_out, path, "dd.nnx.lora_fa")
         self.base = base
         self.scale = float(scale)
@@ -748,8 +757,9 @@ def lora_fa(
 
     Raises:
       TypeError, ValueError: as :func:`dynadiag_jax.nn.lora_fa` (bad patterns or rank, a pattern
-        that matches no layer, a rank above a layer's ``min(in, out)``), naming the layer; nothing
-        is wrapped when anything fails.
+        that matches no layer, a rank above a layer's ``min(in, out)``), and a matched layer
+        stacked by ``nnx.vmap`` / ``nnx.scan``, naming the layer; nothing is wrapped when
+        anything fails.
     """
     rules = adapter_rules(
         layers, rank, alpha, "dd.nnx.lora_fa", a_init=a_init, param_dtype=param_dtype

@@ -144,6 +144,13 @@ def refit(
     params = traverse_util.flatten_dict(frozen["params"])
     diagonals = traverse_util.flatten_dict(frozen.get(DIAGONALS_COLLECTION, {}))
     dense_params = traverse_util.flatten_dict(dense_variables["params"])
+    for key, offsets in diagonals.items():
+        # before any call: inside nn.scan the layers' inputs are traced and cannot be captured
+        if key[-1] == "offsets" and offsets.ndim != 1:
+            raise ValueError(
+                f"refit: the layer at params/{_name(key[:-1])} is stacked (offsets "
+                f"{offsets.shape}, e.g. by nn.scan); refit fits one layer per call site"
+            )
 
     calls = _capture(model, frozen, inputs, DiagonalDense, kwargs)
     layers = [p for p in calls if p + ("values",) in params and p + ("offsets",) in diagonals]
@@ -159,11 +166,6 @@ def refit(
     for i, path in enumerate(layers):
         values = np.asarray(params[path + ("values",)])
         offsets = np.asarray(diagonals[path + ("offsets",)])
-        if offsets.ndim != 1:
-            raise ValueError(
-                f"refit: the layer at params/{_name(path)} is stacked (offsets "
-                f"{offsets.shape}); refit fits one layer per call site"
-            )
         if path not in dense_calls or path + ("kernel",) not in dense_params:
             raise ValueError(
                 f"refit: dense_model calls no nn.Dense / nn.DenseGeneral at params/{_name(path)}, "

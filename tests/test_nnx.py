@@ -322,3 +322,24 @@ def test_a_stacked_ensemble_sets_its_gates_and_freezes_per_member(block_size):
         )
     assert frozen.offsets.get_value().shape == (3, 8 if block_size == 1 else 1)
     np.testing.assert_allclose(forward(frozen, x), forward(each, x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("block_size", [1, 8])
+def test_lora_fa_refuses_a_stacked_layer_and_wraps_nothing(block_size):
+    """Adapters of one layer beside stacked weights were accepted and failed at the next
+    nnx.scan call, inside Flax."""
+
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return dd.nnx.DiagonalDense(32, 32, sparsity=0.75, block_size=block_size, rngs=rngs)
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.layers = make(nnx.Rngs(0))
+            self.head = nnx.Linear(32, 4, rngs=nnx.Rngs(1))
+
+    model = Model()
+    with pytest.raises(ValueError, match=r"the layer at 'layers' is stacked \(weights of shape"):
+        dd.nnx.lora_fa(model, ["head", "layers"], rank=4, rngs=nnx.Rngs(0))
+    assert isinstance(model.layers, dd.nnx.DiagonalDense) and isinstance(model.head, nnx.Linear)

@@ -5,6 +5,8 @@ diagonal of each entry from docs/design.md section 1, as in test_from_dense.py),
 library's index helpers.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -198,3 +200,30 @@ def test_bad_inputs_are_refused_with_the_reason():
         dd.refit(Single(40), dense, Single(40), dense, x)
     with pytest.raises(ValueError, match="non-finite activations at the diagonal layer"):
         dd.refit(model, one_shot, Single(40), dense, x.at[0, 0].set(jnp.nan))
+
+
+def test_stacked_layers_are_refused_before_any_call():
+    """Under nn.scan a layer's input is traced: capturing it crashed with a
+    TracerArrayConversionError before the documented error could be raised."""
+
+    class Cell(nn.Module):
+        dense: bool = False
+
+        @nn.compact
+        def __call__(self, x, _):
+            make = nn.Dense if self.dense else functools.partial(dd.nn.DiagonalDense, sparsity=0.75)
+            return jnp.tanh(make(32, name="fc")(x)), None
+
+    class Stack(nn.Module):
+        dense: bool = False
+
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(Cell, variable_axes={True: 0}, split_rngs={"params": True}, length=3)
+            return scan(self.dense, name="layers")(x, None)[0]
+
+    x = jnp.ones((8, 32))
+    dense = Stack(True).init(jax.random.key(0), x)
+    variables = dd.from_dense(dense, Stack().init(jax.random.key(0), x))
+    with pytest.raises(ValueError, match=r"params/layers/fc is stacked \(offsets \(3, 8\)"):
+        dd.refit(Stack(), variables, Stack(True), dense, x)

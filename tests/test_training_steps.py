@@ -477,3 +477,50 @@ def test_selection_helpers_name_an_argument_that_is_not_a_mapping():
     with pytest.raises(TypeError, match="parameter_counts: params must be a mapping .* NoneType"):
         T.parameter_counts(None)
     assert T.kept_offsets({}) == {} and T.parameter_counts({}).total == 0
+
+
+def test_a_model_with_scanned_layers_trains_across_the_freeze_and_logs_each_member(tmp_path):
+    """nn.scan stacks three layers: their sown metrics have shape (3,), which the step's packed
+    metrics (scalars) refused in the first search step."""
+    import flax.linen as nn  # noqa: PLC0415
+
+    class Cell(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return jnp.tanh(dd.nn.DiagonalDense(32, sparsity=0.75)(x)), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            scan = nn.scan(Cell, variable_axes={True: 0}, split_rngs={"params": True}, length=3)
+            return nn.Dense(4)(scan(name="layers")(x, None)[0])
+
+    rng = np.random.default_rng(0)
+    data = {
+        "image": rng.normal(size=(64, 32)).astype(np.float32),
+        "label": rng.integers(0, 4, 64).astype(np.int32),
+    }
+    result = T.train(
+        model=Stack(),
+        optimizer=T.adamw(1e-2, weight_decay=0.0),
+        task=T.Classification(4),
+        train_data=D.ArrayBatches(data, 8, seed=0),
+        num_steps=6,
+        freeze_step=3,
+        seed=0,
+        example_input=jax.ShapeDtypeStruct((8, 32), jnp.float32),
+        gate=T.GateSchedule("strength", dd.schedules.cosine(1.0, 0.05, 3)),
+        workdir=tmp_path,
+        log_every=1,
+        progress=False,
+        tensorboard=False,
+    )
+    assert result.state.collections["diagonals"]["layers"]["DiagonalDense_0"]["offsets"].shape == (
+        3,
+        8,
+    )
+    records = [r for r in T.read_jsonl(tmp_path / "metrics.jsonl") if r.get("kind") == "train"]
+    searching = [r for r in records if r["step"] <= 3]
+    assert searching and all(
+        f"effective_k/layers/DiagonalDense_0/{i}" in r for r in searching for i in range(3)
+    )

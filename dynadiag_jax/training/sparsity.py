@@ -138,13 +138,20 @@ def kept_offsets(collections) -> dict[str, np.ndarray]:
 
 
 def layer_metrics(intermediates) -> dict[str, jax.Array]:
-    """Sown per-layer scalars as ``{"<name>/<layer path>": value}`` (``effective_k`` etc.)."""
+    """Sown per-layer scalars as ``{"<name>/<layer path>": value}`` (``effective_k`` etc.); a
+    layer stacked by ``nn.scan`` / ``nn.vmap`` sows one per member, logged as
+    ``"<name>/<layer path>/<index>"`` (``i,j`` for two stacking axes)."""
     flat = traverse_util.flatten_dict(intermediates) if intermediates else {}
     out = {}
     for key, value in flat.items():
         name = _METRIC_NAMES.get(key[-1], key[-1])
-        value = value[0] if isinstance(value, tuple) else value
-        out[f"{name}/{'/'.join(key[:-1])}"] = jnp.asarray(value, jnp.float32)
+        value = jnp.asarray(value[0] if isinstance(value, tuple) else value, jnp.float32)
+        label = f"{name}/{'/'.join(key[:-1])}"
+        if value.ndim == 0:
+            out[label] = value
+            continue
+        for index in np.ndindex(value.shape):
+            out[f"{label}/{','.join(map(str, index))}"] = value[index]
     return out
 
 
