@@ -65,14 +65,16 @@ def _check_k(k, n: int, fn: str):
 def check_gate_value(value, name: str, fn: str | None = None):
     """Rejects a missing, non-scalar, negative or NaN gate hyper-parameter known at trace time.
 
-    Traced values are not checked (they cannot be read inside ``jit``); the gates define what
-    every traced value does (a negative or NaN one acts as 0), and a layer's output is NaN for a
-    NaN one (:func:`nan_if_nan`).
+    A traced value's shape is checked (it is static); its value cannot be read inside ``jit``, so
+    the gates define what every traced value does (a negative or NaN one acts as 0), and a
+    layer's output is NaN for a NaN one (:func:`nan_if_nan`).
     """
     where = f"{fn}: " if fn else ""
     if value is None:
         raise TypeError(f"{where}{name} is required (a scalar >= 0)")
     if isinstance(value, jax.core.Tracer):
+        if value.ndim != 0:  # as eagerly: a shape (3,) was refused eagerly, applied under jit
+            raise ValueError(f"{where}{name} must be a scalar, got shape {value.shape}")
         return
     arr = np.asarray(value)
     real = jnp.issubdtype(arr.dtype, jnp.integer) or jnp.issubdtype(arr.dtype, jnp.floating)

@@ -392,3 +392,16 @@ def test_a_bfloat16_strength_is_a_number():
     np.testing.assert_allclose(y, 0.5)
     with pytest.raises(TypeError, match="strength must be a number"):
         dd.sparse_soft_topk(jnp.ones(4), 2, strength=1 + 2j)
+
+
+def test_a_traced_gate_value_must_be_a_scalar_as_an_eager_one():
+    """A shape is static: a (3,) strength was refused eagerly and applied under jit."""
+    scores, strength = jnp.ones((3, 5)), jnp.ones(3)
+    with pytest.raises(ValueError, match=r"strength must be a scalar, got shape \(3,\)"):
+        dd.sparse_soft_topk(scores, 2, strength=strength)
+    with pytest.raises(ValueError, match=r"strength must be a scalar, got shape \(3,\)"):
+        jax.jit(lambda s: dd.sparse_soft_topk(scores, 2, strength=s))(strength)
+    layer = dd.nn.DiagonalDense(8, sparsity=0.75)
+    variables = layer.init(jax.random.key(0), jnp.ones((2, 8)))
+    with pytest.raises(ValueError, match=r"set_gate: strength must be a scalar"):
+        jax.jit(lambda s: dd.nn.set_gate(variables, strength=s))(strength)
