@@ -19,12 +19,14 @@ predicted speed against the dense layer; :func:`describe_paths` words it for a l
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from dynadiag_jax import gpu_cost, launch_plan
 from dynadiag_jax._checks import int_at_least
@@ -217,6 +219,8 @@ class LayerPath(NamedTuple):
     permutation: str | None = None
     # a learned permutation's relaxation while searching ("sinkhorn", "blocks"), else None
     permutation_relaxation: str | None = None
+    # how many layers the path holds: more than 1 for a layer stacked by nn.scan / nn.vmap
+    copies: int = 1
 
 
 def model_paths(model, *init_args, platform: str | None = None) -> list[LayerPath]:
@@ -247,12 +251,23 @@ def model_paths(model, *init_args, platform: str | None = None) -> list[LayerPat
         return y
 
     with nn.intercept_methods(record):
-        jax.eval_shape(lambda *a: model.init(*a), *init_args)  # a fresh trace: nothing cached
+        # a fresh trace: nothing cached
+        variables = jax.eval_shape(lambda *a: model.init(*a), *init_args)
+    params = traverse_util.flatten_dict(variables.get("params", {}), sep="/")
     platform = auto.current_platform() if platform is None else platform
     out = []
     for name, (y_shape, dtype, in_f, k, b, permutation, relaxation) in sorted(calls.items()):
         path = _layer_path(name, in_f, y_shape, dtype, k, b, platform)
-        out.append(path._replace(permutation=permutation, permutation_relaxation=relaxation))
+        # values [P or K, D] or [P or K, L_b, b, b] per layer; leading axes stack layers
+        values = params.get(f"{name}/values")
+        stacked = values.shape[: values.ndim - (4 if b > 1 else 2)] if values is not None else ()
+        out.append(
+            path._replace(
+                permutation=permutation,
+                permutation_relaxation=relaxation,
+                copies=math.prod(stacked),
+            )
+        )
     return out
 
 
@@ -290,7 +305,8 @@ def describe_paths(paths: list[LayerPath]) -> list[str]:
         if p.permutation_relaxation == "blocks":
             b += " (blocks relaxation)"
         line = (
-            f"{len(names)} x {p.in_features}->{p.out_features}{b}, K={p.num_diagonals} "
+            f"{len(names) * p.copies} x {p.in_features}->{p.out_features}{b}, "
+            f"K={p.num_diagonals} "
             f"({names[0]}{', ...' if len(names) > 1 else ''}) on {p.platform}: "
             + _WORDS.get(p.impl, "the C++ kernels" if p.platform == "cpu" else "the CUDA kernels")
         )

@@ -171,3 +171,25 @@ def test_model_paths_of_frozen_layers():
     x = jax.ShapeDtypeStruct((2048, 197, 3072), jnp.float32)
     (p,) = model_paths(layer, jax.random.key(0), x, platform="cuda")
     assert (p.in_features, p.out_features, p.num_diagonals, p.impl) == (3072, 768, 308, "dense")
+
+
+@pytest.mark.parametrize("phase", ["search", "frozen"])
+def test_model_paths_count_the_layers_of_a_scanned_stack(phase):
+    """Three layers under nn.scan share one module path: described as "1 x" until the stack's
+    leading axis was counted."""
+
+    class Cell(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            layer = dd.nn.DiagonalDense(32, sparsity=0.75, init_phase=phase, name="fc")
+            return jnp.tanh(layer(x)), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(Cell, variable_axes={True: 0}, split_rngs={"params": True}, length=3)
+            return scan(name="layers")(x, None)[0]
+
+    (path,) = model_paths(Stack(), jax.random.key(0), jnp.ones((4, 32)), platform="cpu")
+    assert (path.path, path.copies, path.num_diagonals) == ("layers/fc", 3, 8)
+    assert describe_paths([path])[0].startswith("3 x 32->32, element diagonals, K=8 (layers/fc)")
