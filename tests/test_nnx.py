@@ -343,3 +343,20 @@ def test_lora_fa_refuses_a_stacked_layer_and_wraps_nothing(block_size):
     with pytest.raises(ValueError, match=r"the layer at 'layers' is stacked \(weights of shape"):
         dd.nnx.lora_fa(model, ["head", "layers"], rank=4, rngs=nnx.Rngs(0))
     assert isinstance(model.layers, dd.nnx.DiagonalDense) and isinstance(model.head, nnx.Linear)
+
+
+def test_the_readme_nnx_export_round_trips_through_a_plain_dict():
+    """serialize() refuses nnx.State leaves; the README passes the state as a pure dict."""
+    model = dd.nnx.freeze(dd.nnx.DiagonalDense(64, 32, sparsity=0.75, rngs=nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.key(1), (5, 64))
+    graphdef, state = nnx.split(model)
+
+    def apply(pure, x):
+        state_now = nnx.State(state)
+        nnx.replace_by_pure_dict(state_now, pure)
+        return nnx.merge(graphdef, state_now)(x)
+
+    pure = nnx.to_pure_dict(state)
+    blob = dd.export(jax.jit(apply))(pure, x).serialize()
+    np.testing.assert_allclose(jax.export.deserialize(blob).call(pure, x), model(x), rtol=1e-6)
+    assert not isinstance(model.values.get_value(), jax.core.Tracer)  # no tracer leaked into it
