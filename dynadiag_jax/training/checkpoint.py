@@ -116,18 +116,26 @@ def _quiet_failed_reads(step_dir: pathlib.Path) -> None:
     When one array read fails, Orbax returns with the restore's other reads still pending on the
     event loop it closes. As they end or are collected (seconds later, or at exit), Python prints
     each as "Exception ignored in" (with a TensorStore spec of a hundred lines), a closed loop's
-    refusal of their callback, or "Future exception was never retrieved": after the one line that
-    says which step cannot be read and why, pages of noise. Reports of other errors still go to
-    the hook and the logger there were.
+    refusal of their callback (also as a bare traceback, through ``sys.excepthook``), or "Future
+    exception was never retrieved": after the one line that says which step cannot be read and
+    why, pages of noise. Reports of other errors still go to the hooks and the logger there
+    were.
     """
     if not _UNREADABLE:
-        previous = sys.unraisablehook
+        previous, previous_except = sys.unraisablehook, sys.excepthook
 
         def hook(unraisable):
             if not _left_behind(unraisable.exc_value):
                 previous(unraisable)
 
+        def except_hook(kind, error, trace):
+            # a closed loop's refusal raised in a callback from a TensorStore thread is printed
+            # through sys.excepthook (PyErr_Print), not reported as unraisable
+            if not _left_behind(error):
+                previous_except(kind, error, trace)
+
         sys.unraisablehook = hook
+        sys.excepthook = except_hook
         logging.getLogger("asyncio").addFilter(
             lambda record: not (record.exc_info and _left_behind(record.exc_info[1]))
         )
