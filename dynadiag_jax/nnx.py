@@ -691,7 +691,9 @@ class LoRAFA(nnx.Module):
 
     Attributes: ``base``; ``lora_a`` (:class:`LoRAFrozen` ``[r, in]``, random, never trained);
     ``lora_b`` (``nnx.Param`` ``[out, r]``, zeros, so the adapted layer starts equal to ``base``).
-    Shapes: ``x[..., in] -> [..., out]``.
+    A ``base`` stacked by ``nnx.vmap`` / ``nnx.scan`` (weights with leading axes ``S``) gets
+    ``lora_a[*S, r, in]`` and ``lora_b[*S, out, r]``: each member its own adapter, sliced by
+    the same transform. Shapes: ``x[..., in] -> [..., out]``.
     """
 
     def __init__(
@@ -709,18 +711,13 @@ class LoRAFA(nnx.Module):
         n_in, n_out = spec.in_features, spec.out_features
         weights = base.values if isinstance(base, DiagonalDense) else base.kernel
         one_layer = 4 if isinstance(base, DiagonalDense) and spec.block_size > 1 else 2
-        if weights.get_value().ndim != one_layer:
-            # A and B of one layer beside stacked weights failed at the next nnx.scan call
-            raise ValueError(
-                f"dd.nnx.lora_fa: the layer at {path!r} is stacked (weights of shape "
-                f"{weights.get_value().shape}, nnx.vmap/nnx.scan): adapters are added to "
-                f"single layers; leave this layer out of the patterns"
-            )
+        # a layer stacked by nnx.vmap / nnx.scan gets one adapter per member, stacked alike
+        stack = weights.get_value().shape[: weights.get_value().ndim - one_layer]
         check_rank(rank, n_in, n_out, path, "dd.nnx.lora_fa")
         self.base = base
         self.scale = float(scale)
-        self.lora_a = LoRAFrozen(a_init(rngs.params(), (rank, n_in), param_dtype))
-        self.lora_b = nnx.Param(jnp.zeros((n_out, rank), param_dtype))
+        self.lora_a = LoRAFrozen(a_init(rngs.params(), (*stack, rank, n_in), param_dtype))
+        self.lora_b = nnx.Param(jnp.zeros((*stack, n_out, rank), param_dtype))
 
     def __call__(self, x, **kwargs):
         """``x[..., in] -> [..., out]``; ``kwargs`` go to ``base``."""
@@ -757,9 +754,10 @@ def lora_fa(
 
     Raises:
       TypeError, ValueError: as :func:`dynadiag_jax.nn.lora_fa` (bad patterns or rank, a pattern
-        that matches no layer, a rank above a layer's ``min(in, out)``), and a matched layer
-        stacked by ``nnx.vmap`` / ``nnx.scan``, naming the layer; nothing is wrapped when
+        that matches no layer, a rank above a layer's ``min(in, out)``); nothing is wrapped when
         anything fails.
+
+    A layer stacked by ``nnx.vmap`` / ``nnx.scan`` gets one adapter per member (:class:`LoRAFA`).
     """
     rules = adapter_rules(
         layers, rank, alpha, "dd.nnx.lora_fa", a_init=a_init, param_dtype=param_dtype

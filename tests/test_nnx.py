@@ -325,24 +325,48 @@ def test_a_stacked_ensemble_sets_its_gates_and_freezes_per_member(block_size):
 
 
 @pytest.mark.parametrize("block_size", [1, 8])
-def test_lora_fa_refuses_a_stacked_layer_and_wraps_nothing(block_size):
-    """Adapters of one layer beside stacked weights were accepted and failed at the next
-    nnx.scan call, inside Flax."""
+@pytest.mark.parametrize("phase", ["search", "frozen"])
+def test_lora_fa_gives_each_member_of_a_stacked_layer_its_own_adapter(block_size, phase):
+    """Adapters of one layer beside stacked weights once failed at the next nnx.vmap call (then
+    they were refused): each member now gets its own A and B, and the stacked model computes
+    what its members would, one at a time."""
 
     @nnx.split_rngs(splits=3)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
-        return dd.nnx.DiagonalDense(32, 32, sparsity=0.75, block_size=block_size, rngs=rngs)
+        layer = dd.nnx.DiagonalDense(32, 16, sparsity=0.75, block_size=block_size, rngs=rngs)
+        return dd.nnx.freeze(layer) if phase == "frozen" else layer
 
     class Model(nnx.Module):
         def __init__(self):
             self.layers = make(nnx.Rngs(0))
-            self.head = nnx.Linear(32, 4, rngs=nnx.Rngs(1))
+            self.head = nnx.Linear(16, 4, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            members = nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(self.layers, x)
+            return self.head(members.sum(0))
 
     model = Model()
-    with pytest.raises(ValueError, match=r"the layer at 'layers' is stacked \(weights of shape"):
-        dd.nnx.lora_fa(model, ["head", "layers"], rank=4, rngs=nnx.Rngs(0))
-    assert isinstance(model.layers, dd.nnx.DiagonalDense) and isinstance(model.head, nnx.Linear)
+    x = jax.random.normal(jax.random.key(1), (5, 32))
+    before = model(x)
+    dd.nnx.lora_fa(model, ["head", "layers"], rank=4, alpha=8.0, rngs=nnx.Rngs(2))
+    a, b = model.layers.lora_a.get_value(), model.layers.lora_b
+    assert a.shape == (3, 4, 32) and b.get_value().shape == (3, 16, 4)
+    assert not np.allclose(a[0], a[1])  # each member draws its own A
+    np.testing.assert_allclose(model(x), before, rtol=1e-6)  # B starts at zero
+    b.set_value(jax.random.normal(jax.random.key(3), b.get_value().shape))
+    members = nnx.vmap(lambda m, x: m.base(x), in_axes=(0, None))(model.layers, x)
+    low_rank = jnp.stack([2.0 * (x @ a[i].T) @ b.get_value()[i].T for i in range(3)])
+    adapted = nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(model.layers, x)
+    np.testing.assert_allclose(adapted, members + low_rank, rtol=1e-5, atol=1e-5)
+    # B of every member trains; A does not
+    b_before = b.get_value()
+    trained = nnx.All(nnx.Param, nnx.PathContains("lora_b"))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=trained)
+    loss = lambda m: (m(x) ** 2).mean()  # noqa: E731
+    optimizer.update(model, nnx.grad(loss, argnums=nnx.DiffState(0, trained))(model))
+    assert np.all(np.abs(model.layers.lora_b.get_value() - b_before).sum((1, 2)) > 0)
+    np.testing.assert_array_equal(model.layers.lora_a.get_value(), a)
 
 
 def test_the_readme_nnx_export_round_trips_through_a_plain_dict():
