@@ -8,6 +8,8 @@ without making that import pay for them. ``training`` and ``data`` need the ``tr
 
 import importlib as _importlib
 
+__version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
+
 from dynadiag_jax import nn, optim, schedules
 from dynadiag_jax._extension import has_cpu_kernels, has_cuda_kernels
 from dynadiag_jax.export import export

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import pathlib
+import re
 import warnings
 
 import jax
@@ -70,6 +71,84 @@ if _cpu_ext is None and (installed := _shadowed_build()) is not None:
 def _register(module, platform: str) -> None:
     for name, capsule in module.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform=platform)
+
+
+def running_ffi_api() -> tuple[int, int] | None:
+    """``(major, minor)`` of the XLA FFI API of the running jaxlib, from the header it ships
+    (``jax.ffi.include_dir()``); None where that cannot be read."""
+    try:
+        header = pathlib.Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
+        text = header.read_text()
+    except (OSError, AttributeError):
+        return None
+    found = [re.search(rf"^#define XLA_FFI_API_{part} (\d+)", text, re.M) for part in _API_PARTS]
+    return None if None in found else tuple(int(m.group(1)) for m in found)
+
+
+_API_PARTS = ("MAJOR", "MINOR")
+
+
+def _jaxlib_version() -> str:
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return "of unknown version"
+
+
+def _refused(module, what: str) -> str | None:
+    """Why this jaxlib or its CUDA plugin would refuse ``module``'s handlers, or None.
+
+    A jaxlib older than the FFI headers the handlers were compiled against refuses them when its
+    backend starts, which fails every JAX operation in the process, not only ours.
+    """
+    built, running = getattr(module, "ffi_api", None), running_ffi_api()
+    if built is not None and running is not None:
+        if built[0] != running[0] or built[1] > running[1]:
+            return (
+                f"{what} were compiled against XLA FFI API {built[0]}.{built[1]}, newer than "
+                f"this jaxlib's {running[0]}.{running[1]} (jaxlib {_jaxlib_version()})"
+            )
+    cuda = getattr(module, "cuda_runtime_version", None)
+    if cuda is not None:
+        majors = {major for _, major in jax_cuda_plugins()}
+        if majors and cuda // 1000 not in majors:
+            return (
+                f"{what} link the CUDA {cuda // 1000} runtime, but JAX's CUDA plugin is for "
+                f"CUDA {', '.join(map(str, sorted(majors)))}"
+            )
+    return None
+
+
+def jax_cuda_plugins() -> list[tuple[str, int]]:
+    """``[(distribution, CUDA major)]`` of the installed JAX CUDA plugins (jax-cuda12-plugin,
+    jax-cuda13-pjrt, ...)."""
+    found = set()
+    for dist in importlib.metadata.distributions():
+        if m := _PLUGIN.fullmatch(dist.metadata["Name"] or ""):
+            found.add((dist.metadata["Name"], int(m.group(1))))
+    return sorted(found)
+
+
+_PLUGIN = re.compile(r"jax[-_.]cuda(\d+)[-_.](plugin|pjrt)", re.IGNORECASE)
+
+
+def _usable(module, what: str):
+    """``module``, or None with a warning when registering it would break JAX."""
+    if module is None or (reason := _refused(module, what)) is None:
+        return module
+    warnings.warn(
+        f"dynadiag_jax: {reason}, so they are not registered and impl='auto' runs the pure-JAX "
+        "path. Reinstall dynadiag-jax in this environment (docs: README, Install) or install "
+        "the jax it was built for.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return None
+
+
+_cpu_ext = _usable(_cpu_ext, "the C++ CPU kernels")
+_cuda_ext = _usable(_cuda_ext, "the CUDA kernels")
+_emu_ext = _usable(_emu_ext, "the emulated CUDA kernels")
 
 
 def custom_call_targets() -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """What ``import dynadiag_jax as dd`` gives: the API, and the training side loaded on first use."""
 
 import importlib
+import types
 
 import pytest
 
@@ -119,3 +120,95 @@ assert not loaded, loaded
 print("ok")
 """
     assert run_python(["-c", code]).stdout.strip() == "ok"
+
+
+def test_version_is_the_distributions():
+    import importlib.metadata
+
+    assert dd.__version__ == importlib.metadata.version("dynadiag-jax")
+
+
+@pytest.mark.parametrize(
+    "built,running,refused",
+    [
+        ((0, 1), (0, 3), False),  # older handlers: a newer jaxlib runs them
+        ((0, 3), (0, 3), False),
+        ((0, 3), (0, 1), True),  # newer handlers: refused, and JAX with them
+        ((1, 0), (0, 3), True),
+        ((0, 1), None, False),  # no header to read: register, as before the check
+    ],
+)
+def test_handlers_newer_than_the_jaxlib_are_not_registered(monkeypatch, built, running, refused):
+    from dynadiag_jax import _extension
+
+    monkeypatch.setattr(_extension, "running_ffi_api", lambda: running)
+    module = types.SimpleNamespace(ffi_api=built)
+    reason = _extension._refused(module, "the kernels")
+    assert (reason is not None) == refused
+    if refused:
+        assert f"XLA FFI API {built[0]}.{built[1]}" in reason and "jaxlib" in reason
+
+
+def test_the_running_jaxlib_header_is_read():
+    from dynadiag_jax import _extension
+
+    major, minor = _extension.running_ffi_api()
+    assert major == 0 and minor >= 1
+    if dd.has_cpu_kernels():  # what this build was compiled against runs here
+        assert _extension._cpu_ext.ffi_api <= (major, minor)
+
+
+def test_a_jaxlib_older_than_the_kernels_gets_a_warning_not_a_broken_jax(run_python, tmp_path):
+    """A jaxlib refuses FFI handlers compiled against a newer FFI API when its backend starts,
+    and then every JAX operation fails: the package leaves them unregistered and says so."""
+    if not dd.has_cpu_kernels():
+        pytest.skip("no compiled kernels to refuse")
+    header = tmp_path / "include" / "xla" / "ffi" / "api" / "c_api.h"
+    header.parent.mkdir(parents=True)
+    major = dd._extension._cpu_ext.ffi_api[0]
+    header.write_text(f"#define XLA_FFI_API_MAJOR {major + 1}\n#define XLA_FFI_API_MINOR 0\n")
+    code = f"""
+import warnings
+import jax, jax.ffi, jax.numpy as jnp
+jax.ffi.include_dir = lambda: {str(tmp_path / "include")!r}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import dynadiag_jax as dd
+print(*[str(w.message) for w in caught], sep="\\n")
+assert not dd.has_cpu_kernels() and "ffi" not in dd.available_impls()
+layer = dd.nn.DiagonalDense(32, sparsity=0.75)
+x = jnp.ones((4, 32))
+y = layer.apply(layer.init(jax.random.key(0), x), x)
+assert y.shape == (4, 32) and float(jnp.ones(3).sum()) == 3.0
+print("ok")
+"""
+    out = run_python(["-c", code]).stdout
+    assert out.splitlines()[-1] == "ok"
+    assert f"newer than this jaxlib's {major + 1}.0" in out and "not registered" in out
+
+
+def test_cuda_kernels_of_another_cuda_major_than_jaxs_plugin_are_not_registered(
+    run_python, tmp_path
+):
+    """pip's isolated build cannot see JAX's CUDA plugin, so import checks the match again."""
+    if not dd.has_cuda_kernels():
+        pytest.skip("no CUDA kernels built")
+    built = dd._extension._cuda_ext.cuda_runtime_version // 1000
+    other = 12 if built != 12 else 13
+    info = tmp_path / "site" / f"jax_cuda{other}_plugin-0.10.2.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: jax-cuda{other}-plugin\nVersion: 0.10.2\n"
+    )
+    code = """
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import dynadiag_jax as dd
+print(*[str(w.message) for w in caught], sep="\\n")
+assert not dd.has_cuda_kernels() and dd.has_cpu_kernels()
+print("ok")
+"""
+    out = run_python(["-c", code], env={"PYTHONPATH": str(tmp_path / "site")}).stdout
+    assert out.splitlines()[-1] == "ok"
+    assert f"link the CUDA {built} runtime, but JAX's CUDA plugin is for CUDA {other}" in out

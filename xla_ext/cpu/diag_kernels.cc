@@ -274,6 +274,7 @@ Plan BuildPlan(const DiagMatrix& w, bool moving_on_output) {
 }
 
 const Kernels& KernelsFor(Isa isa) {
+#if DYNADIAG_X86
   switch (isa) {
     case Isa::kAvx512:
       return Avx512Kernels();
@@ -282,6 +283,9 @@ const Kernels& KernelsFor(Isa isa) {
     case Isa::kPortable:
       break;
   }
+#else
+  (void)isa;  // BestIsa() is kPortable: the AVX kernels are x86 only and not built
+#endif
   return PortableKernels();
 }
 
@@ -1220,6 +1224,9 @@ std::unique_ptr<Job> MakeTyped(ElemType type, Args&&... args) {
 
 Isa BestIsa() {
   static const Isa best = [] {
+#if !DYNADIAG_X86
+    return Isa::kPortable;
+#else
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl")) {
@@ -1227,6 +1234,7 @@ Isa BestIsa() {
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
     return Isa::kPortable;
+#endif
   }();
   return best;
 }

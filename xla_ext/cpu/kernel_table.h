@@ -167,8 +167,15 @@ struct Kernels {
   FewRowTable<Bf16> bf16_few;
 };
 
+// The AVX families exist on x86-64 only (CMakeLists.txt compiles their files there); elsewhere,
+// e.g. aarch64, every call runs the portable kernels.
+#if defined(__x86_64__) || defined(_M_X64)
+#define DYNADIAG_X86 1
 const Kernels& Avx512Kernels();
 const Kernels& Avx2Kernels();
+#else
+#define DYNADIAG_X86 0
+#endif
 const Kernels& PortableKernels();
 
 }  // namespace dynadiag

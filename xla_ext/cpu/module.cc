@@ -17,6 +17,7 @@
 
 #include "diag_kernels.h"
 #include "ffi_handlers.h"
+#include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
@@ -163,6 +164,8 @@ void RunBackward(const std::string& isa_name, Array dy, Array x, Array values, O
 }  // namespace
 
 NB_MODULE(_cpu_ext, m) {
+  // The XLA FFI API the handlers were compiled against: a jaxlib older than it refuses them.
+  m.attr("ffi_api") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   m.def("registrations", [] {
     nb::dict d;
     d["dynadiag_diag_matmul_v2_fwd"] = Capsule(DynadiagDiagMatmulFwdCpu);

@@ -4,10 +4,12 @@
 #include <nanobind/stl/string.h>
 
 #include "emu/ffi_handlers.h"
+#include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
 NB_MODULE(_emu_ext, m) {
+  m.attr("ffi_api") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   m.def("registrations", [] {
     nb::dict d;
     d["dynadiag_emu_diag_matmul_v2_fwd"] = nb::capsule(reinterpret_cast<void*>(DynadiagEmuFwd));
