@@ -19,6 +19,11 @@ if command -v apt-get > /dev/null && [ "$(id -u)" = 0 ]; then
   fi
 fi
 PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "setup.sh: $("$PY" -V 2>&1) is too old: dynadiag-jax needs Python 3.11+ (jax 0.8.1+);" \
+    "run with PYTHON=python3.11 (or newer)" >&2
+  exit 1
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip > /dev/null
 # With nvcc on PATH the CUDA kernels must build: a failure stops here instead of silently
@@ -26,4 +31,5 @@ PY=${PYTHON:-python3}
 if command -v nvcc > /dev/null; then
   export DYNADIAG_CUDA=${DYNADIAG_CUDA:-ON}
 fi
+echo "setup.sh: installing dynadiag-jax and building its C++ extension (minutes; longer with CUDA)"
 .venv/bin/python -m pip install -q ".[test,train]"

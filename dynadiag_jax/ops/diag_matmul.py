@@ -203,7 +203,14 @@ def resolve_impl(impl: str, dtype, geo, rows: int | None, num_diagonals: int) ->
             auto.current_platform(), rows=rows, geo=geo, dtype=dtype, num_diagonals=num_diagonals
         ).impl
     if impl != "dense" and impl not in products.available_backends():
-        raise ValueError(f"impl must be one of {available_impls()}, got {impl!r}")
+        unbuilt = {"ffi": "C++/CUDA kernels", "cuda_emulated": "emulated CUDA kernels"}
+        why = (
+            f" ({impl!r} runs the {unbuilt[impl]}, which this installation does not have: "
+            "README, Install)"
+            if impl in unbuilt
+            else ""
+        )
+        raise ValueError(f"impl must be one of {available_impls()}, got {impl!r}{why}")
     if impl == "dense":
         return impl
     if not _supports(impl, dtype):
