@@ -212,3 +212,35 @@ print("ok")
     out = run_python(["-c", code], env={"PYTHONPATH": str(tmp_path / "site")}).stdout
     assert out.splitlines()[-1] == "ok"
     assert f"link the CUDA {built} runtime, but JAX's CUDA plugin is for CUDA {other}" in out
+
+
+def test_without_the_compiled_modules_the_layers_run_and_ffi_says_why_not(run_python):
+    """What `pip install . -C wheel.cmake=false` gives (README, Install)."""
+    code = """
+import importlib.abc, sys
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("dynadiag_jax._") and name.endswith("_ext"):
+            raise ImportError(f"{name} is not built")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+import jax, jax.numpy as jnp
+import dynadiag_jax as dd
+assert dd.available_impls() == ("auto", "dense", "jax"), dd.available_impls()
+layer = dd.nn.DiagonalDense(32, sparsity=0.75)
+x = jnp.ones((4, 32))
+frozen = dd.freeze_tree(layer.init(jax.random.key(0), x))
+assert layer.apply(frozen, x).shape == (4, 32)
+values, offsets = frozen["params"]["values"], frozen["diagonals"]["offsets"]
+for impl in ("ffi", "cuda_emulated"):
+    try:
+        dd.diag_matmul(x, values, offsets, out_features=32, impl=impl)
+    except ValueError as e:
+        assert "which this installation does not have" in str(e), e
+    else:
+        raise AssertionError(impl)
+print("ok")
+"""
+    assert run_python(["-c", code]).stdout.strip() == "ok"
