@@ -127,3 +127,24 @@ def test_busy_since_says_whether_a_compile_ran_in_an_interval():
         ahead.wait("f")
         assert ahead.busy_since(4.0)  # it ended at 5.0, inside an interval begun at 4.0
         assert not ahead.busy_since(5.0)  # an interval begun when it ended saw nothing
+
+
+def test_close_without_waiting_leaves_the_running_compile_to_finish_on_its_own():
+    """What an interrupt does: a compile can take minutes, and XLA cannot cancel it."""
+    started, release = threading.Event(), threading.Event()
+
+    def blocking():
+        started.set()
+        release.wait(10)
+        return jnp.ones((2,), jnp.float32)
+
+    ahead = CompileAhead()
+    ahead.submit("slow", jax.jit(jnp.sin), blocking)
+    assert started.wait(10)
+    closer = threading.Thread(target=ahead.close, kwargs={"wait": False})
+    closer.start()
+    closer.join(5)
+    assert not closer.is_alive() and ahead.pending() == ()
+    ahead.close()  # a second close is a no-op: it does not wait either
+    assert not release.is_set()
+    release.set()

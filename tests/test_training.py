@@ -131,6 +131,40 @@ def test_crash_at_the_last_step_resumes_before_the_final_evaluation(tmp_path):
     assert a == b and a[-1]["kind"] == "eval" and a[-1]["step"] == 12
 
 
+class _BrokenEvalData:
+    """Evaluation batches whose first read fails, as a missing validation shard does."""
+
+    def __iter__(self):
+        raise OSError("validation shard missing")
+
+
+def test_an_evaluation_that_fails_at_the_end_keeps_the_last_step(tmp_path):
+    """The last step was saved only after the final evaluation: one that failed (a bad
+    validation file) lost every step since the last checkpoint, and each rerun again."""
+    full = train_tiny(tmp_path / "full", num_steps=12, checkpoint_every=5)
+    with pytest.raises(OSError, match="validation shard missing"):
+        train_tiny(tmp_path / "cut", num_steps=12, checkpoint_every=5, eval_data=_BrokenEvalData())
+    resumed = train_tiny(tmp_path / "cut", num_steps=12, checkpoint_every=5)
+    assert resumed.start_step == 12 and resumed.eval_metrics == full.eval_metrics
+    again = train_tiny(tmp_path / "cut", num_steps=12, checkpoint_every=5)  # a finished run
+    assert again.start_step == 12 and again.eval_metrics == full.eval_metrics
+    a = comparable(T.read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    b = comparable(T.read_jsonl(tmp_path / "cut" / "metrics.jsonl"))
+    assert a == b and [r["kind"] for r in b].count("eval") == 1
+
+
+def test_a_loss_that_stops_being_finite_is_said_once(caplog):
+    with caplog.at_level("WARNING", logger=loop.__name__):
+        result = train_tiny(num_steps=8, optimizer=optax.sgd(1e30))
+    said = [r.getMessage() for r in caplog.records if "the training loss is" in r.getMessage()]
+    assert len(said) == 1 and "has likely diverged" in said[0], said
+    assert not np.isfinite(result.eval_metrics["loss"])
+    with caplog.at_level("WARNING", logger=loop.__name__):
+        caplog.clear()
+        train_tiny(num_steps=4)
+    assert not [r for r in caplog.records if "the training loss is" in r.getMessage()]
+
+
 def test_run_killed_before_its_first_checkpoint_starts_a_new_log(tmp_path):
     # A kill after the first metrics flush but before the first checkpoint committed leaves a
     # log and no checkpoint; the restarted run must not append to that log.

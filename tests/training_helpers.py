@@ -86,6 +86,8 @@ def train_tiny(
     run_info=None,
     mesh=None,
     model=None,
+    eval_data=None,
+    optimizer=None,
     **kwargs,
 ) -> T.TrainResult:
     """Train :func:`tiny_mlp` (or ``model``) on :func:`blobs` (evaluated on a second draw of
@@ -98,13 +100,13 @@ def train_tiny(
         )
     return T.train(
         model=model,
-        optimizer=T.adamw(1e-2, weight_decay=1e-4),
+        optimizer=T.adamw(1e-2, weight_decay=1e-4) if optimizer is None else optimizer,
         task=T.Classification(NUM_CLASSES),
         train_data=D.ArrayBatches(blobs(), batch_size, seed=seed),
         num_steps=num_steps,
         example_input=jax.ShapeDtypeStruct((batch_size, FEATURES), jnp.float32),
         seed=seed,
-        eval_data=D.EvalBatches(blobs(100, seed=1), 32),
+        eval_data=D.EvalBatches(blobs(100, seed=1), 32) if eval_data is None else eval_data,
         eval_every=eval_every,
         freeze_step=freeze_step,
         gate=gate,

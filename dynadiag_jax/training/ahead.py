@@ -45,6 +45,7 @@ class CompileAhead:
         self._lock = threading.Lock()
         self._running = False
         self._last_end = -float("inf")
+        self._closed = False
 
     def submit(self, name: Hashable, fn, *args) -> None:
         """Compile the jitted ``fn`` for ``args`` (arrays, ``jax.ShapeDtypeStruct``s, or
@@ -81,10 +82,14 @@ class CompileAhead:
         if future is not None:
             concurrent.futures.wait([future])
 
-    def close(self) -> None:
-        """Drop the compiles not started and wait for the one running."""
+    def close(self, wait: bool = True) -> None:
+        """Drop the compiles not started and, with ``wait``, wait for the one running (XLA
+        cannot cancel it). Without, it finishes on its thread unawaited: what an interrupt wants,
+        since a compile can take minutes. Only the first call does anything."""
         self._pending.clear()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=wait, cancel_futures=True)
 
     def __enter__(self) -> CompileAhead:
         return self

@@ -124,6 +124,9 @@ class _NullWriter:
     def write(self, *args, **kwargs):
         pass
 
+    def logged(self, step, kind):
+        return False
+
     def flush(self):
         pass
 
@@ -1159,7 +1162,7 @@ def train(
                 and (schedule.evaluates_between(switch, end) or not freezes),
             )
 
-        step = start
+        step, diverged = start, False
         bar = tqdm.tqdm(
             total=num_steps,
             initial=start,
@@ -1198,6 +1201,15 @@ def train(
                         learning_rate=phase_learning_rate(),
                     )
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+                    if not (diverged or np.isfinite(record["loss"])):
+                        diverged = True  # said once: every later record would repeat it
+                        logging.getLogger(__name__).warning(
+                            "the training loss is %s at step %d (learning rate %s); the run goes "
+                            "on, but has likely diverged: a lower learning rate, or the data?",
+                            record["loss"],
+                            step,
+                            record.get("learning_rate", "not logged"),
+                        )
                 if events.evaluate and eval_data is not None:
                     ahead.wait(("eval", key))
                     writer.write(
@@ -1238,15 +1250,21 @@ def train(
                     f"{'saved in ' + str(workdir) if workdir else 'no workdir, nothing saved'}",
                     stop.signum,
                 )
+        # Saved before the final evaluation: an evaluation that fails (a bad validation file)
+        # then costs a rerun of the evaluation, not the steps since the last checkpoint.
+        save(state)
         eval_metrics = {}
         if eval_data is not None:
             progs, key = phase()
             ahead.wait(("eval", key))
             eval_metrics = evaluate(progs.eval_step, state, eval_data, mesh, task)
-            if step > start:  # a run resumed at its last step already logged this evaluation
+            if not writer.logged(step, "eval"):  # a rerun of a finished run has logged it
                 writer.write(step, "eval", eval_metrics)
-        save(state)
         return TrainResult(state, eval_metrics, start)
+    except BaseException:
+        # An interrupt (or an error) must not wait for a compile in progress to end.
+        ahead.close(wait=False)
+        raise
     finally:
         ahead.close()
         writer.close()

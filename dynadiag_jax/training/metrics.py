@@ -74,6 +74,7 @@ class MetricWriter:
         self.path = pathlib.Path(logdir) / JSONL_NAME
         self._tb = None
         self._file = None
+        self._logged: set[tuple[int, str]] = set()
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,6 +87,7 @@ class MetricWriter:
         with tmp.open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
         os.replace(tmp, self.path)
+        self._logged = {(r.get("step", 0), r.get("kind")) for r in kept}
         self._file = self.path.open("a")
         if tensorboard:
             import tensorboardX
@@ -100,12 +102,18 @@ class MetricWriter:
             return
         record = {"step": int(step), "kind": kind, **_plain(values)}
         self._file.write(json.dumps(record) + "\n")
+        self._logged.add((int(step), kind))
         if self._tb is not None:
             for name, v in record.items():
                 if name in ("step", "kind") or isinstance(v, bool):
                     continue
                 if isinstance(v, numbers.Real) and math.isfinite(v):
                     self._tb.add_scalar(f"{kind}/{name}", v, int(step))
+
+    def logged(self, step: int, kind: str) -> bool:
+        """Whether the log holds a ``kind`` record of ``step`` (kept from before a resume, or
+        written since)."""
+        return (int(step), kind) in self._logged
 
     def flush(self) -> None:
         """Push everything written so far to disk (called before each checkpoint)."""
