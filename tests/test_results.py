@@ -1,6 +1,7 @@
 """The results command: method selection by config, the report, and a tiny end-to-end run."""
 
 import csv
+import importlib
 import json
 import pathlib
 
@@ -61,6 +62,27 @@ def test_unstructured_methods_sparsify_exactly_the_configured_layers(method):
     for layer, size in (("hidden_0", 784 * 256), ("hidden_1", 256 * 256)):
         assert int(masks[layer]["kernel"].sum()) == B.num_active(size, 0.9)
     assert built.gate is None and built.freeze_step is None
+
+
+@pytest.mark.parametrize("method", ["rigl", "set", "mest"])
+def test_a_run_too_short_for_one_mask_update_names_the_keys(method):
+    """update_every=10 with end_fraction 0.75 of 12 steps: no update before step 9 (the
+    optimizer's own error named no config key)."""
+    with pytest.raises(common.ConfigError, match=r"unstructured\.update_every=10 until "):
+        _build(_config(), method, steps=12)
+    assert _build(_config(), method, steps=16).optimizer is not None  # 10 < 12: one update
+
+
+@pytest.mark.parametrize(
+    "module,tiny", [("train.configs.vit_imagenet", "mu/4"), ("train.configs.gpt2_lm", "mu")]
+)
+def test_runlocal_smoke_runs_the_variant_given_and_updates_masks(module, tiny):
+    get_config = importlib.import_module(module).get_config
+    assert get_config("runlocal").model.variant == tiny
+    assert get_config("runlocal,variant=S/16").model.variant == "S/16"
+    config = get_config("runlocal,method=rigl")
+    end = round(config.unstructured.end_fraction * config.train.num_steps)
+    assert config.unstructured.update_every < end
 
 
 def test_dense_method_is_a_plain_model_and_optimizer():

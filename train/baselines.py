@@ -259,10 +259,16 @@ def build(
             distribution=distribution, key=jax.random.fold_in(jax.random.key(seed), MASK_STREAM)
         )
         if method != "static_unstructured":
-            kwargs.update(
-                update_every=int(u.update_every),
-                end_step=max(1, round(float(u.end_fraction) * num_steps)),
-            )
+            end_step = max(1, round(float(u.end_fraction) * num_steps))
+            if int(u.update_every) >= end_step:
+                # the first mask update is at step update_every; none would come before the end
+                raise common.ConfigError(
+                    f"{method} updates its masks from step unstructured.update_every="
+                    f"{u.update_every} until unstructured.end_fraction={u.end_fraction} of the "
+                    f"{num_steps} training steps (step {end_step}): no update would run; "
+                    f"set unstructured.update_every below {end_step}"
+                )
+            kwargs.update(update_every=int(u.update_every), end_step=end_step)
         if method == "mest":
             kwargs.update(mutation_ratio=float(u.mutation_ratio), soft_bound=bool(u.soft_bound))
         elif method in ("rigl", "set"):

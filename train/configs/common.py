@@ -16,6 +16,11 @@ def did_you_mean(candidates: Iterable[str]) -> str:
     return f" (did you mean {' or '.join(map(repr, found))}?)" if found else ""
 
 
+def given(arg: str | None) -> set[str]:
+    """The keys that the config argument ``arg`` (``"key=value,..."``) sets."""
+    return {item.partition("=")[0] for item in filter(None, (arg or "").split(","))}
+
+
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     """Parse ``key=value`` pairs (a bare ``key`` means True) against ``defaults``.
 

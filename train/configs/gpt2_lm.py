@@ -19,12 +19,13 @@ GPT-2 small/medium on WikiText-103 (raw files wiki.{train,valid,test}.raw in a d
 
 import ml_collections
 
-from train.configs.common import dynadiag, lora_section, parse_arg, unstructured_defaults
+from train.configs.common import dynadiag, given, lora_section, parse_arg, unstructured_defaults
 
 SPARSE_LAYERS = (r".*/attn/(c_attn|c_proj)", r".*/mlp/(c_fc|c_proj)")
 
 
 def get_config(arg=None):
+    typed = given(arg)
     arg = parse_arg(
         arg,
         variant="mini",
@@ -70,7 +71,9 @@ def get_config(arg=None):
         sparse_lr_scale="init_gain",
     )
     if arg.runlocal:
-        config.model.variant = "mu"
+        if "variant" not in typed:  # runlocal,variant=S/16 smoke-runs that variant
+            config.model.variant = "mu"
+        config.unstructured.update_every = 2  # rigl/set/mest update their masks in a short run
         config.data.seq_len = 32
         config.data.eval_windows = 16
         config.train.batch_size = 8

@@ -36,12 +36,13 @@ sparse layer at start-up (docs/gpu_cost_model.md). On CPU the C++ kernels run (d
 
 import ml_collections
 
-from train.configs.common import dynadiag, parse_arg, unstructured_defaults
+from train.configs.common import dynadiag, given, parse_arg, unstructured_defaults
 
 SPARSE_LAYERS = (r".*/attn/(qkv|proj)", r".*/mlp/(fc1|fc2)")
 
 
 def get_config(arg=None):
+    typed = given(arg)
     arg = parse_arg(
         arg,
         variant="B/16",
@@ -98,7 +99,9 @@ def get_config(arg=None):
         sparse_lr_scale="init_gain",
     )
     if arg.runlocal:  # a smoke run: tiny model, small images, a few steps, no data needed
-        config.model.variant = "mu/4"
+        if "variant" not in typed:  # runlocal,variant=S/16 smoke-runs that variant
+            config.model.variant = "mu/4"
+        config.unstructured.update_every = 2  # rigl/set/mest update their masks in a short run
         config.data.image_size = 32
         config.data.fake_examples = 64
         config.data.num_threads = 2
