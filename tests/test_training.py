@@ -486,3 +486,18 @@ def test_a_second_ctrl_c_says_what_it_did():
         signal.raise_signal(signal.SIGINT)
         with pytest.raises(KeyboardInterrupt, match="second Ctrl-C stopped the run at once"):
             signal.raise_signal(signal.SIGINT)
+
+
+def test_run_differences_list_changed_entries_before_absent_ones():
+    from dynadiag_jax.training.checkpoint import run_differences
+
+    stored = {"method": "dynadiag", "dynadiag": {"sparsity": 0.9, "gate": "sparse_topk"}}
+    current = {"method": "dense", "dynadiag": {"sparsity": 0.0}, "optimizer": {"lr": 1e-3}}
+    lines = run_differences(stored, current)
+    assert [line.split(":")[0] for line in lines] == [
+        "dynadiag.sparsity",
+        "method",
+        "dynadiag.gate",
+        "optimizer.lr",
+    ]
+    assert lines[1] == "method: 'dynadiag' in the checkpoint, 'dense' in this run"

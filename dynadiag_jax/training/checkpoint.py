@@ -93,7 +93,9 @@ def usable_directory(directory, *, create: bool = True) -> pathlib.Path:
 
 def run_differences(stored: Mapping, current: Mapping, where: str = "the checkpoint") -> list[str]:
     """``"key: X in <where>, Y in this run"`` for each entry (nested keys dotted) on which two run
-    descriptions differ (``stored``: the one recorded in ``where``)."""
+    descriptions differ (``stored``: the one recorded in ``where``): the entries both hold
+    first (a changed method or sparsity), then those only one holds (the sections one method
+    reads and the other does not)."""
     a, b = (
         traverse_util.flatten_dict(t, keep_empty_nodes=True, sep=".") for t in (stored, current)
     )
@@ -105,7 +107,7 @@ def run_differences(stored: Mapping, current: Mapping, where: str = "the checkpo
 
     return [
         f"{key}: {show(a, key)} in {where}, {show(b, key)} in this run"
-        for key in sorted(set(a) | set(b))
+        for key in sorted(set(a) | set(b), key=lambda k: (k not in a or k not in b, k))
         if key not in a or key not in b or a[key] != b[key]
     ]
 
