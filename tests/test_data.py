@@ -2,6 +2,7 @@
 
 import gzip
 import pathlib
+import re
 import struct
 
 import numpy as np
@@ -210,3 +211,162 @@ def test_tfds_fallback_reads_fashion_mnist_through_data_source():
         data = D.load_small_images("tfds")
     assert data.train["image"].shape == (12, 28, 28, 1) and data.test["label"].shape == (12,)
     assert data.train["image"].dtype == np.float32 and data.name == "fashion_mnist (tfds)"
+
+
+def _rgb_and_variants():
+    """An RGB image ``[30, 40, 3]`` and the same picture as the decoders may hand it over: grey
+    ``[H, W]`` and ``[H, W, 1]``, grey + alpha, CMYK (PIL's conversion, which round-trips to the
+    same RGB), RGBA with an opaque alpha."""
+    from PIL import Image
+
+    rgb = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    grey = np.asarray(Image.fromarray(rgb).convert("L"))
+    opaque = np.full((30, 40, 1), 255, np.uint8)
+    return rgb, {
+        "grey [H, W]": (grey, np.repeat(grey[..., None], 3, -1)),
+        "grey [H, W, 1]": (grey[..., None], np.repeat(grey[..., None], 3, -1)),
+        "grey + alpha": (np.stack([grey, grey // 2], -1), np.repeat(grey[..., None], 3, -1)),
+        "CMYK": (np.asarray(Image.fromarray(rgb).convert("CMYK")), rgb),
+        "RGBA": (np.concatenate([rgb, opaque], -1), rgb),
+    }
+
+
+@pytest.mark.parametrize("kind", ["grey [H, W]", "grey [H, W, 1]", "grey + alpha", "CMYK", "RGBA"])
+def test_every_channel_count_leaves_the_transforms_as_rgb(kind):
+    """A CMYK JPEG (4 channels from tfds's PIL decoder) stopped a run mid-way ("expected a uint8
+    image [H, W, 1 or 3]"), and a grey one came out with 1 channel, which no batch of RGB images
+    takes: every transform now returns the picture as RGB."""
+    _, variants = _rgb_and_variants()
+    image, as_rgb = variants[kind]
+    ra = D.RandAugment(num_ops=3, magnitude=9, prob=1.0)
+    for transform in (
+        lambda im: D.random_resized_crop(im, 16, np.random.default_rng(1)),
+        lambda im: D.resize_center_crop(im, 16),
+        lambda im: ra(im, np.random.default_rng(2)),
+    ):
+        out = transform(image)
+        assert out.dtype == np.uint8 and out.shape[-1] == 3
+        np.testing.assert_array_equal(out, transform(as_rgb))
+
+
+def test_imagenet_batches_of_mixed_channel_counts_are_rgb():
+    rgb, variants = _rgb_and_variants()
+    images = [rgb, *(image for image, _ in variants.values())]
+    source = [{"image": image, "label": i} for i, image in enumerate(images)]
+    train = D.ImageNetTrain(source, 6, seed=0, image_size=16, num_threads=0, prefetch=0)
+    assert next(train.iterate(0))["image"].shape == (6, 16, 16, 3)
+    for g in range(len(source)):
+        assert train.example(g)["image"].shape == (16, 16, 3)
+    evaluation = D.ImageNetEval(source, 4, image_size=16, num_threads=0, prefetch=0)
+    assert [b["image"].shape for b in evaluation] == [(4, 16, 16, 3)] * 2
+
+
+def test_a_cmyk_jpeg_as_tfds_decodes_it_becomes_its_rgb_picture():
+    import io
+
+    import tensorflow_datasets as tfds
+    from PIL import Image
+
+    y, x = np.mgrid[0:48, 0:64]
+    rgb = np.stack([x * 4, y * 5, (x + y) * 2], -1).astype(np.uint8)  # smooth: JPEG keeps it
+    buf = io.BytesIO()
+    Image.fromarray(rgb).convert("CMYK").save(buf, "JPEG", quality=95)
+    decoded = tfds.features.Image(encoding_format="jpeg").decode_example_np(buf.getvalue())
+    assert decoded.shape == (48, 64, 4)  # what the training pipeline is handed
+    out = D.resize_center_crop(decoded, 32).astype(int)
+    assert np.abs(out - D.resize_center_crop(rgb, 32)).mean() < 3
+
+
+def test_images_the_transforms_cannot_take_are_refused():
+    for image in (
+        np.zeros((4, 4, 5), np.uint8),
+        np.zeros(4, np.uint8),
+        np.zeros((4, 4, 0), np.uint8),
+    ):
+        with pytest.raises(ValueError, match=r"uint8 image \[H, W\] or \[H, W, 1 to 4\]"):
+            D.resize_center_crop(image, 2)
+
+
+def _imagenet_version(root, version="5.1.0", file_format="array_record"):
+    """``root/imagenet2012/<version>`` laid out as tfds prepares it in ``file_format`` (empty
+    shards: enough for :func:`check_imagenet_dir`)."""
+    vdir = root / "imagenet2012" / version
+    vdir.mkdir(parents=True)
+    (vdir / "dataset_info.json").write_text("{}")
+    for split in ("train", "validation"):
+        (vdir / f"imagenet2012-{split}.{file_format}-00000-of-00001").write_bytes(b"")
+    return vdir
+
+
+def test_check_imagenet_dir_picks_the_version_tfds_can_read(tmp_path):
+    """A tfrecord preparation (tfds's default format) passed the check (``any`` over generator
+    objects) and failed in tfds with a traceback; a 5.0.0 array_record copy passed it too and
+    then tfds looked for 5.1.0 only."""
+    tfrecord = _imagenet_version(tmp_path / "a", file_format="tfrecord")
+    message = (
+        re.escape(str(tfrecord))
+        + r' was prepared as tfrecord: only a preparation with file_format="array_record" is read; '
+        r'prepare it again with tfds.builder\("imagenet2012", data_dir=\.\.\., '
+        r'file_format="array_record"\)'
+    )
+    with pytest.raises(FileNotFoundError, match=message):
+        D.check_imagenet_dir(tmp_path / "a")
+    older = _imagenet_version(tmp_path / "a", "5.0.0")  # the newest readable one wins
+    assert D.check_imagenet_dir(tmp_path / "a") == older
+    assert D.check_imagenet_dir(_imagenet_version(tmp_path / "b", "5.0.0").parents[1]) == (
+        tmp_path / "b" / "imagenet2012" / "5.0.0"
+    )
+    newest = _imagenet_version(tmp_path / "b", "5.1.0")
+    assert D.check_imagenet_dir(tmp_path / "b") == newest
+
+
+def test_check_imagenet_dir_says_what_is_wrong_with_a_data_dir(tmp_path):
+    _imagenet_version(tmp_path / "tfds")
+    inside = f"is inside the imagenet2012 folder: .* data_dir={re.escape(str(tmp_path))}/tfds$"
+    (tmp_path / "a_file").write_text("")
+    _imagenet_version(tmp_path / "old", "4.0.0")
+    (tmp_path / "folders" / "train" / "n01440764").mkdir(parents=True)
+    for data_dir, match in [
+        (tmp_path / "a_file", "is not a directory"),
+        (tmp_path / "nope", "does not exist"),
+        (tmp_path / "tfds" / "imagenet2012", inside),
+        (tmp_path / "tfds" / "imagenet2012" / "5.1.0", inside),
+        (tmp_path / "old", r"only version 4\.0\.0, which tfds does not read"),
+        (tmp_path / "folders", "an image-folder copy is not read"),
+    ]:
+        with pytest.raises(FileNotFoundError, match=match):
+            D.check_imagenet_dir(data_dir)
+
+
+def test_imagenet_versions_are_the_ones_tfds_reads():
+    import tensorflow_datasets as tfds
+
+    builder = tfds.builder_cls("imagenet2012")
+    readable = {str(builder.VERSION), *(str(v) for v in builder.SUPPORTED_VERSIONS)}
+    assert set(D.imagenet.VERSIONS) <= readable
+    assert list(D.imagenet.VERSIONS) == sorted(D.imagenet.VERSIONS, key=tfds.core.Version)[::-1]
+
+
+def test_imagenet_source_asks_tfds_for_the_version_found(tmp_path, monkeypatch):
+    import tensorflow_datasets as tfds
+
+    asked = []
+    monkeypatch.setattr(tfds, "data_source", lambda name, **kw: asked.append((name, kw)))
+    D.imagenet_source("train", _imagenet_version(tmp_path, "5.0.0").parents[1])
+    assert asked == [
+        ("imagenet2012:5.0.0", dict(split="train", data_dir=str(tmp_path), download=False))
+    ]
+
+
+def test_text_too_short_or_empty_says_which(tmp_path):
+    for split in ("train", "valid"):
+        (tmp_path / f"wiki.{split}.raw").write_text("x" * (100 if split == "train" else 0))
+    with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path))}/wiki.valid.raw is empty"):
+        D.load_corpus("wikitext", tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=r"the evaluation text has 5 tokens, too few for one window of seq_len \+ 1 = 9",
+    ):
+        D.WindowEvalBatches(np.arange(5), 8, 2)
+    with pytest.raises(ValueError, match="the training text has 5 tokens"):
+        D.TokenWindows(np.arange(5), 8, 2, seed=0)

@@ -308,7 +308,9 @@ def test_imagenet_smoke_run_needs_no_data(run_python, tmp_path):
         timeout=900,
     )
     assert "data: 64 random images per split (data.fake_examples)" in proc.stdout
+    assert "6 steps of batch 8 on 1 x cpu" in proc.stdout
     assert "top-1 accuracy" in proc.stdout and "on 16 validation images" in proc.stdout
+    assert "resumed" not in proc.stdout
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4", "6"]
 
 
@@ -895,9 +897,22 @@ def test_bad_alpha_lr_scale_and_lora_learning_rate_are_reported_before_compiling
             dict(optimizer=dict(warmup_epochs=-1)),
             r"optimizer.warmup_epochs=-1 \(-8 steps\) must be >= 0",
         ),
+        (
+            dict(data=dict(num_threads=-1)),
+            r"^data.num_threads must be >= 0 \(0: no reader threads\), got -1$",
+        ),
+        (
+            dict(data=dict(prefetch=-1)),
+            r"^data.prefetch must be >= 0 \(0: no read-ahead\), got -1$",
+        ),
+        (
+            dict(train=dict(batch_size=128)),
+            r"^train.batch_size=128 exceeds the 64 examples of the training split "
+            r"\(data.fake_examples=64\)$",
+        ),
     ],
 )
-def test_imagenet_bad_lengths_are_reported_before_compiling(changes, message):
+def test_imagenet_bad_lengths_and_data_entries_are_reported_before_compiling(changes, message):
     config = vit_imagenet.get_config("runlocal")
     for section, values in changes.items():
         config[section].update(values)
@@ -973,3 +988,180 @@ def test_an_interrupted_script_exits_without_python_teardown(tmp_path):
     assert done.stdout == "buffered output"
     assert "interrupted (not during a training step" in done.stderr
     assert "teardown ran" not in done.stderr
+
+
+def _jpeg(rng, mode="RGB", size=(40, 48)) -> bytes:
+    """A random JPEG of ``size`` in PIL ``mode`` (CMYK: the 4 channels tfds's PIL decoder keeps)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    rgb = rng.integers(0, 256, (*size, 3), dtype=np.uint8)
+    Image.fromarray(rgb).convert(mode).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def _tfds_imagenet(root: pathlib.Path, version: str = "5.1.0", images=None) -> pathlib.Path:
+    """``root`` holding a real (tiny) array_record preparation of imagenet2012 ``version``, written
+    without TensorFlow: ``images`` maps each split to its JPEG bytes (default: 8 training and 3
+    validation images, RGB)."""
+    import io
+
+    from array_record.python import array_record_module
+    from tensorflow_datasets.core import example_serializer
+
+    rng = np.random.default_rng(0)
+    images = images or {"train": [_jpeg(rng)] * 8, "validation": [_jpeg(rng)] * 3}
+    builder = tfds.builder(
+        f"imagenet2012:{version}", data_dir=str(root), file_format="array_record"
+    )
+    features, vdir = builder.info.features, root / "imagenet2012" / version
+    serializer = example_serializer.ExampleSerializer(features.get_serialized_info())
+    vdir.mkdir(parents=True)
+    splits = []
+    for split, jpegs in images.items():
+        template = tfds.core.ShardedFileTemplate(
+            data_dir=vdir,
+            template="{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}",
+            dataset_name="imagenet2012",
+            split=split,
+            filetype_suffix="array_record",
+        )
+        writer = array_record_module.ArrayRecordWriter(
+            str(template.sharded_filepath(shard_index=0, num_shards=1)), "group_size:1"
+        )
+        for i, data in enumerate(jpegs):
+            example = {"image": io.BytesIO(data), "label": i, "file_name": f"{split}_{i}.JPEG"}
+            writer.write(serializer.serialize_example(features.encode_example(example)))
+        writer.close()
+        splits.append(
+            tfds.core.SplitInfo(
+                name=split, shard_lengths=[len(jpegs)], num_bytes=0, filename_template=template
+            )
+        )
+    builder.info.set_splits(tfds.core.SplitDict(splits))
+    builder.info.write_to_directory(vdir)
+    return root
+
+
+def test_imagenet_reads_a_5_0_0_preparation_with_cmyk_and_grey_jpegs(tmp_path):
+    """tfds's other readable version, 5.0.0, failed (tfds looked for 5.1.0), and a CMYK JPEG,
+    which tfds's PIL decoder returns with 4 channels, stopped the input pipeline mid-run."""
+    rng = np.random.default_rng(1)
+    modes = ["RGB", "CMYK", "L", "RGB"]
+    images = {
+        "train": [_jpeg(rng, modes[i % 4]) for i in range(8)],
+        "validation": [_jpeg(rng, mode, (30 + i, 50)) for i, mode in enumerate(modes)],
+    }
+    config = vit_imagenet.get_config("runlocal,sparsity=0")
+    config.data.update(fake_examples=0, data_dir=str(_tfds_imagenet(tmp_path, "5.0.0", images)))
+    with CompileCounter() as c:
+        _, train_data, eval_data, _, _ = imagenet.prepare(config)
+    assert c.count == 0
+    assert next(train_data.iterate(0))["image"].shape == (8, 32, 32, 3)
+    batches = list(eval_data)
+    assert [b["image"].shape for b in batches] == [(8, 32, 32, 3)]
+    assert batches[0]["mask"].sum() == 4
+
+
+def test_imagenet_tfrecord_preparation_is_refused_before_compiling(tmp_path):
+    """tfds's default format, tfrecord, passed the check and failed in tfds with a traceback."""
+    vdir = tmp_path / "imagenet2012" / "5.1.0"
+    vdir.mkdir(parents=True)
+    (vdir / "dataset_info.json").write_text("{}")
+    for split in ("train", "validation"):
+        (vdir / f"imagenet2012-{split}.tfrecord-00000-of-00001").write_bytes(b"")
+    config = vit_imagenet.get_config("runlocal,sparsity=0")
+    config.data.update(fake_examples=0, data_dir=str(tmp_path))
+    message = 'was prepared as tfrecord: only a preparation with file_format="array_record" is read'
+    with CompileCounter() as c, pytest.raises(common.ConfigError, match=message):
+        imagenet.prepare(config)
+    assert c.count == 0
+
+
+@pytest.mark.parametrize(
+    "split, damage, message",
+    [
+        (
+            "validation",
+            lambda path: path.unlink(),
+            "data.eval_split='validation': its first example cannot be read and transformed: "
+            "RuntimeError: open\\(\\) failed: No such file or directory",
+        ),
+        (
+            "train",
+            None,
+            "data.train_split='train': its first example cannot be read and transformed: "
+            "UnidentifiedImageError: cannot identify image file",
+        ),
+    ],
+)
+def test_imagenet_split_that_cannot_be_read_is_reported_at_start_up(
+    tmp_path, split, damage, message
+):
+    """A missing validation shard or an image the pipeline could not take surfaced at the first
+    evaluation (hours into a run), as a traceback through grain."""
+    rng = np.random.default_rng(0)
+    images = {"train": [_jpeg(rng)] * 8, "validation": [_jpeg(rng)] * 2}
+    if damage is None:
+        images[split] = [b"not an image"] * len(images[split])
+    root = _tfds_imagenet(tmp_path, images=images)
+    if damage is not None:
+        damage(root / "imagenet2012/5.1.0" / f"imagenet2012-{split}.array_record-00000-of-00001")
+    config = vit_imagenet.get_config("runlocal,sparsity=0")
+    config.data.update(fake_examples=0, data_dir=str(root))
+    with CompileCounter() as c, pytest.raises(common.ConfigError, match=message):
+        imagenet.prepare(config)
+    assert c.count == 0
+
+
+def test_imagenet_splits_and_data_dirs_are_named_in_their_errors(tmp_path):
+    root = _tfds_imagenet(tmp_path / "tfds")
+    (tmp_path / "a_file").write_text("")
+    for changes, message in [
+        (dict(eval_split="test"), r"^data.eval_split='test': Unknown split 'test'\."),
+        (dict(train_split="train[:abc]"), r"^data.train_split='train\[:abc\]': Error parsing"),
+        (
+            dict(train_split="train[:4]"),
+            r"^train.batch_size=8 exceeds the 4 examples of the training split "
+            r"\(data.train_split='train\[:4\]'\)$",
+        ),
+        (
+            dict(data_dir=str(root / "imagenet2012")),
+            f"is inside the imagenet2012 folder: .* data_dir={root}$",
+        ),
+        (dict(data_dir=str(tmp_path / "a_file")), "a_file is not a directory$"),
+    ]:
+        config = vit_imagenet.get_config("runlocal,sparsity=0")
+        config.data.update(fake_examples=0, data_dir=str(root))
+        config.data.update(changes)
+        with CompileCounter() as c, pytest.raises(common.ConfigError, match=message):
+            imagenet.prepare(config)
+        assert c.count == 0
+
+
+def test_lm_empty_wikitext_file_is_named(tmp_path):
+    """It said "0 tokens are too few for one window of 32 + 1", naming no file."""
+    (tmp_path / "wiki.train.raw").write_text(" = Title = \n" * 200)
+    (tmp_path / "wiki.valid.raw").write_text("")
+    config = gpt2_lm.get_config("runlocal")
+    config.data.update(corpus="wikitext", path=str(tmp_path))
+    with pytest.raises(common.ConfigError, match=f"^{tmp_path}/wiki.valid.raw is empty"):
+        lm.prepare(config)
+
+
+def test_lm_seq_len_error_names_the_key():
+    config = gpt2_lm.get_config("runlocal")
+    config.data.seq_len = 0
+    with pytest.raises(common.ConfigError, match=r"^data\.seq_len must be >= 1, got 0"):
+        lm.prepare(config)
+
+
+def test_lm_says_where_it_trains_and_that_it_resumed(run_python, tmp_path):
+    args = [str(ROOT / "train" / "lm.py"), f"--workdir={tmp_path / 'run'}", "--noprogress"]
+    args.append(f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal")
+    first = run_python(args).stdout
+    assert "6 steps on 1 x cpu" in first and "resumed" not in first
+    again = run_python(args).stdout  # a finished run resumes at its last step
+    assert "(resumed at step 6)" in again

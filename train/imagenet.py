@@ -38,7 +38,8 @@ NUM_CLASSES = 1000
 
 @common.reports_config_errors
 def prepare(config):
-    """Check the config, the data directory and the batch sizes; build the model and the data.
+    """Check the config, the data directory and the batch sizes; build the model and the data,
+    and read and transform one example of each split.
 
     Returns ``(method, train_data, eval_data, num_steps, example_input)``: ``method`` is the
     :class:`train.baselines.Method` that ``config.method`` names.
@@ -54,6 +55,11 @@ def prepare(config):
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
     train_source, eval_source = _sources(config.data)
     batch, size = int(config.train.batch_size), int(config.data.image_size)
+    if batch > len(train_source):
+        raise common.ConfigError(
+            f"train.batch_size={batch} exceeds the {len(train_source)} examples of the training "
+            f"split ({_split_name(config.data, 'train_split')})"
+        )
     steps_per_epoch = max(1, len(train_source) // batch)
     num_steps = int(config.train.num_steps) or int(config.train.epochs) * steps_per_epoch
     example = jax.ShapeDtypeStruct((batch, size, size, 3), jnp.float32)
@@ -92,6 +98,7 @@ def prepare(config):
         prefetch=prefetch,
         max_examples=int(config.data.eval_max_examples) or None,
     )
+    _check_first_examples(config.data, train_data, eval_data)
     return method, train_data, eval_data, num_steps, example
 
 
@@ -106,6 +113,10 @@ def _check_sizes(config) -> None:
         )
     if int(data.image_size) < 1:
         raise common.ConfigError(f"data.image_size must be >= 1, got {data.image_size}")
+    # grain refuses a negative count only inside the input pipeline, as a traceback.
+    for key, zero in (("num_threads", "no reader threads"), ("prefetch", "no read-ahead")):
+        if int(data[key]) < 0:
+            raise common.ConfigError(f"data.{key} must be >= 0 (0: {zero}), got {data[key]}")
     common.check_eval_limit(data, "eval_max_examples", "the whole split")
 
 
@@ -116,10 +127,9 @@ def _sources(data_cfg):
     if fake < 0:
         raise common.ConfigError(f"data.fake_examples must be >= 0 (0: ImageNet), got {fake}")
     if not fake:
-        data_dir = D.check_imagenet_dir(data_cfg.data_dir or None)
-        return (
-            D.imagenet_source(data_cfg.train_split, data_dir),
-            D.imagenet_source(data_cfg.eval_split, data_dir),
+        version_dir = D.check_imagenet_dir(data_cfg.data_dir or None)
+        return tuple(
+            _imagenet_split(data_cfg, key, version_dir) for key in ("train_split", "eval_split")
         )
     if data_cfg.data_dir:
         raise common.ConfigError(
@@ -131,6 +141,39 @@ def _sources(data_cfg):
     return train, D.SyntheticImages(fake, seed=1, num_classes=NUM_CLASSES)
 
 
+def _imagenet_split(data_cfg, key: str, version_dir):
+    """``data.<key>`` of the preparation in ``version_dir`` (``<data_dir>/imagenet2012/<version>``);
+    tfds's error for an unknown or malformed split names no config entry."""
+    split = data_cfg[key]
+    try:
+        return D.imagenet_source(split, data_cfg.data_dir, version=version_dir.name)
+    except ValueError as e:
+        raise common.ConfigError(f"data.{key}={split!r}: {_first_line(e)}") from None
+
+
+def _split_name(data_cfg, key: str) -> str:
+    fake = int(data_cfg.fake_examples)
+    return f"data.fake_examples={fake}" if fake else f"data.{key}={data_cfg[key]!r}"
+
+
+def _check_first_examples(data_cfg, train_data, eval_data) -> None:
+    """Read and transform one example of each split now: a missing shard or an image the
+    pipeline cannot take would otherwise stop the run at the first evaluation, hours in."""
+    for key, read in (("train_split", train_data.example), ("eval_split", eval_data.example)):
+        try:
+            read(0)
+        except Exception as e:  # whatever the reader or decoder raises, as one line
+            raise common.ConfigError(
+                f"{_split_name(data_cfg, key)}: its first example cannot be read and transformed: "
+                f"{type(e).__name__}: {_first_line(e)}"
+            ) from None
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
+
+
 def train_and_evaluate(config, workdir, *, progress: bool = True) -> T.TrainResult:
     """Train and evaluate as ``config`` says; checkpoints and metrics under ``workdir``.
 
@@ -138,6 +181,10 @@ def train_and_evaluate(config, workdir, *, progress: bool = True) -> T.TrainResu
       common.ConfigError: bad config, data directory or batch size (before compiling anything).
     """
     method, train_data, eval_data, num_steps, example = prepare(config)
+    print(
+        f"{num_steps} steps of batch {config.train.batch_size} on {common.device_summary()}"
+        + (" (data parallel)" if jax.device_count() > 1 else "")
+    )
     if int(config.data.fake_examples):
         print(
             f"data: {config.data.fake_examples} random images per split (data.fake_examples), "
@@ -181,11 +228,16 @@ def main(argv):
         print(
             f"top-1 accuracy {m['accuracy']:.4f} on {m['count']} validation images "
             f"(loss {m['loss']:.4f})"
+            + (f" (resumed at step {result.start_step})" if result.start_step else "")
         )
 
 
 if __name__ == "__main__":  # flags exist only when run as a script (tests import this module)
-    cli.define_config_flag(None)
+    cli.define_config_flag(
+        None,
+        "config file and its arguments, required (e.g. train/configs/vit_imagenet.py:runlocal); "
+        "--config.<key>=<value> overrides one entry",
+    )
     flags.DEFINE_string("workdir", None, "checkpoints and metrics go here", required=True)
     flags.DEFINE_bool("progress", True, "show a progress bar")
     app.run(main, flags_parser=cli.parse_flags)

@@ -21,14 +21,28 @@ _FILL = (124, 116, 104)  # ImageNet mean, used where geometric ops uncover pixel
 
 
 def _as_pil(image: np.ndarray) -> Image.Image:
-    if image.ndim != 3 or image.shape[-1] not in (1, 3) or image.dtype != np.uint8:
-        raise ValueError(f"expected a uint8 image [H, W, 1 or 3], got {image.dtype}{image.shape}")
-    return Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
+    """uint8 ``[H, W]`` or ``[H, W, C]`` -> an RGB image, whatever ``C`` (1 to 4) the decoder
+    returned (a batch takes one channel count, the model 3): grey (1), grey + alpha (2), RGB (3);
+    4 is CMYK, which tfds's PIL decoder returns for a CMYK JPEG, unless the fourth channel is 255
+    everywhere: then RGBA (an opaque PNG; as CMYK it would be black). The array does not say which,
+    so an RGBA image with transparency is read as CMYK."""
+    channels = image.shape[-1] if image.ndim == 3 else 1
+    if image.dtype != np.uint8 or image.ndim not in (2, 3) or not 1 <= channels <= 4:
+        raise ValueError(
+            f"expected a uint8 image [H, W] or [H, W, 1 to 4], got {image.dtype}{image.shape}"
+        )
+    if channels == 4:
+        mode = "RGBA" if (image[..., 3] == 255).all() else "CMYK"
+    else:
+        mode = ("L", "LA", "RGB")[channels - 1]
+    h, w = image.shape[:2]
+    img = Image.frombytes(mode, (w, h), np.ascontiguousarray(image).tobytes())
+    return img if mode == "RGB" else img.convert("RGB")
 
 
-def _as_array(img: Image.Image, channels: int) -> np.ndarray:
-    arr = np.asarray(img.convert("RGB" if channels == 3 else "L"), np.uint8)
-    return arr if arr.ndim == 3 else arr[..., None]
+def _as_array(img: Image.Image) -> np.ndarray:
+    """An RGB image -> uint8 ``[H, W, 3]``."""
+    return np.asarray(img.convert("RGB"), np.uint8)
 
 
 def random_resized_crop(
@@ -41,7 +55,8 @@ def random_resized_crop(
 ) -> np.ndarray:
     """A crop of random area fraction in ``scale`` and aspect ratio in ``ratio`` (log-uniform),
     resized to ``size x size`` with bicubic filtering (torchvision's algorithm, 10 attempts, then
-    a centre crop). ``image``: uint8 ``[H, W, C]``; returns uint8 ``[size, size, C]``."""
+    a centre crop). ``image``: uint8 ``[H, W, C]`` (any ``C`` :func:`_as_pil` takes); returns uint8
+    RGB ``[size, size, 3]``."""
     img = _as_pil(image)
     w, h = img.size
     area = w * h
@@ -63,12 +78,13 @@ def random_resized_crop(
             cw, ch = w, h
         x0, y0 = (w - cw) // 2, (h - ch) // 2
     out = img.resize((size, size), Image.BICUBIC, box=(x0, y0, x0 + cw, y0 + ch))
-    return _as_array(out, image.shape[-1])
+    return _as_array(out)
 
 
 def resize_center_crop(image: np.ndarray, size: int, *, crop_fraction: float = 0.875) -> np.ndarray:
     """Resize the shorter side to ``size / crop_fraction`` (bicubic), then take the centre
-    ``size x size`` (the standard ImageNet evaluation: 256 -> 224)."""
+    ``size x size`` (the standard ImageNet evaluation: 256 -> 224). uint8 ``[H, W, C]`` -> uint8 RGB
+    ``[size, size, 3]``."""
     img = _as_pil(image)
     w, h = img.size
     short = int(math.floor(size / crop_fraction))
@@ -78,7 +94,7 @@ def resize_center_crop(image: np.ndarray, size: int, *, crop_fraction: float = 0
         nw, nh = max(size, int(round(w * short / h))), short
     img = img.resize((nw, nh), Image.BICUBIC)
     x0, y0 = (nw - size) // 2, (nh - size) // 2
-    return _as_array(img.crop((x0, y0, x0 + size, y0 + size)), image.shape[-1])
+    return _as_array(img.crop((x0, y0, x0 + size, y0 + size)))
 
 
 def flip(image: np.ndarray, rng: np.random.Generator, p: float = 0.5) -> np.ndarray:
@@ -159,7 +175,7 @@ class RandAugment(NamedTuple):
     prob: float = 0.5
 
     def __call__(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """uint8 ``[H, W, C]`` -> uint8 ``[H, W, C]``."""
+        """uint8 ``[H, W, C]`` -> uint8 RGB ``[H, W, 3]``."""
         img = _as_pil(image)
         for _ in range(self.num_ops):
             op = _OPS[int(rng.integers(len(_OPS)))]
@@ -167,7 +183,7 @@ class RandAugment(NamedTuple):
                 continue
             m = float(np.clip(rng.normal(self.magnitude, self.magnitude_std), 0.0, 10.0)) / 10.0
             img = self._apply(img, rng, op, m)
-        return _as_array(img, image.shape[-1])
+        return _as_array(img)
 
     @staticmethod
     def _apply(img, rng, op, m):

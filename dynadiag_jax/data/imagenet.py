@@ -38,37 +38,84 @@ DEIT_RANDAUGMENT = RandAugment()  # rand-m9-mstd0.5-inc1
 DATASET = "imagenet2012"
 
 
+# The versions tfds 4.9's imagenet2012 builder loads (its VERSION and SUPPORTED_VERSIONS), newest
+# first; a preparation at another version is not read.
+VERSIONS = ("5.1.0", "5.0.0")
+PREPARE = (
+    'tfds.builder("imagenet2012", data_dir=..., file_format="array_record")'
+    ".download_and_prepare(...) on ILSVRC2012_img_{train,val}.tar "
+    "(docs/training.md, 'Preparing the data')"
+)
+
+
 def check_imagenet_dir(data_dir) -> pathlib.Path:
-    """Raise a ``FileNotFoundError`` that says what to do unless ``data_dir`` holds a prepared
-    ``imagenet2012`` (array_record) data set; returns the directory."""
+    """The directory ``<data_dir>/imagenet2012/<version>`` that :func:`imagenet_source` loads: the
+    newest of :data:`VERSIONS` prepared as array_record. Otherwise a one-line
+    ``FileNotFoundError`` that says what to do."""
     if data_dir is None:
         raise FileNotFoundError(
             "ImageNet needs data_dir: the tfds data directory in which imagenet2012 was prepared "
             "(see docs/training.md, 'Preparing the data')"
         )
     root = pathlib.Path(data_dir)
-    if not root.is_dir():
+    if not root.exists():
         raise FileNotFoundError(f"ImageNet data_dir {root} does not exist")
-    prepared = sorted((root / DATASET).glob("*/dataset_info.json"))
+    if not root.is_dir():
+        raise FileNotFoundError(f"ImageNet data_dir {root} is not a directory")
+    prepared = [root / DATASET / v for v in VERSIONS]
+    prepared = [v for v in prepared if (v / "dataset_info.json").is_file()]
     if not prepared:
-        raise FileNotFoundError(
-            f"{root} holds no prepared {DATASET} (no {DATASET}/<version>/dataset_info.json); "
-            "prepare it with tfds from ILSVRC2012_img_{train,val}.tar (docs/training.md)"
-        )
-    if not any(p.parent.glob("*.array_record*") for p in prepared):
-        raise FileNotFoundError(
-            f"{prepared[-1].parent} was not prepared as array_record "
-            "(tfds.builder(..., file_format='array_record'))"
-        )
-    return root
+        raise FileNotFoundError(_not_prepared(root))
+    for vdir in prepared:
+        if any(vdir.glob("*.array_record-*")):
+            return vdir
+    # tfds's default file_format, tfrecord, has no random access: tfds.data_source refuses it.
+    shards = prepared[0].glob(f"{DATASET}-*.*-of-*")
+    formats = sorted({f.name.split(".")[1].split("-")[0] for f in shards})
+    was = f"was prepared as {', '.join(formats)}" if formats else "holds no data files"
+    raise FileNotFoundError(
+        f'{prepared[0]} {was}: only a preparation with file_format="array_record" is read; '
+        f"prepare it again with {PREPARE}"
+    )
 
 
-def imagenet_source(split: str, data_dir):
-    """Random-access source of ``{"image": uint8 [H, W, 3], "label": int}`` examples."""
+def _not_prepared(root: pathlib.Path) -> str:
+    """Why ``root`` holds no :data:`VERSIONS` preparation, and what to do."""
+    if DATASET in (root.name, root.parent.name):  # the data set's folder or a version in it
+        tfds_root = root.parent if root.name == DATASET else root.parent.parent
+        if any((tfds_root / DATASET).glob("*/dataset_info.json")):
+            return (
+                f"ImageNet data_dir {root} is inside the {DATASET} folder: give the tfds data "
+                f"directory that holds that folder, data_dir={tfds_root}"
+            )
+    others = sorted(p.parent.name for p in (root / DATASET).glob("*/dataset_info.json"))
+    if others:
+        found = f" (only version {', '.join(others)}, which tfds does not read)"
+    elif (root / "train").is_dir() or (root / "val").is_dir():
+        found = " (an image-folder copy is not read)"
+    else:
+        found = ""
+    return (
+        f"{root} holds no prepared {DATASET} {' or '.join(VERSIONS)}{found}: prepare it with "
+        f"{PREPARE}"
+    )
+
+
+def imagenet_source(split: str, data_dir, version: str | None = None):
+    """Random-access source of ``{"image": uint8 [H, W, C], "label": int, "file_name": bytes}``
+    examples (``C``: 3, or 4 for a CMYK JPEG that tfds decodes with PIL; the transforms return
+    RGB whatever ``C``).
+
+    ``version`` defaults to the one :func:`check_imagenet_dir` picks in ``data_dir`` (tfds alone
+    would look for its newest, 5.1.0, only); with no ``data_dir``, tfds's default directory.
+    """
     import tensorflow_datasets as tfds
 
+    if version is None and data_dir is not None:
+        version = check_imagenet_dir(data_dir).name
+    name = DATASET if version is None else f"{DATASET}:{version}"
     return tfds.data_source(
-        DATASET, split=split, data_dir=None if data_dir is None else str(data_dir), download=False
+        name, split=split, data_dir=None if data_dir is None else str(data_dir), download=False
     )
 
 
@@ -107,7 +154,8 @@ class ImageNetTrain:
     """Augmented training batches ``{"image": uint8 [B, S, S, 3], "label": int32 [B]}`` by step.
 
     Args:
-      source: a random-access source (:func:`imagenet_source`, or any sequence of examples).
+      source: a random-access source (:func:`imagenet_source`, or any sequence of examples); its
+        images may have 1 to 4 channels (grey, CMYK, ...): all leave as RGB.
       global_batch_size: examples per step over all processes.
       seed: data order and augmentation seed.
       image_size: output side ``S``.
@@ -176,8 +224,8 @@ class ImageNetTrain:
 
 
 class ImageNetEval:
-    """Every example of ``source`` once, resized and centre-cropped, in padded batches with a
-    ``"mask"``."""
+    """Every example of ``source`` once, resized and centre-cropped, in padded batches
+    ``{"image": uint8 [B, S, S, 3], "label": int32 [B], "mask": float32 [B]}``."""
 
     def __init__(
         self,
@@ -200,7 +248,9 @@ class ImageNetEval:
         self.num_threads, self.prefetch = num_threads, prefetch
         self._share = _process_share(self.global_batch_size, process_index, process_count)
 
-    def _example(self, g: int) -> dict:
+    def example(self, g: int) -> dict:
+        """Position ``g`` of the padded evaluation order: example ``g``, or example 0 with
+        ``mask`` 0 past the end."""
         valid = g < self.num_examples
         ex = self.source[int(g) if valid else 0]
         image = resize_center_crop(
@@ -220,7 +270,7 @@ class ImageNetEval:
 
         ds = (
             grain.MapDataset.range(0, num_batches * local)
-            .map(lambda k: self._example(global_index(k)))
+            .map(lambda k: self.example(global_index(k)))
             .to_iter_dataset(_read_options(self.num_threads, self.prefetch))
             .batch(local, drop_remainder=True)
         )

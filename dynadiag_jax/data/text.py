@@ -108,10 +108,12 @@ def _wikitext(path) -> Corpus:
             f"{root} is not a WikiText-103 raw directory: missing "
             f"{', '.join(WIKITEXT_FILES[f] for f in missing)}"
         )
-    train, valid = (
-        np.frombuffer((root / WIKITEXT_FILES[s]).read_bytes(), np.uint8).astype(np.int32)
-        for s in ("train", "valid")
-    )
+    data = {s: (root / WIKITEXT_FILES[s]).read_bytes() for s in ("train", "valid")}
+    empty = [str(root / WIKITEXT_FILES[s]) for s in data if not data[s]]
+    if empty:  # else "0 tokens are too few for one window" later, naming no file
+        are = "is" if len(empty) == 1 else "are"
+        raise ValueError(f"{' and '.join(empty)} {are} empty: a WikiText-103 raw file holds text")
+    train, valid = (np.frombuffer(data[s], np.uint8).astype(np.int32) for s in ("train", "valid"))
     return Corpus(train, valid, f"wikitext ({root})")
 
 
@@ -141,11 +143,15 @@ def load_corpus(name: str = "auto", path=None, *, max_bytes: int = 16 << 20) -> 
     return _wikitext(path)
 
 
-def _num_windows(tokens: np.ndarray, seq_len: int) -> int:
+def _num_windows(tokens: np.ndarray, seq_len: int, text: str) -> int:
+    """Whole windows of ``seq_len + 1`` tokens in ``tokens`` (``text`` names them in errors)."""
     int_at_least(seq_len, "seq_len", 1)
     n = (len(tokens) - 1) // seq_len
     if n < 1:
-        raise ValueError(f"{len(tokens)} tokens are too few for one window of {seq_len} + 1")
+        raise ValueError(
+            f"{text} has {len(tokens)} tokens, too few for one window of seq_len + 1 = "
+            f"{seq_len + 1}: lower seq_len or use a longer text"
+        )
     return n
 
 
@@ -168,7 +174,7 @@ class TokenWindows:
     ):
         self.tokens = np.asarray(tokens, np.int32)
         self.seq_len = int(seq_len)
-        self.num_windows = _num_windows(self.tokens, seq_len)
+        self.num_windows = _num_windows(self.tokens, seq_len, "the training text")
         int_at_least(global_batch_size, "batch size", 1)
         if global_batch_size > self.num_windows:
             raise ValueError(
@@ -208,7 +214,7 @@ class WindowEvalBatches:
     ):
         self.tokens = np.asarray(tokens, np.int32)
         self.seq_len = int(seq_len)
-        n = _num_windows(self.tokens, seq_len)
+        n = _num_windows(self.tokens, seq_len, "the evaluation text")
         self.num_windows = n if max_windows is None else min(n, int(max_windows))
         self.global_batch_size = int(global_batch_size)
         self._share = _process_share(self.global_batch_size, process_index, process_count)
