@@ -55,6 +55,8 @@ def prepare(config):
     mesh = T.data_mesh()
     T.check_batch_size(int(config.train.batch_size), mesh, name="train.batch_size")
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
+    if int(config.data.seq_len) < 1:
+        raise common.ConfigError(f"data.seq_len must be >= 1, got {config.data.seq_len}")
     corpus = D.load_corpus(config.data.corpus, config.data.path or None)
     seq_len, batch = int(config.data.seq_len), int(config.train.batch_size)
     train_data = D.TokenWindows(corpus.train, seq_len, batch, seed=int(config.seed))
@@ -92,7 +94,7 @@ def prepare(config):
 def train_and_evaluate(config, workdir, *, progress: bool = True):
     """Train and evaluate as ``config`` says; returns ``(TrainResult, corpus name)``."""
     method, corpus, train_data, eval_data, example, phase, num_steps = prepare(config)
-    print(f"corpus: {corpus.name}")
+    print(f"corpus: {corpus.name}; {num_steps} steps on {common.device_summary()}")
     result = common.train_from_config(
         config,
         method=method,
@@ -127,6 +129,7 @@ def report(config, workdir, result, corpus: str) -> None:
         f"{corpus}: GPT-2 {config.model.variant}, sparsity {config.dynadiag.sparsity:g}, "
         f"{counts.total:,} parameters: validation perplexity {m['perplexity']:.3f} per byte "
         f"({m['bits_per_token']:.3f} bits/byte, {m['count']:,} bytes)"
+        + (f" (resumed at step {result.start_step})" if result.start_step else "")
     )
     if int(config.lora.steps):
         start = int(config.train.num_steps)
