@@ -406,6 +406,44 @@ def test_report_tables_goals_plots_and_kept_notes(tmp_path):
     assert "Why: hand-written analysis." in path.read_text()
 
 
+def test_resumed_runs_are_left_out_of_whole_run_times():
+    """A resumed run's seconds count from its last start: one interrupted DynaDiag run turned
+    the MLP's whole-run goal from missed (2.05x) to met (0.39x)."""
+    config = _config("models=mlp")
+    records, timings = _records_and_timings()
+    mlp = [r for r in records if r["model"] == "mlp"]
+    dynadiag = [r for r in mlp if (r["method"], r["sparsity"]) == ("dynadiag", 0.9)]
+    whole = "mlp: whole DynaDiag run at most 0.6x dense (wall time, compilation included): "
+    goals = results_report.search_goals(config, {}, {}, mlp)
+    assert any(line.startswith(f"- {whole}**missed** (1.00x") for line in goals), goals
+    dynadiag[0].update(resumed_at=48, seconds=1.0)  # this start's seconds only
+    goals = results_report.search_goals(config, {}, {}, mlp)
+    line = next(x for x in goals if whole in x)
+    assert "**missed** (1.00x" in line and "1 resumed runs left out" in line
+    table = results_report.whole_run_table(mlp, "mlp", ["dense", "dynadiag"], [0.9])
+    assert "Resumed runs are left out; 1 resumed runs left out." in table
+    for r in dynadiag:
+        r["resumed_at"] = 48
+    goals = results_report.search_goals(config, {}, {}, mlp)
+    assert any("whole DynaDiag run against dense: not measured" in x for x in goals), goals
+
+
+def test_a_search_too_short_to_log_is_said_not_measured():
+    config = _config("models=mlp")
+    records, _ = _records_and_timings()
+    mlp = [r for r in records if r["model"] == "mlp"]
+    for r in mlp:
+        if r["method"] == "dynadiag":
+            r.update(search_step_time_s=None, frozen_step_time_s=1e-3)  # quick: 46 search steps
+    goals = results_report.search_goals(config, {}, {}, mlp)
+    assert "- mlp: search step at most 1.3x the frozen step: not measured" in "\n".join(goals)
+
+
+def test_quick_keeps_the_seeds_it_is_given():
+    assert {m.seeds for m in results_config.get_config("quick").models.values()} == {1}
+    assert {m.seeds for m in results_config.get_config("quick,seeds=2").models.values()} == {2}
+
+
 def test_permutation_goals_compare_learned_with_the_baselines_and_the_random_permutation():
     config = _config("models=mlp+gpt")
     stats = {

@@ -660,6 +660,19 @@ def test_results_smoke_run_reports_in_its_workdir_and_never_writes_docs(run_pyth
     assert len(logs) == 3 and set(flags) == {0.0}  # no interval ran beside a compile
     assert "| Dense |" in (run / "RESULTS.md").read_text()
     assert (run / results_report.PLOTS["speed"]).stat().st_size > 0
+    # a run of another plan in the same workdir (seed and sparsity are not in the fingerprint)
+    accuracy = run / results_runs.ACCURACY_FILE
+    extra = {**next(iter(T.read_jsonl(accuracy))), "seed": 7}
+    accuracy.write_text(accuracy.read_text() + json.dumps(extra) + "\n")
+    proc = run_python([*args, "--report_only"], timeout=300)
+    assert (
+        "1 runs of" in proc.stdout and "outside this config's sparsities and seeds" in proc.stdout
+    )
+    assert "over 1 runs" in (run / "RESULTS.md").read_text()
+    missing = [*args[:-2], f"--workdir={tmp_path / 'typo'}", "--noprogress", "--report_only"]
+    proc = run_python(missing, check=False)
+    assert proc.returncode == 2 and "holds no results" in proc.stderr
+    assert not (tmp_path / "typo").exists()
     assert os.listdir(docs) == ["RESULTS.md"] and (docs / "RESULTS.md").read_text() == (
         "the shipped report"
     )

@@ -167,11 +167,22 @@ def main(argv):
             )
     except common.ConfigError as e:
         common.die(str(e))
+    if _REPORT_ONLY.value and not any((workdir / f).exists() for f in (ACCURACY_FILE, SPEED_FILE)):
+        common.die(
+            f"{workdir} holds no results ({ACCURACY_FILE}, {SPEED_FILE}): is --workdir right?"
+        )
     workdir.mkdir(parents=True, exist_ok=True)
     if training:
         train_all(config, data, chosen, workdir)
     if timing:
-        time_suites(config, data, chosen, workdir, begun)
+        try:
+            time_suites(config, data, chosen, workdir, begun)
+        except KeyboardInterrupt as e:
+            common.exit_interrupted(
+                e,
+                f"\ninterrupted while timing; {workdir / SPEED_FILE} is as it was "
+                "(--timing_only times again)",
+            )
     if not (workdir / SPEED_FILE).exists():
         if not (_REPORT_ONLY.value or _TIMING.value):
             # --notiming on a new workdir: the runs are in; the report needs the timings.
@@ -181,13 +192,26 @@ def main(argv):
             )
             return
         common.die(f"{workdir / SPEED_FILE} is missing: run with --timing_only first")
-    records = [
+    planned = set(run_plan(config))
+    same_recipe = [
         r
         for r in read_records(workdir / ACCURACY_FILE)
         if r["model"] in config.models
         and r["fingerprint"]
         == fingerprint(config, r["model"], r["method"], steps_of(config.models[r["model"]], data))
     ]
+    # Sparsity and seed are not in the fingerprint: runs of another plan in the same workdir
+    # (other sparsities, more seeds) would otherwise enter this report's goals and totals.
+    records = [
+        r for r in same_recipe if (r["model"], r["method"], r["sparsity"], r["seed"]) in planned
+    ]
+    if not records:
+        print(f"report: no run of {workdir / ACCURACY_FILE} has this config's recipe and plan")
+    if len(records) < len(same_recipe):
+        print(
+            f"report: {len(same_recipe) - len(records)} runs of {workdir / ACCURACY_FILE} with "
+            "this recipe are outside this config's sparsities and seeds, left out"
+        )
     timings = json.loads((workdir / SPEED_FILE).read_text())
     if _DOCS.value:  # what check_full_campaign allowed must have happened (no run failed)
         try:

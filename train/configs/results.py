@@ -208,7 +208,8 @@ def get_config(arg=None):
     config.speed = dict(repeats=40, warmup=5, clean_repeats=3)
     if arg.quick:
         for m in config.models.values():
-            m.seeds = m.sweep_seeds = 1
+            if not arg.seeds:  # quick,seeds=2 keeps its 2 seeds
+                m.seeds = m.sweep_seeds = 1
             if "epochs" in m:
                 m.epochs = 1
             else:
