@@ -2,7 +2,9 @@
 
 import json
 import pathlib
+import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -68,9 +70,18 @@ def test_lora_fa_script_fine_tunes_a_frozen_run(run_python, tmp_path):
     rows = script.run(lora_fa_config(frozen_run), tmp_path / "b", progress=False)
     table = json.loads((tmp_path / "b" / "lora_fa.json").read_text())
     assert table == rows
-    # Run again: it resumes from its own last checkpoint (adapters and B-only optimizer state).
-    script.run(lora_fa_config(frozen_run), tmp_path / "b", progress=False)
+    # Run again: it resumes from its own last checkpoint (adapters and B-only optimizer state),
+    # the source spelled another way included (it was refused as another recipe).
+    script.run(lora_fa_config(f"{frozen_run}/checkpoints/"), tmp_path / "b", progress=False)
     assert json.loads((tmp_path / "b" / "lora_fa.json").read_text()) == table
+    with pytest.raises(common.ConfigError, match="--workdir is the checkpoint's own run"):
+        script.prepare(lora_fa_config(frozen_run), frozen_run)
+    dense = tmp_path / "dense"  # a dense run's recipe: its layers do not fit, and it says why
+    shutil.copytree(frozen_run, dense)
+    for meta in (dense / "checkpoints").glob("*/meta/metadata"):
+        meta.write_text(meta.read_text().replace('"method": "dynadiag"', '"method": "dense"'))
+    with pytest.raises(common.ConfigError, match="is a dense run; lora_fa.py adapts a frozen"):
+        script.prepare(lora_fa_config(dense))
     assert [row["model"] for row in table] == ["dynadiag_s90 frozen", "+ LoRA-FA r=4 (B)"]
     before, after = table
     evals = [r for r in T.read_jsonl(frozen_run / "metrics.jsonl") if r["kind"] == "eval"]
@@ -128,6 +139,14 @@ def test_lm_run_with_a_lora_phase_and_lora_fa_on_its_checkpoint(tmp_path, capsys
     lm.report(config, run, *lm.train_and_evaluate(config, run, progress=False))
     out = capsys.readouterr().out
     assert "LoRA-FA phase (+ LoRA-FA r=2 (B), 4 steps): validation perplexity" in out
+    # A and B counted, as fashion_mnist.py and lora_fa.py count them (it counted B alone)
+    variables = T.Checkpointer(run / "checkpoints").restore_variables(10)
+    adapter = finetuning.counts(variables, [])["adapter"]
+    a = sum(x.size for x in jax.tree.leaves(variables["lora_frozen"]))
+    flat = jax.tree_util.tree_flatten_with_path(variables["params"])[0]
+    b = sum(x.size for path, x in flat if "lora_b" in jax.tree_util.keystr(path))
+    assert a and b and adapter == a + b
+    assert f"({adapter:,} in adapters)" in out
     evals = [r["step"] for r in T.read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
     assert evals == [6, 10]  # at the switch (after the run's 6 steps) and at the end
     ckpt = T.Checkpointer(run / "checkpoints")

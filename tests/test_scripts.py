@@ -818,10 +818,37 @@ def test_sparsify_script_one_shot_and_fine_tune_from_a_dense_run(run_python, tmp
         with pytest.raises(common.ConfigError, match=message):
             sparsify.prepare(bad)
     config.train.finetune_fraction = 0.0
+    one_shot = config.copy_and_resolve_references()
     sparsify.run(config, tmp_path / "once", progress=False)
     variables = T.Checkpointer(tmp_path / "once" / "checkpoints").restore_variables()
     assert variables["params"]["hidden_0"]["values"].shape == (79, 64)  # frozen: K of 784
     assert variables["diagonals"]["hidden_0"]["offsets"].shape == (79,)
+    # The recipe names the resolved run and step: the source in another spelling is the same
+    # run (it was refused as another recipe), and a rerun over an unreadable one-shot
+    # checkpoint writes it again (it reported success and kept it).
+    assert config.checkpoint == str((dense_run / "dense").resolve()) and config.step == 31
+    data = max(
+        (tmp_path / "once" / "checkpoints" / "0" / "state" / "ocdbt.process_0" / "d").iterdir(),
+        key=os.path.getsize,
+    )
+    data.write_bytes(data.read_bytes()[:100])
+    respelled = one_shot.copy_and_resolve_references()
+    respelled.checkpoint = f"{dense_run / 'dense' / 'checkpoints'}/"
+    sparsify.run(respelled, tmp_path / "once", progress=False)
+    assert (tmp_path / "once" / "checkpoints" / "0.unreadable").is_dir()
+    again = T.Checkpointer(tmp_path / "once" / "checkpoints").restore_variables()
+    jax.tree.map(np.testing.assert_array_equal, again, variables)
+    with pytest.raises(common.ConfigError, match="--workdir is the checkpoint's own run"):
+        sparsify.prepare(one_shot.copy_and_resolve_references(), dense_run / "dense")
+    # a run of another method: its kernels are dense-shaped but it is no dense model
+    rigl = tmp_path / "rigl"
+    shutil.copytree(dense_run / "dense", rigl)
+    meta = rigl / "checkpoints" / "31" / "meta" / "metadata"
+    meta.write_text(meta.read_text().replace('"method": "dense"', '"method": "rigl"'))
+    other = one_shot.copy_and_resolve_references()
+    other.checkpoint = str(rigl)
+    with pytest.raises(common.ConfigError, match=r"is a rigl run; sparsify.py starts from a dense"):
+        sparsify.prepare(other)
     bad = [a for a in args if a != small]  # the config's 256-wide MLP
     proc = run_python([*bad, f"--workdir={tmp_path / 'bad'}"], check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]

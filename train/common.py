@@ -14,7 +14,7 @@ import pathlib
 import signal
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -494,6 +494,40 @@ def train_from_config(
             else " (--workdir)"
         )
         raise ConfigError(f"{e}{hint}") from None
+
+
+class SourceRun(NamedTuple):
+    """The run a script starts from (:func:`source_run`)."""
+
+    directory: pathlib.Path  # its workdir, resolved
+    step: int  # the step read
+    recipe: dict  # what its checkpoint records of its run (``"method"``, ...)
+    variables: dict
+
+
+def source_run(checkpoint, step: int = 0, *, workdir=None) -> SourceRun:
+    """The variables of a run's checkpoint (``checkpoint``: the run's workdir or its
+    ``checkpoints/`` directory, in any spelling; ``step`` 0: the newest) with the run they come
+    from: a recipe that names the resolved directory and step refuses a source that moved on.
+
+    Raises:
+      ConfigError: no such checkpoint, or ``workdir`` (the script's own) is the source run's.
+    """
+    directory = pathlib.Path(checkpoint).expanduser().resolve()
+    if directory.name == "checkpoints":
+        directory = directory.parent
+    if workdir is not None and pathlib.Path(workdir).expanduser().resolve() == directory:
+        raise ConfigError(
+            f"--workdir is the checkpoint's own run ({directory}): give a new directory"
+        )
+    variables = restore_run_variables(directory, step)
+    reader = T.Checkpointer(directory / "checkpoints", async_save=False, read_only=True)
+    try:
+        read = int(step) or reader.latest_step()
+        recipe = reader.read_meta(read).get("run", {})
+    finally:
+        reader.close()
+    return SourceRun(directory, read, recipe, variables)
 
 
 def restore_run_variables(checkpoint, step: int = 0) -> dict:

@@ -124,10 +124,13 @@ def report(config, workdir, result, corpus: str) -> None:
     """Print the run's validation perplexity; after a LoRA-FA phase, also the perplexity at the
     switch (from ``workdir``'s metrics) beside the end's."""
     m = result.eval_metrics
-    counts = T.parameter_counts(result.state.params)
+    # the adapters' A (not a param) counted with the params, as fashion_mnist.py and lora_fa.py do
+    counts = finetuning.counts(T.variables_of(result.state), [])
+    total = counts["diagonal"] + counts["adapter"] + counts["other"]
+    adapters = f" ({counts['adapter']:,} in adapters)" if counts["adapter"] else ""
     print(
         f"{corpus}: GPT-2 {config.model.variant}, sparsity {config.dynadiag.sparsity:g}, "
-        f"{counts.total:,} parameters: validation perplexity {m['perplexity']:.3f} per byte "
+        f"{total:,} parameters{adapters}: validation perplexity {m['perplexity']:.3f} per byte "
         f"({m['bits_per_token']:.3f} bits/byte, {m['count']:,} bytes)"
         + (f" (resumed at step {result.start_step})" if result.start_step else "")
     )

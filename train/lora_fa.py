@@ -79,9 +79,11 @@ class Prepared(NamedTuple):
 
 
 @common.reports_config_errors
-def prepare(config) -> Prepared:
+def prepare(config, workdir=None) -> Prepared:
     """Check the config, load the data and the frozen variables, build the phase: every input
-    problem (a checkpoint of another model included) surfaces here, before training."""
+    problem (a checkpoint of another model or method, ``workdir`` the source's own) surfaces
+    here, before training. ``config.checkpoint`` and ``config.step`` become the resolved run
+    directory and step, so the recipe names the model it started from."""
     common.check_config(config, default_config.get_config(f"suite={config.suite}"))
     common.check_train_section(config.train)
     if not config.checkpoint:
@@ -105,7 +107,15 @@ def prepare(config) -> Prepared:
     common.check_layer_patterns(
         base, example, config.dynadiag, block_size=int(config.dynadiag.block_size)
     )
-    frozen = common.restore_run_variables(config.checkpoint, int(config.step))
+    source = common.source_run(config.checkpoint, int(config.step), workdir=workdir)
+    method = source.recipe.get("method", "dynadiag")
+    if method in ("dense", *baselines.UNSTRUCTURED):
+        raise common.ConfigError(
+            f"checkpoint {source.directory} is a {method} run; lora_fa.py adapts a frozen "
+            "DynaDiag one (the end of a dynadiag run, or train/sparsify.py's)"
+        )
+    config.checkpoint, config.step = str(source.directory), source.step
+    frozen = source.variables
     if T.is_searching(frozen["params"]):
         raise common.ConfigError(
             f"checkpoint {config.checkpoint} holds a DynaDiag model still in the search phase "
@@ -124,7 +134,7 @@ def prepare(config) -> Prepared:
 def run(config, workdir, *, progress: bool = True) -> list[dict]:
     """The frozen checkpoint's metric, then the fine-tuned model's; returns the table's rows
     (``model``, the metric, ``steps``, and the weight counts of :func:`finetuning.counts`)."""
-    p = prepare(config)
+    p = prepare(config, workdir)
     workdir = pathlib.Path(workdir)
     # The run's own optimizer is never stepped: the phase starts at step 0.
     method = baselines.Method(

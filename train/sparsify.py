@@ -39,6 +39,7 @@ from absl import app, flags
 
 import dynadiag_jax as dd
 from dynadiag_jax import training as T
+from dynadiag_jax.training.checkpoint import UnreadableCheckpoint
 from train import baselines, cli, common, finetuning
 from train.configs import sparsify as default_config
 from train.configs.common import unstructured_defaults
@@ -47,9 +48,11 @@ FLAGS = flags.FLAGS
 
 
 @common.reports_config_errors
-def prepare(config):
+def prepare(config, workdir=None):
     """Check the config, load the data and the dense variables, build both models: every input
-    problem (a checkpoint of another model included) surfaces here, before training.
+    problem (a checkpoint of another model or method, ``workdir`` the source's own) surfaces
+    here, before training. ``config.checkpoint`` and ``config.step`` become the resolved run
+    directory and step, so the recipe names the model it started from.
 
     Returns ``(data, dense model, dense variables, search-phase variables from them, the same
     refitted by ``dd.refit`` (None without ``refit_examples``), baselines.Method, fine-tune steps,
@@ -99,7 +102,15 @@ def prepare(config):
     dense_model = common.build_model(
         config.model, baselines.with_sparsity(config.dynadiag, 0.0), **data.model_kwargs
     )
-    dense = common.restore_run_variables(config.checkpoint, int(config.step))
+    source = common.source_run(config.checkpoint, int(config.step), workdir=workdir)
+    method = source.recipe.get("method", "dense")
+    if method != "dense":
+        raise common.ConfigError(
+            f"checkpoint {source.directory} is a {method} run; sparsify.py starts from a dense "
+            "one (method dense)"
+        )
+    config.checkpoint, config.step = str(source.directory), source.step
+    dense = source.variables
     template = built.model.init(
         jax.random.key(int(config.seed)), jnp.zeros(example.shape, example.dtype)
     )
@@ -127,8 +138,17 @@ def save_one_shot(config, built, variables, example, workdir: pathlib.Path) -> N
         try:
             latest = ckpt.latest_step()
             if latest is not None:
-                ckpt.check_run(latest, run_info)
-                return  # the same recipe computes the same model
+                try:
+                    ckpt.check_run(latest, run_info)
+                    ckpt.restore_variables(latest)
+                    return  # the same recipe computes the same model
+                except UnreadableCheckpoint as e:  # written again, as the training loop does
+                    kept = ckpt.set_aside(latest)
+                    print(
+                        f"warning: checkpoint step {latest} cannot be read ({e.reason}); "
+                        f"written again, the unreadable one kept as {kept}",
+                        file=sys.stderr,
+                    )
             state = T.create_train_state(
                 built.model, built.optimizer, example, seed=int(config.seed), variables=variables
             )
@@ -142,7 +162,7 @@ def save_one_shot(config, built, variables, example, workdir: pathlib.Path) -> N
 def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int]]:
     """One-shot and fine-tuned DynaDiag from the dense checkpoint; returns the table's rows
     ``(name, test accuracy or validation perplexity, steps trained after the dense run)``."""
-    data, dense_model, dense, search, fitted, built, steps, example = prepare(config)
+    data, dense_model, dense, search, fitted, built, steps, example = prepare(config, workdir)
     workdir = pathlib.Path(workdir)
     if not steps:  # the one-shot model is the frozen checkpoint: written (or refused) first
         save_one_shot(config, built, search if fitted is None else fitted, example, workdir)
