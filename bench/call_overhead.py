@@ -21,16 +21,19 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import csv
-import datetime
-import pathlib
 import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from diag_matmul import make_case, parse_shapes, parse_sizes, time_call  # bench/, beside this
+from bench_cli import (  # bench/, beside this
+    add_options,
+    make_parser,
+    results_path,
+    sparsity,
+)
+from diag_matmul import make_case, time_call  # bench/, beside this
 
 import dynadiag_jax as dd
 from dynadiag_jax.ops.diag_matmul import diag_matmul_in_range
@@ -94,21 +97,19 @@ def run(args) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("768:3072,3072:768"))
-    parser.add_argument("--blocks", type=parse_sizes("block sizes", "1,16"), default=(1, 16))
-    parser.add_argument("--batch", type=parse_sizes("batch sizes", "1,4,16"), default=(1,))
-    parser.add_argument("--sparsity", type=float, default=0.9)
-    parser.add_argument("--repeats", type=int, default=201)
+    parser = make_parser(__doc__)
+    add_options(
+        parser,
+        "call_overhead",
+        shapes="768:3072,3072:768",
+        blocks="1,16",
+        batch="1",
+        repeats=201,
+    )
+    parser.add_argument("--sparsity", type=sparsity, default=0.9, help="in (0, 1) (default 0.9)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
-    if not 0.0 <= args.sparsity < 1.0:
-        parser.error(f"--sparsity must be in [0, 1), got {args.sparsity}")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or pathlib.Path(__file__).parent / "results" / f"call_overhead_{stamp}.csv"
+    out = args.out or results_path("call_overhead")
     print(
         f"jax {jax.__version__}, backend {jax.default_backend()}, sparsity {args.sparsity}, "
         f"warm, median of {args.repeats} (us, and speed-up over dense)"

@@ -16,7 +16,7 @@ all its threads, steadier on a loaded machine); ``ratio`` is DynaDiag over dense
 Usage:
   python bench/compile.py [--variants S/16,B/16] [--batch 8] [--image 32] [--sparsity 0.9]
                           [--explore buckets] [--num-buckets 4] [--gate sparse_topk]
-                          [--repeats 1] [--out bench/results/compile.csv]
+                          [--repeats 1] [--out bench/results/compile_<time>.csv]
 
 ``--explore``, ``--num-buckets`` and ``--gate`` set the DynaDiag layers' exploration and gate, to
 see what each part of the search phase costs to compile (docs/compile_time.md).
@@ -34,6 +34,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_cli import count, make_parser, results_path, sparsity  # bench/, beside this
 
 MEASURES = (
     ("init_eager", "init eager"),
@@ -143,24 +145,36 @@ def _run_child(variant: str, method: str, args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None):
+    parser = make_parser(__doc__)
     parser.add_argument("--variants", default="S/16,B/16", help="comma-separated ViT variants")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--image", type=int, default=32, help="image height and width")
-    parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--batch", type=count("the batch size"), default=8)
+    parser.add_argument("--image", type=count("the image size"), default=32, help="height, width")
+    parser.add_argument("--sparsity", type=sparsity, default=0.9)
     parser.add_argument("--explore", default="buckets", choices=("buckets", "dense_score", "none"))
-    parser.add_argument("--num-buckets", type=int, default=4)
+    parser.add_argument("--num-buckets", type=count("the number of buckets"), default=4)
     parser.add_argument("--gate", default="sparse_topk", choices=("sparse_topk", "softmax"))
-    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per method")
     parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "compile.csv"
+        "--repeats", type=count("repeats"), default=1, help="fresh processes per method"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="CSV path (default bench/results/compile_<time>.csv)"
     )
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "METHOD"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(measure(*args.child, args)))
         return
+    # The children time the first imports; this process may import the model before them.
+    from dynadiag_jax.models import vit  # noqa: PLC0415
+    from dynadiag_jax.models.variants import parse_variant  # noqa: PLC0415
+
+    for variant in args.variants.split(","):
+        try:
+            parse_variant(variant, vit.SIZES, model="ViT")
+        except ValueError as e:
+            parser.error(f"--variants: {e}")
+    out = args.out or results_path("compile")
 
     rows = []
     print(
@@ -207,12 +221,12 @@ def main():
                     "repeats": args.repeats,
                 }
             )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as fh:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ directory given (``train/results.py`` or ``train/*.py`` workdirs: ``checkpoints/
 latest checkpoint's frozen layers are listed with their empty output rows and input columns.
 
 Usage:
-  python bench/coverage.py RUN_DIR [RUN_DIR ...] [--out bench/results/coverage.csv]
+  python bench/coverage.py RUN_DIR [RUN_DIR ...] [--out bench/results/coverage_<time>.csv]
   python bench/coverage.py runs/results/vit/dynadiag_s90_seed0_* runs/results/vit/static_*
 """
 
@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from bench_cli import add_options, results_path  # bench/, beside this
 
 FIELDS = ("run", "layer", "in", "out", "k", "block_size", "empty_rows", "empty_cols")
 
@@ -85,13 +86,12 @@ def layer_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (with checkpoints/)")
-    parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "coverage.csv"
-    )
-    args = parser.parse_args()
+    add_options(parser, "coverage")
+    args = parser.parse_args(argv)
+    args.out = args.out or results_path("coverage")
     all_rows = []
     header = f"{'run':40s} {'layer':32s} {'shape':>11s} {'K':>4s} {'empty rows':>11s} {'cols':>5s}"
     print(header)

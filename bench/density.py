@@ -16,32 +16,26 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import csv
-import datetime
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from diag_matmul import parse_sizes, time_interleaved  # bench/, beside this
+from bench_cli import (  # bench/, beside this
+    add_options,
+    check_blocks,
+    divides,
+    make_parser,
+    parse_fractions,
+    results_path,
+)
+from diag_matmul import time_interleaved  # bench/, beside this
 from tqdm import tqdm
 
 import dynadiag_jax as dd
 from dynadiag_jax.layout import geometry
 
 PRODUCTS = ("y", "dx", "dvalues")
-
-
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """``"784:256,256:256"`` -> ``[(784, 256), (256, 256)]``."""
-    try:
-        shapes = [tuple(int(n) for n in pair.split(":")) for pair in text.split(",")]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
-        raise argparse.ArgumentTypeError(f"expected IN:OUT pairs like 784:256, got {text!r}")
-    return shapes
 
 
 def calls(in_f: int, out_f: int, block: int, k: int, rows: int, seed: int) -> dict:
@@ -70,31 +64,30 @@ def calls(in_f: int, out_f: int, block: int, k: int, rows: int, seed: int) -> di
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("784:256,256:256"))
-    parser.add_argument("--batch", type=parse_sizes("batch", "128,1024"), default=(128,))
-    parser.add_argument("--blocks", type=parse_sizes("block", "1,16"), default=(1,))
-    parser.add_argument("--densities", default="0.125,0.25,0.375,0.5,0.625,0.75,1.0")
-    parser.add_argument("--repeats", type=int, default=21)
+def main(argv=None) -> None:
+    parser = make_parser(__doc__)
+    add_options(parser, "density", shapes="784:256,256:256", blocks="1", batch="128", repeats=21)
+    parser.add_argument(
+        "--densities",
+        type=parse_fractions("densities", "0.25,0.5,1", one=True),
+        default="0.125,0.25,0.375,0.5,0.625,0.75,1.0",
+        help="shares of the candidate diagonals computed, in (0, 1], comma separated",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=pathlib.Path, default=None)
-    args = parser.parse_args()
-    densities = [float(d) for d in args.densities.split(",")]
-    if not densities or min(densities) <= 0 or max(densities) > 1:
-        parser.error(f"--densities must lie in (0, 1], got {args.densities!r}")
-    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    out = args.out or pathlib.Path(__file__).parent / "results" / f"density_{stamp}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-
+    args = parser.parse_args(argv)
+    check_blocks(parser, args.shapes, args.blocks)
+    densities = args.densities
     cells = [
         (s, b, r, d)
         for s in args.shapes
         for b in args.blocks
-        if s[0] % b == 0 and s[1] % b == 0
+        if divides(b, s)
         for r in args.batch
         for d in densities
     ]
+    out = args.out or results_path("density")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
     rows = []
     with tqdm(total=len(cells) * 6 * args.repeats, unit="call") as progress:
         for (in_f, out_f), block, batch, density in cells:

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import os
 import pathlib
 import statistics
@@ -68,6 +67,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_cli import (  # bench/, beside this
+    check_blocks,
+    count,
+    divides,
+    format_us,
+    make_parser,
+    parse_fractions,
+    parse_shapes,
+    parse_sizes,
+    results_path,
+)
 from jax.experimental import sparse
 from tqdm import tqdm
 
@@ -96,7 +106,6 @@ BCOO_SKIP_SECONDS = 60.0
 # would exceed this many elements (2 GiB of float32) rather than exhaust a shared machine.
 BCOO_MAX_GATHER = 1 << 29
 DENSE = 0  # the block size under which the dense layer is timed (once per shape and sparsity)
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 class Case(NamedTuple):
@@ -185,10 +194,9 @@ def _entry_coordinates(case: Case):
 
 
 def write_csv(rows, fieldnames, name: str, out=None) -> pathlib.Path:
-    """``rows`` (dicts) as a CSV at ``out`` (default ``bench/results/<name>_<time>.csv``); prints
-    where and returns the path."""
-    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    path = pathlib.Path(out or f"bench/results/{name}_{stamp}.csv")
+    """``rows`` (dicts) as a CSV at ``out`` (default ``bench/results/<name>_<time>.csv``, beside
+    the scripts whatever the current directory); prints where and returns the path."""
+    path = pathlib.Path(out) if out else results_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fieldnames)
@@ -254,50 +262,6 @@ def time_case(fns: dict, repeats: int, progress, evict=None) -> tuple[dict, str 
     return out, None
 
 
-def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
-    """``"768:3072,3072:768"`` -> ``((768, 3072), (3072, 768))``: IN:OUT pairs of sizes >= 1."""
-    try:
-        pairs = tuple(tuple(int(n) for n in item.split(":")) for item in text.split(","))
-    except ValueError:
-        pairs = ()
-    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
-        raise argparse.ArgumentTypeError(f"shapes must look like 768:3072,3072:768; got {text!r}")
-    return pairs
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(s) for s in text.split(","))
-
-
-def parse_sizes(what: str, example: str) -> Callable[[str], tuple[int, ...]]:
-    """A parser of comma separated integers >= 1, e.g. block or batch sizes."""
-
-    def parse(text: str) -> tuple[int, ...]:
-        try:
-            sizes = tuple(int(n) for n in text.split(","))
-        except ValueError:
-            sizes = ()
-        if not sizes or min(sizes) < 1:
-            raise argparse.ArgumentTypeError(
-                f"{what} must be integers >= 1 like {example}; got {text!r}"
-            )
-        return sizes
-
-    return parse
-
-
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(
-            f"the number of processes must be an integer >= 1; got {text!r}"
-        )
-    return n
-
-
 def _names(text: str) -> tuple[str, ...]:
     names = tuple(text.split(","))
     for name in names:
@@ -317,7 +281,7 @@ def _phase_names(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__)
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -330,7 +294,12 @@ def parse_args(argv):
         default=VIT_B_SHAPES,
         help="IN:OUT pairs, comma separated (default: ViT-B MLP/attention shapes)",
     )
-    parser.add_argument("--sparsities", type=_floats, default=SPARSITIES)
+    parser.add_argument(
+        "--sparsities",
+        type=parse_fractions(),
+        default=SPARSITIES,
+        help="sparsities in (0, 1), comma separated (default 0.5,0.8,0.9,0.95)",
+    )
     parser.add_argument(
         "--blocks",
         type=parse_sizes("block sizes", "1,16,32"),
@@ -369,7 +338,7 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--processes",
-        type=_count,
+        type=count("the number of processes"),
         default=None,
         help="run the benchmark in this many fresh processes and report min / median / max of "
         "every row over them",
@@ -393,6 +362,7 @@ def parse_args(argv):
         parser.error("--repeats must be >= 1")
     if args.evict_mb < 0:
         parser.error("--evict_mb must be >= 0")
+    check_blocks(parser, args.shapes, args.blocks)
     return args
 
 
@@ -478,20 +448,13 @@ def _round(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def _us(ms: float) -> str:
-    """Microseconds with at least three significant digits."""
-    us = ms * 1e3
-    return f"{us:.0f}" if us >= 100 else f"{us:.3g}"
-
-
 def _join(values) -> str:
     return ",".join(map(str, values))
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    csv_path = args.out or RESULTS / f"diag_matmul_{stamp}.csv"
+    csv_path = args.out or results_path("diag_matmul")
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     print(
         f"jax {jax.__version__}, backend {jax.default_backend()}, "
@@ -508,9 +471,7 @@ def run(args, csv_path: pathlib.Path) -> None:
     """Time every case in this process; print the table, write the CSV and the plot."""
     dtype = jnp.dtype(args.dtype)
     cases = [(s, sp) for s in args.shapes for sp in args.sparsities]
-    blocks_of = {
-        s: [b for b in args.blocks if s[0] % b == 0 and s[1] % b == 0] for s in args.shapes
-    }
+    blocks_of = {s: [b for b in args.blocks if divides(b, s)] for s in args.shapes}
     others = [i for i in args.impls if i != "dense"]
     phases = args.phases
     calls = sum(1 + len(others) * len(blocks_of[s]) for s, _ in cases) * len(phases)
@@ -614,12 +575,12 @@ def print_table(rows: list[dict], impls) -> None:
             key = (r["in"], r["out"], r["sparsity"], r["block"], batch)
             line = (
                 f"{r['in']}->{r['out']:<5} {r['sparsity']:>8} {r['block']:>3} {r['k']:>5} "
-                f"{r['density']:>7.1%} {r['phase']:>7} {_us(r['ms']):>9}"
+                f"{r['density']:>7.1%} {r['phase']:>7} {format_us(r['ms']):>9}"
             )
             for impl in others:
                 o = index.get((*key, impl, r["phase"]))
                 line += (
-                    f" {_us(o['ms']):>10} {o['speedup_vs_dense']:>7.2f}x"
+                    f" {format_us(o['ms']):>10} {o['speedup_vs_dense']:>7.2f}x"
                     if o
                     else f" {'skipped':>10} {'':>8}"
                 )
@@ -730,8 +691,8 @@ def print_summary(summary: list[dict], processes: int) -> None:
         )
         if r["processes"]:
             line += (
-                f" {_us(r['ms_min']):>8} {_us(r['ms_median']):>8} {_us(r['ms_max']):>8}"
-                f" {r['max_over_min']:>7.2f} {r['speedup_min']:>10.2f}x"
+                "".join(f" {format_us(r[k]):>8}" for k in ("ms_min", "ms_median", "ms_max"))
+                + f" {r['max_over_min']:>7.2f} {r['speedup_min']:>10.2f}x"
                 f" {r['speedup_median']:>6.2f}x {r['speedup_max']:>6.2f}x"
             )
         if r["note"]:

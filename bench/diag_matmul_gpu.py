@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import pathlib
 import statistics
 import sys
@@ -37,6 +36,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_cli import parse_fractions, parse_shapes, parse_sizes, results_path  # bench/, beside
 from jax.experimental import sparse
 from tqdm import tqdm
 
@@ -51,7 +51,6 @@ LAYOUTS = ("random", "band")
 BLOCK_SIZES = (1, 16, 32)
 IMPLS = ("ffi", "auto", "dense", "bcoo")
 PHASES = ("fwd", "fwd+bwd")
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def make_offsets(layout: str, k: int, p: int, rng) -> np.ndarray:
@@ -128,9 +127,6 @@ def run_case(fns: dict, repeats: int, warmup: int, progress) -> dict:
 
 
 def parse_args(argv):
-    def pairs(text):
-        return tuple(tuple(int(n) for n in item.split(":")) for item in text.split(","))
-
     def names(choices):
         def parse(text):
             out = tuple(text.split(","))
@@ -144,15 +140,24 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="768:3072 at 0.9, ffi and dense only")
     parser.add_argument(
-        "--shapes", type=pairs, default=SHAPES, help="IN:OUT pairs, comma separated"
+        "--shapes", type=parse_shapes, default=SHAPES, help="IN:OUT pairs, comma separated"
     )
     parser.add_argument(
-        "--sparsities", type=lambda t: tuple(map(float, t.split(","))), default=SPARSITIES
+        "--sparsities",
+        type=parse_fractions(),
+        default=SPARSITIES,
+        help="in (0, 1), comma separated (default 0.8,0.9,0.95)",
     )
-    parser.add_argument("--layouts", type=names(LAYOUTS), default=LAYOUTS)
+    parser.add_argument(
+        "--layouts",
+        type=names(LAYOUTS),
+        default=LAYOUTS,
+        help="offset layouts, comma separated: random (distinct random diagonals), band "
+        "(adjacent ones, element diagonals only) (default both)",
+    )
     parser.add_argument(
         "--block-sizes",
-        type=lambda t: tuple(map(int, t.split(","))),
+        type=parse_sizes("block sizes", "1,16,32"),
         default=BLOCK_SIZES,
         help="1 = element diagonals; block sizes run the random layout only",
     )
@@ -208,7 +213,7 @@ def main(argv=None) -> int:
         )
         return 2
     dtype = jnp.dtype(args.dtype)
-    out = args.out or RESULTS / f"diag_matmul_gpu_{datetime.datetime.now():%Y%m%d_%H%M%S}.csv"
+    out = args.out or results_path("diag_matmul_gpu")
     out.parent.mkdir(parents=True, exist_ok=True)
     cases = [
         (shape, sp, b, lay)

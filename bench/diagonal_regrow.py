@@ -34,6 +34,7 @@ from sparse_lr_probe import (  # noqa: E402 - bench/, beside this
     add_run_arguments,
     final_metric,
     methods_and_seeds,
+    prepare,
 )
 
 from dynadiag_jax import baselines as B  # noqa: E402
@@ -143,7 +144,7 @@ def main(argv=None) -> None:
         parser.error("need --every >= 1, --end in (0, 1] and --fraction in [0, 1]")
     config = results_config.get_config(f"models={args.suite}")
     config.data.source = args.data
-    data = R.prepare(config)
+    data = prepare(parser, config)
     rows = probe(config, data, args.suite, methods, seeds, args.every, args.end, args.fraction)
     lm = R.is_language_model(config.models[args.suite])
     print(f"{args.suite} at {SPARSITY:g}: test {'perplexity' if lm else 'accuracy'}, seeds {seeds}")

@@ -18,13 +18,13 @@ mechanism (mean over seeds):
 
 Usage:
   python bench/exploration.py [--steps 300] [--seeds 3] [--repeats 3] [--problems all|element|block]
-                              [--out DIR]
-Writes DIR/exploration.csv (default bench/results/) and prints a table.
+                              [--out DIR or FILE.csv]
+Writes DIR/exploration.csv (exploration_<problems>.csv with --problems; default DIR
+bench/results/), or FILE.csv when --out ends in .csv, and prints a table.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import statistics
 import time
@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from bench_cli import RESULTS, count, make_parser  # bench/, beside this
 from tqdm import tqdm
 
 import dynadiag_jax as dd
@@ -141,14 +142,29 @@ def run_one(mechanism: str, problem, seed: int, steps: int, repeats: int) -> dic
     }
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
+def main(argv=None):
+    parser = make_parser(__doc__)
+    parser.add_argument("--steps", type=count("steps"), default=300, help="search steps per run")
+    parser.add_argument("--seeds", type=count("seeds"), default=3, help="runs per problem")
+    parser.add_argument(
+        "--repeats", type=count("repeats"), default=3, help="timed search phases per run (median)"
+    )
     parser.add_argument("--problems", choices=("all", *PROBLEMS), default="all")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS,
+        help="a directory for exploration[_<problems>].csv, or a path ending in .csv",
+    )
+    args = parser.parse_args(argv)
+    if args.out.suffix == ".csv":
+        path = args.out
+    else:
+        path = args.out / (
+            "exploration.csv" if args.problems == "all" else f"exploration_{args.problems}.csv"
+        )
+    if path.is_dir():
+        parser.error(f"--out {args.out}: {path} is a directory")
 
     problems = [p for kind, ps in PROBLEMS.items() if args.problems in ("all", kind) for p in ps]
     jobs = [(m, p, s) for p in problems for m in MECHANISMS for s in range(args.seeds)]
@@ -179,10 +195,7 @@ def main():
                 }
             )
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / (
-        "exploration.csv" if args.problems == "all" else f"exploration_{args.problems}.csv"
-    )
+    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

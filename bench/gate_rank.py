@@ -6,8 +6,9 @@ gate's threshold: ``dynadiag_jax.ops.ranking.gate_rank``). For each ``P`` (with 
 ``--sparsity``) this times the jitted call on one row of normal scores, the kernel and the
 reference one after the other (each the median of ``--repeats`` calls in a row, microseconds,
 dispatch included; interleaved with the reference, whose sort runs on XLA's thread pool, the
-kernel's own time doubles), and checks that both give the same order. Prints a table; writes a
-CSV (``--out``, default ``bench/results/gate_rank_<time>.csv``).
+kernel's own time doubles), and checks that both give the same order. Prints a table with the
+kernel's time over the reference's (below 1: the kernel is faster); writes a CSV (``--out``,
+default ``bench/results/gate_rank_<time>.csv``).
 
 Example::
 
@@ -16,14 +17,14 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from diag_matmul import parse_sizes, time_call, write_csv  # bench/, beside this
+from bench_cli import add_options, make_parser, parse_sizes, sparsity  # bench/, beside this
+from diag_matmul import time_call, write_csv  # bench/, beside this
 from tqdm import tqdm
 
 from dynadiag_jax.ops.ranking import gate_rank
@@ -53,31 +54,41 @@ def measure(p: int, sparsity: float, repeats: int, progress) -> dict:
             samples.append(time_call(f, args))
             progress.update(1)
         times[impl] = statistics.median(samples)
-    return {"p": p, "k": k, "kernel_us": 1e6 * times["auto"], "reference_us": 1e6 * times["jax"]}
+    kernel, reference = 1e6 * times["auto"], 1e6 * times["jax"]
+    ratio = round(kernel / reference, 3)
+    return {
+        "p": p,
+        "k": k,
+        "kernel_us": kernel,
+        "reference_us": reference,
+        "kernel_over_reference": ratio,
+    }
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__)
     parser.add_argument(
         "--p",
         type=parse_sizes("--p", "256,784"),
         default=(256, 784, 3072),
-        help="numbers of candidates, comma-separated",
+        help="numbers of candidates, comma separated (default 256,784,3072)",
     )
-    parser.add_argument("--sparsity", type=float, default=0.9)
-    parser.add_argument("--repeats", type=int, default=1001)
-    parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--sparsity", type=sparsity, default=0.9, help="K = ceil((1 - sparsity) P) (default 0.9)"
+    )
+    add_options(parser, "gate_rank", repeats=1001, each="implementation")
     args = parser.parse_args(argv)
     sizes = args.p
-    if not 0.0 <= args.sparsity < 1.0 or args.repeats < 1:
-        parser.error("need 0 <= --sparsity < 1 and --repeats >= 1")
     with tqdm(total=2 * args.repeats * len(sizes), unit="call", leave=False) as progress:
         rows = [measure(p, args.sparsity, args.repeats, progress) for p in sizes]
     print(f"gate_rank, one row, sparsity {args.sparsity:g}, median of {args.repeats} (us)")
-    print(f"{'P':>6} {'K':>5} {'kernel':>9} {'reference':>10}")
+    print(f"{'P':>6} {'K':>5} {'kernel':>9} {'reference':>10} {'kernel/reference':>17}")
     for r in rows:
-        print(f"{r['p']:>6} {r['k']:>5} {r['kernel_us']:>9.1f} {r['reference_us']:>10.1f}")
-    write_csv(rows, ("p", "k", "kernel_us", "reference_us"), "gate_rank", args.out)
+        print(
+            f"{r['p']:>6} {r['k']:>5} {r['kernel_us']:>9.1f} {r['reference_us']:>10.1f}"
+            f" {r['kernel_over_reference']:>17.2f}"
+        )
+    write_csv(rows, list(rows[0]), "gate_rank", args.out)
 
 
 if __name__ == "__main__":

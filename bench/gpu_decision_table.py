@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import pathlib
 import sys
 
 import jax.numpy as jnp
@@ -83,19 +84,31 @@ def markdown(records) -> str:
     return "\n".join(out)
 
 
+def parse_devices(text: str) -> list[str]:
+    """``"H100,A100"``: names of ``gpu_cost.DEVICES``."""
+    names = text.split(",")
+    if not all(name in gpu_cost.DEVICES for name in names):
+        raise argparse.ArgumentTypeError(
+            f"devices must be among {', '.join(gpu_cost.DEVICES)}, comma separated; got {text!r}"
+        )
+    return names
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--devices", default="H100,A100", help="comma-separated gpu_cost.DEVICES")
+    parser.add_argument(
+        "--devices",
+        type=parse_devices,
+        default="H100,A100",
+        help=f"comma-separated, of {', '.join(gpu_cost.DEVICES)}",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--csv", default=None, help="also write the records to this CSV file")
     args = parser.parse_args(argv)
-    records = [
-        r
-        for device in args.devices.split(",")
-        for r in rows_of_table(device, jnp.dtype(args.dtype))
-    ]
+    records = [r for device in args.devices for r in rows_of_table(device, jnp.dtype(args.dtype))]
     print(markdown(records))
     if args.csv:
+        pathlib.Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(records[0]))
             writer.writeheader()

@@ -28,6 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 from diag_matmul import time_interleaved  # noqa: E402 - bench/, beside this
+from sparse_lr_probe import prepare  # noqa: E402 - bench/, beside this
 from tqdm import tqdm  # noqa: E402
 
 from dynadiag_jax import training as T  # noqa: E402
@@ -43,10 +44,10 @@ def _lora(m, rank: int, train_values: bool):
     return ml_collections.ConfigDict(section)
 
 
-def measure(config, suite: str, sparsity: float, ranks, repeats: int) -> list[dict]:
+def measure(config, data, suite: str, sparsity: float, ranks, repeats: int) -> list[dict]:
     """Rows ``{"what", "rank", "batch", "ms", "diagonal", "adapter", "trained"}``: inference per
-    (rank, batch) and fine-tune step per (rank, what is trained); rank 0: no adapter."""
-    data = R.prepare(config)
+    (rank, batch) and fine-tune step per (rank, what is trained) on ``data``
+    (``R.prepare(config)``); rank 0: no adapter."""
     m = config.models[suite]
     dyn = R.method_dynadiag(m, "dynadiag")
     with dyn.unlocked():
@@ -137,7 +138,7 @@ def main(argv=None) -> None:
         parser.error("need 0 < --sparsity < 1, --repeats >= 1 and every rank >= 1")
     config = results_config.get_config(f"models={args.suite}")
     config.data.source = args.data
-    rows = measure(config, args.suite, args.sparsity, ranks, args.repeats)
+    rows = measure(config, prepare(parser, config), args.suite, args.sparsity, ranks, args.repeats)
     print(f"{args.suite} at {args.sparsity:g}, {jax.devices()[0].platform}, {jnp.float32.dtype}")
     print("\n".join(table(rows)))
 

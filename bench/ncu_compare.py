@@ -423,7 +423,12 @@ def parse_args(argv):
     parser.add_argument("--layout", choices=("random", "band"), default="random")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0, help="the benchmark's --seed")
-    parser.add_argument("--device", default=gpu_cost.DEFAULT_DEVICE, help="a gpu_cost.DEVICES key")
+    parser.add_argument(
+        "--device",
+        default=gpu_cost.DEFAULT_DEVICE,
+        choices=list(gpu_cost.DEVICES),
+        help="the cost model's",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=None, help="write the records here")
     args = parser.parse_args(argv)
     if args.list_metrics is None and args.csv is None:
@@ -441,7 +446,11 @@ def main(argv=None) -> int:
     if not args.csv.is_file():
         print(f"{args.csv}: no such file (did the ncu run fail?)", file=sys.stderr)
         return 2
-    launches = read_raw_csv(args.csv)
+    try:
+        launches = read_raw_csv(args.csv)
+    except ValueError as e:  # not an ncu raw CSV
+        print(e, file=sys.stderr)
+        return 2
     groups, ignored = join(launches, model_launches(args, spec), dtype)
     if not ours(groups):
         others = set(ignored) | {la.kernel_name for g in groups for la in g.launches}

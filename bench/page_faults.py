@@ -7,8 +7,9 @@ memory faults in every page of it.
 
 For one shape, block size, sparsity and batch size, each of ``--processes`` fresh processes times
 ``--calls`` jitted forwards of ``dd.diag_matmul(impl="ffi")`` and of XLA's dense dot, one after the
-other, and reports per process and implementation the median time, how many calls faulted, and the
-median faults of a faulting call. Writes a CSV (``--out``, default
+other, and reports per process and implementation the median time (microseconds), its speed-up
+over dense in the same process (``x dense``), how many calls faulted, and the median faults of a
+faulting call. Writes a CSV (``--out``, default
 ``bench/results/page_faults_<time>.csv``) with one row per process, implementation and call.
 
 Example::
@@ -20,14 +21,21 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import json
-import pathlib
 import resource
 import statistics
 import subprocess
 import sys
 import time
+
+from bench_cli import (  # bench/, beside this
+    add_options,
+    count,
+    format_us,
+    make_parser,
+    results_path,
+    sparsity,
+)
 
 IMPLS = ("ffi", "dense")
 
@@ -74,61 +82,65 @@ def _shape(text: str) -> tuple[int, int]:
     return shape
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", type=_shape, default=(768, 3072))
-    parser.add_argument("--block", type=_positive, default=16)
-    parser.add_argument("--sparsity", type=float, default=0.9)
-    parser.add_argument("--batch", type=_positive, default=2048)
-    parser.add_argument("--calls", type=_positive, default=15)
-    parser.add_argument("--processes", type=_positive, default=10)
+    parser = make_parser(__doc__)
+    parser.add_argument(
+        "--shape", type=_shape, default=(768, 3072), help="IN:OUT of the layer (default 768:3072)"
+    )
+    parser.add_argument(
+        "--block",
+        type=count("the block size"),
+        default=16,
+        help="block size: 1 = element diagonals (default 16)",
+    )
+    parser.add_argument("--sparsity", type=sparsity, default=0.9, help="in (0, 1) (default 0.9)")
+    parser.add_argument(
+        "--batch", type=count("the batch size"), default=2048, help="rows of x (default 2048)"
+    )
+    parser.add_argument(
+        "--calls",
+        type=count("calls"),
+        default=15,
+        help="timed calls per implementation and process (default 15)",
+    )
+    parser.add_argument(
+        "--processes", type=count("processes"), default=10, help="fresh processes (default 10)"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=pathlib.Path, default=None)
+    add_options(parser, "page_faults")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if not 0.0 <= args.sparsity < 1.0:
-        parser.error(f"--sparsity must be in [0, 1), got {args.sparsity}")
     in_f, out_f = args.shape
     if args.block > 1 and (in_f % args.block or out_f % args.block):
         parser.error(f"--block {args.block} does not divide the shape {in_f}:{out_f}")
     if args.child:
         _child(args)
         return
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or pathlib.Path(__file__).parent / "results" / f"page_faults_{stamp}.csv"
+    out = args.out or results_path("page_faults")
     child = [sys.executable, __file__, "--child", *(argv if argv is not None else sys.argv[1:])]
     print(
         f"{in_f}->{out_f}, b={args.block}, sparsity {args.sparsity}, batch {args.batch}: "
         f"{args.calls} calls per implementation in each of {args.processes} fresh processes"
     )
-    header = ("process", "impl", "median ms", "calls faulting", "faults/call")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (7, 5, 10, 15, 12))))
+    header = ("process", "impl", "median us", "x dense", "calls faulting", "faults/call")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (7, 5, 10, 8, 15, 12))))
     rows = []
     for process in range(args.processes):
         proc = subprocess.run(child, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             sys.exit(f"error: process {process} failed:\n{proc.stderr[-2000:]}")
         calls = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        mine = {impl: [c for c in calls if c["impl"] == impl] for impl in IMPLS}
+        median = {impl: statistics.median(c["ms"] for c in mine[impl]) for impl in IMPLS}
         for impl in IMPLS:
-            mine = [c for c in calls if c["impl"] == impl]
-            faulting = [c["faults"] for c in mine if c["faults"] > 0]
+            faulting = [c["faults"] for c in mine[impl] if c["faults"] > 0]
             per_call = int(statistics.median(faulting)) if faulting else 0
-            median = statistics.median(c["ms"] for c in mine)
             print(
-                f"{process:>7} {impl:>5} {median:>10.2f} {len(faulting):>9} of {len(mine):<3}"
-                f" {per_call:>12}"
+                f"{process:>7} {impl:>5} {format_us(median[impl]):>10}"
+                f" {median['dense'] / median[impl]:>7.2f}x"
+                f" {len(faulting):>9} of {len(mine[impl]):<3} {per_call:>12}"
             )
-            rows += [dict(process=process, **c) for c in mine]
+            rows += [dict(process=process, **c) for c in mine[impl]]
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=["process", "impl", "call", "ms", "faults"])

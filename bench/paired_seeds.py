@@ -11,7 +11,10 @@ accuracy, lower perplexity). Writes a CSV (``--out``, default
 their spread, one row per line of the table). With ``--against DIR`` every method of each
 ``--workdir`` is paired with the same method at the same suite and sparsity in ``DIR`` instead
 (a change of config, seed by seed: the workdirs of the same command with and without the
-change). Trains nothing. Example::
+change). A workdir holds the runs of every config it was trained with (a changed setting trains
+again, with a new fingerprint, and leaves the old records); where one method's seed has records of
+several fingerprints, this refuses and lists them: ``--fingerprint`` picks the ones to pair (a
+prefix will do; the run directories end in it). Trains nothing. Example::
 
     python train/results.py --suite=vit --notiming --workdir=runs/vit8 \\
         --config=train/configs/results.py:models=vit,methods=dynadiag+static_diagonals,sparsities=0.9,seeds=8
@@ -22,6 +25,7 @@ change). Trains nothing. Example::
 from __future__ import annotations
 
 import argparse
+import collections
 import pathlib
 import sys
 
@@ -67,11 +71,61 @@ def parse_pairs(text: str) -> list[tuple[str, str]]:
 
 
 def read_records(workdir) -> list[dict]:
-    """The records of ``workdir/accuracy.jsonl``."""
+    """The records of ``workdir/accuracy.jsonl``; ValueError when there are none."""
     path = pathlib.Path(workdir) / R.ACCURACY_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: train the runs with train/results.py")
-    return R.read_records(path)
+        raise ValueError(f"{path} does not exist: train the runs with train/results.py")
+    records = R.read_records(path)
+    if not records:
+        raise ValueError(f"{path} holds no records: train the runs with train/results.py")
+    return records
+
+
+def one_fingerprint(records, chosen=()) -> list[dict]:
+    """``records`` with one fingerprint (the settings a run was trained with) per run.
+
+    Where a (model, method) has records of a fingerprint that starts with one of ``chosen``, only
+    those are kept. ValueError, listing the fingerprints, where a (model, method, sparsity, seed)
+    still has records of more than one: seed by seed, they would pair runs of other settings."""
+
+    def picked(r) -> bool:
+        return any(str(r.get("fingerprint")).startswith(fp) for fp in chosen)
+
+    narrowed = {(r["model"], r["method"]) for r in records if picked(r)}
+    kept = [r for r in records if picked(r) or (r["model"], r["method"]) not in narrowed]
+    runs = collections.defaultdict(set)
+    for r in kept:
+        runs[(r["model"], r["method"], r["sparsity"], r["seed"])].add(str(r.get("fingerprint")))
+    mixed = sorted({run[:2] for run, fps in runs.items() if len(fps) > 1})
+    if not mixed:
+        return kept
+    parts = []
+    for model, method in mixed:
+        seeds = collections.defaultdict(set)
+        for r in kept:
+            if (r["model"], r["method"]) == (model, method):
+                seeds[str(r.get("fingerprint"))].add(r["seed"])
+        listed = ", ".join(
+            f"{fp} (seeds {','.join(map(str, sorted(s)))})" for fp, s in sorted(seeds.items())
+        )
+        parts.append(f"{model} {method}: {listed}")
+    raise ValueError(
+        "runs trained with different settings have the same seed: "
+        + "; ".join(parts)
+        + "; pick the ones to pair with --fingerprint FP[,FP...] (a prefix will do)"
+    )
+
+
+def seed_counts(records, methods=None) -> str:
+    """How many seeds each method (of ``methods``, default all) has, per suite and sparsity."""
+    seeds = collections.defaultdict(set)
+    for r in records:
+        if methods is None or r["method"] in methods:
+            seeds[(r["model"], r["sparsity"], r["method"])].add(r["seed"])
+    suites = collections.defaultdict(list)
+    for (model, sparsity, method), s in sorted(seeds.items()):
+        suites[(model, sparsity)].append(f"{method} {len(s)}")
+    return "; ".join(f"{m} {100 * sp:g}%: {', '.join(c)}" for (m, sp), c in suites.items())
 
 
 def against(records, control_records, control_name) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -173,6 +227,12 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--against", help="a control workdir: each method against the same method there"
     )
+    parser.add_argument(
+        "--fingerprint",
+        default="",
+        help="comma-separated fingerprints (or prefixes): where a method has runs of several, "
+        "pair the runs of these",
+    )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.pairs is not None and args.against:
@@ -181,20 +241,54 @@ def main(argv=None) -> None:
         pairs = parse_pairs(PAIRS if args.pairs is None else args.pairs)
     except ValueError as e:
         parser.error(str(e))
-    control = read_records(args.against) if args.against else None
-    rows = []
+    chosen = tuple(fp for fp in args.fingerprint.split(",") if fp)
+
+    raw = {}
+    for workdir in [*args.workdir, *([args.against] if args.against else [])]:
+        try:
+            raw[workdir] = read_records(workdir)
+        except ValueError as e:
+            parser.error(str(e))
+    unmatched = [
+        fp
+        for fp in chosen
+        if not any(str(r.get("fingerprint")).startswith(fp) for rs in raw.values() for r in rs)
+    ]
+    if unmatched:
+        parser.error(f"--fingerprint {','.join(unmatched)}: no record of the workdirs has it")
+
+    def load(workdir) -> list[dict]:
+        try:
+            return one_fingerprint(raw[workdir], chosen)
+        except ValueError as e:
+            parser.error(f"{workdir}: {e}")
+
+    control = load(args.against) if args.against else None
+    rows, seen = [], []
     for workdir in args.workdir:
-        records = read_records(workdir)
+        records = load(workdir)
         if control is not None:
             records, pairs = against(records, control, pathlib.Path(args.against).name)
-        rows += rows_of(records, pairs, workdir)
+        mine = rows_of(records, pairs, workdir)
+        rows += mine
+        methods = None if control is not None else {m for pair in pairs for m in pair}
+        seen.append((workdir, records, methods, bool(mine)))
+    counts = {workdir: seed_counts(records, methods) for workdir, records, methods, _ in seen}
     if not rows:
         what = (
             "method of --workdir has two seeds in common with --against"
             if control is not None
             else "pair of --pairs has two common seeds in these workdirs"
         )
-        parser.error(f"no {what}")
+        listed = " | ".join(f"{pathlib.Path(w).name}: {c or 'none'}" for w, c in counts.items())
+        parser.error(f"no {what}; seeds per method: {listed} (train seeds=2 or more)")
+    for workdir, _, _, paired in seen:
+        if not paired:
+            print(
+                f"note: {workdir} left out: no pair with two common seeds "
+                f"(seeds per method: {counts[workdir] or 'none'})",
+                file=sys.stderr,
+            )
     print("\n".join(format_table(rows)))
     csv_path = write_csv(rows, FIELDS, "paired_seeds", args.out)
     plot(rows, csv_path.with_suffix(".png"))

@@ -37,9 +37,11 @@ sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from bench_cli import check_out_file  # noqa: E402 - bench/, beside this
 from diag_matmul import write_csv  # noqa: E402 - bench/, beside this
 from flax import traverse_util  # noqa: E402
 from scipy.optimize import linear_sum_assignment  # noqa: E402
+from sparse_lr_probe import prepare, seeds_of  # noqa: E402 - bench/, beside this
 
 import dynadiag_jax as dd  # noqa: E402
 from dynadiag_jax import training as T  # noqa: E402
@@ -160,19 +162,20 @@ def main(argv=None) -> None:
     parser.add_argument("--data", default="auto", help="the suites' data.source (mnist5k: small)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    seeds = seeds_of(parser, args.seeds)
     try:
-        seeds = [int(s) for s in args.seeds.split(",")]
         scales = [float(s) for s in args.lr_scales.split(",")]
     except ValueError:
-        parser.error("--seeds and --lr-scales are comma-separated numbers")
-    if not seeds or min(seeds) < 0 or not all(np.isfinite(s) and s >= 0 for s in scales):
-        parser.error("need seeds >= 0 and --lr-scales >= 0")
+        parser.error("--lr-scales is a comma-separated list of numbers")
+    if not all(np.isfinite(s) and s >= 0 for s in scales):
+        parser.error("need --lr-scales >= 0")
     if args.dense_steps < 0:
         parser.error("need --dense-steps >= 0")
+    check_out_file(parser, args.out)
     config = results_config.get_config(f"models={args.suite}")
     config.data.source = args.data
     config.models[args.suite].dynadiag.permutation_relaxation = args.relaxation
-    data = R.prepare(config)
+    data = prepare(parser, config)
     if args.probe == "moves":
         rows = probe_moves(config, data, args.suite, seeds, scales)
     else:

@@ -33,34 +33,26 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import csv
-import datetime
-import pathlib
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from diag_matmul import parse_shapes, parse_sizes, time_interleaved  # bench/, beside this
+from bench_cli import (  # bench/, beside this
+    add_options,
+    count,
+    make_parser,
+    parse_fractions,
+    results_path,
+)
+from diag_matmul import time_interleaved  # bench/, beside this
 from flax import traverse_util
 from tqdm import tqdm
 
 import dynadiag_jax as dd
 
 VARIANTS = ("dense", "frozen", "narrow", "flat")
-
-
-def _fractions(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected sparsities like 0.9,0.95, got {text!r}"
-        ) from None
-    if not all(0.0 < v < 1.0 for v in values):
-        raise argparse.ArgumentTypeError(f"sparsities must lie in (0, 1), got {text!r}")
-    return values
 
 
 def _loss_grad(module, collections):
@@ -170,33 +162,39 @@ def run(args, progress) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("784:256,160:640"))
-    parser.add_argument("--sparsity", type=_fractions, default=(0.9, 0.95))
-    parser.add_argument("--batch", type=parse_sizes("batch sizes", "128,1024"), default=(128, 1024))
-    parser.add_argument("--repeats", type=int, default=101)
+    parser = make_parser(__doc__)
+    add_options(
+        parser,
+        "search_step",
+        shapes="784:256,160:640",
+        batch="128,1024",
+        repeats=101,
+        each="variant",
+    )
+    parser.add_argument(
+        "--sparsity",
+        type=parse_fractions(),
+        default=(0.9, 0.95),
+        help="sparsities in (0, 1), comma separated (default 0.9,0.95)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--permutation", choices=("none", "random", "learned"), default="none")
     parser.add_argument(
         "--relaxation", choices=("sinkhorn", "blocks"), default="sinkhorn", help="of learned"
     )
-    parser.add_argument("--block-size", type=int, default=1, help="1: element diagonals")
-    parser.add_argument("--rounds", type=int, default=1, help="median over this many timings")
-    parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument(
+        "--block-size", type=count("the block size"), default=1, help="1: element diagonals"
+    )
+    parser.add_argument(
+        "--rounds", type=count("rounds"), default=1, help="median over this many timings"
+    )
     args = parser.parse_args(argv)
     args.permutation = None if args.permutation == "none" else args.permutation
     names = variants(args.permutation)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    if args.block_size < 1:
-        parser.error(f"--block-size must be at least 1, got {args.block_size}")
     bad = [f"{i}:{o}" for i, o in args.shapes if i % args.block_size or o % args.block_size]
     if bad:
         parser.error(f"--block-size {args.block_size} must divide both widths of {', '.join(bad)}")
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or pathlib.Path(__file__).parent / "results" / f"search_step_{stamp}.csv"
+    out = args.out or results_path("search_step")
     print(
         f"jax {jax.__version__}, backend {jax.default_backend()}, forward + backward, "
         f"{'element diagonals' if args.block_size == 1 else f'blocks of {args.block_size}'}, "

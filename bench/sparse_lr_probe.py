@@ -27,9 +27,10 @@ import tempfile
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
+from bench_cli import check_out_file  # noqa: E402 - bench/, beside this
 from diag_matmul import write_csv  # noqa: E402 - bench/, beside this
 
-from train import baselines  # noqa: E402
+from train import baselines, common  # noqa: E402
 from train import results_runs as R  # noqa: E402
 from train.configs import results as results_config  # noqa: E402
 
@@ -79,17 +80,33 @@ def add_run_arguments(parser, methods: tuple[str, ...], default: str) -> None:
 
 
 def methods_and_seeds(parser, args, methods: tuple[str, ...]) -> tuple[list[str], list[int]]:
-    """The checked ``--methods`` and ``--seeds`` (``parser.error`` on bad ones)."""
+    """The checked ``--methods`` and ``--seeds``, and ``--out`` checked (``parser.error`` on bad
+    ones)."""
     chosen = args.methods.split(",")
     if not set(chosen) <= set(methods):
         parser.error(f"--methods must be among {methods}")
+    check_out_file(parser, args.out)
+    return chosen, seeds_of(parser, args.seeds)
+
+
+def seeds_of(parser, text: str) -> list[int]:
+    """``--seeds``, comma-separated integers >= 0 (``parser.error`` otherwise)."""
     try:
-        seeds = [int(s) for s in args.seeds.split(",")]
+        seeds = [int(s) for s in text.split(",")]
     except ValueError:
         parser.error("--seeds is a comma-separated list of integers")
-    if not seeds or min(seeds) < 0:
+    if min(seeds) < 0:
         parser.error("need seeds >= 0")
-    return chosen, seeds
+    return seeds
+
+
+def prepare(parser, config):
+    """``R.prepare(config)``: the suite's data, or ``parser.error`` naming what is wrong (an
+    unknown ``--data``, say) before anything is compiled."""
+    try:
+        return R.prepare(config)
+    except common.ConfigError as e:
+        parser.error(str(e))
 
 
 def main(argv=None) -> None:
@@ -108,7 +125,7 @@ def main(argv=None) -> None:
     config.data.source = args.data
     # The factors replace the recipe's own (the suites default to init_gain): x1 is the plain rate.
     config.models[args.suite].optimizer.sparse_lr_scale = "none"
-    data = R.prepare(config)
+    data = prepare(parser, config)
     rows = probe(config, data, args.suite, methods, factors, seeds)
     lm = R.is_language_model(config.models[args.suite])
     print(f"{args.suite} at {SPARSITY:g}: test {'perplexity' if lm else 'accuracy'}, seeds {seeds}")

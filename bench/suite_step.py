@@ -45,6 +45,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from diag_matmul import time_interleaved, write_csv  # noqa: E402 - bench/, beside this
+from sparse_lr_probe import prepare  # noqa: E402 - bench/, beside this
 from tqdm import tqdm  # noqa: E402
 
 from dynadiag_jax import training as T  # noqa: E402
@@ -80,11 +81,17 @@ def _compile_seconds(fn, *args) -> float:
 
 
 def measure(
-    config, suite: str, sparsity: float, fraction: float, repeats: int, working_set: float = 0.0
+    config,
+    data,
+    suite: str,
+    sparsity: float,
+    fraction: float,
+    repeats: int,
+    working_set: float = 0.0,
 ) -> list[dict]:
-    """Rows ``{"what", "value", "unit"}``: step times (ms), compile times (s) and bytes (MB);
-    ``working_set``: the factor of the working-set form also timed (0: not)."""
-    data = R.prepare(config)
+    """Rows ``{"what", "value", "unit"}``: step times (ms), compile times (s) and bytes (MB) of
+    ``config``'s suite ``suite`` on ``data`` (``R.prepare(config)``); ``working_set``: the factor
+    of the working-set form also timed (0: not)."""
     m = config.models[suite]
     steps, task = R.steps_of(m, data), R.task_of(m, data)
     example, batch = R.example_input(m, data), R.sample_batch(m, data, int(m.batch_size))
@@ -197,7 +204,10 @@ def main(argv=None) -> None:
     config = results_config.get_config(f"models={args.suite}")
     config.data.source = args.data
     config.unstructured.update_every = 1
-    rows = measure(config, args.suite, args.sparsity, args.fraction, args.repeats, args.working_set)
+    data = prepare(parser, config)
+    rows = measure(
+        config, data, args.suite, args.sparsity, args.fraction, args.repeats, args.working_set
+    )
     print(f"{args.suite} at {args.sparsity:g}, {args.fraction:g} of the search trained")
     for r in rows:
         print(f"  {r['what']:<44} {r['value']:9.3f} {r['unit']}")

@@ -4,6 +4,9 @@ import csv
 import json
 import math
 import pathlib
+import re
+import statistics
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -80,8 +83,10 @@ def test_diag_matmul_benchmark_writes_its_table_and_csv(run_python, tmp_path):
 def test_diag_matmul_benchmark_writes_the_csv_without_matplotlib(run_python, tmp_path):
     out = tmp_path / "bench.csv"
     argv = [str(ROOT / "bench" / "diag_matmul.py"), *TINY, "--impls", "ffi", "--out", str(out)]
+    # bench/ first on the path, as `python bench/diag_matmul.py` puts it (for bench_cli.py)
     code = (
         "import runpy, sys; sys.modules['matplotlib'] = None; "
+        f"sys.path.insert(0, {str(ROOT / 'bench')!r}); "
         f"sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
     )
     proc = run_python(["-c", code])
@@ -268,7 +273,13 @@ def test_gate_rank_benchmark_times_the_kernel_and_the_reference(run_python, tmp_
         assert all(
             math.isfinite(float(r[c])) and float(r[c]) > 0 for c in ("kernel_us", "reference_us")
         )
-    assert "kernel" in proc.stdout and "reference" in proc.stdout
+        ratio = float(r["kernel_us"]) / float(r["reference_us"])
+        assert float(r["kernel_over_reference"]) == pytest.approx(ratio, rel=1e-2), r
+    assert "kernel/reference" in proc.stdout, proc.stdout
+    table = [
+        line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["16"], ["40"])
+    ]
+    assert [t[-1] for t in table] == [f"{float(r['kernel_over_reference']):.2f}" for r in rows]
 
 
 @pytest.mark.parametrize("option", [["--p", "0"], ["--sparsity", "1"], ["--repeats", "0"]])
@@ -415,6 +426,17 @@ def test_page_fault_benchmark_counts_faults_per_call_in_fresh_processes(run_pyth
         line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])
     ]
     assert [t[:2] for t in table] == [[p, i] for p in "01" for i in ("ffi", "dense")], proc.stdout
+    # the median in microseconds and the speed-up over dense in the same process
+    assert "median us" in proc.stdout and "x dense" in proc.stdout, proc.stdout
+    for p in "01":
+        ms = {
+            i: statistics.median(
+                float(r["ms"]) for r in rows if (r["process"], r["impl"]) == (p, i)
+            )
+            for i in ("ffi", "dense")
+        }
+        speedups = [t[3] for t in table if t[0] == p]
+        assert speedups == [f"{ms['dense'] / ms['ffi']:.2f}x", "1.00x"], (speedups, ms)
 
 
 @pytest.mark.parametrize(
@@ -602,7 +624,7 @@ def test_density_benchmark_times_both_paths_per_product_and_density(run_python, 
 def test_density_benchmark_refuses_bad_densities(run_python, tmp_path):
     script = str(ROOT / "bench" / "density.py")
     proc = run_python([script, "--densities", "0,0.5"], check=False)
-    assert proc.returncode != 0 and "--densities must lie in (0, 1]" in proc.stderr
+    assert proc.returncode != 0 and "densities must lie in (0, 1]" in proc.stderr
 
 
 @pytest.mark.usefixtures("fast_compile")
@@ -790,6 +812,234 @@ def test_paired_seeds_refuses_bad_options(tmp_path, capsys, option):
     )
 
 
-def test_paired_seeds_names_a_workdir_without_records(tmp_path):
-    with pytest.raises(FileNotFoundError, match="accuracy.jsonl does not exist"):
-        load_script(ROOT / "bench" / "paired_seeds.py").main(["--workdir", str(tmp_path)])
+def _bench_cli():
+    """bench/bench_cli.py, the module the scripts loaded here import."""
+    load_script(ROOT / "bench" / "diag_matmul.py")
+    return sys.modules["bench_cli"]
+
+
+# (script, its options, what its one error line says): refused before anything is compiled,
+# trained or written; {tmp} is a directory that exists.
+REFUSED = [
+    ("diag_matmul", ["--sparsities", "1.5"], "sparsities must lie in (0, 1)"),
+    ("diag_matmul", ["--sparsities", "0"], "sparsities must lie in (0, 1)"),
+    ("diag_matmul", ["--sparsities=-0.1"], "sparsities must lie in (0, 1)"),
+    ("diag_matmul", ["--sparsities", ""], "sparsities must lie in (0, 1)"),
+    ("diag_matmul", ["--shapes", "64:128", "--blocks", "7"], "no block size of --blocks 7"),
+    ("call_overhead", ["--sparsity", "0"], "the sparsity must lie in (0, 1)"),
+    ("page_faults", ["--sparsity", "0"], "the sparsity must lie in (0, 1)"),
+    ("density", ["--densities", "0.25,x"], "densities must lie in (0, 1]"),
+    ("density", ["--densities", ""], "densities must lie in (0, 1]"),
+    ("density", ["--repeats", "0"], "repeats must be an integer >= 1"),
+    ("density", ["--repeats", "-2"], "repeats must be an integer >= 1"),
+    ("density", ["--shapes", "64:64", "--blocks", "7"], "no block size of --blocks 7"),
+    ("exploration", ["--steps", "0"], "steps must be an integer >= 1"),
+    ("exploration", ["--seeds", "0"], "seeds must be an integer >= 1"),
+    ("exploration", ["--repeats", "0"], "repeats must be an integer >= 1"),
+    ("compile", ["--repeats", "0"], "repeats must be an integer >= 1"),
+    ("compile", ["--variants", "Ti/16,X/3"], "unknown ViT size 'X'"),
+    ("gpu_decision_table", ["--devices", "Z100"], "devices must be among H100, A100"),
+    ("gpu_decision_table", ["--devices", ""], "devices must be among H100, A100"),
+    ("ncu_compare", ["x.csv", "--device", "Z"], "invalid choice: 'Z'"),
+    ("sparse_lr_probe", ["--data", "nosuch"], "unknown data source 'nosuch'"),
+    ("diagonal_regrow", ["--data", "nosuch"], "unknown data source 'nosuch'"),
+    ("permutation_probe", ["--data", "nosuch"], "unknown data source 'nosuch'"),
+    ("suite_step", ["--data", "nosuch"], "unknown data source 'nosuch'"),
+    ("lora_cost", ["--suite", "mlp", "--data", "nosuch"], "unknown data source 'nosuch'"),
+    ("sparse_lr_probe", ["--data", "mnist5k", "--out", "{tmp}"], "is a directory"),
+    ("diagonal_regrow", ["--data", "mnist5k", "--out", "{tmp}"], "is a directory"),
+    ("permutation_probe", ["--data", "mnist5k", "--out", "{tmp}/"], "is a directory"),
+]
+# Where a script writes, when not --out; lora_cost writes nothing.
+OUT_OPTION = {"gpu_decision_table": "--csv", "lora_cost": None}
+
+
+@pytest.mark.parametrize(
+    ("script", "option", "message"), REFUSED, ids=[f"{s} {' '.join(o)}" for s, o, _ in REFUSED]
+)
+def test_bench_scripts_refuse_bad_options_in_one_line(tmp_path, capsys, script, option, message):
+    """Exit status 2 and one ``error:`` line (no traceback), and no output file left behind."""
+    out = tmp_path / "out" / "table.csv"
+    flag = OUT_OPTION.get(script, "--out")
+    argv = [*((flag, str(out)) if flag else ()), *(o.format(tmp=tmp_path) for o in option)]
+    with pytest.raises(SystemExit) as exited:
+        load_script(ROOT / "bench" / f"{script}.py").main(argv)
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2, stderr
+    assert "Traceback" not in stderr and message in stderr.splitlines()[-1], stderr
+    assert "error:" in stderr.splitlines()[-1], stderr
+    assert not out.parent.exists()
+
+
+@pytest.mark.parametrize("content", ["", "a,b\n1,2\n"])
+def test_ncu_compare_refuses_a_csv_not_from_ncu_in_one_line(tmp_path, capsys, content):
+    path = tmp_path / "profile.csv"
+    path.write_text(content)
+    assert load_script(ROOT / "bench" / "ncu_compare.py").main([str(path)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"{path}: no ncu raw header (a row starting with ID, Kernel Name)\n"
+    )
+
+
+def test_gpu_decision_table_writes_its_csv_into_a_new_directory(tmp_path, capsys):
+    out = tmp_path / "new" / "table.csv"
+    load_script(ROOT / "bench" / "gpu_decision_table.py").main(
+        ["--devices", "A100", "--csv", str(out)]
+    )
+    _, rows = read_rows(out)
+    assert rows and {r["device"] for r in rows} == {"A100"}
+    assert f"wrote {out}" in capsys.readouterr().err
+
+
+def test_write_csv_writes_beside_the_scripts_whatever_the_current_directory(
+    tmp_path, monkeypatch, capsys
+):
+    """bench/results/<name>_<time>.csv of the checkout, not of the current directory."""
+    write_csv = load_script(ROOT / "bench" / "diag_matmul.py").write_csv
+    bench_cli = _bench_cli()
+    assert bench_cli.RESULTS == ROOT / "bench" / "results"
+    monkeypatch.setattr(bench_cli, "RESULTS", tmp_path / "results")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    path = write_csv([{"a": 1}], ["a"], "probe")
+    assert path.parent == tmp_path / "results" and path.name.startswith("probe_"), path
+    assert read_rows(path) == (["a"], [{"a": "1"}])
+    assert not (tmp_path / "elsewhere" / "bench").exists()
+
+
+def test_compile_and_coverage_write_a_new_csv_per_run_by_default(tmp_path, monkeypatch):
+    """Their default outputs carry the time, as the other scripts' do (once fixed names that a
+    second run overwrote)."""
+    monkeypatch.setattr(_bench_cli(), "RESULTS", tmp_path)
+    compile_script = load_script(ROOT / "bench" / "compile.py")
+    times = {key: (1.0, 2.0) for key, _ in compile_script.MEASURES}
+    monkeypatch.setattr(compile_script, "_run_child", lambda *args: times)
+    compile_script.main(["--variants", "mu/16"])
+    coverage = load_script(ROOT / "bench" / "coverage.py")
+    monkeypatch.setattr(coverage, "layer_rows", lambda run: [])
+    coverage.main([str(tmp_path)])
+    names = sorted(p.name for p in tmp_path.glob("*.csv"))
+    assert [n.split("_")[0] for n in names] == ["compile", "coverage"], names
+    assert all(re.fullmatch(r"[a-z]+_\d{8}-\d{6}\.csv", n) for n in names), names
+
+
+@pytest.mark.parametrize("where", ["file.csv", "folder"])
+def test_exploration_writes_into_a_directory_or_a_csv_path(tmp_path, monkeypatch, where):
+    """``--out x.csv`` is the CSV (it once became a directory ``x.csv/``); ``--out DIR`` holds
+    exploration_<problems>.csv."""
+    script = load_script(ROOT / "bench" / "exploration.py")
+    result = dict(recovered=1.0, rel_err=0.1, computed=8.0, cost=0.5, seconds=1.0)
+    monkeypatch.setattr(script, "run_one", lambda *args: result)
+    args = ["--problems", "element", "--steps", "1", "--seeds", "1", "--repeats", "1"]
+    script.main([*args, "--out", str(tmp_path / where)])
+    path = (
+        tmp_path / where if where.endswith(".csv") else tmp_path / where / "exploration_element.csv"
+    )
+    _, rows = read_rows(path)
+    assert len(rows) == len(script.PROBLEMS["element"]) * len(script.MECHANISMS)
+
+
+@pytest.mark.parametrize(
+    ("script", "snippets"),
+    [
+        ("call_overhead", ["IN:OUT layer shapes", "in (0, 1)", "median (default 201)", "Example"]),
+        ("density", ["IN:OUT layer shapes", "in (0, 1]", "median (default 21)", "Example"]),
+        ("page_faults", ["IN:OUT of the layer", "in (0, 1)", "(default 15)", "Example"]),
+        ("search_step", ["IN:OUT layer shapes", "in (0, 1)", "median (default 101)", "Example"]),
+        ("gate_rank", ["ceil((1 - sparsity) P)", "median (default 1001)", "Example"]),
+        ("diag_matmul_gpu", ["in (0, 1), comma separated", "adjacent ones"]),
+        ("diag_matmul", ["sparsities in (0, 1)", "Examples"]),
+    ],
+)
+def test_bench_help_says_the_syntax_of_each_option(capsys, script, snippets):
+    with pytest.raises(SystemExit) as exited:
+        load_script(ROOT / "bench" / f"{script}.py").main(["--help"])
+    stdout = " ".join(capsys.readouterr().out.split())  # argparse wraps the help lines
+    assert exited.value.code == 0
+    assert all(" ".join(s.split()) in stdout for s in snippets), stdout
+
+
+def _paired_records(runs):
+    """``accuracy.jsonl`` records of suite mlp at 90%: (method, seed, accuracy, fingerprint)."""
+    return [
+        {"model": "mlp", "method": m, "sparsity": 0.9, "seed": s, "accuracy": a, "fingerprint": f}
+        for m, s, a, f in runs
+    ]
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ("missing", "missing/accuracy.jsonl does not exist"),
+        ("empty dir", "accuracy.jsonl does not exist"),
+        ("empty file", "accuracy.jsonl holds no records"),
+        ("against empty dir", "accuracy.jsonl does not exist"),
+    ],
+)
+def test_paired_seeds_refuses_a_workdir_without_records_in_one_line(
+    tmp_path, capsys, setup, message
+):
+    runs = [(m, s, 0.8, "a") for m in ("dynadiag", "static_diagonals") for s in (0, 1)]
+    _write_records(tmp_path / "good", _paired_records(runs))
+    (tmp_path / "empty").mkdir()
+    workdir = {"missing": "missing", "empty file": "blank"}.get(setup, "empty")
+    if setup == "empty file":
+        _write_records(tmp_path / "blank", [])
+    argv = ["--workdir", str(tmp_path / workdir), "--out", str(tmp_path / "p.csv")]
+    if setup.startswith("against"):
+        argv = ["--workdir", str(tmp_path / "good"), "--against", str(tmp_path / "empty")]
+    with pytest.raises(SystemExit) as exited:
+        load_script(ROOT / "bench" / "paired_seeds.py").main(argv)
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in stderr, stderr
+    assert message in stderr.splitlines()[-1] and "error:" in stderr.splitlines()[-1], stderr
+    assert not (tmp_path / "p.csv").exists()
+
+
+def test_paired_seeds_pairs_runs_of_one_fingerprint(tmp_path, capsys):
+    """A control seed trained again with another setting (a new fingerprint) is refused, with
+    the fingerprints listed, until --fingerprint picks the runs to pair."""
+    runs = [("dynadiag", 0, 0.84, "aaaa1111"), ("dynadiag", 1, 0.85, "aaaa1111")]
+    runs += [("static_diagonals", 0, 0.83, "bbbb2222"), ("static_diagonals", 1, 0.84, "bbbb2222")]
+    runs += [("static_diagonals", 0, 0.86, "cccc3333")]  # seed 0 again, another learning rate
+    _write_records(tmp_path / "w", _paired_records(runs))
+    script = load_script(ROOT / "bench" / "paired_seeds.py")
+    argv = ["--workdir", str(tmp_path / "w"), "--pairs", "dynadiag:static_diagonals"]
+    with pytest.raises(SystemExit) as exited:
+        script.main([*argv, "--out", str(tmp_path / "mixed.csv")])
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert exited.value.code == 2, line
+    assert "mlp static_diagonals: bbbb2222 (seeds 0,1), cccc3333 (seeds 0)" in line, line
+    assert "--fingerprint" in line and "dynadiag:" not in line, line
+    assert not (tmp_path / "mixed.csv").exists()
+    out = tmp_path / "picked.csv"
+    script.main([*argv, "--fingerprint", "bbbb", "--out", str(out)])
+    _, rows = read_rows(out)
+    assert [(r["control"], r["seeds"]) for r in rows] == [("static_diagonals", "2")]
+    assert float(rows[0]["control_mean"]) == pytest.approx(0.835)  # not the 0.86 run
+    assert float(rows[0]["paired_mean"]) == pytest.approx(0.01)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        script.main([*argv, "--fingerprint", "dddd"])
+    assert "--fingerprint dddd: no record" in capsys.readouterr().err
+
+
+def test_paired_seeds_says_how_many_seeds_each_method_has(tmp_path, capsys):
+    """One seed each: refused, saying so; with a second workdir that pairs, the one-seed
+    workdir is named in a note instead of silently left out."""
+    one = [("dynadiag", 0, 0.84, "a"), ("static_diagonals", 0, 0.83, "b"), ("rigl", 0, 0.8, "c")]
+    two = [(m, s, 0.8 + s / 100, "a") for m in ("dynadiag", "static_diagonals") for s in (0, 1)]
+    _write_records(tmp_path / "one", _paired_records(one))
+    _write_records(tmp_path / "two", _paired_records(two))
+    script = load_script(ROOT / "bench" / "paired_seeds.py")
+    argv = ["--pairs", "dynadiag:static_diagonals", "--out", str(tmp_path / "p.csv")]
+    with pytest.raises(SystemExit) as exited:
+        script.main(["--workdir", str(tmp_path / "one"), *argv])
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert exited.value.code == 2 and "error: no pair of --pairs" in line, line
+    assert "one: mlp 90%: dynadiag 1, static_diagonals 1 (train seeds=2 or more)" in line, line
+    script.main(["--workdir", str(tmp_path / "one"), "--workdir", str(tmp_path / "two"), *argv])
+    assert f"note: {tmp_path / 'one'} left out" in capsys.readouterr().err
+    _, rows = read_rows(tmp_path / "p.csv")
+    assert [r["workdir"] for r in rows] == [str(tmp_path / "two")]
