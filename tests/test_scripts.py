@@ -771,7 +771,7 @@ def test_sigterm_saves_and_exits_with_sigterms_status(tmp_path):
     assert (checkpoints / str(stopped)).is_dir()  # the step it stopped at was saved
 
 
-def test_sparsify_script_one_shot_and_fine_tune_from_a_dense_run(run_python, tmp_path):
+def test_sparsify_script_one_shot_and_fine_tune_from_a_dense_run(run_python, tmp_path, monkeypatch):
     """train/sparsify.py on a dense run of the mnist5k MLP: the table, the frozen checkpoint, and
     a dense checkpoint of another size refused with the layer and the shapes."""
     small = "--config.model.hidden=(64, 64)"
@@ -840,6 +840,13 @@ def test_sparsify_script_one_shot_and_fine_tune_from_a_dense_run(run_python, tmp
     jax.tree.map(np.testing.assert_array_equal, again, variables)
     with pytest.raises(common.ConfigError, match="--workdir is the checkpoint's own run"):
         sparsify.prepare(one_shot.copy_and_resolve_references(), dense_run / "dense")
+    # another recipe in the same workdir is refused before the refit (it came after the refit
+    # and three evaluations)
+    changed = one_shot.copy_and_resolve_references()
+    changed.refit_ridge = 0.5
+    monkeypatch.setattr(sparsify.dd, "refit", lambda *a, **k: pytest.fail("refit before the check"))
+    with pytest.raises(common.ConfigError, match=r"refit_ridge: 0\.001 in the checkpoint, 0\.5"):
+        sparsify.prepare(changed, tmp_path / "once")
     # a run of another method: its kernels are dense-shaped but it is no dense model
     rigl = tmp_path / "rigl"
     shutil.copytree(dense_run / "dense", rigl)

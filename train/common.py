@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import pathlib
 import signal
@@ -30,6 +31,7 @@ from dynadiag_jax._checks import finite_number
 from dynadiag_jax.kernel_stats import describe_paths, model_paths
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn.functional import HYPER_NAME
+from dynadiag_jax.training.checkpoint import UnreadableCheckpoint, usable_directory
 
 MODELS = {"mlp": models.MLP, "vit": models.ViT, "mixer": models.MlpMixer, "gpt2": models.GPT2}
 MODEL_MODULES = {"mlp": models.mlp, "vit": models.vit, "mixer": models.mixer, "gpt2": models.gpt2}
@@ -528,6 +530,34 @@ def source_run(checkpoint, step: int = 0, *, workdir=None) -> SourceRun:
     finally:
         reader.close()
     return SourceRun(directory, read, recipe, variables)
+
+
+def check_workdir(workdir, run_info) -> None:
+    """Refuse now, before anything costly, a ``workdir`` that cannot hold checkpoints or whose
+    newest checkpoint records another ``run_info`` (``T.train`` refuses both, but only once it
+    runs; an unreadable newest checkpoint is left to it, which resumes from the one before).
+
+    Raises:
+      ConfigError: as :func:`train_from_config` would, naming ``--workdir``.
+    """
+    directory = pathlib.Path(workdir) / "checkpoints"
+    try:
+        usable_directory(directory, create=False)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint directory: {e} (--workdir)") from None
+    if not directory.is_dir():
+        return
+    reader = T.Checkpointer(directory, async_save=False, read_only=True)
+    try:
+        latest = reader.latest_step()
+        if latest is not None:
+            reader.check_run(latest, json.loads(json.dumps(run_info)))
+    except UnreadableCheckpoint:
+        pass
+    except T.CheckpointMismatch as e:
+        raise ConfigError(f"{e} (--workdir)") from None
+    finally:
+        reader.close()
 
 
 def restore_run_variables(checkpoint, step: int = 0) -> dict:
