@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 
 import jax
@@ -501,3 +502,21 @@ def test_run_differences_list_changed_entries_before_absent_ones():
         "optimizer.lr",
     ]
     assert lines[1] == "method: 'dynadiag' in the checkpoint, 'dense' in this run"
+
+
+def test_a_read_is_watched_for_failed_read_reports_from_its_start(tmp_path):
+    """A failed read's pending reads were reported (a traceback on stderr, once in CI) when they
+    failed before the read's error reached the filter's registration; a step that reads is not
+    watched afterwards, and the hooks are installed once, not once per read."""
+    from dynadiag_jax.training import checkpoint as C
+
+    train_tiny(tmp_path / "run", num_steps=4)
+    ckpt = T.Checkpointer(tmp_path / "run" / "checkpoints")
+    watched = f"{ckpt.directory / '4'}/"
+    ckpt.restore_variables(4)
+    hook = sys.unraisablehook
+    with ckpt._reading(4, "state"):
+        assert watched in C._UNREADABLE
+    ckpt.read_meta(4)
+    assert watched not in C._UNREADABLE and sys.unraisablehook is hook
+    ckpt.close()

@@ -39,8 +39,10 @@ __all__ = [
 
 # What a resumed run can do about a step it cannot read.
 RESUME_ADVICE = "delete it or use another workdir"
-# The step directories this process failed to read (see _quiet_failed_reads).
+# The step directories this process failed to read or is reading (see _quiet_failed_reads), and
+# whether its hooks are installed.
 _UNREADABLE: set[str] = set()
+_HOOKED: list[bool] = []
 
 
 class CheckpointMismatch(ValueError):
@@ -113,7 +115,8 @@ def run_differences(stored: Mapping, current: Mapping, where: str = "the checkpo
 
 
 def _quiet_failed_reads(step_dir: pathlib.Path) -> None:
-    """Leave out, from now on, the reports of what a failed restore of ``step_dir`` left behind.
+    """Leave out, from now on, the reports of what a failed restore of ``step_dir`` left behind
+    (called before the read: :meth:`Checkpointer._reading` stops watching a step that read).
 
     When one array read fails, Orbax returns with the restore's other reads still pending on the
     event loop it closes. As they end or are collected (seconds later, or at exit), Python prints
@@ -123,7 +126,8 @@ def _quiet_failed_reads(step_dir: pathlib.Path) -> None:
     why, pages of noise. Reports of other errors still go to the hooks and the logger there
     were.
     """
-    if not _UNREADABLE:
+    if not _HOOKED:  # once per process: the hooks read _UNREADABLE as it changes
+        _HOOKED.append(True)
         previous, previous_except = sys.unraisablehook, sys.excepthook
 
         def hook(unraisable):
@@ -260,13 +264,22 @@ class Checkpointer:
             missing = f"it has no {item}/"
         if missing:
             raise UnreadableCheckpoint(self.directory, step, missing, advice)
+        # Watched from before the read: a failed read's pending reads can be reported while Orbax
+        # unwinds, before its error reaches the except clause below (a CI run printed one).
+        watched = f"{path}/"
+        fresh = watched not in _UNREADABLE
+        _quiet_failed_reads(path)
+        failed = False
         try:
             yield
         except CheckpointMismatch:
             raise
         except Exception as e:  # Orbax, TensorStore and json raise many types; the step is lost
-            _quiet_failed_reads(path)
+            failed = True
             raise UnreadableCheckpoint(self.directory, step, f"{item}: {_reason(e)}", advice) from e
+        finally:
+            if fresh and not failed:
+                _UNREADABLE.discard(watched)
 
     def read_meta(self, step: int, *, advice: str = "") -> dict:
         """The JSON record saved with ``step``.
