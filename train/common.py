@@ -7,6 +7,7 @@ missing key is reported before anything is built or compiled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -522,13 +523,10 @@ def source_run(checkpoint, step: int = 0, *, workdir=None) -> SourceRun:
         raise ConfigError(
             f"--workdir is the checkpoint's own run ({directory}): give a new directory"
         )
-    variables = restore_run_variables(directory, step)
-    reader = T.Checkpointer(directory / "checkpoints", async_save=False, read_only=True)
-    try:
+    with _run_reader(directory) as reader:
+        variables = reader.restore_variables(int(step) or None)
         read = int(step) or reader.latest_step()
         recipe = reader.read_meta(read).get("run", {})
-    finally:
-        reader.close()
     return SourceRun(directory, read, recipe, variables)
 
 
@@ -560,9 +558,10 @@ def check_workdir(workdir, run_info) -> None:
         reader.close()
 
 
-def restore_run_variables(checkpoint, step: int = 0) -> dict:
-    """The variables of a run's Orbax checkpoint (``checkpoint``: the run's workdir or its
-    ``checkpoints/`` directory; ``step`` 0: the newest), read without a target."""
+@contextlib.contextmanager
+def _run_reader(checkpoint):
+    """A read-only :class:`T.Checkpointer` of a run's checkpoints (``checkpoint``: the run's
+    workdir or its ``checkpoints/`` directory), closed on leaving."""
     directory = pathlib.Path(checkpoint)
     if directory.name != "checkpoints":
         directory = directory / "checkpoints"
@@ -570,9 +569,16 @@ def restore_run_variables(checkpoint, step: int = 0) -> dict:
         raise ConfigError(f"checkpoint: no directory {directory}")
     reader = T.Checkpointer(directory, async_save=False, read_only=True)
     try:
-        return reader.restore_variables(int(step) or None)
+        yield reader
     finally:
         reader.close()
+
+
+def restore_run_variables(checkpoint, step: int = 0) -> dict:
+    """The variables of a run's Orbax checkpoint (``checkpoint``: the run's workdir or its
+    ``checkpoints/`` directory; ``step`` 0: the newest), read without a target."""
+    with _run_reader(checkpoint) as reader:
+        return reader.restore_variables(int(step) or None)
 
 
 def layer_paths(model: nn.Module, example_input) -> list[str]:
