@@ -83,14 +83,22 @@ def test_a_name_pending_is_not_submitted_twice_and_waiting_twice_or_for_nothing_
     assert calls == [1, 1]
 
 
-def test_close_drops_the_compiles_not_started():
+def _blocking_argument():
+    """``(started, release, fn)``: an argument builder that holds a compile on the worker thread
+    (``started`` set) until ``release`` is set."""
     started, release = threading.Event(), threading.Event()
-    calls = []
 
     def blocking():
         started.set()
         release.wait(10)
         return jnp.ones((2,), jnp.float32)
+
+    return started, release, blocking
+
+
+def test_close_drops_the_compiles_not_started():
+    started, release, blocking = _blocking_argument()
+    calls = []
 
     def counted():
         calls.append(1)
@@ -110,12 +118,7 @@ def test_close_drops_the_compiles_not_started():
 
 
 def test_busy_since_says_whether_a_compile_ran_in_an_interval():
-    started, release = threading.Event(), threading.Event()
-
-    def blocking():
-        started.set()
-        release.wait(10)
-        return jnp.ones((2,), jnp.float32)
+    started, release, blocking = _blocking_argument()
 
     times = iter([5.0])  # the clock read when the compile ends
     with CompileAhead(clock=lambda: next(times)) as ahead:
@@ -131,12 +134,7 @@ def test_busy_since_says_whether_a_compile_ran_in_an_interval():
 
 def test_close_without_waiting_leaves_the_running_compile_to_finish_on_its_own():
     """What an interrupt does: a compile can take minutes, and XLA cannot cancel it."""
-    started, release = threading.Event(), threading.Event()
-
-    def blocking():
-        started.set()
-        release.wait(10)
-        return jnp.ones((2,), jnp.float32)
+    started, release, blocking = _blocking_argument()
 
     ahead = CompileAhead()
     ahead.submit("slow", jax.jit(jnp.sin), blocking)
