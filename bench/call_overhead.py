@@ -1,8 +1,8 @@
 """Where the time of a small-batch ``dd.diag_matmul`` call goes, beside XLA's dense dot.
 
 At a few rows a product is tens of microseconds, so what XLA runs around the kernel counts as much
-as the kernel. For every shape, block size and batch size this times, warm (each function called
-back to back, median of ``--repeats``), one jitted forward ``y = x @ W.T`` of:
+as the kernel. For every shape, block size and batch size this times, warm, one jitted forward
+``y = x @ W.T`` of:
 
 * ``dense``: XLA's dot on a dense kernel ``[in, out]`` (the ``nn.Dense`` being replaced), and
   ``dense+bias``;
@@ -11,7 +11,11 @@ back to back, median of ``--repeats``), one jitted forward ``y = x @ W.T`` of:
   call alone), and ``ffi in range+bias``: the same followed by one element-wise op, as in a layer;
 * ``jax``: ``dd.diag_matmul(impl="jax")``, the pure-JAX path with the guard.
 
-Each time is also printed as a speed-up over ``dense`` of the same shape and batch. Writes a CSV
+Warm: each function runs its share of the ``--repeats`` calls back to back after an untimed one.
+Interleaved: the calls come in ``--rounds`` rounds, each giving every function its share in an
+order that rotates from round to round, so a change of the host's speed meets every function
+alike; a time is the median of all its calls. Each time is also printed as a speed-up over
+``dense`` of the same shape and batch. Writes a CSV
 (``--out``, default ``bench/results/call_overhead_<time>.csv``).
 
 Example::
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from bench_cli import (  # bench/, beside this
     add_options,
+    count,
     make_parser,
     results_path,
     sparsity,
@@ -41,9 +46,17 @@ from dynadiag_jax.ops.diag_matmul import diag_matmul_in_range
 VARIANTS = ("dense", "dense+bias", "ffi", "ffi in range", "ffi in range+bias", "jax")
 
 
-def _median_us(fn, args, repeats: int) -> float:
-    time_call(fn, args)
-    return statistics.median(time_call(fn, args) for _ in range(repeats)) * 1e6
+def _median_us(fns: dict, args, repeats: int, rounds: int) -> dict[str, float]:
+    """``{name: us}``: the median of ``repeats`` warm calls of each of ``fns``, in ``rounds``
+    interleaved rounds (the order rotating)."""
+    names = list(fns)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        share = repeats // rounds + (r < repeats % rounds)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            time_call(fns[name], args)
+            times[name] += [time_call(fns[name], args) for _ in range(share)]
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def _functions(out_features: int):
@@ -77,10 +90,9 @@ def run(args) -> list[dict]:
             for batch in args.batch:
                 case = make_case(in_f, out_f, args.sparsity, b, batch, jnp.float32, args.seed)
                 x, values, offsets, k = case.x, case.values, case.offsets, case.k
-                times = {
-                    name: _median_us(jax.jit(fn), (x, w, values, offsets, bias), args.repeats)
-                    for name, fn in _functions(out_f).items()
-                }
+                fns = {name: jax.jit(fn) for name, fn in _functions(out_f).items()}
+                rounds = min(args.rounds, args.repeats)
+                times = _median_us(fns, (x, w, values, offsets, bias), args.repeats, rounds)
                 for name in VARIANTS:
                     rows.append(
                         dict(
@@ -107,12 +119,19 @@ def main(argv=None) -> None:
         repeats=201,
     )
     parser.add_argument("--sparsity", type=sparsity, default=0.9, help="in (0, 1) (default 0.9)")
+    parser.add_argument(
+        "--rounds",
+        type=count("rounds"),
+        default=5,
+        help="interleaved rounds the repeats are split into (default 5)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     out = args.out or results_path("call_overhead")
     print(
         f"jax {jax.__version__}, backend {jax.default_backend()}, sparsity {args.sparsity}, "
-        f"warm, median of {args.repeats} (us, and speed-up over dense)"
+        f"warm, median of {args.repeats} in {min(args.rounds, args.repeats)} interleaved rounds "
+        "(us, and speed-up over dense)"
     )
     rows = run(args)
     header = f"{'shape':>10} {'b':>3} {'batch':>5} " + " ".join(f"{v:>18}" for v in VARIANTS)

@@ -183,6 +183,25 @@ def test_call_overhead_benchmark_times_every_variant_per_shape_and_batch(run_pyt
             assert ratio == 1.0, r
 
 
+def test_call_overhead_benchmark_interleaves_its_rounds(monkeypatch):
+    """The functions take turns in rounds, the order rotating, each call after an untimed one
+    (it timed each function's calls all together, one function after another)."""
+    module = load_script(str(ROOT / "bench" / "call_overhead.py"))
+    calls = []
+
+    def time_call(fn, args):
+        calls.append(fn)
+        return {"a": 1.0, "b": 2.0, "c": 3.0}[fn] + len(calls) * 1e-9
+
+    monkeypatch.setattr(module, "time_call", time_call)
+    us = module._median_us({"a": "a", "b": "b", "c": "c"}, (), repeats=7, rounds=3)
+    # shares 3, 2, 2; a warm-up call before each share
+    expected = ["a"] * 4 + ["b"] * 4 + ["c"] * 4
+    expected += ["b"] * 3 + ["c"] * 3 + ["a"] * 3 + ["c"] * 3 + ["a"] * 3 + ["b"] * 3
+    assert calls == expected
+    assert us == pytest.approx({"a": 1e6, "b": 2e6, "c": 3e6})
+
+
 @pytest.mark.parametrize("option", [["--shapes", "64"], ["--batch", "0"], ["--sparsity", "1"]])
 def test_call_overhead_benchmark_refuses_bad_options(capsys, option):
     assert_refuses(ROOT / "bench" / "call_overhead.py", option, capsys)
