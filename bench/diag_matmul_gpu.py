@@ -50,6 +50,8 @@ SPARSITIES = (0.8, 0.9, 0.95)
 LAYOUTS = ("random", "band")
 BLOCK_SIZES = (1, 16, 32)
 IMPLS = ("ffi", "auto", "dense", "bcoo")
+# --quick's defaults; an option given on the command line still wins
+QUICK = dict(shapes=((768, 3072),), sparsities=(0.9,), impls=("ffi", "dense"), block_sizes=(1, 16))
 PHASES = ("fwd", "fwd+bwd")
 
 
@@ -138,7 +140,11 @@ def parse_args(argv):
         return parse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="768:3072 at 0.9, ffi and dense only")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="defaults 768:3072, 0.9, block sizes 1,16, ffi and dense (options given still count)",
+    )
     parser.add_argument(
         "--shapes", type=parse_shapes, default=SHAPES, help="IN:OUT pairs, comma separated"
     )
@@ -180,11 +186,11 @@ def parse_args(argv):
     )
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
+    if args.quick:  # parsed again with its defaults: what the command line says overrides them
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
-    if args.quick:
-        args.shapes, args.sparsities, args.impls = ((768, 3072),), (0.9,), ("ffi", "dense")
-        args.block_sizes = (1, 16)
     if "dense" not in args.impls:
         args.impls = (*args.impls, "dense")
     return args

@@ -383,6 +383,10 @@ def test_gpu_check_profiles_the_benchmarked_shape_with_the_listed_metrics(nc):
     assert (parsed.repeats, parsed.warmup, parsed.block_sizes) == (1, 0, (16, 32))
     with pytest.raises(SystemExit):
         diag_matmul_gpu.parse_args(["--repeats", "0"])
+    # --quick sets defaults; it overrode the options typed beside it
+    quick = diag_matmul_gpu.parse_args(["--quick", "--block-sizes", "32", "--sparsities", "0.95"])
+    assert (quick.block_sizes, quick.sparsities, quick.shapes) == ((32,), (0.95,), ((768, 3072),))
+    assert quick.impls == ("ffi", "dense")
 
 
 def test_the_profile_step_runs_with_a_stand_in_ncu(nc, headline, tmp_path):
