@@ -295,15 +295,16 @@ def diag_matmul_in_range(x, values, offsets, *, out_features: int, impl: str = "
 
 def _diag_matmul(x, values, offsets, *, out_features, impl, guard, perm=None):
     host_offsets = host_array(offsets)  # before _as_array moves numpy data to the device
+    host_perm = None if perm is None else host_array(perm)
     x, values, offsets = (
         _as_array(a, n) for a, n in ((x, "x"), (values, "values"), (offsets, "offsets"))
     )
-    _check_symbolic(x, out_features, values=values, offsets=offsets)
+    arrays = dict(values=values, offsets=offsets)
+    if perm is not None:
+        arrays["perm"] = perm = _as_array(perm, "perm")
+    _check_symbolic(x, out_features, **arrays)
     geo = _check_args(x, values, offsets, out_features, host_offsets)
     if perm is not None:
-        host_perm = host_array(perm)
-        perm = _as_array(perm, "perm")
-        _check_symbolic(x, out_features, perm=perm)
         _check_perm(perm, host_perm, geo.in_features)
         perm = as_int32(perm)
     offsets = as_int32(offsets)
