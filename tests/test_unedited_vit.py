@@ -158,6 +158,7 @@ def test_script_refuses_to_resume_another_recipe_in_one_message(run_python, tmp_
             "--config.models.vit.model.variant=mu/7",
             "--config.models.vit.optimizer.learning_rate=0.05",
             f"--workdir={workdir}",
+            "--noprogress",
         ],
         check=False,
     )
@@ -166,3 +167,18 @@ def test_script_refuses_to_resume_another_recipe_in_one_message(run_python, tmp_
         proc.stderr
     )
     assert "optimizer.learning_rate: 0.001 in the checkpoint, 0.05 in this run" in proc.stderr
+
+
+def test_train_one_passes_the_progress_bar_on(monkeypatch, tmp_path):
+    """--progress (the default) shows a bar over each run's steps; it had none."""
+    seen = {}
+
+    def train_built(*args, progress=False):
+        seen["progress"] = progress
+        raise T.CheckpointMismatch("stop here")
+
+    monkeypatch.setattr(R, "train_built", train_built)
+    for progress in (True, False):
+        with pytest.raises(common.ConfigError, match="stop here"):
+            U.train_one(None, None, None, 0, 10, tmp_path, {}, progress=progress)
+        assert seen["progress"] is progress

@@ -564,12 +564,14 @@ def train_built(
     compile_first=False,
     checkpoints=True,
     initial_variables=None,
+    progress=False,
 ):
     """``T.train`` of a built method (:class:`train.baselines.Method`) with suite ``model_name``'s
     recipe, data and logging: what every results run trains, whatever its model; ``steps`` in
     all, the last ones ``finetune``'s phase if given; ``compile_first`` as for ``T.train``;
     ``checkpoints=False`` saves only where the loop must (the freeze, the end), not every epoch
-    (a quarter of the run for a language model); ``initial_variables`` as for ``T.train``."""
+    (a quarter of the run for a language model); ``initial_variables`` and ``progress`` (a bar
+    over the run's steps) as for ``T.train``."""
     m = config.models[model_name]
     lm = is_language_model(m)
     every = max(1, steps // 4) if lm else steps // int(m.epochs)
@@ -591,7 +593,7 @@ def train_built(
         keep_checkpoints=1,
         log_every=50,
         learning_rate=built.learning_rate,
-        progress=False,
+        progress=progress,
         tensorboard=False,
         run_info=run_info,
         finetune=finetune,

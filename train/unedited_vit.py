@@ -169,16 +169,27 @@ def check_recorded(
 
 
 def train_one(
-    config, data, built, seed: int, steps: int, workdir: pathlib.Path, run_info: dict
+    config,
+    data,
+    built,
+    seed: int,
+    steps: int,
+    workdir: pathlib.Path,
+    run_info: dict,
+    *,
+    progress: bool = False,
 ) -> dict:
-    """One run of the suite's recipe; its accuracy, parameters and logged step times.
+    """One run of the suite's recipe (``progress``: a bar over its steps); its accuracy,
+    parameters and logged step times.
 
     Raises:
       common.ConfigError: ``workdir`` holds a checkpoint of another ``run_info`` or seed, or one
         that cannot be read.
     """
     try:
-        result = R.train_built(config, data, SUITE, built, seed, steps, workdir, run_info)
+        result = R.train_built(
+            config, data, SUITE, built, seed, steps, workdir, run_info, progress=progress
+        )
     except T.CheckpointMismatch as e:
         raise common.ConfigError(f"{e} (--workdir)") from None
     counts = T.parameter_counts(result.state.params)
@@ -251,7 +262,11 @@ def report(records: list[dict], timings: dict[str, float], sparsity: float) -> s
     return "\n".join(rows)
 
 
-def run(config, workdir: pathlib.Path, seeds: int, sparsity: float) -> str:
+def run(
+    config, workdir: pathlib.Path, seeds: int, sparsity: float, *, progress: bool = False
+) -> str:
+    """Train what ``workdir`` has not recorded yet (``progress``: a bar over each run's steps),
+    time the frozen steps, and return the report."""
     try:
         workdir = usable_directory(workdir)
     except ValueError as e:
@@ -270,7 +285,11 @@ def run(config, workdir: pathlib.Path, seeds: int, sparsity: float) -> str:
             print(f"training {name} seed {seed} ...", flush=True)
             run_dir = workdir / f"{name}_s{round(100 * sparsity)}_seed{seed}"
             record = {"variant": name, "seed": seed, "sparsity": sparsity, "recipe": recipes[name]}
-            record.update(train_one(config, data, built, seed, steps, run_dir, recipes[name]))
+            record.update(
+                train_one(
+                    config, data, built, seed, steps, run_dir, recipes[name], progress=progress
+                )
+            )
             with path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             records.append(record)
@@ -288,7 +307,15 @@ def main(argv):
     if not 0.0 < FLAGS.sparsity < 1.0:
         common.die(f"--sparsity must lie in (0, 1), got {FLAGS.sparsity}")
     common.run_script(
-        lambda: print(run(config, pathlib.Path(FLAGS.workdir), FLAGS.seeds, FLAGS.sparsity))
+        lambda: print(
+            run(
+                config,
+                pathlib.Path(FLAGS.workdir),
+                FLAGS.seeds,
+                FLAGS.sparsity,
+                progress=FLAGS.progress,
+            )
+        )
     )
 
 
@@ -297,4 +324,5 @@ if __name__ == "__main__":  # flags exist only when run as a file (tests import 
     flags.DEFINE_string("workdir", "runs/unedited_vit", "run directories and records")
     flags.DEFINE_integer("seeds", 3, "seeds 0 .. n-1", lower_bound=1)
     flags.DEFINE_float("sparsity", 0.9, "sparsity of the diagonal layers")
+    flags.DEFINE_bool("progress", True, "show a progress bar over each run's steps")
     app.run(main, flags_parser=cli.parse_flags)
