@@ -683,6 +683,36 @@ def test_results_smoke_run_reports_in_its_workdir_and_never_writes_docs(run_pyth
     assert not (tmp_path / "other").exists() and os.listdir(docs) == ["RESULTS.md"]
 
 
+def test_results_interrupted_while_timing_exits_on_one_line(tmp_path):
+    """Ctrl-C during --timing_only: status 130, one line saying speed.json is as it was (here:
+    still absent), no traceback."""
+    run = tmp_path / "run"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONUNBUFFERED": "1",
+    }
+    command = [sys.executable, *_quick_dense_mlp(run), "--timing_only"]
+    proc = subprocess.Popen(
+        command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        for line in proc.stdout:  # the timing has begun
+            if line.startswith("timing every method side by side"):
+                break
+        else:
+            pytest.fail(f"exited with {proc.wait()}: {proc.stderr.read()[-2000:]}")
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+    assert f"interrupted while timing; {run / results_runs.SPEED_FILE} is as it was" in stderr
+    assert not (run / results_runs.SPEED_FILE).exists()
+
+
 def test_results_reports_a_run_whose_checkpoints_cannot_be_restored_on_one_line(
     run_python, tmp_path
 ):
