@@ -11,7 +11,7 @@ import pytest
 from training_helpers import fast_compile  # noqa: F401 - fixture
 
 from dynadiag_jax import training as T
-from train import common, fashion_mnist, finetuning, lm
+from train import baselines, common, fashion_mnist, finetuning, lm
 from train import lora_fa as script
 from train.configs import fashion_mnist as fashion_config
 from train.configs import gpt2_lm
@@ -54,6 +54,21 @@ def lora_fa_config(frozen_run, arg="rank=4", **lora):
     config.model.hidden = (64, 64)
     config.lora.update(lora)
     return config
+
+
+def test_lora_fa_recipe_leaves_out_the_sparse_update_factor_its_phase_never_applies():
+    """The phase's optimizer scales no update (finetuning.lora_phase), so two values of
+    optimizer.sparse_lr_scale trained the same fine-tune but were refused as two recipes."""
+    method = baselines.Method("lora_fa", None, None, None, None, None, ("dynadiag",))
+    recipes = []
+    for mode in ("init_gain", "none"):
+        config = lora_fa_config("runs/x")
+        config.optimizer.sparse_lr_scale = mode
+        recipes.append(common.recipe(config, method))
+    assert recipes[0] == recipes[1] and common.SPARSE_LR_KEY not in recipes[0]
+    assert recipes[0]["optimizer.learning_rate"] == config.optimizer.learning_rate
+    trained = baselines.Method("dynadiag", None, None, None, None, None, ("dynadiag",))
+    assert common.recipe(lora_fa_config("runs/x"), trained)[common.SPARSE_LR_KEY] == "init_gain"
 
 
 def test_lora_fa_script_fine_tunes_a_frozen_run(run_python, tmp_path):
@@ -162,7 +177,9 @@ def test_lm_run_with_a_lora_phase_and_lora_fa_on_its_checkpoint(tmp_path, capsys
     config.data.update(seq_len=32, eval_windows=16)
     config.train.update(batch_size=8, eval_batch_size=8, num_steps=8)
     out = tmp_path / "ft"
+    capsys.readouterr()
     rows = script.run(config, out, progress=False)
+    assert f"source: step 6 of {frozen.resolve()} (dynadiag)\n" in capsys.readouterr().out
     before, after = json.loads((out / "lora_fa.json").read_text())
     assert [before, after] == rows
     assert after["model"] == "+ LoRA-FA r=2 (B + values)" and after["steps"] == 2  # 25% of 8

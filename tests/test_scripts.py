@@ -893,9 +893,10 @@ def test_sparsify_script_one_shot_and_fine_tune_from_a_dense_run(run_python, tmp
     assert last.startswith("error: from_dense") and "(64, 10) in the dense model" in last, last
 
 
-def test_sparsify_script_on_a_dense_language_model(tmp_path):
+def test_sparsify_script_on_a_dense_language_model(tmp_path, capsys):
     """suite=gpt: token windows refit the kept diagonals, the fine-tune distils the dense model,
-    and the table is validation perplexity (the dense row equal to the dense run's last)."""
+    and the table is validation perplexity (the dense row equal to the dense run's last); the
+    start-up names the dense run and step read."""
     from train import sparsify  # noqa: PLC0415
     from train.configs import sparsify as sparsify_config  # noqa: PLC0415
 
@@ -910,7 +911,9 @@ def test_sparsify_script_on_a_dense_language_model(tmp_path):
     config.optimizer.warmup_steps = 0
     config.refit_examples = 16
     out = tmp_path / "sp"
+    capsys.readouterr()
     rows = sparsify.run(config, out, progress=False)
+    assert f"source: step 6 of {dense_run.resolve()} (dense)\n" in capsys.readouterr().out
     table = json.loads((out / "sparsify.json").read_text())
     assert [row["model"] for row in table] == [
         "dense (checkpoint)",

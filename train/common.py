@@ -418,7 +418,8 @@ SPARSE_LR_KEY = "optimizer.sparse_lr_scale"
 def recipe(config, method) -> dict[str, Any]:
     """What decides the result of a run of ``method`` (a :class:`train.baselines.Method`), flat:
     ``{"method": name, "optimizer.learning_rate": 1e-3, ...}``: every config entry but
-    :data:`NOT_RECIPE` (and the ``lora`` section of a run without a LoRA-FA phase), and of the
+    :data:`NOT_RECIPE` (and the ``lora`` section of a run without a LoRA-FA phase, and
+    ``optimizer.sparse_lr_scale`` of train/lora_fa.py's, which no step reads), and of the
     ``dynadiag`` and ``unstructured`` sections only what the method reads. Stored with the run's
     checkpoints; resuming with another recipe is refused."""
     # A config without a LoRA-FA phase (lora.steps = 0) computes the same whatever its settings.
@@ -433,8 +434,9 @@ def recipe(config, method) -> dict[str, Any]:
 
     flat = {k: v for k, v in _flat_keys(config).items() if kept(k)}
     # "none" is what every run trained before the entry existed did: those runs still resume.
-    if flat.get(SPARSE_LR_KEY) == "none":
-        del flat[SPARSE_LR_KEY]
+    # lora_fa.py's phase builds its optimizer without the factor, so any value computes the same.
+    if flat.get(SPARSE_LR_KEY) == "none" or method.name == "lora_fa":
+        flat.pop(SPARSE_LR_KEY, None)
     return {"method": method.name, **flat}
 
 
@@ -506,6 +508,11 @@ class SourceRun(NamedTuple):
     step: int  # the step read
     recipe: dict  # what its checkpoint records of its run (``"method"``, ...)
     variables: dict
+
+    def startup_line(self) -> str:
+        """The start-up line a script that reads this run prints: which run, which step."""
+        method = self.recipe.get("method", "unrecorded method")
+        return f"source: step {self.step} of {self.directory} ({method})"
 
 
 def source_run(checkpoint, step: int = 0, *, workdir=None) -> SourceRun:

@@ -115,6 +115,8 @@ def prepare(config, workdir=None) -> Prepared:
             "DynaDiag one (the end of a dynadiag run, or train/sparsify.py's)"
         )
     config.checkpoint, config.step = str(source.directory), source.step
+    if jax.process_index() == 0:
+        print(source.startup_line())
     frozen = source.variables
     if T.is_searching(frozen["params"]):
         raise common.ConfigError(

@@ -110,6 +110,8 @@ def prepare(config, workdir=None):
             "one (method dense)"
         )
     config.checkpoint, config.step = str(source.directory), source.step
+    if jax.process_index() == 0:
+        print(source.startup_line())
     if workdir is not None:  # before the refit and the evaluations, not after them
         common.check_workdir(workdir, {**common.recipe(config, built), "seed": int(config.seed)})
     dense = source.variables
