@@ -24,6 +24,7 @@ import dynadiag_jax as dd
 from dynadiag_jax import data as D
 from dynadiag_jax import training as T
 from dynadiag_jax.data import text
+from dynadiag_jax.kernel_stats import model_paths
 from train import (
     baselines,
     cli,
@@ -396,6 +397,27 @@ def test_startup_lines_say_the_sparse_weights_update_factor():
     )
     dense = gpt2_lm.get_config("runlocal,sparsity=0")
     assert common.startup_lines(dense, lm.prepare(dense)[0], example) == []
+    # K = 4 of 32 (x2.83) in the 32-wide layers: within 1.25x of x3.16, no warning
+    assert not any(line.startswith("warning") for line in lines)
+
+
+def test_startup_lines_warn_where_a_layer_keeps_more_than_its_nominal_density():
+    """At 0.999 a 32-wide layer keeps 1 of 32 diagonals: its values start x5.66 the dense
+    layer's, while sparse_lr_scale=init_gain scales their updates by x31.6."""
+    config = gpt2_lm.get_config("runlocal,sparsity=0.999")
+    method, *_, example = lm.prepare(config)[:5]
+    lines = common.startup_lines(config, method, example)
+    warnings = [line for line in lines if line.startswith("warning: ")]
+    layers = [p.path for p in model_paths(method.model, jax.random.key(0), example)]
+    assert len(warnings) == len(layers) and all(
+        w.startswith(f"warning: {name} keeps 1 of ") for w, name in zip(warnings, layers)
+    )
+    assert any(
+        "keeps 1 of 32 diagonals, so its values start x5.66 the dense layer's, but their "
+        "updates are x31.6 (optimizer.sparse_lr_scale=init_gain follows the nominal sparsity)"
+        in line
+        for line in warnings
+    ), warnings
 
 
 def test_a_run_from_before_sparse_lr_scale_resumes_with_none(tmp_path):

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 import signal
@@ -588,24 +589,47 @@ def restore_run_variables(checkpoint, step: int = 0) -> dict:
         return reader.restore_variables(int(step) or None)
 
 
-def layer_paths(model: nn.Module, example_input) -> list[str]:
-    """Start-up lines: the path ``impl="auto"`` takes for each sparse layer on this platform, and
-    on a GPU the cost model's predicted speed against a dense layer (nothing for dense models)."""
-    batch = example_input.shape[0] // jax.device_count()  # the rows one device multiplies
+def _device_paths(model: nn.Module, example_input):
+    """:func:`dynadiag_jax.kernel_stats.model_paths` for the rows one device multiplies."""
+    batch = example_input.shape[0] // jax.device_count()
     x = jax.ShapeDtypeStruct((batch, *example_input.shape[1:]), example_input.dtype)
-    paths = model_paths(model, jax.random.key(0), x)
+    return model_paths(model, jax.random.key(0), x)
+
+
+def _path_lines(paths) -> list[str]:
     return [f"sparse layers: {line}" for line in describe_paths(paths)]
 
 
+def layer_paths(model: nn.Module, example_input) -> list[str]:
+    """Start-up lines: the path ``impl="auto"`` takes for each sparse layer on this platform, and
+    on a GPU the cost model's predicted speed against a dense layer (nothing for dense models)."""
+    return _path_lines(_device_paths(model, example_input))
+
+
 def startup_lines(config, method, example_input) -> list[str]:
-    """A run's start-up lines: :func:`layer_paths`, and the factor ``optimizer.sparse_lr_scale``
-    puts on the sparse weights' updates (none when 1)."""
-    lines = layer_paths(method.model, example_input)
-    if method.sparse_update_scale != 1.0:
-        lines.append(
-            f"sparse weights: updates x{method.sparse_update_scale:.3g}, their init's gain over "
-            f"the dense layer's (optimizer.sparse_lr_scale={config.optimizer.sparse_lr_scale})"
-        )
+    """A run's start-up lines: :func:`layer_paths`, the factor ``optimizer.sparse_lr_scale``
+    puts on the sparse weights' updates (none when 1), and a warning for each diagonal layer
+    whose own init gain is more than 1.25 times off that factor: ``K`` clamped to 1, or rounded
+    up on a narrow layer (at the suites' sparsities their layers stay within 1.12 times)."""
+    paths = _device_paths(method.model, example_input)
+    lines = _path_lines(paths)
+    scale = method.sparse_update_scale
+    if scale == 1.0:
+        return lines
+    mode = config.optimizer.sparse_lr_scale
+    lines.append(
+        f"sparse weights: updates x{scale:.3g}, their init's gain over the dense layer's "
+        f"(optimizer.sparse_lr_scale={mode})"
+    )
+    for p in paths:
+        candidates = dd.layout.geometry(p.in_features, p.out_features, p.block_size).num_candidates
+        gain = math.sqrt(candidates / p.num_diagonals)  # 1 / sqrt(K / P), the layer's density
+        if max(gain / scale, scale / gain) > 1.25:
+            lines.append(
+                f"warning: {p.path} keeps {p.num_diagonals} of {candidates} diagonals, so its "
+                f"values start x{gain:.3g} the dense layer's, but their updates are x{scale:.3g} "
+                f"(optimizer.sparse_lr_scale={mode} follows the nominal sparsity)"
+            )
     return lines
 
 
