@@ -175,6 +175,45 @@ def test_search_forward_and_grad_match_dense(rng, n_in, n_out, explore):
         )
 
 
+@pytest.mark.parametrize("explore", ["buckets", "dense_score"])
+def test_search_grad_of_grad_matches_dense(rng, explore):
+    """Hessian-vector products (reverse over reverse) of a searching layer: its products'
+    custom_vjps and the gate differentiate twice as the dense reference does."""
+    n_in, n_out = 16, 24
+    layer = DiagonalDense(n_out, sparsity=0.8, explore=explore, impl="jax")
+    v, x = init(layer, n_in, batch=(2, 3))
+    params = perturb(v["params"], rng)
+    strength, k = 0.1, layer.budget(n_in)
+    gate = dd.sparse_soft_topk(params["alpha"], k, strength=strength)
+    if explore == "buckets":
+        computed = jnp.arange(max(n_in, n_out))
+    else:
+        computed = jax.lax.top_k(gate, layer.capacity(n_in))[1]
+
+    def layer_apply(params):
+        return layer.apply(dict(v, params=params), x, strength=strength)
+
+    def ref_apply(params):
+        g = dd.sparse_soft_topk(params["alpha"], k, strength=strength)
+        return dense_reference(params, x, n_out, g, computed, k=k)
+
+    tangent = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype), params)
+
+    def hvp(apply):
+        grad = jax.grad(lambda p: jnp.sum(jnp.sin(apply(p))))
+        dot = lambda p: sum(  # noqa: E731
+            jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(grad(p)), jax.tree.leaves(tangent))
+        )
+        return jax.grad(dot)(params)
+
+    got, want = hvp(layer_apply), hvp(ref_apply)
+    for name in ("alpha", "values", "bias"):
+        scale = float(jnp.max(jnp.abs(want[name])))
+        np.testing.assert_allclose(
+            np.asarray(got[name]), np.asarray(want[name]), atol=1e-4 * scale, err_msg=name
+        )
+
+
 @pytest.mark.parametrize("impl", ["jax", "auto"])
 def test_search_backward_computes_dx_only_where_x_needs_it(rng, impl):
     """A first layer (``x`` constant) gets ``dvalues`` alone from the bucketed search backward;
