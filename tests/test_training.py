@@ -32,6 +32,43 @@ def test_loss_goes_down_and_eval_is_reported(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-1] == "30"
 
 
+class _SlowBatches:
+    """``batches`` handing over each batch ``delay`` seconds late: an input-bound run."""
+
+    def __init__(self, batches, delay):
+        self.batches, self.delay = batches, delay
+        self.global_batch_size = batches.global_batch_size
+
+    def iterate(self, start):
+        for batch in self.batches.iterate(start):
+            time.sleep(self.delay)
+            yield batch
+
+
+def test_an_input_bound_run_says_so_once(tmp_path, caplog, monkeypatch):
+    """Each record has the share of its steps' time spent waiting for input batches; a run whose
+    steps mostly wait warns once (the progress bar shows the share)."""
+    monkeypatch.setattr(loop, "INPUT_BOUND_SECONDS", 0.1)  # 30 s of logged steps in a run
+    train_tiny(tmp_path / "fast", num_steps=8)
+    fast = [r for r in T.read_jsonl(tmp_path / "fast" / "metrics.jsonl") if r["kind"] == "train"]
+    assert all(0.0 <= r["input_wait_fraction"] <= 1.0 for r in fast[1:]), fast
+    slow = _SlowBatches(D.ArrayBatches(blobs(), 16, seed=0), delay=0.05)
+    T.train(
+        model=models.MLP(4, hidden=(32, 32)),
+        optimizer=T.adamw(1e-2, weight_decay=1e-4),
+        task=T.Classification(4),
+        train_data=slow,
+        num_steps=8,
+        example_input=jax.ShapeDtypeStruct((16, 16), jnp.float32),
+        seed=0,
+        workdir=tmp_path / "slow",
+        log_every=2,
+    )
+    records = [r for r in T.read_jsonl(tmp_path / "slow" / "metrics.jsonl") if r["kind"] == "train"]
+    assert all(r["input_wait_fraction"] > loop.INPUT_BOUND for r in records[1:]), records
+    assert caplog.text.count("waited for input batches") == 1
+
+
 def test_resumed_run_matches_uninterrupted_run(tmp_path):
     full = train_tiny(tmp_path / "full", num_steps=12, eval_every=4)
     with pytest.raises(Crash):

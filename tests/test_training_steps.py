@@ -205,6 +205,34 @@ def test_step_timer_leaves_out_the_first_step_of_each_phase():
     assert timer.rates(8) == {"step_time_s": 3.0, "examples_per_s": 8 / 3}
 
 
+def test_step_timer_counts_the_wait_for_input_batches():
+    """fetch() times next(batches): the interval's share spent waiting, the first step of a
+    phase left out as its time is, and nothing reported when no batch came through fetch()."""
+    metrics = {"loss": jnp.float32(0.0)}
+    # construction; fetch 1 (begin, end); the first step's restart; fetch 2; fetch 3; rates
+    timer = loop.StepTimer(clock=FakeClock(0.0, 1.0, 5.0, 5.0, 6.0, 7.0, 7.0, 8.0, 11.0))
+    batches = iter(range(3))
+    assert timer.fetch(batches) == 0  # waited 4 s, the compiling step's: not counted
+    timer.stepped(metrics)
+    assert [timer.fetch(batches), timer.fetch(batches)] == [1, 2]  # waited 1 s and 1 s
+    timer.stepped(metrics)
+    timer.stepped(metrics)
+    # 2 steps in 11 - 5 = 6 s, 2 of them waiting
+    assert timer.rates(8) == {
+        "step_time_s": 3.0,
+        "examples_per_s": 8 / 3,
+        "input_wait_fraction": 1 / 3,
+    }
+    assert (timer.logged_seconds, timer.logged_wait) == (6.0, 2.0)  # the run's totals
+    assert timer.input_bound() is None  # 1/3 of 6 s: neither enough time nor enough waiting
+    timer.logged_seconds, timer.logged_wait = loop.INPUT_BOUND_SECONDS, loop.INPUT_BOUND_SECONDS / 2
+    assert timer.input_bound() == 0.5
+    plain = loop.StepTimer(clock=FakeClock(0.0, 1.0, 3.0))
+    plain.stepped(metrics)
+    plain.stepped(metrics)
+    assert "input_wait_fraction" not in plain.rates(8)
+
+
 def test_log_train_writes_the_interval_averages_timing_and_learning_rate():
     sums, writer = loop.MetricSums(), ListWriter()
     timer = loop.StepTimer(clock=FakeClock(0.0, 1.0, 5.0, 6.0))

@@ -28,7 +28,7 @@ import pathlib
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import flax.linen as nn
@@ -90,8 +90,20 @@ __all__ = [
     "train_one_step",
 ]
 
+# A run whose logged steps waited for their input batches this share of the time or more, over
+# INPUT_BOUND_SECONDS of them at least (one interval's share swings with the host's hiccups), is
+# input-bound: the progress bar shows the share, and the run warns once.
+INPUT_BOUND = 0.5
+INPUT_BOUND_SECONDS = 30.0
+
 # Metrics logged from wall-clock time; they differ between runs and are not reproducible.
-TIMING_METRICS = ("step_time_s", "examples_per_s", "beside_compile", "beside_save")
+TIMING_METRICS = (
+    "step_time_s",
+    "examples_per_s",
+    "input_wait_fraction",
+    "beside_compile",
+    "beside_save",
+)
 
 
 class BatchSource(Protocol):
@@ -426,7 +438,8 @@ class MetricSums:
 
 class StepTimer:
     """Wall-clock seconds per step since the last :meth:`restart`, leaving out the first step of
-    each phase (it includes the compilation).
+    each phase (it includes the compilation), and the share of them spent waiting for the input
+    batches fetched through :meth:`fetch`.
 
     Args:
       clock: ``() -> seconds``.
@@ -445,6 +458,19 @@ class StepTimer:
     ):
         self._clock, self._busy, self._writing = clock, busy, writing
         self._start, self._steps, self._fresh = clock(), 0, True
+        self._wait = None  # seconds in fetch() this interval; None: nothing fetched through it
+        self._counted = False  # this interval is in the run's totals
+        self.logged_seconds = 0.0  # the logged intervals' time, summed over the run
+        self.logged_wait = 0.0  # and the part of it spent in fetch()
+
+    def fetch(self, batches: Iterator):
+        """``next(batches)``, the time it blocks counted as waiting for input: steps are
+        dispatched asynchronously, so a pipeline that keeps up hands over a prefetched batch at
+        once, and one that does not holds the loop here."""
+        begin = self._clock()
+        batch = next(batches)
+        self._wait = (self._wait or 0.0) + self._clock() - begin
+        return batch
 
     def new_phase(self) -> None:
         """The next step compiles another program (the first after the freeze)."""
@@ -460,14 +486,23 @@ class StepTimer:
         else:
             self._steps += 1
 
+    def input_bound(self) -> float | None:
+        """The share of the logged steps' time spent waiting for input, once it is at least
+        :data:`INPUT_BOUND` over :data:`INPUT_BOUND_SECONDS` of them; else None."""
+        if self.logged_seconds < INPUT_BOUND_SECONDS:
+            return None
+        share = self.logged_wait / self.logged_seconds
+        return share if share >= INPUT_BOUND else None
+
     def restart(self) -> None:
         """Start a new interval: after a record, and after work that is not a step (an evaluation,
         a save)."""
-        self._start, self._steps = self._clock(), 0
+        self._start, self._steps, self._wait, self._counted = self._clock(), 0, None, False
 
     def rates(self, batch_size: int) -> dict[str, float]:
-        """``step_time_s``, ``examples_per_s`` and (with ``busy``, ``writing``) ``beside_compile``
-        and ``beside_save`` of the interval (``{}`` before a timed step)."""
+        """``step_time_s``, ``examples_per_s``, ``input_wait_fraction`` (when batches came through
+        :meth:`fetch`) and (with ``busy``, ``writing``) ``beside_compile`` and ``beside_save`` of
+        the interval (``{}`` before a timed step)."""
         if not self._steps:
             return {}
         elapsed = self._clock() - self._start
@@ -475,6 +510,12 @@ class StepTimer:
             "step_time_s": elapsed / self._steps,
             "examples_per_s": batch_size * self._steps / elapsed,
         }
+        if self._wait is not None:
+            rates["input_wait_fraction"] = min(1.0, self._wait / elapsed)
+            if not self._counted:
+                self.logged_seconds += elapsed
+                self.logged_wait += self._wait
+                self._counted = True
         if self._busy is not None:
             rates["beside_compile"] = float(self._busy(self._start))
         if self._writing is not None:
@@ -1162,7 +1203,7 @@ def train(
                 and (schedule.evaluates_between(switch, end) or not freezes),
             )
 
-        step, diverged = start, False
+        step, diverged, input_bound = start, False, False
         bar = tqdm.tqdm(
             total=num_steps,
             initial=start,
@@ -1181,7 +1222,7 @@ def train(
             while step < num_steps and not stop.is_set():
                 progs, key = phase()
                 ahead.wait(("step", key))
-                local = next(batches)
+                local = timer.fetch(batches)
                 state = train_one_step(progs.train_step, state, local, mesh, sums, timer)
                 step += 1
                 if step == start + 1 and not tuning:
@@ -1200,7 +1241,20 @@ def train(
                         batch_size=train_data.global_batch_size,
                         learning_rate=phase_learning_rate(),
                     )
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+                    postfix = {"loss": f"{record['loss']:.4f}"}
+                    waiting = timer.input_bound()
+                    if waiting is not None:
+                        postfix["input wait"] = f"{100 * waiting:.0f}%"
+                        if not input_bound:
+                            input_bound = True  # said once
+                            logging.getLogger(__name__).warning(
+                                "the logged steps up to %d waited for input batches %.0f%% of "
+                                "the time: the input pipeline, not the model, sets this run's "
+                                "speed (more reader threads or processes would help)",
+                                step,
+                                100 * waiting,
+                            )
+                    bar.set_postfix(postfix, refresh=False)
                     if not (diverged or np.isfinite(record["loss"])):
                         diverged = True  # said once: every later record would repeat it
                         logging.getLogger(__name__).warning(
