@@ -207,6 +207,43 @@ def test_call_overhead_benchmark_refuses_bad_options(capsys, option):
     assert_refuses(ROOT / "bench" / "call_overhead.py", option, capsys)
 
 
+def test_input_pipeline_benchmark_rates_every_thread_count(tmp_path, capsys):
+    """A row per thread count, in the order given, from synthetic JPEGs decoded on every read
+    (the pipeline's batches as train/imagenet.py's: RGB uint8 at the image size)."""
+    script = load_script(ROOT / "bench" / "input_pipeline.py")
+    source = script.SyntheticJpegs(10, images=2, size=(64, 48))
+    example = source[3]
+    assert example["image"].shape == (48, 64, 3) and example["image"].dtype == np.uint8
+    assert example["label"] == 3 and len(source) == 10
+    out = tmp_path / "pipe.csv"
+    args = ["--threads", "2,1", "--batch", "4", "--batches", "1", "--rounds", "2"]
+    script.main(
+        [*args, "--images", "2", "--size", "64x48", "--image_size", "32", "--out", str(out)]
+    )
+    fields, rows = read_rows(out)
+    assert fields == ["threads", "images_per_s", "per_thread", "ms_per_image_thread"]
+    assert [r["threads"] for r in rows] == ["2", "1"]
+    for r in rows:
+        rate = float(r["images_per_s"])
+        assert math.isfinite(rate) and rate > 0
+        assert float(r["per_thread"]) == pytest.approx(rate / int(r["threads"]), rel=1e-3)
+    assert "2 synthetic 64x48 JPEGs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--threads", "0"],
+        ["--size", "64"],
+        ["--size", "0x48"],
+        ["--warmup", "-1"],
+        ["--batch", "0"],
+    ],
+)
+def test_input_pipeline_benchmark_refuses_bad_options(capsys, option):
+    assert_refuses(ROOT / "bench" / "input_pipeline.py", option, capsys)
+
+
 @pytest.mark.usefixtures("fast_compile")
 def test_search_step_benchmark_times_every_variant_against_the_frozen_layer(tmp_path):
     """One row per (shape, sparsity, batch, variant); the frozen layer is the 1.0x reference."""
