@@ -9,6 +9,7 @@ one ``error:`` line and exit status 2, before anything is compiled or trained.
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
 import pathlib
 from collections.abc import Callable
@@ -21,6 +22,19 @@ STAMP = "%Y%m%d-%H%M%S"
 def results_path(name: str) -> pathlib.Path:
     """``bench/results/<name>_<time>.csv``: a default run's output."""
     return RESULTS / f"{name}_{datetime.datetime.now().strftime(STAMP)}.csv"
+
+
+def write_csv(rows, fieldnames, name: str, out=None) -> pathlib.Path:
+    """``rows`` (dicts) as a CSV at ``out`` (default :func:`results_path` of ``name``); prints
+    where and returns the path."""
+    path = pathlib.Path(out) if out else results_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fieldnames)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+    return path
 
 
 def format_us(ms: float) -> str:

@@ -25,7 +25,6 @@ Example::
 
 from __future__ import annotations
 
-import csv
 import statistics
 
 import jax
@@ -37,6 +36,7 @@ from bench_cli import (  # bench/, beside this
     make_parser,
     results_path,
     sparsity,
+    write_csv,
 )
 from diag_matmul import make_case, time_call  # bench/, beside this
 
@@ -141,12 +141,7 @@ def main(argv=None) -> None:
         group = rows[i : i + len(VARIANTS)]
         cells = " ".join(f"{r['us']:>9.1f} {r['speedup_vs_dense']:>7.2f}x" for r in group)
         print(f"{group[0]['shape']:>10} {group[0]['block']:>3} {group[0]['batch']:>5} {cells}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["shape"])
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out}")
+    write_csv(rows, list(rows[0]) if rows else ["shape"], "call_overhead", out)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ see what each part of the search phase costs to compile (docs/compile_time.md).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import resource
@@ -35,7 +34,13 @@ import sys
 import time
 from pathlib import Path
 
-from bench_cli import count, make_parser, results_path, sparsity  # bench/, beside this
+from bench_cli import (  # bench/, beside this
+    count,
+    make_parser,
+    results_path,
+    sparsity,
+    write_csv,
+)
 
 MEASURES = (
     ("init_eager", "init eager"),
@@ -221,12 +226,7 @@ def main(argv=None):
                     "repeats": args.repeats,
                 }
             )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out}")
+    write_csv(rows, list(rows[0]), "compile", out)
 
 
 if __name__ == "__main__":

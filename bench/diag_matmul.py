@@ -77,6 +77,7 @@ from bench_cli import (  # bench/, beside this
     parse_shapes,
     parse_sizes,
     results_path,
+    write_csv,  # noqa: F401 - the other scripts import it from here
 )
 from jax.experimental import sparse
 from tqdm import tqdm
@@ -191,19 +192,6 @@ def _entry_coordinates(case: Case):
     rows = block_rows[:, :, None, None] * b + i[:, None]
     cols = block_cols[:, :, None, None] * b + i[None, :]
     return jnp.broadcast_to(rows, case.values.shape), jnp.broadcast_to(cols, case.values.shape)
-
-
-def write_csv(rows, fieldnames, name: str, out=None) -> pathlib.Path:
-    """``rows`` (dicts) as a CSV at ``out`` (default ``bench/results/<name>_<time>.csv``, beside
-    the scripts whatever the current directory); prints where and returns the path."""
-    path = pathlib.Path(out) if out else results_path(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fieldnames)
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {path}")
-    return path
 
 
 def time_call(f, args) -> float:

@@ -23,9 +23,7 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
 import io
-import pathlib
 import statistics
 import time
 
@@ -36,6 +34,7 @@ from bench_cli import (  # bench/, beside this
     make_parser,
     parse_sizes,
     results_path,
+    write_csv,
 )
 
 
@@ -188,13 +187,7 @@ def main(argv=None) -> None:
             f"{row['threads']:>8} {row['images_per_s']:>10.1f} {row['per_thread']:>11.1f} "
             f"{row['ms_per_image_thread']:>16.3f}"
         )
-    out = pathlib.Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out}")
+    write_csv(rows, list(rows[0]), "input_pipeline", out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import resource
 import statistics
@@ -35,6 +34,7 @@ from bench_cli import (  # bench/, beside this
     make_parser,
     results_path,
     sparsity,
+    write_csv,
 )
 
 IMPLS = ("ffi", "dense")
@@ -141,12 +141,7 @@ def main(argv=None) -> None:
                 f" {len(faulting):>9} of {len(mine[impl]):<3} {per_call:>12}"
             )
             rows += [dict(process=process, **c) for c in mine[impl]]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["process", "impl", "call", "ms", "faults"])
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out}")
+    write_csv(rows, ["process", "impl", "call", "ms", "faults"], "page_faults", out)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,6 @@ Example::
 
 from __future__ import annotations
 
-import csv
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -45,6 +43,7 @@ from bench_cli import (  # bench/, beside this
     make_parser,
     parse_fractions,
     results_path,
+    write_csv,
 )
 from diag_matmul import time_interleaved  # bench/, beside this
 from flax import traverse_util
@@ -214,12 +213,7 @@ def main(argv=None) -> None:
         cells = " ".join(f"{r['us']:>9.1f} {r['vs_frozen']:>6.2f}x" for r in group)
         first = group[0]
         print(f"{first['shape']:>10} {first['sparsity']:>8g} {first['batch']:>5} {cells}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out}")
+    write_csv(rows, list(rows[0]), "search_step", out)
 
 
 if __name__ == "__main__":
