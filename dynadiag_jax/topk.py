@@ -348,7 +348,8 @@ def sparse_soft_topk(scores, k, *, strength):
     ``k``, gives equal outputs to equal scores, and tends to the hard top-k mask as
     ``strength -> 0`` (larger strength: smoother and denser). Gradients (and gradients of them)
     use the closed-form Jacobian ``(1 / strength) * (I - 11^T / |F|)`` on the free set
-    ``F = {0 < y < 1}``, zero elsewhere. jit-, grad- and vmap-able (no forward mode).
+    ``F = {0 < y < 1}``, zero elsewhere. jit-, grad- and vmap-able; no ``jax.jvp`` of the gate
+    itself, but forward over reverse (``jax.hessian``) runs.
 
     ``strength = 0`` is that limit: 1 on the scores above the ``ceil(k)``-th largest, 0 below it,
     and the remaining budget shared equally by the scores tied with it; the gradient is zero

@@ -404,7 +404,11 @@ def _scored_vjp(out_features: int, impl: str):
         return diag_matmul_in_range(x, w, idx, out_features=out_features, impl=impl)
 
     def fwd(x, gate, values, idx):
-        return f(x, gate, values, idx), (x, gate, values, idx)
+        # A gradient of a gradient differentiates this output: the selected diagonals' product,
+        # as computed (f again would give it every diagonal's derivative, which y does not have).
+        w = _selected_weights(gate, values, idx, x.dtype)
+        y = diag_matmul_in_range(x, w, idx, out_features=out_features, impl=impl)
+        return y, (x, gate, values, idx)
 
     def bwd(res, dy):
         x, gate, values, idx = res
