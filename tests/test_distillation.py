@@ -74,6 +74,26 @@ def test_a_student_equal_to_its_teacher_gets_no_gradient_from_the_soft_term():
     np.testing.assert_array_equal(grad_t, 0.0)
 
 
+def test_a_float64_student_is_distilled_in_float64():
+    """The soft term computes in the logits' precision, float32 at least (it cast to float32)."""
+    with jax.enable_x64(True):
+        w = jnp.asarray(np.random.default_rng(3).normal(size=(3, 5)))
+
+        def teacher(inputs):
+            return inputs @ w
+
+        distill = T.Distillation(T.Classification(5), teacher, weight=1.0, temperature=2.0)
+        batch = {**_batch(), "image": jnp.asarray(np.random.default_rng(0).normal(size=(6, 3)))}
+        _, targets = distill.train_inputs(batch, None)
+        assert targets[1].dtype == jnp.float64
+        logits = jnp.asarray(np.random.default_rng(1).normal(size=(6, 5)))
+        loss = lambda s: distill.loss(s, targets, batch)[0]  # noqa: E731
+        assert loss(logits).dtype == jnp.float64
+        t, eps = jnp.asarray(np.random.default_rng(2).normal(size=(6, 5))), 1e-6
+        fd = (loss(logits + eps * t) - loss(logits - eps * t)) / (2 * eps)
+        np.testing.assert_allclose(jnp.vdot(jax.grad(loss)(logits), t), fd, rtol=1e-8)
+
+
 def test_evaluation_is_the_task_s():
     task = T.Classification(5)
     distill = T.Distillation(task, _teacher)

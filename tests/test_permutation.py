@@ -420,6 +420,24 @@ def test_doubly_stochastic_and_the_l1_l2_penalty(rng):
     identity = np.eye(16)[rng.permutation(16)]
     assert float(P.l1_l2_penalty(jnp.asarray(identity, jnp.float32))) == 0.0
     assert float(P.l1_l2_penalty(jnp.asarray(0.9 * identity + 0.1 / 16, jnp.float32))) > 0.1
+    with jax.enable_x64(True):  # float64 in, float64 out (it was float32 whatever the input)
+        got = P.l1_l2_penalty(jnp.asarray(m))
+        assert got.dtype == jnp.float64 and float(got) == pytest.approx(want, rel=1e-12)
+
+
+def test_the_blocks_straight_through_gradient_keeps_float64():
+    """The soft-product surrogate dm = sum_rows dy_g^T x_g in x's precision (float32 at least)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        x, dy = (jnp.asarray(rng.normal(size=(5, 8))) for _ in range(2))
+        m = jnp.asarray(rng.uniform(size=(2, 4, 4)))
+        _, pull = jax.vjp(P.block_permute, x, m)
+        _, dm = pull(dy)
+        want = np.einsum(
+            "rgi,rgj->gij", np.asarray(dy).reshape(5, 2, 4), np.asarray(x).reshape(5, 2, 4)
+        )
+        assert dm.dtype == jnp.float64
+        np.testing.assert_allclose(dm, want, rtol=1e-13)
 
 
 def reference_soft_matrix(soft, iters=P.SINKHORN_ITERS):

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dynadiag_jax._checks import as_int32, finite_number, host_array, permutation_problem
+from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.layout import block_indices, diag_indices
 from dynadiag_jax.ops.reference import gather_columns, is_permutation, scatter_columns
 
@@ -130,12 +131,13 @@ def doubly_stochastic(soft, iters: int = SINKHORN_ITERS):
 
 
 def l1_l2_penalty(m):
-    """AutoShuffleNet's ``sum_i (|m_i.|_1 - |m_i.|_2) + sum_j (|m_.j|_1 - |m_.j|_2)``, float32.
+    """AutoShuffleNet's ``sum_i (|m_i.|_1 - |m_i.|_2) + sum_j (|m_.j|_1 - |m_.j|_2)``, in
+    float32 (float64 for float64 ``m``).
 
     ``m[..., n, n]``; summed over leading axes too. Zero exactly when every row and column holds
     one non-zero entry (on a doubly stochastic matrix: a permutation matrix), positive otherwise.
     """
-    m = m.astype(jnp.float32)
+    m = m.astype(work_dtype(m.dtype))
     a = jnp.abs(m)
     rows = jnp.sum(a, axis=-1) - jnp.sqrt(jnp.sum(m * m, axis=-1))
     cols = jnp.sum(a, axis=-2) - jnp.sqrt(jnp.sum(m * m, axis=-2))
@@ -330,7 +332,8 @@ def _block_permute_fwd(x, m):
 def _block_permute_bwd(res, dy):
     x, h, m = res
     rows = (-1, *m.shape[:2])  # [rows, G, B]
-    dy_blocks, x_blocks = (a.reshape(rows).astype(jnp.float32) for a in (dy, x))
+    work = work_dtype(promote_floats(dy.dtype, x.dtype))
+    dy_blocks, x_blocks = (a.reshape(rows).astype(work) for a in (dy, x))
     dm = jnp.einsum("rgi,rgj->gij", dy_blocks, x_blocks)
     return scatter_columns(dy, h), dm.astype(m.dtype)
 

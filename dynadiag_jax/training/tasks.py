@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from dynadiag_jax._checks import finite_number, int_at_least
+from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.training.mixup import MixupCutmix
 
 __all__ = ["Classification", "Distillation", "LanguageModeling"]
@@ -93,7 +94,8 @@ class Classification:
     def loss(self, logits, targets, batch):
         """Mean soft-target cross-entropy and the training metrics (accuracy vs the hard label)."""
         self._check_width(logits)
-        loss = optax.softmax_cross_entropy(logits, targets).mean()
+        work = promote_floats(logits.dtype, targets.dtype)  # float64 logits stay float64
+        loss = optax.softmax_cross_entropy(logits.astype(work), targets.astype(work)).mean()
         accuracy = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32).mean()
         return loss, {"loss": loss, "accuracy": accuracy}
 
@@ -153,8 +155,8 @@ class Distillation:
     def train_inputs(self, batch, key):
         """``(inputs, (the task's targets, the teacher's logits))``."""
         inputs, targets = self.task.train_inputs(batch, key)
-        teacher = jax.lax.stop_gradient(self.teacher(inputs)).astype(jnp.float32)
-        return inputs, (targets, teacher)
+        teacher = jax.lax.stop_gradient(self.teacher(inputs))
+        return inputs, (targets, teacher.astype(work_dtype(teacher.dtype)))
 
     def loss(self, logits, targets, batch):
         """The mixed loss; ``loss`` and ``soft_loss`` and the task's other metrics."""
@@ -162,7 +164,7 @@ class Distillation:
         task_loss, metrics = self.task.loss(logits, hard, batch)
         t = float(self.temperature)
         soft = optax.softmax_cross_entropy(
-            logits.astype(jnp.float32) / t, jax.nn.softmax(teacher / t)
+            logits.astype(work_dtype(logits.dtype)) / t, jax.nn.softmax(teacher / t)
         ).mean() * (t * t)
         loss = (1.0 - self.weight) * task_loss + self.weight * soft
         return loss, {**metrics, "loss": loss, "soft_loss": soft}
