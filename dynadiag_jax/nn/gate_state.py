@@ -125,7 +125,8 @@ def alpha_from_values(params, scale):
     values (an informative start after a warm-up with flat gates: the diagonals whose values grew
     most rank first). ``scale`` is typically the gate's current strength, so the scores spread over
     a few strengths and the gate narrows from there. Pure and jit-able; other leaves are shared.
-    A layer whose norms are all equal (std 0) gets ``alpha = 0``.
+    A layer whose norms are all equal (std 0) gets ``alpha = 0``. The new alphas are constants
+    (``stop_gradient``): no gradient flows back to the values or to ``scale`` through them.
 
     ``scale`` is a number > 0 (or an array of them that broadcasts against ``alpha``); a concrete
     value <= 0 or NaN raises ``ValueError``. Under ``jit``, where it cannot be checked,
