@@ -183,26 +183,70 @@ def test_traced_offset_out_of_range_gives_nan_with_every_impl(impl, form, bad, r
     np.testing.assert_allclose(np.delete(dv, 1, axis=0), np.delete(np.asarray(dv_good), 1, axis=0))
 
 
+def _tile_bound(nz, j, tile=16):
+    """``[n]`` bool: where the CUDA element tensor-core path may spread a non-finite input column
+    ``j`` of a product with non-zero pattern ``nz[n, m]`` (``W`` for y, ``W.T`` for dx): the
+    outputs reading ``j``, and every output of each ``tile``-wide block holding an output that
+    reads any column of ``j``'s ``tile``-column group (its packed tile multiplies them all)."""
+    n = nz.shape[0]
+    group = nz[:, j - j % tile : j - j % tile + tile].any(axis=1)
+    blocks = np.pad(group, (0, -n % tile)).reshape(-1, tile).any(axis=1)
+    return np.repeat(blocks, tile)[:n] | nz[:, j]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("impl,form", OOR_CASES)
-def test_a_non_finite_input_reaches_the_outputs_its_diagonals_read(impl, form, rng):
+def test_a_non_finite_input_reaches_the_outputs_its_diagonals_read(impl, form, dtype, rng):
     """docs/kernel_abi.md: the sparse paths make non-finite only the outputs whose kept diagonals
-    read the column; the dense path every output of the row. Either way the row is non-finite."""
+    read the column (dx: the inputs the output's column reaches); the dense path every output of
+    the row; the CUDA element tensor-core path (16-bit) at most the 16-wide blocks its packed
+    tiles cover (:func:`_tile_bound`). Either way the row is non-finite."""
     in_f, out_f, vshape, p = FORMS[form]
-    x = jnp.asarray(rng.standard_normal((3, in_f)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, in_f)), dtype)
     x = x.at[0, 1].set(jnp.nan).at[1, in_f - 1].set(jnp.inf)
-    values = jnp.asarray(rng.standard_normal(vshape), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((3, out_f)), dtype).at[0, 2].set(jnp.nan)
+    values = jnp.asarray(rng.standard_normal(vshape), dtype)[:2]
     offsets = jnp.asarray([0, p - 1], jnp.int32)
-    values = values[:2]
-    y = np.asarray(dd.diag_matmul(x, values, offsets, out_features=out_f, impl=impl))
+    y, pull = jax.vjp(
+        lambda x: dd.diag_matmul(x, values, offsets, out_features=out_f, impl=impl), x
+    )
+    (dx,) = pull(dy)
     # the outputs that read each column: the dense W's non-zero pattern
-    w = dd.diag_matmul(jnp.eye(in_f), jnp.ones_like(values), offsets, out_features=out_f)
-    reads = np.asarray(w).T != 0  # [out, in]
-    bad = ~np.isfinite(y)
-    want = np.stack([reads[:, 1], reads[:, in_f - 1], np.zeros(out_f, bool)])
+    w = dd.diag_matmul(jnp.eye(in_f), jnp.ones(values.shape), offsets, out_features=out_f)
+    nz = np.asarray(w).T != 0  # [out, in]
+    want_y = np.stack([nz[:, 1], nz[:, in_f - 1], np.zeros(out_f, bool)])
+    want_dx = np.stack([nz[2], np.zeros(in_f, bool), np.zeros(in_f, bool)])
+    bad_y = ~np.isfinite(np.asarray(y, np.float32))
+    bad_dx = ~np.isfinite(np.asarray(dx, np.float32))
+    if impl == "cuda_emulated" and dtype == jnp.bfloat16 and not form.startswith("block"):
+        bound_y = np.stack([_tile_bound(nz, 1), _tile_bound(nz, in_f - 1), want_y[2]])
+        bound_dx = np.stack([_tile_bound(nz.T, 2), want_dx[1], want_dx[2]])
+        for bad, want, bound in ((bad_y, want_y, bound_y), (bad_dx, want_dx, bound_dx)):
+            assert np.all(bad >= want) and np.all(bad <= bound), (bad, want, bound)
+        return
     if impl == "dense":
-        want[:2] = True
-    np.testing.assert_array_equal(bad, want)
-    assert bad[:2].any(axis=1).all() and np.isfinite(y[2]).all()
+        want_y[:2], want_dx[0] = True, True
+    np.testing.assert_array_equal(bad_y, want_y)
+    np.testing.assert_array_equal(bad_dx, want_dx)
+
+
+@pytest.mark.skipif("cuda_emulated" not in dd.available_impls(), reason="no emulated targets")
+@pytest.mark.parametrize("in_f,out_f,offsets", [(40, 72, [2, 62, 69]), (72, 40, [37, 40, 48])])
+def test_the_cuda_tensor_core_path_spreads_a_nan_over_16_wide_blocks_only(
+    in_f, out_f, offsets, rng
+):
+    """Wider than one block: at most the blocks whose packed tiles cover the column's 16-column
+    group turn non-finite in that row, the others stay finite (docs/kernel_abi.md)."""
+    offsets = jnp.asarray(offsets, jnp.int32)
+    values = jnp.asarray(rng.standard_normal((3, min(in_f, out_f))), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((2, in_f)), jnp.bfloat16).at[1, 5].set(jnp.nan)
+    y = dd.diag_matmul(x, values, offsets, out_features=out_f, impl="cuda_emulated")
+    w = dd.diag_matmul(jnp.eye(in_f), jnp.ones(values.shape), offsets, out_features=out_f)
+    reads = np.asarray(w)[5] != 0  # [out]: the outputs that read column 5
+    bad = ~np.isfinite(np.asarray(y, np.float32))
+    bound = _tile_bound(np.asarray(w).T != 0, 5)
+    assert np.all(bad[1] >= reads) and np.all(bad[1] <= bound) and not bound.all()
+    assert bad[1].sum() > reads.sum() and not bad[0].any()  # the tiles did spread it
 
 
 @pytest.mark.parametrize("impl", [i for i in dd.available_impls() if i != "auto"])
