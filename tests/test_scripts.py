@@ -709,9 +709,10 @@ def test_results_interrupted_while_timing_exits_on_one_line(tmp_path):
     """Ctrl-C during --timing_only: status 130, one line saying speed.json is as it was (here:
     still absent), no traceback."""
     run = tmp_path / "run"
+    package_root = pathlib.Path(dd.__file__).resolve().parents[1]  # the tests' dynadiag_jax
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(package_root), os.environ.get("PYTHONPATH", "")]),
         "PYTHONUNBUFFERED": "1",
     }
     command = [sys.executable, *_quick_dense_mlp(run), "--timing_only"]

@@ -107,6 +107,23 @@ def test_resumed_log_averages_the_same_steps_as_the_uninterrupted_one(tmp_path):
     assert a == b
 
 
+def test_a_stop_request_during_the_last_step_still_stops(tmp_path):
+    """The loop ended on its count and the request was swallowed: results.py's timing went on to
+    its next run after a Ctrl-C (seen in CI). Now the last step is saved, the final evaluation
+    skipped, and a rerun only evaluates."""
+
+    def stop_at_last(step, state):
+        if step == 6:
+            signal.raise_signal(signal.SIGINT)
+
+    with pytest.raises(T.Interrupted, match=r"stopped at step 6 of 6 \(the last; its final"):
+        train_tiny(tmp_path, num_steps=6, eval_every=0, hooks=[stop_at_last])
+    assert (tmp_path / "checkpoints" / "6").is_dir()
+    assert not [r for r in T.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "eval"]
+    rerun = train_tiny(tmp_path, num_steps=6, eval_every=0)
+    assert rerun.start_step == 6 and rerun.eval_metrics["count"] == 100
+
+
 def test_compile_first_times_steps_with_no_compile_beside_them_and_trains_the_same(tmp_path):
     run = dict(num_steps=10, sparsity=0.8, freeze_step=5, eval_every=5, log_every=1)
     plain = train_tiny(tmp_path / "plain", **run)

@@ -1297,10 +1297,13 @@ def train(
                 for hook in hooks:
                     hook(step, state)
                 bar.update(1)
-            if step < num_steps:
+            # A request during the last step ends the loop as its count does: it still stops the
+            # program (it was swallowed, and a caller went on to its next run).
+            if stop.is_set():
                 save(state)
+                last = " (the last; its final evaluation was not run)" if step == num_steps else ""
                 raise Interrupted(
-                    f"stopped at step {step} of {num_steps}; "
+                    f"stopped at step {step} of {num_steps}{last}; "
                     f"{'saved in ' + str(workdir) if workdir else 'no workdir, nothing saved'}",
                     stop.signum,
                 )
