@@ -715,7 +715,17 @@ def test_results_interrupted_while_timing_exits_on_one_line(tmp_path):
         "PYTHONPATH": os.pathsep.join([str(package_root), os.environ.get("PYTHONPATH", "")]),
         "PYTHONUNBUFFERED": "1",
     }
-    command = [sys.executable, *_quick_dense_mlp(run), "--timing_only"]
+    script, *args = [*_quick_dense_mlp(run), "--timing_only"]
+    # A shell starts background jobs with SIGINT ignored, and Python then keeps it so: the child
+    # would run to the end (CI started that way). Ctrl-C's handler, as in a terminal:
+    command = [
+        sys.executable,
+        "-c",
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
+        script,
+        *args,
+    ]
     proc = subprocess.Popen(
         command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
