@@ -510,31 +510,32 @@ class SourceRun(NamedTuple):
     recipe: dict  # what its checkpoint records of its run (``"method"``, ...)
     variables: dict
 
-    def startup_line(self) -> str:
-        """The start-up line a script that reads this run prints: which run, which step."""
-        method = self.recipe.get("method", "unrecorded method")
-        return f"source: step {self.step} of {self.directory} ({method})"
 
-
-def source_run(checkpoint, step: int = 0, *, workdir=None) -> SourceRun:
-    """The variables of a run's checkpoint (``checkpoint``: the run's workdir or its
-    ``checkpoints/`` directory, in any spelling; ``step`` 0: the newest) with the run they come
-    from: a recipe that names the resolved directory and step refuses a source that moved on.
+def source_run(config, *, workdir=None) -> SourceRun:
+    """The variables of the run's checkpoint ``config.checkpoint`` (the run's workdir or its
+    ``checkpoints/`` directory, in any spelling) at ``config.step`` (0: the newest), with the run
+    they come from. ``config.checkpoint`` and ``config.step`` then name the resolved directory and
+    step, so a recipe refuses a source that moved on; process 0 prints which run and step.
 
     Raises:
       ConfigError: no such checkpoint, or ``workdir`` (the script's own) is the source run's.
     """
-    directory = pathlib.Path(checkpoint).expanduser().resolve()
+    directory = pathlib.Path(config.checkpoint).expanduser().resolve()
     if directory.name == "checkpoints":
         directory = directory.parent
     if workdir is not None and pathlib.Path(workdir).expanduser().resolve() == directory:
         raise ConfigError(
             f"--workdir is the checkpoint's own run ({directory}): give a new directory"
         )
+    step = int(config.step)
     with _run_reader(directory) as reader:
-        variables = reader.restore_variables(int(step) or None)
-        read = int(step) or reader.latest_step()
+        variables = reader.restore_variables(step or None)
+        read = step or reader.latest_step()
         recipe = reader.read_meta(read).get("run", {})
+    config.checkpoint, config.step = str(directory), read
+    if jax.process_index() == 0:
+        method = recipe.get("method", "unrecorded method")
+        print(f"source: step {read} of {directory} ({method})")
     return SourceRun(directory, read, recipe, variables)
 
 

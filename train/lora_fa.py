@@ -107,16 +107,13 @@ def prepare(config, workdir=None) -> Prepared:
     common.check_layer_patterns(
         base, example, config.dynadiag, block_size=int(config.dynadiag.block_size)
     )
-    source = common.source_run(config.checkpoint, int(config.step), workdir=workdir)
+    source = common.source_run(config, workdir=workdir)
     method = source.recipe.get("method", "dynadiag")
     if method in ("dense", *baselines.UNSTRUCTURED):
         raise common.ConfigError(
             f"checkpoint {source.directory} is a {method} run; lora_fa.py adapts a frozen "
             "DynaDiag one (the end of a dynadiag run, or train/sparsify.py's)"
         )
-    config.checkpoint, config.step = str(source.directory), source.step
-    if jax.process_index() == 0:
-        print(source.startup_line())
     frozen = source.variables
     if T.is_searching(frozen["params"]):
         raise common.ConfigError(

@@ -102,16 +102,13 @@ def prepare(config, workdir=None):
     dense_model = common.build_model(
         config.model, baselines.with_sparsity(config.dynadiag, 0.0), **data.model_kwargs
     )
-    source = common.source_run(config.checkpoint, int(config.step), workdir=workdir)
+    source = common.source_run(config, workdir=workdir)
     method = source.recipe.get("method", "dense")
     if method != "dense":
         raise common.ConfigError(
             f"checkpoint {source.directory} is a {method} run; sparsify.py starts from a dense "
             "one (method dense)"
         )
-    config.checkpoint, config.step = str(source.directory), source.step
-    if jax.process_index() == 0:
-        print(source.startup_line())
     if workdir is not None:  # before the refit and the evaluations, not after them
         common.check_workdir(workdir, {**common.recipe(config, built), "seed": int(config.seed)})
     dense = source.variables
