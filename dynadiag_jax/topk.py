@@ -170,8 +170,7 @@ def _threshold_fwd(z, tau):
     # a plain clip it saw no centring, and Hessians through alpha were 2-5% off.
     y = z - jax.lax.stop_gradient(tau)
     free = jax.lax.stop_gradient((y > 0) & (y < 1))
-    n_free = jnp.maximum(jnp.sum(free, axis=-1, keepdims=True), 1).astype(z.dtype)
-    mean_f = jnp.sum(jnp.where(free, z, 0), axis=-1, keepdims=True) / n_free
+    mean_f = _free_mean(free, z)
     moved = y - (mean_f - jax.lax.stop_gradient(mean_f))
     return jnp.where(free, moved, jax.lax.stop_gradient(jnp.clip(y, 0, 1))), free
 
@@ -179,9 +178,13 @@ def _threshold_fwd(z, tau):
 def _threshold_bwd(free, g):
     # The projection's Jacobian: on the free set F it is I - 11^T/|F| (tau moves with z so that
     # the sum stays k), zero elsewhere; centre g within F.
-    n_free = jnp.maximum(jnp.sum(free, axis=-1, keepdims=True), 1).astype(g.dtype)
-    mean_f = jnp.sum(jnp.where(free, g, 0), axis=-1, keepdims=True) / n_free
-    return jnp.where(free, g - mean_f, 0), None
+    return jnp.where(free, g - _free_mean(free, g), 0), None
+
+
+def _free_mean(free, v):
+    """The mean of ``v[..., n]`` over the entries ``free`` marks, ``[..., 1]`` (0 where none)."""
+    n_free = jnp.maximum(jnp.sum(free, axis=-1, keepdims=True), 1).astype(v.dtype)
+    return jnp.sum(jnp.where(free, v, 0), axis=-1, keepdims=True) / n_free
 
 
 _threshold.defvjp(_threshold_fwd, _threshold_bwd)
