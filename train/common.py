@@ -590,30 +590,17 @@ def restore_run_variables(checkpoint, step: int = 0) -> dict:
         return reader.restore_variables(int(step) or None)
 
 
-def _device_paths(model: nn.Module, example_input):
-    """:func:`dynadiag_jax.kernel_stats.model_paths` for the rows one device multiplies."""
-    batch = example_input.shape[0] // jax.device_count()
-    x = jax.ShapeDtypeStruct((batch, *example_input.shape[1:]), example_input.dtype)
-    return model_paths(model, jax.random.key(0), x)
-
-
-def _path_lines(paths) -> list[str]:
-    return [f"sparse layers: {line}" for line in describe_paths(paths)]
-
-
-def layer_paths(model: nn.Module, example_input) -> list[str]:
-    """Start-up lines: the path ``impl="auto"`` takes for each sparse layer on this platform, and
-    on a GPU the cost model's predicted speed against a dense layer (nothing for dense models)."""
-    return _path_lines(_device_paths(model, example_input))
-
-
 def startup_lines(config, method, example_input) -> list[str]:
-    """A run's start-up lines: :func:`layer_paths`, the factor ``optimizer.sparse_lr_scale``
-    puts on the sparse weights' updates (none when 1), and a warning for each diagonal layer
-    whose own init gain is more than 1.25 times off that factor: ``K`` clamped to 1, or rounded
-    up on a narrow layer (at the suites' sparsities their layers stay within 1.12 times)."""
-    paths = _device_paths(method.model, example_input)
-    lines = _path_lines(paths)
+    """A run's start-up lines: the path ``impl="auto"`` takes for each sparse layer on this
+    platform, and on a GPU the cost model's predicted speed against a dense layer (nothing for
+    dense models); the factor ``optimizer.sparse_lr_scale`` puts on the sparse weights' updates
+    (none when 1), and a warning for each diagonal layer whose own init gain is more than 1.25
+    times off that factor: ``K`` clamped to 1, or rounded up on a narrow layer (at the suites'
+    sparsities their layers stay within 1.12 times)."""
+    batch = example_input.shape[0] // jax.device_count()  # the rows one device multiplies
+    x = jax.ShapeDtypeStruct((batch, *example_input.shape[1:]), example_input.dtype)
+    paths = model_paths(method.model, jax.random.key(0), x)
+    lines = [f"sparse layers: {line}" for line in describe_paths(paths)]
     scale = method.sparse_update_scale
     if scale == 1.0:
         return lines

@@ -256,8 +256,9 @@ def whole_run_table(records, model, methods, sparsities) -> list[str]:
             cell(runs[(method, s)], dense) if runs.get((method, s)) else "n/a" for s in sparsities
         ]
         lines.append(f"| {method_name(method)} | " + " | ".join(cells) + " |")
-    if _resumed_note(records, model):
-        lines += ["", f"Resumed runs are left out{_resumed_note(records, model)}."]
+    resumed = _resumed_note(records, model)
+    if resumed:
+        lines += ["", f"Resumed runs are left out{resumed}."]
     loads = [x for r in records if r["model"] == model for x in r.get("load_average", ())]
     if loads:
         lines += [
