@@ -77,7 +77,6 @@ from bench_cli import (  # bench/, beside this
     parse_shapes,
     parse_sizes,
     results_path,
-    write_csv,  # noqa: F401 - the other scripts import it from here
 )
 from jax.experimental import sparse
 from tqdm import tqdm

@@ -28,7 +28,7 @@ sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from diag_matmul import write_csv  # noqa: E402 - bench/, beside this
+from bench_cli import write_csv  # noqa: E402 - bench/, beside this
 from flax import traverse_util  # noqa: E402
 from sparse_lr_probe import (  # noqa: E402 - bench/, beside this
     add_run_arguments,

@@ -23,8 +23,14 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_cli import add_options, make_parser, parse_sizes, sparsity  # bench/, beside this
-from diag_matmul import time_call, write_csv  # bench/, beside this
+from bench_cli import (  # bench/, beside this
+    add_options,
+    make_parser,
+    parse_sizes,
+    sparsity,
+    write_csv,
+)
+from diag_matmul import time_call  # bench/, beside this
 from tqdm import tqdm
 
 from dynadiag_jax.ops.ranking import gate_rank

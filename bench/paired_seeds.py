@@ -32,7 +32,7 @@ import sys
 # Appended: `train` from the checkout; the installed dynadiag_jax (with its kernels) still wins.
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 
-from diag_matmul import write_csv  # noqa: E402 - bench/, beside this
+from bench_cli import write_csv  # noqa: E402 - bench/, beside this
 
 from train import results_runs as R  # noqa: E402
 from train.results_report import CONTROL_PAIRS, common_seeds, paired_of, stats_of  # noqa: E402

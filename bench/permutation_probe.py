@@ -37,8 +37,7 @@ sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from bench_cli import check_out_file  # noqa: E402 - bench/, beside this
-from diag_matmul import write_csv  # noqa: E402 - bench/, beside this
+from bench_cli import check_out_file, write_csv  # noqa: E402 - bench/, beside this
 from flax import traverse_util  # noqa: E402
 from scipy.optimize import linear_sum_assignment  # noqa: E402
 from sparse_lr_probe import prepare, seeds_of  # noqa: E402 - bench/, beside this

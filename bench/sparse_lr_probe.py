@@ -27,8 +27,7 @@ import tempfile
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from bench_cli import check_out_file  # noqa: E402 - bench/, beside this
-from diag_matmul import write_csv  # noqa: E402 - bench/, beside this
+from bench_cli import check_out_file, write_csv  # noqa: E402 - bench/, beside this
 
 from train import baselines, common  # noqa: E402
 from train import results_runs as R  # noqa: E402

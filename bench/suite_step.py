@@ -44,7 +44,8 @@ sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from diag_matmul import time_interleaved, write_csv  # noqa: E402 - bench/, beside this
+from bench_cli import write_csv  # noqa: E402 - bench/, beside this
+from diag_matmul import time_interleaved  # noqa: E402 - bench/, beside this
 from sparse_lr_probe import prepare  # noqa: E402 - bench/, beside this
 from tqdm import tqdm  # noqa: E402
 
