@@ -104,7 +104,8 @@ class DiagonalDense(nn.Module):
 
     Metrics sown into ``"intermediates"`` by a search-phase call (float32 scalars):
     ``gate_nonzero`` (number of non-zero gates), ``gate_mass_outside`` (gate mass on diagonals
-    not computed), ``gate_mean``, ``computed_diagonals``; and ``topk_changed`` (diagonals that
+    not computed), ``gate_mean``, ``computed_diagonals``, ``output_scale`` (the product's expected
+    output scale relative to the frozen layer's); and ``topk_changed`` (diagonals that
     entered the top-K of alpha since the last refresh) when ``"dynadiag"`` is mutable, in which
     case ``topk`` (the top-K offsets by alpha) is refreshed. Only its length matters to
     :func:`dynadiag_jax.freeze_tree`, which always re-ranks the current alpha.
