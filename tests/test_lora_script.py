@@ -16,12 +16,22 @@ from train import lora_fa as script
 from train.configs import fashion_mnist as fashion_config
 from train.configs import gpt2_lm
 from train.configs import lora_fa as lora_config
+from train.configs import sparsify as sparsify_config
 
 # The scripts run in this process, their programs compiled fast (the tests check behaviour).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "train" / "configs"
+
+
+@pytest.mark.parametrize("name", ["lora_fa", "sparsify"])
+def test_runlocal_fine_tunes_have_no_warm_up_longer_than_them(name):
+    # one epoch of the local digits leaves the ViT suite a fine-tune of 6 steps, shorter than
+    # its 50 warm-up steps: `runlocal,suite=vit` was refused whatever the checkpoint
+    module = {"lora_fa": lora_config, "sparsify": sparsify_config}[name]
+    assert module.get_config("checkpoint=/x,suite=vit,runlocal").optimizer.warmup_steps == 0
+    assert module.get_config("checkpoint=/x,suite=vit").optimizer.warmup_steps == 50
 
 
 def test_check_fits_names_the_variables_that_differ():

@@ -87,6 +87,14 @@ def _on_tfds(config, root: pathlib.Path):
         ),
         (lambda c: c.train.update(checkpoint_every=-1), "train.checkpoint_every must be >= 0"),
         (lambda c: c.train.update(keep_checkpoints=0), "train.keep_checkpoints must be >= 1"),
+        # once "train.epochs=8 gives no training step"
+        (
+            lambda c: c.update(
+                data=dict(c.data, source="mnist5k"), train=dict(c.train, batch_size=5000)
+            ),
+            r"train.batch_size=5000 exceeds the 4000 examples of the training split",
+        ),
+        (lambda c: c.train.update(batch_size=0), "train.batch_size must be >= 1"),
     ],
 )
 def test_fashion_mnist_bad_input_is_reported_before_compiling(mutate, match):
@@ -582,6 +590,18 @@ def test_eval_batch_not_divisible_by_devices_is_reported(run_python, tmp_path, s
             [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.optimizer.warmup_steps=-3"],
             "optimizer.warmup_steps=-3 must be >= 0 (0: no warm-up)",
         ),
+        # once a traceback after every run had trained: the timing builds RigL in every suite
+        (
+            "results.py",
+            [
+                "--suite=mlp",
+                f"--config={CONFIGS / 'results.py'}:models=mlp,methods=dense,seeds=1",
+                "--config.models.mlp.steps=30",
+                "--config.data.source=mnist5k",
+                "--timing_only",
+            ],
+            "model mlp: the timing builds RigL's step (--notiming skips it): rigl updates its",
+        ),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(run_python, tmp_path, script, args, message):
@@ -594,6 +614,27 @@ def test_bad_command_lines_exit_2_with_one_line(run_python, tmp_path, script, ar
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not run.exists()
+
+
+def test_results_refuses_a_workdir_that_is_a_file_on_one_line(run_python, tmp_path):
+    # it was a FileExistsError traceback, where every other script refused it up front
+    (tmp_path / "file").write_text("")
+    proc = run_python(
+        [
+            str(ROOT / "train" / "results.py"),
+            "--suite=mlp",
+            f"--config={CONFIGS / 'results.py'}:models=mlp,methods=dense,seeds=1",
+            "--config.data.source=mnist5k",
+            "--notiming",
+            f"--workdir={tmp_path / 'file'}",
+        ],
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --workdir: {tmp_path / 'file'} is a file, not a directory"
+    )
 
 
 @pytest.mark.slow
@@ -619,7 +660,7 @@ def test_fashion_mnist_script_end_to_end(run_python, tmp_path):
     }
     assert set(accuracies) == {"dense", "dynadiag_s90"}
     assert accuracies["dense"] > 0.8 and accuracies["dynadiag_s90"] > 0.3  # 31 steps; chance is 0.1
-    assert (tmp_path / "diagonals.png").stat().st_size > 10_000
+    assert (tmp_path / "dynadiag_s90" / "diagonals.png").stat().st_size > 10_000
     for run in ("dense", "dynadiag_s90"):
         assert (tmp_path / run / "checkpoints" / "31").is_dir()  # 4000 // 128 steps, final save
     again = run_python(

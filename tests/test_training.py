@@ -482,6 +482,18 @@ def test_unreadable_newest_checkpoint_resumes_from_the_one_before(tmp_path, capl
     assert (checkpoints / "6.unreadable").is_dir() and (checkpoints / "6" / "state").is_dir()
 
 
+def test_a_resumed_run_keeps_no_more_checkpoints_than_asked(tmp_path):
+    # a run killed after its last save committed and before Orbax deleted the oldest one left
+    # one step too many; resumed with nothing left to train, it saved nothing that would trim it
+    def steps():
+        return sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
+
+    train_tiny(tmp_path, num_steps=8, keep_checkpoints=4)
+    assert steps() == [2, 4, 6, 8]
+    resumed = train_tiny(tmp_path, num_steps=8, keep_checkpoints=2)
+    assert resumed.start_step == 8 and steps() == [6, 8]
+
+
 def test_no_readable_checkpoint_is_an_error_that_names_the_newest_and_deletes_nothing(tmp_path):
     train_tiny(tmp_path, num_steps=6)  # checkpoints 2, 4, 6
     for step in (4, 6):

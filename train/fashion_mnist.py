@@ -2,9 +2,9 @@
 
 Trains the dense MLP and the DynaDiag MLP at sparsity 0.9 with the same recipe, prints both test
 accuracies, keeps Orbax checkpoints and metrics (``metrics.jsonl``, TensorBoard) under
-``--workdir``, and writes ``diagonals.png``: each sparse layer's kept diagonals and how the
-selection evolved during the search phase. Interrupt with Ctrl-C at any time; the same command
-resumes from the last checkpoint.
+``--workdir``, and writes ``diagonals.png`` into each sparse run's subdirectory: each sparse
+layer's kept diagonals and how the selection evolved during the search phase. Interrupt with
+Ctrl-C at any time; the same command resumes from the last checkpoint.
 
   python train/fashion_mnist.py [--workdir=runs/fashion_mnist]
   python train/fashion_mnist.py --workdir=runs/fashion_mnist_s95 \\
@@ -55,9 +55,15 @@ def prepare(config):
     common.check_lora_learning_rate(config.lora)
     data = D.load_small_images(config.data.source, data_dir=config.data.data_dir or None)
     batch, mesh = int(config.train.batch_size), T.data_mesh()
-    T.check_batch_size(batch, mesh)
+    T.check_batch_size(batch, mesh, name="train.batch_size")
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
-    steps = int(config.train.epochs) * (len(data.train["label"]) // batch)
+    examples = len(data.train["label"])
+    if batch > examples:
+        raise common.ConfigError(
+            f"train.batch_size={batch} exceeds the {examples} examples of the training split "
+            f"(data.source={config.data.source})"
+        )
+    steps = int(config.train.epochs) * (examples // batch)
     if steps < 1:
         raise common.ConfigError(f"train.epochs={config.train.epochs} gives no training step")
     sparsity = common.sparsity_of(config.dynadiag)
@@ -114,6 +120,8 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
         f"data: {data.name}: {len(data.train['label'])} train / {len(data.test['label'])} test; "
         f"{steps} steps of batch {config.train.batch_size} on {common.device_summary()}"
     )
+    if config.method != "dense" and not common.sparsity_of(config.dynadiag):
+        print(f"sparsity 0: no {config.method} run, the dense model only")
     summary = []
     for name, (built, dyn, phase, total) in models.items():
         print(f"== {name}")
@@ -155,7 +163,7 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
                 workdir / name / "metrics.jsonl",
                 T.kept_offsets(result.state.collections),
                 common.layer_shapes(built.model, example),
-                workdir / "diagonals.png",
+                workdir / name / "diagonals.png",  # one per run: sparsities share a workdir
                 freeze_step=built.freeze_step,
                 block_size=int(dyn.block_size),
                 title=f"DynaDiag MLP, sparsity {dyn.sparsity:g}: test accuracy {acc:.4f}",

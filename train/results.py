@@ -43,6 +43,7 @@ import tqdm
 from absl import app, flags, logging
 
 from dynadiag_jax import training as T
+from dynadiag_jax.training.checkpoint import usable_directory
 from train import cli, common, results_report, speed
 from train.configs import results as default_config
 from train.results_runs import (
@@ -156,7 +157,11 @@ def main(argv):
     timing = not _REPORT_ONLY.value and (_TIMING.value or _TIMING_ONLY.value)
     try:
         chosen = selected_suites(config, _SUITE.value)
-        data = prepare(config)
+        data = prepare(config, timed=timing)
+        try:  # after the checks above, so that a bad config creates nothing
+            workdir = usable_directory(workdir, create=not _REPORT_ONLY.value)
+        except ValueError as e:
+            raise common.ConfigError(f"--workdir: {e}") from None
         if _DOCS.value:
             check_full_campaign(
                 config,
@@ -171,7 +176,6 @@ def main(argv):
         common.die(
             f"{workdir} holds no results ({ACCURACY_FILE}, {SPEED_FILE}): is --workdir right?"
         )
-    workdir.mkdir(parents=True, exist_ok=True)
     if training:
         train_all(config, data, chosen, workdir)
     if timing:

@@ -369,8 +369,10 @@ def _check_suite(name: str, m, mesh) -> None:
 
 
 @common.reports_config_errors
-def prepare(config) -> Data:
+def prepare(config, *, timed: bool = False) -> Data:
     """Check the config and load the data: every problem surfaces here, before compiling.
+
+    ``timed``: the suites will be timed too, which builds RigL whatever the methods trained.
 
     Raises:
       common.ConfigError: a bad config entry, missing data, a batch that does not split over the
@@ -416,6 +418,14 @@ def prepare(config) -> Data:
                 lora_phase(config, model, method, sparsity, data, steps)
             except ValueError as e:
                 raise common.ConfigError(f"model {name}, method {method}: {e}") from None
+        # the timing (train/speed.py) builds RigL's step at every sparsity, trained or not
+        for sparsity in m.sparsities if timed else ():
+            try:
+                build(config, name, "rigl", float(sparsity), 0, data, steps)
+            except ValueError as e:
+                raise common.ConfigError(
+                    f"model {name}: the timing builds RigL's step (--notiming skips it): {e}"
+                ) from None
     return data
 
 

@@ -201,7 +201,7 @@ class Checkpointer:
             self.directory = usable_directory(directory, create=not read_only)
         except ValueError as e:
             raise CheckpointMismatch(f"checkpoint directory: {e}") from None
-        self._read_only = read_only
+        self._read_only, self._max_to_keep = read_only, int(max_to_keep)
         self._clock, self._async = clock, async_save
         # a background write issued and not yet seen finished; when the last one was seen finished
         self._writing, self._seen_done = False, -float("inf")
@@ -361,6 +361,20 @@ class Checkpointer:
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
             )
         return restored["state"]
+
+    def drop_surplus(self) -> list[int]:
+        """Delete the committed steps older than the newest ``max_to_keep`` and return them.
+
+        Orbax deletes them after a save commits; a run killed between the two, then resumed from
+        its last step with nothing left to save, would keep them for good. Call it once the
+        newest step has been restored (an unreadable newest one needs the older ones).
+        """
+        if self._read_only:
+            raise ValueError(f"{self.directory} was opened read_only: nothing can be deleted")
+        surplus = sorted(self._manager.all_steps())[: -self._max_to_keep]
+        for step in surplus:
+            self._manager.delete(step)
+        return surplus
 
     def set_aside(self, step: int) -> pathlib.Path:
         """Rename ``step``'s directory to ``<step>.unreadable`` (``-2``, ``-3``, ... if taken), a

@@ -626,7 +626,9 @@ def restore_or_create_state(
         state. If it cannot be read (a file truncated or deleted after its commit), the newest
         earlier committed step that can is restored instead, with a warning naming the step and
         why, and the unreadable steps are renamed out of the way (:meth:`Checkpointer.set_aside`:
-        kept, and the run can save those steps again).
+        kept, and the run can save those steps again). Once the newest step is restored, steps
+        beyond the checkpointer's ``max_to_keep`` (left by a kill between a save and Orbax's
+        deletion) are deleted.
       working_set: the run's working-set option; a checkpoint written in the working-set form is
         restored into ``abstract``'s working-set form of this factor.
 
@@ -662,6 +664,8 @@ def restore_or_create_state(
                 candidate,
                 kept,
             )
+        if candidate == max(ckpt.all_steps()):
+            ckpt.drop_surplus()
         return state, candidate, sums
     newest, *earlier = unreadable
     advice = RESUME_ADVICE

@@ -132,7 +132,8 @@ def finetune(arg, *, selection_every: int, suites=FINETUNE_SUITES) -> ml_collect
     ``arg`` (from :func:`parse_arg`) has ``checkpoint``, ``suite`` (one of ``suites`` of
     train/configs/results.py, whose model, layers, recipe and data are taken), ``sparsity``,
     ``block_size``, ``finetune_fraction`` (the fine-tune's length as a fraction of the suite's
-    from-scratch steps) and ``runlocal`` (the small local digits, one epoch). The ``gpt`` suite's
+    from-scratch steps) and ``runlocal`` (the small local digits, one epoch, no learning-rate
+    warm-up). The ``gpt`` suite's
     ``train`` section has the from-scratch ``num_steps`` where the image suites have ``epochs``.
     """
     from train.configs import results  # noqa: PLC0415 - results imports this module
@@ -173,6 +174,9 @@ def finetune(arg, *, selection_every: int, suites=FINETUNE_SUITES) -> ml_collect
             common_train, eval_batch_size=1000, epochs=1 if arg.runlocal else suite.epochs
         )
     config.optimizer = suite.optimizer.to_dict()
+    if arg.runlocal and "warmup_steps" in config.optimizer:
+        # one epoch of the local digits leaves a fine-tune of a few steps (the ViT's: 6)
+        config.optimizer["warmup_steps"] = 0
     return config
 
 
