@@ -568,6 +568,15 @@ def test_run_differences_list_changed_entries_before_absent_ones():
         "optimizer.lr",
     ]
     assert lines[1] == "method: 'dynadiag' in the checkpoint, 'dense' in this run"
+    # a section one method reads and the other does not: one line per side, by name
+    stored["dynadiag"].update(slack=0.25, gate_schedule={"name": "exponential"})
+    current["unstructured"] = {"drop_fraction": 0.3}
+    assert run_differences(stored, current)[1:] == [
+        "method: 'dynadiag' in the checkpoint, 'dense' in this run",
+        "dynadiag: 3 entries in the checkpoint only: gate, gate_schedule.name, slack",
+        "optimizer.lr: absent in the checkpoint, 0.001 in this run",
+        "unstructured.drop_fraction: absent in the checkpoint, 0.3 in this run",
+    ]
 
 
 def test_a_read_is_watched_for_failed_read_reports_from_its_start(tmp_path):

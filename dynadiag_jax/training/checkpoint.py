@@ -97,7 +97,8 @@ def run_differences(stored: Mapping, current: Mapping, where: str = "the checkpo
     """``"key: X in <where>, Y in this run"`` for each entry (nested keys dotted) on which two run
     descriptions differ (``stored``: the one recorded in ``where``): the entries both hold
     first (a changed method or sparsity), then those only one holds (the sections one method
-    reads and the other does not)."""
+    reads and the other does not), several of one section on one line by name only:
+    ``"dynadiag: 19 entries in <where> only: alpha_lr_scale, block_size, ..."``."""
     a, b = (
         traverse_util.flatten_dict(t, keep_empty_nodes=True, sep=".") for t in (stored, current)
     )
@@ -107,11 +108,21 @@ def run_differences(stored: Mapping, current: Mapping, where: str = "the checkpo
             return "absent"
         return "{}" if tree[key] is traverse_util.empty_node else repr(tree[key])
 
-    return [
-        f"{key}: {show(a, key)} in {where}, {show(b, key)} in this run"
-        for key in sorted(set(a) | set(b), key=lambda k: (k not in a or k not in b, k))
-        if key not in a or key not in b or a[key] != b[key]
-    ]
+    def entry(key):
+        return f"{key}: {show(a, key)} in {where}, {show(b, key)} in this run"
+
+    lines = [entry(key) for key in sorted(set(a) & set(b)) if a[key] != b[key]]
+    one_sided: dict[tuple[str, str], list[str]] = {}
+    for key in sorted(set(a) ^ set(b)):
+        side = where if key in a else "this run"
+        one_sided.setdefault((key.split(".")[0], side), []).append(key)
+    for (section, side), keys in sorted(one_sided.items()):
+        if len(keys) == 1:
+            lines.append(entry(keys[0]))
+        else:
+            names = ", ".join(k.removeprefix(section + ".") for k in keys)
+            lines.append(f"{section}: {len(keys)} entries in {side} only: {names}")
+    return lines
 
 
 def _quiet_failed_reads(step_dir: pathlib.Path) -> None:
