@@ -368,7 +368,12 @@ def freeze_opt_state(opt_state: Any, params_before, params_after):
     (and ``perm_soft``) entries, and keeps for ``values`` the rows of the selected diagonals,
     selected exactly as :func:`freeze_tree` does (top-K of ``params_before``'s alpha, K from
     ``params_after``). Counts and other leaves are kept, and so are trees already in the frozen
-    form. The result has the structure ``tx.init(params_after)`` would give.
+    form. The result has the structure ``tx.init(params_after)`` would give. Abstract arguments
+    (``jax.ShapeDtypeStruct`` leaves) give the abstract result: a restore template.
+
+    Only statistics shaped like ``values`` (or scalars) can be cut this way: an optimizer that
+    keeps another shape for them (``optax.adafactor``'s factored rows and columns, or its ``(1,)``
+    placeholder) is refused; start its state afresh with ``tx.init(params_after)``.
 
     Args:
       opt_state: state of an optax transformation initialised on ``params_before``.
@@ -379,8 +384,14 @@ def freeze_opt_state(opt_state: Any, params_before, params_after):
       TypeError: ``params_before`` or ``params_after`` is not a params tree.
       ValueError: ``params_after`` does not have the structure and shapes of the frozen form of
         ``params_before`` (whole variables instead of their ``"params"``, the two swapped, another
-        model's), or ``opt_state`` holds a params tree made for other params.
+        model's), or ``opt_state`` holds a params tree made for other params, or a statistic of
+        ``values`` of another shape.
     """
+    if any(
+        isinstance(a, jax.ShapeDtypeStruct)
+        for a in jax.tree.leaves((opt_state, params_before, params_after))
+    ):
+        return jax.eval_shape(freeze_opt_state, opt_state, params_before, params_after)
     before, after, layers = _checked_pair(params_before, params_after)
     offsets = {
         path: select_diagonals(
@@ -403,8 +414,17 @@ def freeze_opt_state(opt_state: Any, params_before, params_after):
             for name in _SEARCH_PARAMS:
                 flat.pop(path + (name,), None)
             value = flat.get(path + ("values",))
-            if getattr(value, "shape", None) == before[path + ("values",)].shape:
+            shape = getattr(value, "shape", None)
+            if shape == before[path + ("values",)].shape:
                 flat[path + ("values",)] = gather_rows(value, kept)
+            elif shape not in (None, ()):  # None: optax.masked's MaskedNode
+                raise ValueError(
+                    f"freeze_opt_state: opt_state holds a statistic of shape {list(shape)} for "
+                    f"the values {list(before[path + ('values',)].shape)} of the DiagonalDense "
+                    f"at params path {_path_text(path)} (a factored optimizer, e.g. "
+                    f"optax.adafactor): only statistics shaped like the values can be cut to "
+                    f"the kept diagonals; start the state afresh with tx.init(params_after)"
+                )
         return traverse_util.unflatten_dict(flat)
 
     def is_params(node) -> bool:

@@ -468,8 +468,12 @@ def freeze(model):
     return frozen
 
 
+def _path_text(path) -> str:
+    return "/".join(map(str, path)) or "(root)"
+
+
 def _path_list(layers) -> str:
-    return ", ".join(sorted("/".join(map(str, path)) for path in layers)) or "none"
+    return ", ".join(sorted(_path_text(path) for path in layers)) or "none"
 
 
 def freeze_opt_state(optimizer: nnx.Optimizer, model, frozen) -> nnx.Optimizer:
@@ -477,6 +481,7 @@ def freeze_opt_state(optimizer: nnx.Optimizer, model, frozen) -> nnx.Optimizer:
     ``model``), as :func:`dynadiag_jax.freeze_opt_state` does for linen: the same transformation,
     ``wrt`` and step count; every params-shaped tree of its state (Adam's moments, ...) loses
     ``alpha`` and keeps the rows of the diagonals ``freeze`` kept. ``optimizer`` is unchanged.
+    Abstract arguments (``nnx.eval_shape``) give an abstract optimizer: a restore template.
 
     Raises:
       TypeError: ``optimizer`` is not an ``nnx.Optimizer``, or ``model``/``frozen`` not modules.
@@ -506,7 +511,7 @@ def freeze_opt_state(optimizer: nnx.Optimizer, model, frozen) -> nnx.Optimizer:
                 " (and model's is frozen: are the two swapped?)" if before[path].frozen else ""
             )
             raise ValueError(
-                f"dd.nnx.freeze_opt_state: the DiagonalDense at {'/'.join(map(str, path))} of "
+                f"dd.nnx.freeze_opt_state: the DiagonalDense at {_path_text(path)} of "
                 f"frozen is in the search phase{swapped}; pass frozen = dd.nnx.freeze(model)"
             )
     params_before = nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
@@ -519,7 +524,13 @@ def freeze_opt_state(optimizer: nnx.Optimizer, model, frozen) -> nnx.Optimizer:
         raise ValueError(
             f"dd.nnx.{e} (params_before: model's params, params_after: frozen's)"
         ) from None
-    continued = nnx.Optimizer(frozen, optimizer.tx, wrt=optimizer.wrt)
+
+    def make(frozen):
+        return nnx.Optimizer(frozen, optimizer.tx, wrt=optimizer.wrt)
+
+    abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params_after))
+    # an abstract frozen model (a restore template) gets an abstract optimizer
+    continued = nnx.eval_shape(make, frozen) if abstract else make(frozen)
     template = nnx.state(continued)
     nnx.replace_by_pure_dict(template, state)
     nnx.update(continued, template)

@@ -278,6 +278,28 @@ def test_freeze_opt_state_plain_optax(make_tx):
         tx.update(fv["params"], fstate, fv["params"])
 
 
+def test_freeze_opt_state_refuses_factored_statistics_and_makes_abstract_templates():
+    layer = DiagonalDense(64, k=8, explore="none", impl="jax")
+    v = random_alpha(layer.init(jax.random.key(0), jnp.ones((1, 64))))
+    fv = dd.freeze_tree(v)
+    # adafactor keeps factored row and column statistics of values[64, 64]: cutting only what is
+    # shaped like the values left them for 64 rows (the next update failed), or, where it does
+    # not factor, a (1,) placeholder where the frozen state has the values' shape
+    for tx in (optax.adafactor(1e-3, min_dim_size_to_factor=32), optax.adafactor(1e-3)):
+        with pytest.raises(ValueError, match=r"statistic of shape \[.*tx.init\(params_after\)"):
+            dd.freeze_opt_state(tx.init(v["params"]), v["params"], fv["params"])
+    # abstract arguments (a restore template) give the abstract result of the concrete ones
+    tx = optax.adamw(1e-3)
+    state = tx.init(v["params"])
+    concrete = dd.freeze_opt_state(state, v["params"], fv["params"])
+    abstract = jax.eval_shape(lambda: (state, v["params"], fv["params"]))
+    template = dd.freeze_opt_state(*abstract)
+    assert jax.tree.structure(template) == jax.tree.structure(concrete)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), template) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), concrete
+    )
+
+
 def test_freeze_refuses_non_finite_alpha():
     model = Model()
     x = jax.random.normal(jax.random.key(1), (5, 16))

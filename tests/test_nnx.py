@@ -294,6 +294,28 @@ def test_freeze_opt_state_checks_its_arguments(standard_promotion):
     with pytest.raises(TypeError, match="frozen must be an nnx.Module"):
         dd.nnx.freeze_opt_state(optimizer, model, {"fc1": 1})
     assert dd.nnx.freeze_opt_state(optimizer, model, frozen).step.get_value() == 0
+    root = dd.nnx.DiagonalDense(8, 8, sparsity=0.5, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"DiagonalDense at \(root\) of frozen is in the search"):
+        dd.nnx.freeze_opt_state(nnx.Optimizer(root, optax.adam(1e-3), wrt=nnx.Param), root, root)
+
+
+def test_freeze_opt_state_of_abstract_arguments_is_a_restore_template(standard_promotion):
+    """A frozen model and optimizer are restored into ``dd.nnx.freeze`` and
+    ``dd.nnx.freeze_opt_state`` of ``nnx.eval_shape``-made ones (the second raised a TypeError
+    from inside the ranking)."""
+    tx = optax.adam(1e-3)
+    model = nnx.eval_shape(lambda: MLP(rngs=nnx.Rngs(0)))
+    optimizer = nnx.eval_shape(lambda: nnx.Optimizer(MLP(rngs=nnx.Rngs(0)), tx, wrt=nnx.Param))
+    template = dd.nnx.freeze_opt_state(optimizer, model, dd.nnx.freeze(model))
+    real_model = MLP(rngs=nnx.Rngs(0))
+    real = nnx.Optimizer(real_model, tx, wrt=nnx.Param)
+    want = dd.nnx.freeze_opt_state(real, real_model, dd.nnx.freeze(real_model))
+    shapes = [
+        jax.tree.map(lambda a: (a.shape, a.dtype), nnx.to_pure_dict(nnx.state(o)))
+        for o in (template, want)
+    ]
+    assert shapes[0] == shapes[1]
+    assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(nnx.state(template)))
 
 
 @pytest.mark.parametrize("block_size", [1, 8])
