@@ -38,6 +38,7 @@ from dynadiag_jax.freeze import freeze_opt_state as freeze_params_opt_state
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
 from dynadiag_jax.nn import permutation as perms
+from dynadiag_jax.nn.gate_state import alpha_from_values as restart_alpha
 from dynadiag_jax.nn.gate_state import check_score
 from dynadiag_jax.nn.lora import adapter_rules, check_rank, default_a_init, low_rank_term
 from dynadiag_jax.nn.search import gate_inputs, search_forward
@@ -51,6 +52,7 @@ __all__ = [
     "GateState",
     "LoRAFA",
     "LoRAFrozen",
+    "alpha_from_values",
     "freeze",
     "freeze_opt_state",
     "lora_fa",
@@ -402,6 +404,23 @@ def set_gate(model, *, strength=None, temperature=None, score=None):
 
 def _set_like(variable, value) -> None:
     variable.set_value(jnp.broadcast_to(value, jnp.shape(variable.get_value())))
+
+
+def alpha_from_values(model, scale) -> None:
+    """Sets, in place, every search-phase :class:`DiagonalDense`'s ``alpha`` from its values, as
+    :func:`dynadiag_jax.nn.alpha_from_values` does for linen params (the restart of the scores
+    after a warm-up with flat gates; ``scale`` typically the gate's current strength). Works
+    inside ``nnx.jit``; a concrete ``scale`` <= 0 or NaN raises ``ValueError``, and a model with no
+    search-phase layer too.
+    """
+    layers = [m for _, m in _layers(model) if not m.frozen]
+    if not layers:
+        raise ValueError(
+            "alpha_from_values: no search-phase DiagonalDense in the model (a frozen or dense one)"
+        )
+    for m in layers:
+        params = {"alpha": m.alpha.get_value(), "values": m.values.get_value()}
+        m.alpha.set_value(restart_alpha(params, scale)["alpha"])
 
 
 def permutation_penalty(model):

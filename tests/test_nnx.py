@@ -299,6 +299,27 @@ def test_freeze_opt_state_checks_its_arguments(standard_promotion):
         dd.nnx.freeze_opt_state(nnx.Optimizer(root, optax.adam(1e-3), wrt=nnx.Param), root, root)
 
 
+@pytest.mark.parametrize("block_size", [1, 8])
+def test_alpha_from_values_restarts_every_searching_layer_in_place(block_size):
+    """NNX had no restart of alpha (the linen function asserted on an ``nnx.State``)."""
+    model = MLP(block_size=block_size, rngs=nnx.Rngs(0))
+    values = model.fc1.values.get_value()
+    model.fc1.values.set_value(
+        values * jnp.linspace(0.5, 2.0, values.shape[0]).reshape((-1,) + (1,) * (values.ndim - 1))
+    )
+    want = dd.nn.alpha_from_values(
+        {"alpha": model.fc1.alpha.get_value(), "values": model.fc1.values.get_value()}, 0.3
+    )["alpha"]
+    nnx.jit(lambda m: dd.nnx.alpha_from_values(m, 0.3))(model)
+    np.testing.assert_array_equal(model.fc1.alpha.get_value(), want)
+    alpha = model.fc1.alpha.get_value()
+    assert alpha[-1] > alpha[0]  # the values scaled up 4x rank first
+    with pytest.raises(ValueError, match="scale"):
+        dd.nnx.alpha_from_values(model, 0.0)
+    with pytest.raises(ValueError, match="no search-phase DiagonalDense"):
+        dd.nnx.alpha_from_values(dd.nnx.freeze(model), 0.3)
+
+
 def test_freeze_opt_state_of_abstract_arguments_is_a_restore_template(standard_promotion):
     """A frozen model and optimizer are restored into ``dd.nnx.freeze`` and
     ``dd.nnx.freeze_opt_state`` of ``nnx.eval_shape``-made ones (the second raised a TypeError
