@@ -318,6 +318,8 @@ def test_alpha_from_values_restarts_every_searching_layer_in_place(block_size):
         dd.nnx.alpha_from_values(model, 0.0)
     with pytest.raises(ValueError, match="no search-phase DiagonalDense"):
         dd.nnx.alpha_from_values(dd.nnx.freeze(model), 0.3)
+    with pytest.raises(TypeError, match=r"got State; .*dd.nnx.alpha_from_values\(model"):
+        dd.nn.alpha_from_values(nnx.state(model, nnx.Param), 0.3)
 
 
 def test_freeze_opt_state_of_abstract_arguments_is_a_restore_template(standard_promotion):

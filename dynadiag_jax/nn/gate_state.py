@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
+from flax.core import FrozenDict
 
 from dynadiag_jax.nn.functional import GATE_COLLECTION, HYPER_NAME
 from dynadiag_jax.topk import check_gate_value
@@ -134,6 +135,12 @@ def alpha_from_values(params, scale):
     freezing refuses such a layer).
     """
     check_scale(scale, "scale", "alpha_from_values")
+    if not isinstance(params, dict | FrozenDict):
+        raise TypeError(
+            f"alpha_from_values: params must be a params dict (variables['params']), got "
+            f"{type(params).__name__}; an NNX model restarts with dd.nnx.alpha_from_values(model, "
+            f"scale)"
+        )
     flat = traverse_util.flatten_dict(params)
     out = dict(flat)
     for key, alpha in flat.items():
