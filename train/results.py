@@ -158,10 +158,6 @@ def main(argv):
     try:
         chosen = selected_suites(config, _SUITE.value)
         data = prepare(config, timed=timing)
-        try:  # after the checks above, so that a bad config creates nothing
-            workdir = usable_directory(workdir, create=not _REPORT_ONLY.value)
-        except ValueError as e:
-            raise common.ConfigError(f"--workdir: {e}") from None
         if _DOCS.value:
             check_full_campaign(
                 config,
@@ -170,6 +166,10 @@ def main(argv):
                 trained=chosen if training else [],
                 timed=chosen if timing else [],
             )
+        try:  # after the checks above, so that a bad config creates nothing
+            workdir = usable_directory(workdir, create=not _REPORT_ONLY.value)
+        except ValueError as e:
+            raise common.ConfigError(f"--workdir: {e}") from None
     except common.ConfigError as e:
         common.die(str(e))
     if _REPORT_ONLY.value and not any((workdir / f).exists() for f in (ACCURACY_FILE, SPEED_FILE)):
