@@ -45,6 +45,11 @@ _SEARCH_STATE = ("strength", "temperature", "topk", "score")
 _SEARCH_PARAMS = ("alpha", "perm_soft")
 
 
+def is_abstract(tree) -> bool:
+    """Whether ``tree`` holds ``jax.ShapeDtypeStruct`` leaves (``eval_shape``'s: a template)."""
+    return any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(tree))
+
+
 def gather_rows(values, offsets):
     """``values[..., P, *V]`` rows ``offsets[..., K]`` -> ``[..., K, *V]``."""
     row_axis = offsets.ndim - 1
@@ -182,7 +187,7 @@ def freeze_tree(variables, *, budgets: Mapping[tuple, int] | None = None):
         instead, so its outputs (and the loss) are NaN.
     """
     check_variables(variables, "variables", "freeze_tree")
-    if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(variables)):
+    if is_abstract(variables):
         # abstract variables (jax.eval_shape of init): the template of a frozen checkpoint
         return jax.eval_shape(functools.partial(freeze_tree, budgets=budgets), variables)
     params = traverse_util.flatten_dict(variables["params"], keep_empty_nodes=True)
@@ -387,10 +392,7 @@ def freeze_opt_state(opt_state: Any, params_before, params_after):
         model's), or ``opt_state`` holds a params tree made for other params, or a statistic of
         ``values`` of another shape.
     """
-    if any(
-        isinstance(a, jax.ShapeDtypeStruct)
-        for a in jax.tree.leaves((opt_state, params_before, params_after))
-    ):
+    if is_abstract((opt_state, params_before, params_after)):
         return jax.eval_shape(freeze_opt_state, opt_state, params_before, params_after)
     before, after, layers = _checked_pair(params_before, params_after)
     offsets = {

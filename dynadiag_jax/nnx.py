@@ -33,7 +33,7 @@ from flax import nnx
 
 from dynadiag_jax._checks import check_layer_arguments, int_at_least, non_negative
 from dynadiag_jax._dtypes import promote_floats, work_dtype
-from dynadiag_jax.freeze import finite_values, gather_rows
+from dynadiag_jax.freeze import finite_values, gather_rows, is_abstract
 from dynadiag_jax.freeze import freeze_opt_state as freeze_params_opt_state
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn import functional as F
@@ -547,9 +547,8 @@ def freeze_opt_state(optimizer: nnx.Optimizer, model, frozen) -> nnx.Optimizer:
     def make(frozen):
         return nnx.Optimizer(frozen, optimizer.tx, wrt=optimizer.wrt)
 
-    abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params_after))
     # an abstract frozen model (a restore template) gets an abstract optimizer
-    continued = nnx.eval_shape(make, frozen) if abstract else make(frozen)
+    continued = nnx.eval_shape(make, frozen) if is_abstract(params_after) else make(frozen)
     template = nnx.state(continued)
     nnx.replace_by_pure_dict(template, state)
     nnx.update(continued, template)

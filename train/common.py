@@ -539,6 +539,29 @@ def source_run(config, *, workdir=None) -> SourceRun:
     return SourceRun(directory, read, recipe, variables)
 
 
+def usable_workdir(workdir, *, create: bool = True) -> pathlib.Path:
+    """``--workdir`` checked up front as :func:`usable_directory` does (created unless
+    ``create`` is False), as an absolute path.
+
+    Raises:
+      ConfigError: it is a file, cannot be created or is not writable, naming ``--workdir``.
+    """
+    try:
+        return usable_directory(workdir, create=create)
+    except ValueError as e:
+        raise ConfigError(f"--workdir: {e}") from None
+
+
+def check_batch_fits(batch: int, examples: int, source: str) -> None:
+    """Raise :class:`ConfigError` when ``train.batch_size`` exceeds the ``examples`` of the
+    training split (``source`` names where they come from)."""
+    if batch > examples:
+        raise ConfigError(
+            f"train.batch_size={batch} exceeds the {examples} examples of the training split "
+            f"({source})"
+        )
+
+
 def check_workdir(workdir, run_info) -> None:
     """Refuse now, before anything costly, a ``workdir`` that cannot hold checkpoints or whose
     newest checkpoint records another ``run_info`` (``T.train`` refuses both, but only once it

@@ -58,11 +58,7 @@ def prepare(config):
     T.check_batch_size(batch, mesh, name="train.batch_size")
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
     examples = len(data.train["label"])
-    if batch > examples:
-        raise common.ConfigError(
-            f"train.batch_size={batch} exceeds the {examples} examples of the training split "
-            f"(data.source={config.data.source})"
-        )
+    common.check_batch_fits(batch, examples, f"data.source={config.data.source}")
     steps = int(config.train.epochs) * (examples // batch)
     if steps < 1:
         raise common.ConfigError(f"train.epochs={config.train.epochs} gives no training step")

@@ -55,11 +55,7 @@ def prepare(config):
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
     train_source, eval_source = _sources(config.data)
     batch, size = int(config.train.batch_size), int(config.data.image_size)
-    if batch > len(train_source):
-        raise common.ConfigError(
-            f"train.batch_size={batch} exceeds the {len(train_source)} examples of the training "
-            f"split ({_split_name(config.data, 'train_split')})"
-        )
+    common.check_batch_fits(batch, len(train_source), _split_name(config.data, "train_split"))
     steps_per_epoch = max(1, len(train_source) // batch)
     num_steps = int(config.train.num_steps) or int(config.train.epochs) * steps_per_epoch
     example = jax.ShapeDtypeStruct((batch, size, size, 3), jnp.float32)

@@ -43,7 +43,6 @@ import tqdm
 from absl import app, flags, logging
 
 from dynadiag_jax import training as T
-from dynadiag_jax.training.checkpoint import usable_directory
 from train import cli, common, results_report, speed
 from train.configs import results as default_config
 from train.results_runs import (
@@ -166,10 +165,8 @@ def main(argv):
                 trained=chosen if training else [],
                 timed=chosen if timing else [],
             )
-        try:  # after the checks above, so that a bad config creates nothing
-            workdir = usable_directory(workdir, create=not _REPORT_ONLY.value)
-        except ValueError as e:
-            raise common.ConfigError(f"--workdir: {e}") from None
+        # after the checks above, so that a bad config creates nothing
+        workdir = common.usable_workdir(workdir, create=not _REPORT_ONLY.value)
     except common.ConfigError as e:
         common.die(str(e))
     if _REPORT_ONLY.value and not any((workdir / f).exists() for f in (ACCURACY_FILE, SPEED_FILE)):

@@ -41,7 +41,7 @@ from absl import app, flags
 import dynadiag_jax as dd
 from dynadiag_jax import training as T
 from dynadiag_jax.models import variants, vit
-from dynadiag_jax.training.checkpoint import run_differences, usable_directory
+from dynadiag_jax.training.checkpoint import run_differences
 from train import baselines, cli, common, speed
 from train import results_runs as R
 from train.configs import results as default_config
@@ -267,10 +267,7 @@ def run(
 ) -> str:
     """Train what ``workdir`` has not recorded yet (``progress``: a bar over each run's steps),
     time the frozen steps, and return the report."""
-    try:
-        workdir = usable_directory(workdir)
-    except ValueError as e:
-        raise common.ConfigError(f"--workdir: {e}") from None
+    workdir = common.usable_workdir(workdir)
     data = R.prepare(trained_config(config, sparsity))
     steps = R.steps_of(config.models[SUITE], data)
     recipes = {name: recipe(config, name, sparsity, steps) for name in VARIANTS}
