@@ -3,13 +3,15 @@
 Commands are the ``python train/...`` and ``python bench/...`` lines of README.md and docs/*.md,
 in code blocks (``\\`` continuations joined, a ``for`` loop's variable set to its first value) and
 in inline code. Their placeholders are filled in as ``PLACEHOLDERS`` says (a workdir ``W``, a suite
-``S``, ``<seed>``...). Each runs through ``doc_command_shim.py``, which stops the script once its
-command line has parsed: a flag the script no longer has, a ``--config.<key>`` its config lacks or
-a value of the wrong type fails here as it would for the reader.
+``S``, ``<seed>``...). Each runs through ``doc_command_shim.py`` (all in one batch, each in a
+process of its own), which stops the script once its command line has parsed: a flag the script
+no longer has, a ``--config.<key>`` its config lacks or a value of the wrong type fails here as it
+would for the reader.
 """
 
 import ast
 import inspect
+import json
 import pathlib
 import re
 import shlex
@@ -17,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import once_per_session
 
 import dynadiag_jax as dd
 
@@ -117,32 +120,59 @@ def test_the_docs_have_commands_of_every_kind():
     assert not any(re.search(r"[<>$]|\bW\b", a) for a in args)
 
 
-def test_the_shim_refuses_what_a_user_would_get_refused(tmp_path):
-    """The check can fail: an unknown override and an unknown argparse flag."""
-    for script, args in (
-        ("train/fashion_mnist.py", ["--config.no_such_key=1"]),
-        ("bench/diag_matmul.py", ["--no-such-flag"]),
-    ):
-        proc = _parse(script, args)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-
-
-def _parse(script, args):
-    return subprocess.run(
-        [sys.executable, str(SHIM), script, *args],
+def _parse_all(commands, tmp_path):
+    """``[(status, stderr)]`` of the shim's batch mode on ``[(script, args)]``."""
+    listing = tmp_path / "commands.json"
+    listing.write_text(json.dumps([[script, list(args)] for script, args in commands]))
+    proc = subprocess.run(
+        [sys.executable, str(SHIM), "--batch", str(listing)],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1800,
     )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [tuple(result) for result in json.loads(proc.stdout)]
+
+
+def test_the_shim_refuses_what_a_user_would_get_refused(tmp_path):
+    """The check can fail: an unknown override and an unknown argparse flag, alone and in the
+    batch, with the same message; a command that parses exits 0 in the batch beside them."""
+    refused = [
+        ("train/fashion_mnist.py", ["--config.no_such_key=1"]),
+        ("bench/diag_matmul.py", ["--no-such-flag"]),
+    ]
+    parses = ("train/fashion_mnist.py", ["--config.train.epochs=1"])
+    batch = _parse_all([*refused, parses], tmp_path)
+    assert batch[2] == (0, ""), batch[2]
+    for (script, args), (status, stderr) in zip(refused, batch):
+        alone = subprocess.run(
+            [sys.executable, str(SHIM), script, *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert alone.returncode == 2 == status, alone.stderr[-2000:]
+        assert alone.stderr == stderr
+
+
+@pytest.fixture(scope="session")
+def parsed(tmp_path_factory):
+    """``{id: (status, stderr)}`` of every documented command, parsed in one batch (one for every
+    xdist worker)."""
+    results = once_per_session(
+        tmp_path_factory,
+        "documented_commands",
+        lambda folder: _parse_all([(s, a) for _, s, a in COMMANDS], folder),
+    )
+    return {where: tuple(result) for (where, _, _), result in zip(COMMANDS, results)}
 
 
 @pytest.mark.parametrize("where,script,args", COMMANDS, ids=[c[0] for c in COMMANDS])
-def test_documented_command_parses(where, script, args):
-    proc = _parse(script, args)
-    assert proc.returncode == 0, (
-        f"{where}: python {script} {shlex.join(args)}\n{proc.stderr[-2000:]}"
-    )
+def test_documented_command_parses(where, script, args, parsed):
+    status, stderr = parsed[where]
+    assert status == 0, f"{where}: python {script} {shlex.join(args)}\n{stderr[-2000:]}"
 
 
 def _python_blocks(path):
