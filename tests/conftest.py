@@ -1,6 +1,8 @@
 """Strict numerics for every test (no silent dtype or rank promotion) and shared fixtures."""
 
+import fcntl
 import importlib.util
+import json
 import os
 import pathlib
 import shutil
@@ -117,6 +119,26 @@ def load_script(path):
 
 
 sass_counts = load_script(ROOT / "scripts" / "sass_counts.py")
+
+
+def once_per_session(tmp_path_factory, name, make):
+    """``make(folder)`` run once per test session, by whichever xdist worker asks first; the
+    others wait for it and get the same result (JSON-able), the folder shared by all.
+
+    A session-scoped fixture runs once per *worker*: an expensive one (a compile of minutes) ran
+    twice on two workers. A failed ``make`` leaves no result, so the next worker tries again.
+    """
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # every worker's basetemp is a folder of the session's
+    result = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            folder = root / name
+            folder.mkdir(exist_ok=True)
+            result.write_text(json.dumps(make(folder)))
+        return json.loads(result.read_text())
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import once_per_session
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = [
@@ -45,23 +46,27 @@ ENV = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def drivers(tmp_path_factory):
-    """{variant: executable}, compiled in parallel (each build takes 10-40 s)."""
+    """{variant: executable}, compiled in parallel (each build takes 10-40 s), once for every
+    xdist worker."""
     cxx = os.environ.get("CXX") or shutil.which("g++")
     if cxx is None or not all(s.exists() for s in SOURCES):
         pytest.skip("needs a C++ compiler (g++ or $CXX) and the xla_ext sources")
-    out = tmp_path_factory.mktemp("kernel_check")
 
-    def build(name):
-        exe = out / name
-        cmd = [cxx, *COMMON, *VARIANTS[name], *map(str, SOURCES), "-o", str(exe)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, f"{name} build failed:\n{proc.stderr[-4000:]}"
-        return exe
+    def build_all(out):
+        def build(name):
+            exe = out / name
+            cmd = [cxx, *COMMON, *VARIANTS[name], *map(str, SOURCES), "-o", str(exe)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, f"{name} build failed:\n{proc.stderr[-4000:]}"
+            return str(exe)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        return dict(zip(VARIANTS, pool.map(build, VARIANTS)))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            return dict(zip(VARIANTS, pool.map(build, VARIANTS)))
+
+    built = once_per_session(tmp_path_factory, "kernel_check", build_all)
+    return {name: pathlib.Path(exe) for name, exe in built.items()}
 
 
 def run(exe, *args):
@@ -168,7 +173,7 @@ def test_planted_out_of_bounds_read_is_caught_by_asan(drivers):
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def planted_package(tmp_path_factory):
     """A copy of the imported dynadiag_jax whose _emu_ext has bug 2 (the double write) planted."""
     import dynadiag_jax
