@@ -55,7 +55,7 @@ def _status(code):
     return 1
 
 
-def _forked(script, script_args, timeout=300):
+def _forked(script, script_args):
     """``(status, stderr)`` of ``_parse`` in a child forked from this process."""
     with tempfile.TemporaryFile("w+") as err:
         pid = os.fork()

@@ -48,8 +48,8 @@ ENV = {
 
 @pytest.fixture(scope="session")
 def drivers(tmp_path_factory):
-    """{variant: executable}, compiled in parallel (each build takes 10-40 s), once for every
-    xdist worker."""
+    """{variant: executable}, compiled in parallel (each build takes 10-40 s), once for all xdist
+    workers."""
     cxx = os.environ.get("CXX") or shutil.which("g++")
     if cxx is None or not all(s.exists() for s in SOURCES):
         pytest.skip("needs a C++ compiler (g++ or $CXX) and the xla_ext sources")
@@ -173,7 +173,7 @@ def test_planted_out_of_bounds_read_is_caught_by_asan(drivers):
     )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def planted_package(tmp_path_factory):
     """A copy of the imported dynadiag_jax whose _emu_ext has bug 2 (the double write) planted."""
     import dynadiag_jax

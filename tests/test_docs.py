@@ -159,8 +159,8 @@ def test_the_shim_refuses_what_a_user_would_get_refused(tmp_path):
 
 @pytest.fixture(scope="session")
 def parsed(tmp_path_factory):
-    """``{id: (status, stderr)}`` of every documented command, parsed in one batch (one for every
-    xdist worker)."""
+    """``{id: (status, stderr)}`` of every documented command, parsed in one batch shared by all
+    xdist workers."""
     results = once_per_session(
         tmp_path_factory,
         "documented_commands",

@@ -164,15 +164,16 @@ def test_search_forward_and_grad_match_dense(rng, n_in, n_out, explore):
         g = dd.sparse_soft_topk(params["alpha"], layer.budget(n_in), strength=strength)
         return dense_reference(params, x, n_out, g, computed, k=layer.budget(n_in))
 
-    # jitted, as a training step runs them (eagerly every op compiled on its own: 3x the time)
+    # jitted, as a training step runs them (eagerly every op compiles on its own)
     np.testing.assert_allclose(
         np.asarray(jax.jit(layer_apply)(params)),
         np.asarray(ref_apply(params)),
         atol=F32_TOL,
         rtol=F32_TOL,
     )
-    got = jax.jit(jax.grad(loss), static_argnums=1)(params, layer_apply)
-    want = jax.jit(jax.grad(loss), static_argnums=1)(params, ref_apply)
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    got = grad(params, layer_apply)
+    want = grad(params, ref_apply)
     for name in ("alpha", "values", "bias"):
         np.testing.assert_allclose(
             np.asarray(got[name]), np.asarray(want[name]), atol=1e-4, rtol=1e-4, err_msg=name
