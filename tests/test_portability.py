@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(CROSS is None, reason="no aarch64 cross compiler
 SOURCES = [
     "cpu/diag_kernels.cc",
     "cpu/kernels_portable.cc",
+    "cpu/kernels_portable_blocks.cc",
     "cpu/module.cc",
     "cpu/ffi_handlers.cc",
     "cpu/gate_rank.cc",

@@ -172,10 +172,10 @@ DYNADIAG_TARGET void Backward(const PlanView& plan, int64_t tile_begin, int64_t 
 }
 
 // The family's entry points: the element kernels over E (kFused: with the fused backward;
-// without it, null, and jobs run `product` and `sddmm`), the block kernels over B and the few-row
-// kernels over F.
-template <class E, class B, class F, bool kFused>
-Kernels FamilyKernels(const char* name) {
+// without it, null, and jobs run `product` and `sddmm`), the few-row element loops over F, and
+// `blocks` (BlockKernelsOf, or a file's own).
+template <class E, class F, bool kFused>
+Kernels FamilyKernels(const char* name, const BlockKernels& blocks) {
   KernelTable<float> f32{Pack<E, float>, Product<E, float>, Sddmm<E, float>, nullptr};
   KernelTable<Bf16> bf16{Pack<E, Bf16>, Product<E, Bf16>, Sddmm<E, Bf16>, nullptr};
   if constexpr (kFused) {
@@ -185,9 +185,11 @@ Kernels FamilyKernels(const char* name) {
   return {name,
           f32,
           bf16,
-          kBlockTableF32<B>,
-          kBlockTableBf16<B>,
-          BlockSddmm<B>,
-          kFewRowTable<F, float>,
-          kFewRowTable<F, Bf16>};
+          blocks.f32,
+          blocks.bf16,
+          blocks.sddmm,
+          {FewTriad<float>, FewElementProduct<F, float>, FewRowDot<F>, blocks.few_fwd_f32,
+           blocks.few_dx_f32},
+          {FewTriad<Bf16>, FewElementProduct<F, Bf16>, FewRowDot<F>, blocks.few_fwd_bf16,
+           blocks.few_dx_bf16}};
 }

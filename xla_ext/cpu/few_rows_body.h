@@ -331,7 +331,14 @@ DYNADIAG_TARGET void FewBlockDispatch(const T* v, int64_t b, const float* in, in
   }
 }
 
-template <class V, typename T>
-constexpr FewRowTable<T> kFewRowTable{FewTriad<T>, FewElementProduct<V, T>, FewRowDot<V>,
-                                      FewBlockDispatch<V, T, FewBlockFwd>,
-                                      FewBlockDispatch<V, T, FewBlockDx>};
+// The family's block entries: block_kernels_body.h's over B, the few-row block loops over V.
+template <class B, class V>
+BlockKernels BlockKernelsOf() {
+  return {kBlockTableF32<B>,
+          kBlockTableBf16<B>,
+          BlockSddmm<B>,
+          FewBlockDispatch<V, float, FewBlockFwd>,
+          FewBlockDispatch<V, float, FewBlockDx>,
+          FewBlockDispatch<V, Bf16, FewBlockFwd>,
+          FewBlockDispatch<V, Bf16, FewBlockDx>};
+}

@@ -152,6 +152,19 @@ struct FewRowTable {
                    int64_t dx_stride, int64_t rows);
 };
 
+// A family's block-diagonal entries of Kernels (block_kernels_body.h's products and SDDMM, and
+// few_rows_body.h's block loops), apart so that a family can compile them in a file of their own.
+struct BlockKernels {
+  BlockKernelTable<float> f32;
+  BlockKernelTable<Bf16> bf16;
+  void (*sddmm)(int64_t b, const float* dy, int64_t dy_stride, const float* x, int64_t x_stride,
+                int64_t rows, float* acc, bool accumulate);
+  decltype(FewRowTable<float>::block_fwd) few_fwd_f32;
+  decltype(FewRowTable<float>::block_dx) few_dx_f32;
+  decltype(FewRowTable<Bf16>::block_fwd) few_fwd_bf16;
+  decltype(FewRowTable<Bf16>::block_dx) few_dx_bf16;
+};
+
 struct Kernels {
   const char* name;
   KernelTable<float> f32;
@@ -177,6 +190,9 @@ const Kernels& Avx2Kernels();
 #define DYNADIAG_X86 0
 #endif
 const Kernels& PortableKernels();
+// The portable family's block entries (kernels_portable_blocks.cc: compiled at -O2, where -O3
+// made them 4-5x slower and took minutes to compile; CMakeLists.txt).
+const BlockKernels& PortableBlockKernels();
 
 }  // namespace dynadiag
 

@@ -114,7 +114,7 @@ struct Elements {
 }  // namespace
 
 const Kernels& Avx2Kernels() {
-  static const Kernels kernels = FamilyKernels<Elements, Vec, Vec, true>("avx2");
+  static const Kernels kernels = FamilyKernels<Elements, Vec, true>("avx2", BlockKernelsOf<Vec, Vec>());
   return kernels;
 }
 
