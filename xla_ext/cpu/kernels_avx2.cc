@@ -114,7 +114,8 @@ struct Elements {
 }  // namespace
 
 const Kernels& Avx2Kernels() {
-  static const Kernels kernels = FamilyKernels<Elements, Vec, true>("avx2", BlockKernelsOf<Vec, Vec>());
+  static const Kernels kernels =
+      FamilyKernels<Elements, Vec, true>("avx2", BlockKernelsOf<Vec, Vec>());
   return kernels;
 }
 

@@ -85,7 +85,8 @@ struct Zmm {
 }  // namespace
 
 const Kernels& Avx512Kernels() {
-  static const Kernels kernels = FamilyKernels<Elements, Ymm<32>, true>("avx512", BlockKernelsOf<Zmm, Ymm<32>>());
+  static const Kernels kernels =
+      FamilyKernels<Elements, Ymm<32>, true>("avx512", BlockKernelsOf<Zmm, Ymm<32>>());
   return kernels;
 }
 

@@ -46,7 +46,8 @@ struct Elements : Lanes<kLanes> {
 }  // namespace
 
 const Kernels& PortableKernels() {
-  static const Kernels kernels = FamilyKernels<Elements, Lanes<8>, false>("portable", PortableBlockKernels());
+  static const Kernels kernels =
+      FamilyKernels<Elements, Lanes<8>, false>("portable", PortableBlockKernels());
   return kernels;
 }
 
