@@ -157,6 +157,9 @@ struct FewRowTable {
 struct BlockKernels {
   BlockKernelTable<float> f32;
   BlockKernelTable<Bf16> bf16;
+  // One b x b block of the block SDDMM: acc[i][j] (+)= sum_{r < rows} dy[r, i] * x[r, j], rows
+  // r at dy + r * dy_stride and x + r * x_stride; acc is row-major [b][b]. `accumulate` false
+  // overwrites acc.
   void (*sddmm)(int64_t b, const float* dy, int64_t dy_stride, const float* x, int64_t x_stride,
                 int64_t rows, float* acc, bool accumulate);
   decltype(FewRowTable<float>::block_fwd) few_fwd_f32;
@@ -171,11 +174,7 @@ struct Kernels {
   KernelTable<Bf16> bf16;
   BlockKernelTable<float> f32_blocks;
   BlockKernelTable<Bf16> bf16_blocks;
-  // One b x b block of the block SDDMM: acc[i][j] (+)= sum_{r < rows} dy[r, i] * x[r, j], rows
-  // r at dy + r * dy_stride and x + r * x_stride; acc is row-major [b][b]. `accumulate` false
-  // overwrites acc.
-  void (*block_sddmm)(int64_t b, const float* dy, int64_t dy_stride, const float* x,
-                      int64_t x_stride, int64_t rows, float* acc, bool accumulate);
+  decltype(BlockKernels::sddmm) block_sddmm;  // BlockKernels::sddmm says what it computes.
   FewRowTable<float> f32_few;
   FewRowTable<Bf16> bf16_few;
 };
