@@ -140,16 +140,19 @@ SHARD_MAP = textwrap.dedent("""
                     lambda p, x: jax.lax.pmean(loss(p, x), "data"),
                     mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
                 got = jax.jit(jax.grad(sharded, argnums=(0, 1)))(v["params"], x)
-                want = jax.grad(loss, argnums=(0, 1))(v["params"], x)
+                want = jax.jit(jax.grad(loss, argnums=(0, 1)))(v["params"], x)
                 err = jax.tree.map(
                     lambda a, r: float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r))), got, want)
+                # traced, not run: the type and the out_specs check are decided while tracing
                 typed = []
-                jax.shard_map(
+                jax.eval_shape(jax.shard_map(
                     lambda p, x: typed.append(str(jax.typeof(layer.apply({**v, "params": p}, x))))
-                    or x, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))(v["params"], x)
+                    or x, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data")),
+                    v["params"], x)
                 try:  # a per-shard output declared replicated
-                    jax.shard_map(lambda p, x: layer.apply({**v, "params": p}, x), mesh=mesh,
-                                  in_specs=(P(), P("data")), out_specs=P())(v["params"], x)
+                    jax.eval_shape(jax.shard_map(lambda p, x: layer.apply({**v, "params": p}, x),
+                                   mesh=mesh, in_specs=(P(), P("data")), out_specs=P()),
+                                   v["params"], x)
                     refused = False
                 except ValueError as e:
                     refused = "out_specs" in str(e)
