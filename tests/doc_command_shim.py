@@ -10,6 +10,10 @@ trained, loaded or compiled.
 ``[script, args]`` and prints a JSON list of ``[status, stderr]``, one per command: the libraries
 every script imports are imported once, and each command runs in a process forked from that one
 (a fresh interpreter per command spent most of its seconds importing them again).
+
+``python tests/doc_command_shim.py --batch-run COMMANDS.json`` runs each command to its end the
+same way, without stopping after the parse: for commands that a test expects to be refused before
+anything is compiled (tests/test_scripts.py), which would otherwise each pay a fresh interpreter.
 """
 
 import argparse
@@ -55,15 +59,24 @@ def _status(code):
     return 1
 
 
-def _forked(script, script_args):
-    """``(status, stderr)`` of ``_parse`` in a child forked from this process."""
+def _run_script(script, script_args):
+    """Run ``script`` with ``script_args`` as ``python SCRIPT ARGS...`` would."""
+    sys.argv = [script, *script_args]
+    sys.path[0] = str(pathlib.Path(script).resolve().parent)
+    runpy.run_path(script, run_name="__main__")
+
+
+def _forked(script, script_args, run=_parse):
+    """``(status, stderr)`` of ``run`` (``_parse``: up to the parse) in a child forked from this
+    process."""
     with tempfile.TemporaryFile("w+") as err:
         pid = os.fork()
         if pid == 0:
             os.dup2(err.fileno(), 2)
             os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            status = 0  # a script that returns
             try:
-                _parse(script, script_args)
+                run(script, script_args)
             except SystemExit as stop:
                 status = _status(stop.code)
             except BaseException:
@@ -76,7 +89,7 @@ def _forked(script, script_args):
         return os.waitstatus_to_exitcode(wait_status), err.read()
 
 
-def _batch(path):
+def _batch(path, run=_parse):
     import absl.logging  # noqa: F401  (what the scripts import, once for every command)
     import flax.linen  # noqa: F401
     import ml_collections  # noqa: F401
@@ -85,11 +98,13 @@ def _batch(path):
     import dynadiag_jax.training  # noqa: F401
 
     commands = json.loads(pathlib.Path(path).read_text())
-    print(json.dumps([_forked(script, args) for script, args in commands]))
+    print(json.dumps([_forked(script, args, run) for script, args in commands]))
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--batch"]:
         _batch(sys.argv[2])
+    elif sys.argv[1:2] == ["--batch-run"]:
+        _batch(sys.argv[2], _run_script)
     else:
         _parse(sys.argv[1], sys.argv[2:])

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 from absl import flags
+from conftest import once_per_session
 from training_helpers import CompileCounter, fast_compile  # noqa: F401 - fixture
 
 import dynadiag_jax as dd
@@ -511,109 +512,142 @@ def test_eval_batch_not_divisible_by_devices_is_reported(run_python, tmp_path, s
     assert not (tmp_path / "run").exists()
 
 
+# (script, args, the message of its one error line)
+BAD_COMMAND_LINES = [
+    ("fashion_mnist.py", ["--config.train.epoch=1"], "(did you mean 'train.epochs'?)"),
+    ("fashion_mnist.py", ["--config.dynadiag.explore=wide"], "unknown explore 'wide'"),
+    (
+        "imagenet.py",
+        [f"--config={CONFIGS / 'vit_imagenet.py'}:runlocal", "--config.train.batch_size=8.5"],
+        "config key 'train.batch_size' takes an int (default 8), got '8.5'",
+    ),
+    ("lm.py", ["--config.train.bogus=1"], "unknown config key 'train.bogus'; train holds"),
+    (
+        "results.py",
+        [f"--config={CONFIGS / 'results.py'}:quik"],
+        "unknown config argument 'quik' (did you mean 'quick'?)",
+    ),
+    ("lm.py", ["--wrkdir=runs"], "Unknown command line flag 'wrkdir'"),
+    # once found only after the dense comparison had trained, with a traceback
+    (
+        "fashion_mnist.py",
+        ["--config.dynadiag.block_size=64"],
+        "dynadiag.block_size=64 must divide both widths of every sparse layer",
+    ),
+    (
+        "lm.py",
+        [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.optimizer.warmup_steps=6"],
+        "optimizer.warmup_steps=6 must be fewer than the 6 training steps",
+    ),
+    # once trained to a NaN checkpoint and exited 0
+    (
+        "fashion_mnist.py",
+        [
+            f"--config={CONFIGS / 'fashion_mnist.py'}:runlocal",
+            "--config.data.source=mnist5k",
+            "--config.compare_dense=false",
+            "--config.optimizer.learning_rate=nan",
+        ],
+        "optimizer.learning_rate must be a finite number, got nan; it must be > 0",
+    ),
+    (
+        "lm.py",
+        [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.optimizer.learning_rate=inf"],
+        "optimizer.learning_rate must be a finite number, got inf",
+    ),
+    # once found only after every training step, with a traceback
+    (
+        "lm.py",
+        [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.data.eval_windows=-1"],
+        "data.eval_windows must be >= 0 (0: every window), got -1",
+    ),
+    (
+        "imagenet.py",
+        [
+            f"--config={CONFIGS / 'vit_imagenet.py'}:runlocal",
+            "--config.data.eval_max_examples=-5",
+        ],
+        "data.eval_max_examples must be >= 0 (0: the whole split), got -5",
+    ),
+    # once a traceback from the input pipeline, after compiling had begun
+    (
+        "imagenet.py",
+        [f"--config={CONFIGS / 'vit_imagenet.py'}:runlocal", "--config.data.image_size=0"],
+        "data.image_size must be >= 1, got 0",
+    ),
+    # once "warmup_steps=0 must be fewer than the 0 training steps"
+    (
+        "lm.py",
+        [
+            f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal",
+            "--config.train.num_steps=0",
+            "--config.optimizer.warmup_steps=0",
+        ],
+        "train.num_steps must be >= 1, got 0",
+    ),
+    (
+        "lm.py",
+        [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.optimizer.warmup_steps=-3"],
+        "optimizer.warmup_steps=-3 must be >= 0 (0: no warm-up)",
+    ),
+    # once a traceback after every run had trained: the timing builds RigL in every suite
+    (
+        "results.py",
+        [
+            "--suite=mlp",
+            f"--config={CONFIGS / 'results.py'}:models=mlp,methods=dense,seeds=1",
+            "--config.models.mlp.steps=30",
+            "--config.data.source=mnist5k",
+            "--timing_only",
+        ],
+        "model mlp: the timing builds RigL's step (--notiming skips it): rigl updates its",
+    ),
+]
+
+
+@pytest.fixture(scope="session")
+def bad_command_lines(tmp_path_factory):
+    """``[(status, stderr, workdir)]`` of BAD_COMMAND_LINES, each run to its end in a child forked
+    from one process that imported the libraries once (tests/doc_command_shim.py --batch-run: a
+    fresh interpreter per command spent ~3 of its ~3.5 s importing them), once for all xdist
+    workers."""
+
+    def run_all(folder):
+        workdirs = [folder / str(i) / "run" for i in range(len(BAD_COMMAND_LINES))]
+        commands = [
+            [str(ROOT / "train" / script), [*args, f"--workdir={workdir}"]]
+            for (script, args, _), workdir in zip(BAD_COMMAND_LINES, workdirs)
+        ]
+        listing = folder / "commands.json"
+        listing.write_text(json.dumps(commands))
+        shim = pathlib.Path(__file__).with_name("doc_command_shim.py")
+        proc = subprocess.run(
+            [sys.executable, str(shim), "--batch-run", str(listing)],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results = json.loads(proc.stdout)
+        return [[*result, str(workdir)] for result, workdir in zip(results, workdirs)]
+
+    return once_per_session(tmp_path_factory, "bad_command_lines", run_all)
+
+
 @pytest.mark.parametrize(
-    "script, args, message",
-    [
-        ("fashion_mnist.py", ["--config.train.epoch=1"], "(did you mean 'train.epochs'?)"),
-        ("fashion_mnist.py", ["--config.dynadiag.explore=wide"], "unknown explore 'wide'"),
-        (
-            "imagenet.py",
-            [f"--config={CONFIGS / 'vit_imagenet.py'}:runlocal", "--config.train.batch_size=8.5"],
-            "config key 'train.batch_size' takes an int (default 8), got '8.5'",
-        ),
-        ("lm.py", ["--config.train.bogus=1"], "unknown config key 'train.bogus'; train holds"),
-        (
-            "results.py",
-            [f"--config={CONFIGS / 'results.py'}:quik"],
-            "unknown config argument 'quik' (did you mean 'quick'?)",
-        ),
-        ("lm.py", ["--wrkdir=runs"], "Unknown command line flag 'wrkdir'"),
-        # once found only after the dense comparison had trained, with a traceback
-        (
-            "fashion_mnist.py",
-            ["--config.dynadiag.block_size=64"],
-            "dynadiag.block_size=64 must divide both widths of every sparse layer",
-        ),
-        (
-            "lm.py",
-            [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.optimizer.warmup_steps=6"],
-            "optimizer.warmup_steps=6 must be fewer than the 6 training steps",
-        ),
-        # once trained to a NaN checkpoint and exited 0
-        (
-            "fashion_mnist.py",
-            [
-                f"--config={CONFIGS / 'fashion_mnist.py'}:runlocal",
-                "--config.data.source=mnist5k",
-                "--config.compare_dense=false",
-                "--config.optimizer.learning_rate=nan",
-            ],
-            "optimizer.learning_rate must be a finite number, got nan; it must be > 0",
-        ),
-        (
-            "lm.py",
-            [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.optimizer.learning_rate=inf"],
-            "optimizer.learning_rate must be a finite number, got inf",
-        ),
-        # once found only after every training step, with a traceback
-        (
-            "lm.py",
-            [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.data.eval_windows=-1"],
-            "data.eval_windows must be >= 0 (0: every window), got -1",
-        ),
-        (
-            "imagenet.py",
-            [
-                f"--config={CONFIGS / 'vit_imagenet.py'}:runlocal",
-                "--config.data.eval_max_examples=-5",
-            ],
-            "data.eval_max_examples must be >= 0 (0: the whole split), got -5",
-        ),
-        # once a traceback from the input pipeline, after compiling had begun
-        (
-            "imagenet.py",
-            [f"--config={CONFIGS / 'vit_imagenet.py'}:runlocal", "--config.data.image_size=0"],
-            "data.image_size must be >= 1, got 0",
-        ),
-        # once "warmup_steps=0 must be fewer than the 0 training steps"
-        (
-            "lm.py",
-            [
-                f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal",
-                "--config.train.num_steps=0",
-                "--config.optimizer.warmup_steps=0",
-            ],
-            "train.num_steps must be >= 1, got 0",
-        ),
-        (
-            "lm.py",
-            [f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal", "--config.optimizer.warmup_steps=-3"],
-            "optimizer.warmup_steps=-3 must be >= 0 (0: no warm-up)",
-        ),
-        # once a traceback after every run had trained: the timing builds RigL in every suite
-        (
-            "results.py",
-            [
-                "--suite=mlp",
-                f"--config={CONFIGS / 'results.py'}:models=mlp,methods=dense,seeds=1",
-                "--config.models.mlp.steps=30",
-                "--config.data.source=mnist5k",
-                "--timing_only",
-            ],
-            "model mlp: the timing builds RigL's step (--notiming skips it): rigl updates its",
-        ),
-    ],
+    "case",
+    range(len(BAD_COMMAND_LINES)),
+    ids=[f"{script}-{i}" for i, (script, _, _) in enumerate(BAD_COMMAND_LINES)],
 )
-def test_bad_command_lines_exit_2_with_one_line(run_python, tmp_path, script, args, message):
+def test_bad_command_lines_exit_2_with_one_line(bad_command_lines, case):
     """As a user types them: one ``error:`` line, status 2, nothing written or compiled."""
-    run = tmp_path / "run"
-    proc = run_python(
-        [str(ROOT / "train" / script), *args, f"--workdir={run}"], check=False, timeout=300
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and message in last, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and not run.exists()
+    message = BAD_COMMAND_LINES[case][2]
+    status, stderr, workdir = bad_command_lines[case]
+    assert status == 2, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, stderr[-2000:]
+    assert "Traceback" not in stderr and not pathlib.Path(workdir).exists()
 
 
 def test_results_refuses_a_workdir_that_is_a_file_on_one_line(run_python, tmp_path):
