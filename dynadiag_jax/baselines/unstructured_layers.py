@@ -24,7 +24,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.experimental import sparse
 
 from dynadiag_jax._checks import int_at_least
 from dynadiag_jax.baselines.masks import num_active, random_mask
@@ -119,6 +118,10 @@ class BCOODense(_UnstructuredDense):
                 f"data {data.shape} and indices {indices.shape} must be [{n}] and "
                 f"[{n}, 2] for a {shape} kernel at sparsity {self.sparsity}"
             )
+        # imported here: jax.experimental.sparse takes ~0.4 s to import, and every process that
+        # imports dynadiag_jax.training (which imports the baselines) paid it
+        from jax.experimental import sparse
+
         x, data, bias = nn.dtypes.promote_dtype(x, data, bias, dtype=self.dtype)
         w = sparse.BCOO((data, indices), shape=shape, indices_sorted=True, unique_indices=True)
         lead = x.shape[:-1]
