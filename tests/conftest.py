@@ -141,6 +141,27 @@ def once_per_session(tmp_path_factory, name, make):
         return json.loads(result.read_text())
 
 
+COMMAND_SHIM = pathlib.Path(__file__).with_name("doc_command_shim.py")
+
+
+def shim_batch(commands, folder, *, run=False, cwd=None):
+    """``[(status, stderr)]`` of ``[(script, args)]``, each in a child forked from one process
+    that imported the libraries once (tests/doc_command_shim.py): up to the end of its command-line
+    parsing, or with ``run`` to its end. ``folder`` holds the listing; ``cwd`` (default
+    ``folder``) is where relative script paths start."""
+    listing = pathlib.Path(folder) / "commands.json"
+    listing.write_text(json.dumps([[str(script), list(args)] for script, args in commands]))
+    proc = subprocess.run(
+        [sys.executable, str(COMMAND_SHIM), "--batch-run" if run else "--batch", str(listing)],
+        cwd=cwd or folder,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [tuple(result) for result in json.loads(proc.stdout)]
+
+
 @pytest.fixture
 def rng():
     """A fresh numpy Generator with a fixed seed per test."""

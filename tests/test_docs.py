@@ -11,7 +11,6 @@ would for the reader.
 
 import ast
 import inspect
-import json
 import pathlib
 import re
 import shlex
@@ -19,13 +18,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import once_per_session
+from conftest import COMMAND_SHIM, once_per_session, shim_batch
 
 import dynadiag_jax as dd
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
-SHIM = pathlib.Path(__file__).with_name("doc_command_shim.py")
 
 # (pattern, replacement) over a command's text, in order: the docs' placeholders.
 PLACEHOLDERS = (
@@ -120,21 +118,6 @@ def test_the_docs_have_commands_of_every_kind():
     assert not any(re.search(r"[<>$]|\bW\b", a) for a in args)
 
 
-def _parse_all(commands, tmp_path):
-    """``[(status, stderr)]`` of the shim's batch mode on ``[(script, args)]``."""
-    listing = tmp_path / "commands.json"
-    listing.write_text(json.dumps([[script, list(args)] for script, args in commands]))
-    proc = subprocess.run(
-        [sys.executable, str(SHIM), "--batch", str(listing)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [tuple(result) for result in json.loads(proc.stdout)]
-
-
 def test_the_shim_refuses_what_a_user_would_get_refused(tmp_path):
     """The check can fail: an unknown override and an unknown argparse flag, alone and in the
     batch, with the same message; a command that parses exits 0 in the batch beside them."""
@@ -143,11 +126,11 @@ def test_the_shim_refuses_what_a_user_would_get_refused(tmp_path):
         ("bench/diag_matmul.py", ["--no-such-flag"]),
     ]
     parses = ("train/fashion_mnist.py", ["--config.train.epochs=1"])
-    batch = _parse_all([*refused, parses], tmp_path)
+    batch = shim_batch([*refused, parses], tmp_path, cwd=ROOT)
     assert batch[2] == (0, ""), batch[2]
     for (script, args), (status, stderr) in zip(refused, batch):
         alone = subprocess.run(
-            [sys.executable, str(SHIM), script, *args],
+            [sys.executable, str(COMMAND_SHIM), script, *args],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -164,7 +147,7 @@ def parsed(tmp_path_factory):
     results = once_per_session(
         tmp_path_factory,
         "documented_commands",
-        lambda folder: _parse_all([(s, a) for _, s, a in COMMANDS], folder),
+        lambda folder: shim_batch([(s, a) for _, s, a in COMMANDS], folder, cwd=ROOT),
     )
     return {where: tuple(result) for (where, _, _), result in zip(COMMANDS, results)}
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 from absl import flags
-from conftest import once_per_session
+from conftest import once_per_session, shim_batch
 from training_helpers import CompileCounter, fast_compile  # noqa: F401 - fixture
 
 import dynadiag_jax as dd
@@ -615,21 +615,10 @@ def bad_command_lines(tmp_path_factory):
     def run_all(folder):
         workdirs = [folder / str(i) / "run" for i in range(len(BAD_COMMAND_LINES))]
         commands = [
-            [str(ROOT / "train" / script), [*args, f"--workdir={workdir}"]]
+            (ROOT / "train" / script, [*args, f"--workdir={workdir}"])
             for (script, args, _), workdir in zip(BAD_COMMAND_LINES, workdirs)
         ]
-        listing = folder / "commands.json"
-        listing.write_text(json.dumps(commands))
-        shim = pathlib.Path(__file__).with_name("doc_command_shim.py")
-        proc = subprocess.run(
-            [sys.executable, str(shim), "--batch-run", str(listing)],
-            cwd=folder,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results = json.loads(proc.stdout)
+        results = shim_batch(commands, folder, run=True)
         return [[*result, str(workdir)] for result, workdir in zip(results, workdirs)]
 
     return once_per_session(tmp_path_factory, "bad_command_lines", run_all)
