@@ -41,13 +41,18 @@ def _parse_and_stop(self, *args, **kwargs):
     sys.exit(0)
 
 
+def _run_script(script, script_args):
+    """Run ``script`` with ``script_args`` as ``python SCRIPT ARGS...`` would."""
+    sys.argv = [script, *script_args]
+    sys.path[0] = str(pathlib.Path(script).resolve().parent)  # as `python SCRIPT` sets it
+    runpy.run_path(script, run_name="__main__")
+
+
 def _parse(script, script_args):
     """Run ``script`` with ``script_args`` until its command line has parsed (SystemExit)."""
     app.run = _run
     argparse.ArgumentParser.parse_args = _parse_and_stop
-    sys.argv = [script, *script_args]
-    sys.path[0] = str(pathlib.Path(script).resolve().parent)  # as `python SCRIPT` sets it
-    runpy.run_path(script, run_name="__main__")
+    _run_script(script, script_args)
     sys.exit(f"{script} finished without parsing its command line")
 
 
@@ -57,13 +62,6 @@ def _status(code):
         return code or 0
     print(code, file=sys.stderr)
     return 1
-
-
-def _run_script(script, script_args):
-    """Run ``script`` with ``script_args`` as ``python SCRIPT ARGS...`` would."""
-    sys.argv = [script, *script_args]
-    sys.path[0] = str(pathlib.Path(script).resolve().parent)
-    runpy.run_path(script, run_name="__main__")
 
 
 def _forked(script, script_args, run=_parse):
