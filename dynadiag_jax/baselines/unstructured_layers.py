@@ -118,8 +118,8 @@ class BCOODense(_UnstructuredDense):
                 f"data {data.shape} and indices {indices.shape} must be [{n}] and "
                 f"[{n}, 2] for a {shape} kernel at sparsity {self.sparsity}"
             )
-        # imported here: jax.experimental.sparse takes ~0.4 s to import, and every process that
-        # imports dynadiag_jax.training (which imports the baselines) paid it
+        # imported here: with the baselines, jax.experimental.sparse added 1.2 s to the import of
+        # every process that imports dynadiag_jax.training (which imports the baselines)
         from jax.experimental import sparse
 
         x, data, bias = nn.dtypes.promote_dtype(x, data, bias, dtype=self.dtype)
