@@ -600,11 +600,11 @@ template <typename T>
 const BlockKernelTable<T>& BlockTableFor(const Kernels& kernels);
 template <>
 const BlockKernelTable<float>& BlockTableFor<float>(const Kernels& kernels) {
-  return kernels.f32_blocks;
+  return kernels.blocks.f32;
 }
 template <>
 const BlockKernelTable<Bf16>& BlockTableFor<Bf16>(const Kernels& kernels) {
-  return kernels.bf16_blocks;
+  return kernels.blocks.bf16;
 }
 
 // rows x cols of src (row stride `stride`) as float32 rows of stride dst_stride in dst; with
@@ -835,7 +835,7 @@ class BlockDvaluesJob : public Job {
         offsets_(a.w.offsets),
         tall_(a.w.out >= a.w.in),
         dvalues_(static_cast<T*>(a.dvalues)),
-        sddmm_(kernels.block_sddmm) {
+        sddmm_(kernels.blocks.sddmm) {
     long_ = static_cast<const T*>(tall_ ? a.dy : a.x);
     short_ = static_cast<const T*>(tall_ ? a.x : a.dy);
     (tall_ ? short_perm_ : long_perm_) = a.w.perm;
@@ -904,7 +904,7 @@ class BlockDvaluesJob : public Job {
   const int32_t* offsets_;
   bool tall_;
   T* dvalues_;
-  decltype(Kernels::block_sddmm) sddmm_;
+  decltype(BlockKernels::sddmm) sddmm_;
   const T* long_ = nullptr;
   const T* short_ = nullptr;
   const int32_t* long_perm_ = nullptr;  // x's permutation where x is the long side
@@ -989,7 +989,7 @@ class FewRowsJob : public Job {
   FewRowsJob(int64_t rows, const DiagMatrix& w, const FewRowsWork& work, int64_t workers,
              const Kernels& kernels)
       : rows_(rows), w_(w), work_(work), f32_(kernels.f32_few), table_(FewTableFor<T>(kernels)),
-        block_sddmm_(kernels.block_sddmm) {
+        block_sddmm_(kernels.blocks.sddmm) {
     tall_ = w.out >= w.in;
     if (w.block > 1) {
       len_ = std::max(w.in, w.out) / w.block;
@@ -1205,7 +1205,7 @@ class FewRowsJob : public Job {
   FewRowsWork work_;
   const FewRowTable<float>& f32_;
   const FewRowTable<T>& table_;
-  decltype(Kernels::block_sddmm) block_sddmm_;
+  decltype(BlockKernels::sddmm) block_sddmm_;
   bool tall_ = true;
   int64_t len_ = 0, units_ = 0, tasks_ = 1, src_width_ = 0, dst_width_ = 0, dst_stride_ = 0;
   Rows src_, dy_, x_;

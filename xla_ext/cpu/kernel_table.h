@@ -172,9 +172,7 @@ struct Kernels {
   const char* name;
   KernelTable<float> f32;
   KernelTable<Bf16> bf16;
-  BlockKernelTable<float> f32_blocks;
-  BlockKernelTable<Bf16> bf16_blocks;
-  decltype(BlockKernels::sddmm) block_sddmm;  // BlockKernels::sddmm says what it computes.
+  BlockKernels blocks;
   FewRowTable<float> f32_few;
   FewRowTable<Bf16> bf16_few;
 };
