@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -200,11 +201,29 @@ def run_python(tmp_path):
     return run
 
 
+def _device_code_inputs():
+    """The files the device code is compiled from: everything under xla_ext/cuda/ and, from
+    anywhere in xla_ext/, what those include, transitively (an edit of a CPU kernel alone does not
+    make the build's device code stale)."""
+    todo = [p for p in (ROOT / "xla_ext" / "cuda").rglob("*") if p.is_file()]
+    seen = set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        text = path.read_text(errors="replace")
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, re.M):
+            if (ROOT / "xla_ext" / name).is_file():
+                todo.append(ROOT / "xla_ext" / name)
+    return seen
+
+
 def _built_device_code():
     """``(ptxas -v log, folder)`` the CMake build kept (xla_ext/cuda/CMakeLists.txt: device/) for
     every architecture of ``CUDA_ARCHS``, newest first, if it was compiled after the last change
-    to anything under xla_ext/; else None."""
-    newest_source = max(p.stat().st_mtime for p in (ROOT / "xla_ext").rglob("*") if p.is_file())
+    to any of :func:`_device_code_inputs`; else None."""
+    newest_source = max(p.stat().st_mtime for p in _device_code_inputs())
     logs = ROOT.glob("build/*/xla_ext/cuda/device/ptxas.log")
     for log in sorted(logs, key=lambda p: p.stat().st_mtime, reverse=True):
         text, folder = log.read_text(), log.parent
