@@ -989,7 +989,7 @@ class FewRowsJob : public Job {
   FewRowsJob(int64_t rows, const DiagMatrix& w, const FewRowsWork& work, int64_t workers,
              const Kernels& kernels)
       : rows_(rows), w_(w), work_(work), f32_(kernels.f32_few), table_(FewTableFor<T>(kernels)),
-        block_sddmm_(kernels.blocks.sddmm) {
+        blocks_(FewBlocksFor<T>(kernels)), block_sddmm_(kernels.blocks.sddmm) {
     tall_ = w.out >= w.in;
     if (w.block > 1) {
       len_ = std::max(w.in, w.out) / w.block;
@@ -1141,9 +1141,9 @@ class FewRowsJob : public Job {
         const float* in = src_.data + src * b;
         float* out = dst_ + dst * b;
         if (work_.forward) {
-          table_.block_fwd(v, b, in, src_.stride, out, dst_stride_, rows_);
+          blocks_.fwd(v, b, in, src_.stride, out, dst_stride_, rows_);
         } else {
-          table_.block_dx(v, b, in, src_.stride, out, dst_stride_, rows_);
+          blocks_.dx(v, b, in, src_.stride, out, dst_stride_, rows_);
         }
       }
     }
@@ -1200,11 +1200,21 @@ class FewRowsJob : public Job {
     }
   }
 
+  template <typename U>
+  static const FewBlockTable<U>& FewBlocksFor(const Kernels& kernels) {
+    if constexpr (std::is_same_v<U, float>) {
+      return kernels.blocks.few_f32;
+    } else {
+      return kernels.blocks.few_bf16;
+    }
+  }
+
   int64_t rows_;
   DiagMatrix w_;
   FewRowsWork work_;
   const FewRowTable<float>& f32_;
   const FewRowTable<T>& table_;
+  const FewBlockTable<T>& blocks_;
   decltype(BlockKernels::sddmm) block_sddmm_;
   bool tall_ = true;
   int64_t len_ = 0, units_ = 0, tasks_ = 1, src_width_ = 0, dst_width_ = 0, dst_stride_ = 0;

@@ -186,8 +186,6 @@ Kernels FamilyKernels(const char* name, const BlockKernels& blocks) {
           f32,
           bf16,
           blocks,
-          {FewTriad<float>, FewElementProduct<F, float>, FewRowDot<F>, blocks.few_fwd_f32,
-           blocks.few_dx_f32},
-          {FewTriad<Bf16>, FewElementProduct<F, Bf16>, FewRowDot<F>, blocks.few_fwd_bf16,
-           blocks.few_dx_bf16}};
+          {FewTriad<float>, FewElementProduct<F, float>, FewRowDot<F>},
+          {FewTriad<Bf16>, FewElementProduct<F, Bf16>, FewRowDot<F>}};
 }

@@ -337,8 +337,6 @@ BlockKernels BlockKernelsOf() {
   return {kBlockTableF32<B>,
           kBlockTableBf16<B>,
           BlockSddmm<B>,
-          FewBlockDispatch<V, float, FewBlockFwd>,
-          FewBlockDispatch<V, float, FewBlockDx>,
-          FewBlockDispatch<V, Bf16, FewBlockFwd>,
-          FewBlockDispatch<V, Bf16, FewBlockDx>};
+          {FewBlockDispatch<V, float, FewBlockFwd>, FewBlockDispatch<V, float, FewBlockDx>},
+          {FewBlockDispatch<V, Bf16, FewBlockFwd>, FewBlockDispatch<V, Bf16, FewBlockDx>}};
 }

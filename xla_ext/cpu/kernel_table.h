@@ -143,13 +143,18 @@ struct FewRowTable {
   // dst[j] += sum_{r < rows} a[r, j] * b[r, j] for j < n (dvalues of one run; float32 rows).
   void (*dot)(const float* a, int64_t a_stride, const float* b, int64_t b_stride, float* dst,
               int64_t rows, int64_t n);
-  // y[r, i] += sum_j v[i * b + j] * x[r, j] for i, j < b and r < rows (one b x b block, b one
-  // of the kernel block sizes).
-  void (*block_fwd)(const T* v, int64_t b, const float* x, int64_t x_stride, float* y,
-                    int64_t y_stride, int64_t rows);
+};
+
+// The few-row block loops (few_rows_body.h): one b x b block, b one of the kernel block sizes,
+// float32 rows r < rows.
+template <typename T>
+struct FewBlockTable {
+  // y[r, i] += sum_j v[i * b + j] * x[r, j] for i, j < b.
+  void (*fwd)(const T* v, int64_t b, const float* x, int64_t x_stride, float* y,
+              int64_t y_stride, int64_t rows);
   // dx[r, j] += sum_i dy[r, i] * v[i * b + j].
-  void (*block_dx)(const T* v, int64_t b, const float* dy, int64_t dy_stride, float* dx,
-                   int64_t dx_stride, int64_t rows);
+  void (*dx)(const T* v, int64_t b, const float* dy, int64_t dy_stride, float* dx,
+             int64_t dx_stride, int64_t rows);
 };
 
 // A family's block-diagonal entries of Kernels (block_kernels_body.h's products and SDDMM, and
@@ -162,10 +167,8 @@ struct BlockKernels {
   // overwrites acc.
   void (*sddmm)(int64_t b, const float* dy, int64_t dy_stride, const float* x, int64_t x_stride,
                 int64_t rows, float* acc, bool accumulate);
-  decltype(FewRowTable<float>::block_fwd) few_fwd_f32;
-  decltype(FewRowTable<float>::block_dx) few_dx_f32;
-  decltype(FewRowTable<Bf16>::block_fwd) few_fwd_bf16;
-  decltype(FewRowTable<Bf16>::block_dx) few_dx_bf16;
+  FewBlockTable<float> few_f32;
+  FewBlockTable<Bf16> few_bf16;
 };
 
 struct Kernels {
