@@ -205,7 +205,7 @@ def _device_code_inputs():
     """The files the device code is compiled from: everything under xla_ext/cuda/ and, from
     anywhere in xla_ext/, what those include, transitively (an edit of a CPU kernel alone does not
     make the build's device code stale)."""
-    todo = [p for p in (ROOT / "xla_ext" / "cuda").rglob("*") if p.is_file()]
+    todo = [p for p in sass_counts.CUDA_DIR.rglob("*") if p.is_file()]
     seen = set()
     while todo:
         path = todo.pop()
