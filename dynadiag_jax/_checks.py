@@ -107,8 +107,9 @@ def check_variables(variables, name: str, what: str) -> None:
 
 
 def host_array(value) -> np.ndarray | None:
-    """``value`` as numpy when it can be read without a trace or a device sync, else None."""
-    if isinstance(value, jax.core.Tracer):
+    """``value`` as numpy when it can be read without a trace or a device sync, else None (also
+    for None and an abstract ``jax.ShapeDtypeStruct``)."""
+    if value is None or isinstance(value, jax.core.Tracer | jax.ShapeDtypeStruct):
         return None
     if isinstance(value, jax.Array) and not all(d.platform == "cpu" for d in value.devices()):
         return None

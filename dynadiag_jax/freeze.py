@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from dynadiag_jax._checks import check_variables, int_in_range
+from dynadiag_jax._checks import check_variables, host_array, int_in_range
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
 from dynadiag_jax.nn.functional import (
     DIAGONALS_COLLECTION,
@@ -291,11 +291,31 @@ def freeze(layer: DiagonalDense, variables):
             "'alpha' [P] and 'values' [P, D] or [P, L_b, b, b])"
         )
     in_features = search_width(params["values"].shape, layer.features)
-    frozen_layer = layer.clone(init_phase="frozen", in_features=in_features)
     diagonals = dict(variables.get(DIAGONALS_COLLECTION, {}))
+    stored = host_array(diagonals.get("in_features"))
+    bias = params.get("bias")
+    if (stored is not None and int(stored) != in_features) or (
+        bias is not None and bias.shape != (layer.features,)
+    ):
+        raise ValueError(
+            f"freeze: the variables (values {list(params['values'].shape)}, "
+            f"diagonals/in_features {None if stored is None else int(stored)}, bias "
+            f"{None if bias is None else list(bias.shape)}) were not made by this layer "
+            f"(features={layer.features}, which reads them as a {in_features} -> "
+            f"{layer.features} layer): pass the layer that made them"
+        )
+    k = layer.budget(in_features)
+    topk = variables.get(GATE_COLLECTION, {}).get("topk")
+    if topk is not None and topk.shape[-1] != k:
+        raise ValueError(
+            f"freeze: dynadiag/topk holds K = {topk.shape[-1]} diagonals (the budget the "
+            f"variables were made with), but the layer's budget is K = {k}: pass the layer "
+            f"with the sparsity/k that made them"
+        )
+    frozen_layer = layer.clone(init_phase="frozen", in_features=in_features)
     diagonals.setdefault("in_features", jnp.asarray(in_features, jnp.int32))
     variables = {**variables, DIAGONALS_COLLECTION: diagonals}
-    return frozen_layer, freeze_tree(variables, budgets={(): layer.budget(in_features)})
+    return frozen_layer, freeze_tree(variables, budgets={(): k})
 
 
 def _is_params_like(node, params) -> bool:
@@ -423,9 +443,10 @@ def freeze_opt_state(opt_state: Any, params_before, params_after):
                 raise ValueError(
                     f"freeze_opt_state: opt_state holds a statistic of shape {list(shape)} for "
                     f"the values {list(before[path + ('values',)].shape)} of the DiagonalDense "
-                    f"at params path {_path_text(path)} (a factored optimizer, e.g. "
-                    f"optax.adafactor): only statistics shaped like the values can be cut to "
-                    f"the kept diagonals; start the state afresh with tx.init(params_after)"
+                    f"at params path {_path_text(path)}: the state of another model (pass "
+                    f"tx.init(params_before)'s), or of a factored optimizer (e.g. "
+                    f"optax.adafactor), whose statistics cannot be cut to the kept diagonals "
+                    f"(start it afresh with tx.init(params_after))"
                 )
         return traverse_util.unflatten_dict(flat)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from dynadiag_jax._checks import check_variables
+from dynadiag_jax._checks import check_variables, host_array
 from dynadiag_jax.freeze import freeze_tree
 from dynadiag_jax.nn.functional import (
     DIAGONALS_COLLECTION,
@@ -94,6 +94,12 @@ def _layer_params(path, template: dict, dense: dict, in_features, gate_value, pe
             f"from_dense: the template has a DiagonalDense at params/{_name(path)}, but the dense "
             f"params there hold {sorted(dense) or 'nothing'}, not a dense layer's 'kernel' "
             f"(and 'bias'): the checkpoint is of another model (or not of a dense one)"
+        )
+    host = host_array(kernel)
+    if host is not None and not np.isfinite(host).all():
+        raise ValueError(
+            f"from_dense: the dense kernel at params/{_name(path)} holds NaN or inf, which has no "
+            f"ranking of its diagonals by energy: the dense run diverged"
         )
     n_in = int(np.asarray(in_features).reshape(-1)[0])
     n_out = math.prod(_shape(values)[len(lead) :]) // n_in  # the P diagonals tile W[out, in]
@@ -206,8 +212,8 @@ def from_dense(
         which would erase or reverse the ranking; a checkpoint of another model or size: a
         diagonal layer without a dense kernel at its path, a kernel whose shape does not flatten
         to the layer's ``[in, out]``, params or collections present in one model only, or shapes
-        that differ; and a template with frozen layers. Each message names the path and the
-        shapes.
+        that differ; a template with frozen layers; a dense kernel with NaN or inf. Each
+        message names the path and the shapes.
     """
     for name, variables in (("dense_variables", dense_variables), ("template", template)):
         check_variables(variables, name, "from_dense")

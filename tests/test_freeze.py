@@ -82,6 +82,18 @@ def test_freeze_template_has_frozen_shapes():
     assert jax.tree.map(jnp.shape, template) == jax.tree.map(jnp.shape, fv)
 
 
+def test_freeze_refuses_a_layer_that_did_not_make_the_variables():
+    """dd.freeze froze the budget of the layer it was given (6 of 8 diagonals for variables made
+    with K = 4), which applying that layer to them refuses."""
+    x = jnp.ones((2, 8))
+    v = DiagonalDense(4, sparsity=0.5).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"freeze: dynadiag/topk holds K = 4 .* budget is K = 6"):
+        dd.freeze(DiagonalDense(4, sparsity=0.25), v)
+    with pytest.raises(ValueError, match=r"bias \[4\]\) were not made by this layer \(features=8"):
+        dd.freeze(DiagonalDense(8, sparsity=0.5), v)
+    assert dd.freeze(DiagonalDense(4, k=4), v)[1]["params"]["values"].shape == (4, 4)
+
+
 def test_freeze_tree_whole_model_under_jit():
     model = Model()
     x = jax.random.normal(jax.random.key(1), (5, 16))

@@ -317,6 +317,18 @@ def test_a_checkpoint_of_another_model_or_size_is_refused():
         dd.from_dense(dense_of(), {"diagonals": {}})
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_dense_kernel_with_nan_or_inf_is_refused(bad):
+    """It gave every diagonal alpha = 0: the ranking by energy silently erased."""
+    x = jnp.ones((2, 16))
+    dense = random_dense(Single(40), x)
+    kernel = dense["params"]["layer"]["kernel"]
+    dense["params"]["layer"]["kernel"] = kernel.at[3, 5].set(bad)
+    template = dd.nn.sparsify(Single(40), [("layer", {"sparsity": 0.7})]).init(jax.random.key(5), x)
+    with pytest.raises(ValueError, match="from_dense: the dense kernel at params/layer holds NaN"):
+        dd.from_dense(dense, template)
+
+
 @pytest.mark.parametrize(
     "gate_value, error, message",
     [

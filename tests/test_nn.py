@@ -856,6 +856,38 @@ def test_search_variables_of_another_budget_features_or_block_size_are_refused()
             layer.apply(bare, x)
 
 
+def test_search_variables_of_the_transposed_shape_are_refused_by_their_stored_width():
+    """An 8 -> 4 layer's values [8, 4] are also the shape of a 4 -> 8 layer's: without a bias
+    only diagonals/in_features tells them apart (a features=8 layer ran them as 4 -> 8)."""
+    v = DiagonalDense(4, sparsity=0.5, use_bias=False).init(jax.random.key(0), jnp.ones((2, 8)))
+    other = DiagonalDense(8, sparsity=0.5, use_bias=False)
+    with pytest.raises(
+        ValueError, match=r"made for inputs of width 8 .*features=8 reads .* as a 4 -> 8 layer"
+    ):
+        other.apply(v, jnp.ones((2, 4)))
+    # inside jit the stored width is traced: the outputs are NaN, as for a frozen layer
+    y = jax.jit(other.apply)(v, jnp.ones((2, 4)))
+    assert y.shape == (2, 8) and bool(jnp.isnan(y).all())
+    right = jax.jit(DiagonalDense(4, sparsity=0.5, use_bias=False).apply)(v, jnp.ones((2, 8)))
+    assert bool(jnp.isfinite(right).all())
+    with pytest.raises(ValueError, match=r"freeze: the variables .* were not made by this layer"):
+        dd.freeze(other, v)
+
+
+def test_alpha_from_values_of_non_finite_values_is_nan_and_freezing_refuses_it():
+    """NaN values gave alpha = 0 everywhere (a NaN std failed `std > 0`), and the freeze then
+    kept the first K diagonals, NaN among them."""
+    v = DiagonalDense(4, sparsity=0.5).init(jax.random.key(0), jnp.ones((2, 8)))
+    for bad in (jnp.nan, jnp.inf):
+        params = {**v["params"], "values": v["params"]["values"].at[3, 0].set(bad)}
+        restarted = dd.nn.alpha_from_values(params, 1.0)
+        assert bool(jnp.isnan(restarted["alpha"]).all())
+        with pytest.raises(ValueError, match="the search diverged"):
+            dd.freeze_tree({**v, "params": restarted})
+    flat = {**v["params"], "values": jnp.ones_like(v["params"]["values"])}
+    np.testing.assert_array_equal(dd.nn.alpha_from_values(flat, 1.0)["alpha"], 0)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -321,6 +321,8 @@ class DiagonalDense(nn.Module):
             y = self._frozen(spec, x, perm)
         else:
             y = self._search(spec, x, self._gate_hyper(given))
+            if not self.is_initializing():
+                y = self._guard_width(y, spec.in_features)
         if self.use_bias:
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             y = y + bias.astype(dtype).reshape((1,) * (y.ndim - 1) + (self.features,))
@@ -477,10 +479,11 @@ class DiagonalDense(nn.Module):
     def _check_width(self, width: int):
         """Raises unless ``x``'s width is the layer's (known from its variables after init).
 
-        Search phase: from the shapes. Frozen: from ``values`` where its shape fixes the width,
-        else from the ``"diagonals"`` entry ``in_features`` when it is a host value; inside
-        ``jit`` it is traced, so only the bounds the shape gives (:meth:`_guard_width` does the
-        rest).
+        Search phase: from the shapes, which must agree with the ``"diagonals"`` entry
+        ``in_features`` (variables of a layer with another ``features`` can have the same
+        shapes). Frozen: from ``values`` where its shape fixes the width, else from
+        ``in_features``. Both read ``in_features`` when it is a host value; inside ``jit`` it is
+        traced, so only the bounds the shape gives (:meth:`_guard_width` does the rest).
         """
         if self.in_features is not None and width != self.in_features:
             raise ValueError(
@@ -493,6 +496,15 @@ class DiagonalDense(nn.Module):
             # in the working-set form values has W rows; alpha has the P candidates
             p = self.get_variable("params", "alpha").shape[-1]
             exact, low, high = (F.search_width((p, *shape[1:]), self.features),) * 3
+            stored = _host_int(self.get_variable(F.DIAGONALS_COLLECTION, "in_features"))
+            if stored is not None and stored != exact:
+                raise ValueError(
+                    f"{self._label()}: the variables were made for inputs of width {stored} "
+                    f"(diagonals/in_features), but a layer with features={self.features} reads "
+                    f"their params (alpha [{p}], values {list(shape)}) as a {exact} -> "
+                    f"{self.features} layer: the variables were made by a layer with other "
+                    f"features"
+                )
         else:
             exact, low, high = F.frozen_width(shape, self.features)
             if exact is None:
@@ -511,8 +523,8 @@ class DiagonalDense(nn.Module):
     def _guard_width(self, y, width: int):
         """NaN outputs when a traced stored width differs from ``x``'s (jit cannot raise)."""
         stored = self.get_variable(F.DIAGONALS_COLLECTION, "in_features")
-        if _host_int(stored) is not None:
-            return y  # checked at trace time
+        if stored is None or _host_int(stored) is not None:
+            return y  # checked at trace time (or made before the entry existed)
         return jnp.where(stored == width, y, jnp.asarray(jnp.nan, y.dtype))
 
     def _frozen(self, spec: F.LayerSpec, x, perm):

@@ -126,8 +126,10 @@ def alpha_from_values(params, scale):
     values (an informative start after a warm-up with flat gates: the diagonals whose values grew
     most rank first). ``scale`` is typically the gate's current strength, so the scores spread over
     a few strengths and the gate narrows from there. Pure and jit-able; other leaves are shared.
-    A layer whose norms are all equal (std 0) gets ``alpha = 0``. The new alphas are constants
-    (``stop_gradient``): no gradient flows back to the values or to ``scale`` through them.
+    A layer whose norms are all equal (std 0) gets ``alpha = 0``; one with a NaN or inf among its
+    values (a diverged search) gets a NaN ``alpha``, which freezing refuses. The new alphas are
+    constants (``stop_gradient``): no gradient flows back to the values or to ``scale`` through
+    them.
 
     ``scale`` is a number > 0 (or an array of them that broadcasts against ``alpha``); a concrete
     value <= 0 or NaN raises ``ValueError``. Under ``jit``, where it cannot be checked,
@@ -155,7 +157,8 @@ def alpha_from_values(params, scale):
         )
         centred = norms - jnp.mean(norms, axis=-1, keepdims=True)
         std = jnp.std(norms, axis=-1, keepdims=True)
-        z = jnp.where(std > 0, centred / jnp.where(std > 0, std, 1), 0)
+        # NaN or inf values give a NaN std, and a NaN alpha that freezing refuses
+        z = jnp.where(std == 0, 0, centred / jnp.where(std == 0, 1, std))
         g = jnp.asarray(scale, alpha.dtype)
         out[key] = jax.lax.stop_gradient(jnp.where(g > 0, g * z, jnp.asarray(jnp.nan, g.dtype)))
     return traverse_util.unflatten_dict(out)
