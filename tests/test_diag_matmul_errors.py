@@ -99,6 +99,8 @@ OFF = jnp.asarray([0, 5], jnp.int32)
             r"impl='jax' and impl='dense' run any block size",
         ),
         (dict(impl="cusparse"), ValueError, "impl must be one of"),
+        (dict(impl=None), TypeError, "impl must be a str, one of"),
+        (dict(impl=3), TypeError, "impl must be a str, one of"),
         (dict(x=[[1.0] * 8]), TypeError, "x must be an array"),
     ],
 )
@@ -121,6 +123,57 @@ def test_host_offsets_are_range_checked_at_trace_time(offsets):
     # read on the host even where the default device is an accelerator
     with pytest.raises(ValueError, match=r"offsets must lie in \[0, P\) = \[0, 12\)"):
         dd.diag_matmul(X, V, offsets, out_features=12, impl="jax")
+
+
+@pytest.mark.parametrize(
+    "values,offsets,out_features,error,match",
+    [
+        (
+            jnp.ones((1, 8)),
+            jnp.asarray([1, 2]),
+            12,
+            ValueError,
+            r"offsets must have shape \[K\] = \[1\]",
+        ),
+        (
+            jnp.ones((8,)),
+            jnp.asarray([1]),
+            12,
+            ValueError,
+            r"values must have shape \[K, D\] = \[K, 8\]",
+        ),
+        (jnp.ones((1, 9)), jnp.asarray([1]), 12, ValueError, r"\[K, min\(in, out\)\] = \[K, 8\]"),
+        (jnp.ones((1, 3, 4, 2)), jnp.asarray([0]), 12, ValueError, "square b x b blocks"),
+        (
+            jnp.ones((1, 8)),
+            jnp.asarray([12]),
+            12,
+            ValueError,
+            r"offsets must lie in \[0, P\) = \[0, 12\)",
+        ),
+        (jnp.ones((1, 8)), jnp.asarray([1.0]), 12, TypeError, "offsets must be an integer array"),
+        (jnp.ones((1, 8), jnp.int32), jnp.asarray([1]), 12, TypeError, "values must be a floating"),
+        (jnp.ones((1, 8)), jnp.asarray([1]), 0, ValueError, "out_features"),
+    ],
+)
+def test_diag_to_dense_checks_its_arguments(values, offsets, out_features, error, match):
+    with pytest.raises(error, match=match):
+        dd.diag_to_dense(values, offsets, in_features=8, out_features=out_features)
+
+
+def test_diag_to_dense_makes_w_nan_for_a_traced_offset_out_of_range():
+    """As diag_matmul's y: never a wrapped diagonal."""
+    values = jnp.arange(1.0, 9.0).reshape(1, 8)
+    to_dense = jax.jit(lambda o: dd.diag_to_dense(values, o, in_features=8, out_features=12))
+    assert bool(jnp.isnan(to_dense(jnp.asarray([12]))).all())
+    good = to_dense(jnp.asarray([5]))
+    np.testing.assert_array_equal(
+        good, dd.diag_to_dense(values, np.asarray([5]), in_features=8, out_features=12)
+    )
+    x = jnp.ones((2, 8))
+    np.testing.assert_allclose(
+        x @ good.T, dd.diag_matmul(x, values, jnp.asarray([5]), out_features=12, impl="jax")
+    )
 
 
 def test_errors_also_under_jit():

@@ -25,7 +25,7 @@ from dynadiag_jax._checks import as_int32, host_array, permutation_problem
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, geometry
 from dynadiag_jax.ops import auto, dense, products, reference
 
-__all__ = ["diag_matmul", "available_impls"]
+__all__ = ["diag_matmul", "diag_to_dense", "available_impls"]
 
 
 def available_impls(*, block_size: int = 1) -> tuple[str, ...]:
@@ -129,6 +129,16 @@ def _check_args(x, values, offsets, out_features, host_offsets):
             f"x must have shape {want} to match values of shape {values.shape} and "
             f"out_features={element.out_features}, got {x.shape}; or else {e}"
         ) from None
+    _check_offsets(values, offsets, host_offsets, geo)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x must be a floating array, got dtype {x.dtype}")
+    if values.dtype != x.dtype:
+        raise TypeError(f"values dtype {values.dtype} must equal x dtype {x.dtype}")
+    return geo
+
+
+def _check_offsets(values, offsets, host_offsets, geo):
+    """``offsets[K]`` of integers for ``values``, in range where they are host values."""
     if offsets.ndim != 1:
         raise ValueError(f"offsets must have shape [K] = [{values.shape[0]}], got {offsets.shape}")
     if offsets.shape[0] != values.shape[0]:
@@ -138,10 +148,6 @@ def _check_args(x, values, offsets, out_features, host_offsets):
         )
     if not jnp.issubdtype(offsets.dtype, jnp.integer):
         raise TypeError(f"offsets must be an integer array, got dtype {offsets.dtype}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"x must be a floating array, got dtype {x.dtype}")
-    if values.dtype != x.dtype:
-        raise TypeError(f"values dtype {values.dtype} must equal x dtype {x.dtype}")
     if host_offsets is not None:
         off = host_offsets
         if off.size and (off.min() < 0 or off.max() >= geo.num_candidates):
@@ -150,7 +156,36 @@ def _check_args(x, values, offsets, out_features, host_offsets):
                 f"offsets must lie in [0, {p}) = [0, {geo.num_candidates}); got values in "
                 f"[{off.min()}, {off.max()}]"
             )
-    return geo
+
+
+def diag_to_dense(values, offsets, *, in_features: int, out_features: int):
+    """The dense ``W[out, in]`` that :func:`diag_matmul` multiplies by (repeated offsets add up);
+    a reference for tests and inspection, not a fast path.
+
+    Args:
+      values: ``[K, D]`` with ``D = min(in, out)`` (element diagonals) or ``[K, L_b, b, b]``
+        (block diagonals, ``L_b = max(in, out) / b``), floating.
+      offsets: ``[K]`` integer in ``[0, P)`` (``[0, P_b)`` for blocks). Out of range:
+        ``ValueError`` when concrete; inside ``jit`` the whole of ``W`` is NaN (as
+        :func:`diag_matmul` makes ``y`` NaN), never a wrapped diagonal.
+      in_features, out_features: the widths of ``W``.
+
+    Returns:
+      ``[out_features, in_features]`` in ``values.dtype``.
+    """
+    host_offsets = host_array(offsets)
+    values, offsets = _as_array(values, "values"), _as_array(offsets, "offsets")
+    geo = _check_values(values, geometry(in_features, out_features))
+    _check_offsets(values, offsets, host_offsets, geo)
+    if not jnp.issubdtype(values.dtype, jnp.floating):
+        raise TypeError(f"values must be a floating array, got dtype {values.dtype}")
+    offsets = as_int32(offsets)
+    widths = {"in_features": geo.in_features, "out_features": geo.out_features}
+    if host_offsets is not None:
+        return reference.diag_to_dense(values, offsets, **widths)
+    valid = (offsets >= 0) & (offsets < geo.num_candidates)
+    w = reference.diag_to_dense(values, jnp.where(valid, offsets, 0), **widths)
+    return w + jnp.where(jnp.all(valid), jnp.zeros((), w.dtype), jnp.asarray(jnp.nan, w.dtype))
 
 
 def _check_symbolic(x, out_features, **arrays):
@@ -198,6 +233,8 @@ def resolve_impl(impl: str, dtype, geo, rows: int | None, num_diagonals: int) ->
     :func:`diag_matmul` does for an impl that cannot run the dtype or block size.
     """
     block_size = geo.block_size
+    if not isinstance(impl, str):
+        raise TypeError(f"impl must be a str, one of {available_impls()}, got {impl!r}")
     if impl == "auto":  # the default platform's choice; diag_matmul decides per lowering platform
         return auto.decide_for_lowering(
             auto.current_platform(), rows=rows, geo=geo, dtype=dtype, num_diagonals=num_diagonals

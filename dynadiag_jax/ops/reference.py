@@ -78,7 +78,8 @@ def _entry_indices(offsets, in_features: int, out_features: int, block_size: int
 
 
 def diag_to_dense(values, offsets, *, in_features: int, out_features: int):
-    """Materialise ``W[out, in]`` (reference and tests only; repeated offsets add up).
+    """Materialise ``W[out, in]`` (repeated offsets add up; arguments unchecked:
+    ``dd.diag_to_dense`` is the checked form).
 
     Args:
       values: ``[K, D]`` (element diagonals) or ``[K, L_b, b, b]`` (block diagonals);
