@@ -285,7 +285,7 @@ def capped_simplex_projection(z, k):
       k: static Python number in ``(0, n]``.
 
     Returns:
-      ``[..., n]`` in ``z.dtype`` (computed in float32 or wider).
+      ``[..., n]`` in ``z.dtype`` (computed in float32 or wider); NaN on a row with a NaN score.
     """
     fn = "capped_simplex_projection"
     _check_scores(z, fn)
@@ -293,11 +293,12 @@ def capped_simplex_projection(z, k):
     _check_k(k, n, fn)
     # Low-precision input is projected in float32: tau is a difference of nearby sums.
     w = z.astype(work_dtype(z.dtype))
+    nan_rows = jnp.any(jnp.isnan(w), axis=-1, keepdims=True)
     if k == n:  # the feasible set is the single point y = 1
-        return jnp.ones_like(z)
+        return _nan_where(nan_rows, jnp.ones_like(z))
     # the sparse gate's solution at strength 1: the same shift, clip and threshold
     solution = sparse_solution(w, k, 1.0)
-    return _threshold(w - solution.kth, solution.tau).astype(z.dtype)
+    return _nan_where(nan_rows, _threshold(w - solution.kth, solution.tau)).astype(z.dtype)
 
 
 def _hard_argmax(s, k):

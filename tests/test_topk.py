@@ -385,6 +385,15 @@ def test_a_nan_score_makes_its_row_nan_with_zero_gradient(fn, kw, k):
         assert np.all(np.isfinite(np.asarray(d_scores))) and np.isfinite(float(d_h))
 
 
+@pytest.mark.parametrize("k", [2, 5])
+def test_the_projection_of_a_row_with_a_nan_score_is_nan(k):
+    """As the sparse gate's (it returned [nan, 0, 1, 1], a row made up around the NaN)."""
+    z = jnp.asarray([[NAN, 1.0, 2.0, 3.0, 0.0], [3.0, 2.0, 1.0, 0.0, -1.0]])
+    y = np.asarray(jax.jit(lambda z: dd.capped_simplex_projection(z, k))(z))
+    assert np.all(np.isnan(y[0])) and np.all(np.isfinite(y[1]))
+    np.testing.assert_array_equal(y[1], dd.capped_simplex_projection(z[1:], k)[0])
+
+
 @pytest.mark.parametrize("gate", ["sparse_topk", "softmax"])
 @pytest.mark.parametrize("impl", ["jax", "auto"])
 def test_a_layer_with_infinite_scores_runs_the_hard_gate(gate, impl):
