@@ -74,6 +74,7 @@ __all__ = [
     "PathCost",
     "Prediction",
     "device_for_kind",
+    "device_spec",
     "occupancy",
     "predict",
     "predict_layer",
@@ -210,7 +211,9 @@ def _instructions(figures: dict, **units) -> float:
     return float(sum(regions[name] * n for name, n in units.items() if n))
 
 
-def _spec(device) -> DeviceSpec:
+def device_spec(device) -> DeviceSpec:
+    """The :class:`DeviceSpec` of ``device`` (a name in :data:`DEVICES`, or a spec); ValueError
+    naming the known devices otherwise."""
     if isinstance(device, DeviceSpec):
         return device
     if device not in DEVICES:
@@ -819,7 +822,7 @@ def predict_layer(
 ) -> Prediction:
     """:func:`predict` for a layer whose geometry the caller holds (``diag_matmul``'s dispatch
     computes it once per call and hands it down)."""
-    spec = _spec(device)
+    spec = device_spec(device)
     in_features, out_features, block_size = geo
     if offsets is None:
         if num_diagonals is None:

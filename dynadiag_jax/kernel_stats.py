@@ -30,7 +30,7 @@ from flax import traverse_util
 
 from dynadiag_jax import gpu_cost, launch_plan
 from dynadiag_jax._checks import int_at_least
-from dynadiag_jax.layout import geometry
+from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, geometry
 from dynadiag_jax.ops import auto, cuda
 
 __all__ = [
@@ -95,8 +95,15 @@ def kernel_stats(
 
     Raises:
       TypeError: for traced or non-integer offsets, a ``dtype`` the kernels do not take, a
-        non-integer ``rows``. ValueError: for offsets out of range, ``rows < 1``.
+        non-integer ``rows``. ValueError: for offsets out of range, ``rows < 1``, a
+        ``block_size`` no kernel runs, an unknown ``device``.
     """
+    if block_size != 1 and block_size not in KERNEL_BLOCK_SIZES:
+        raise ValueError(
+            f"block_size must be 1 (element diagonals) or one of the kernels' block sizes "
+            f"{KERNEL_BLOCK_SIZES}, got {block_size!r}"
+        )
+    gpu_cost.device_spec(device)  # checked with or without rows
     geo = geometry(in_features, out_features, block_size)
     dtype = _kernel_dtype(dtype)
     if rows is not None:

@@ -124,10 +124,23 @@ def test_bad_rows_are_rejected_by_name(rows, error, message):
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.float64, "int8", "no-such-dtype", None])
-@pytest.mark.parametrize("block_size", [1, 4])
+@pytest.mark.parametrize("block_size", [1, 8])
 def test_dtypes_the_kernels_do_not_take_are_rejected_by_name(dtype, block_size):
     with pytest.raises(TypeError, match=r"dtype must be one .*\(float32, bfloat16, float16\)"):
-        dd.kernel_stats(np.array([0]), 8, 12, dtype=dtype, block_size=block_size, rows=4)
+        dd.kernel_stats(np.array([0]), 16, 24, dtype=dtype, block_size=block_size, rows=4)
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 4, 48])
+def test_block_sizes_no_kernel_runs_are_rejected(block_size):
+    # geometry alone accepts them (the pure-JAX path runs any b dividing both widths)
+    with pytest.raises(ValueError, match=r"block_size must be 1 .* \(8, 16, 32, 64, 128\), got"):
+        dd.kernel_stats(np.array([0]), 96, 192, block_size=block_size)
+
+
+@pytest.mark.parametrize("rows", [None, 8])
+def test_an_unknown_device_is_rejected_with_or_without_rows(rows):
+    with pytest.raises(ValueError, match=r"device must be one of \('H100', 'A100'"):
+        dd.kernel_stats(np.array([0]), 64, 128, rows=rows, device="Z80")
 
 
 class _TwoLayers(nn.Module):
