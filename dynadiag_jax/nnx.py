@@ -456,8 +456,11 @@ def freeze(model):
     template to restore a frozen checkpoint into. Continue training with
     :func:`freeze_opt_state`. Raises ``ValueError`` naming the layer when a concrete ``alpha``
     holds NaN or inf (a diverged search); inside ``nnx.jit`` such a layer's frozen ``values`` are
-    NaN instead (:func:`dynadiag_jax.freeze_tree`).
+    NaN instead (:func:`dynadiag_jax.freeze_tree`); ``TypeError`` when ``model`` is not an
+    ``nnx.Module``.
     """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"dd.nnx.freeze: model must be an nnx.Module, got {type(model).__name__}")
     frozen = nnx.clone(model)
     for path, m in _layers(frozen):
         if m.frozen:

@@ -293,6 +293,9 @@ def test_freeze_opt_state_checks_its_arguments(standard_promotion):
         dd.nnx.freeze_opt_state(None, model, frozen)
     with pytest.raises(TypeError, match="frozen must be an nnx.Module"):
         dd.nnx.freeze_opt_state(optimizer, model, {"fc1": 1})
+    for not_a_model in ("hello", {"fc1": 1}):  # freeze returned them unchanged
+        with pytest.raises(TypeError, match="dd.nnx.freeze: model must be an nnx.Module"):
+            dd.nnx.freeze(not_a_model)
     assert dd.nnx.freeze_opt_state(optimizer, model, frozen).step.get_value() == 0
     root = dd.nnx.DiagonalDense(8, 8, sparsity=0.5, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"DiagonalDense at \(root\) of frozen is in the search"):
