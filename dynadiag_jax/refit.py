@@ -82,7 +82,13 @@ def _fit_layer(xs, y, w, offsets, n_in, n_out, block_size, ridge):
         entries = order[lo:hi]
         r, cs = rows[entries[0]], cols[entries]
         a = gram[np.ix_(cs, cs)] + scale * np.eye(len(cs))
-        fitted[entries] = np.linalg.solve(a, cross[cs, r] + scale * w[r, cs])
+        try:
+            fitted[entries] = np.linalg.solve(a, cross[cs, r] + scale * w[r, cs])
+        except np.linalg.LinAlgError:
+            raise ValueError(
+                f"the fit of output row {r} is singular: the calibration batch does not determine "
+                f"its kept weights; pass ridge > 0 (or more input rows)"
+            ) from None
     return fitted.reshape(shape)
 
 
@@ -133,13 +139,27 @@ def refit(
     Raises:
       ValueError: no diagonal layer; no dense layer at a diagonal layer's path, or a kernel of
         another shape; stacked (``nn.scan``) layers; an input whose trailing axes do not flatten
-        to the layer's width; non-finite activations; a negative or non-finite ``ridge``.
+        to the layer's width; non-finite activations or dense kernels; a negative or non-finite
+        ``ridge``; a singular fit (``ridge=0``); a
+        search-phase layer learning its permutation with the Sinkhorn relaxation (refit it
+        frozen).
     """
     non_negative(ridge, "refit: ridge")
     for name, given in (("variables", variables), ("dense_variables", dense_variables)):
         check_variables(given, name, "refit")
     kwargs = dict(apply_kwargs or {})
-    searching = any(k[-1] == "alpha" for k in traverse_util.flatten_dict(variables["params"]))
+    flat_search = traverse_util.flatten_dict(variables["params"])
+    searching = any(k[-1] == "alpha" for k in flat_search)
+    search_perms = traverse_util.flatten_dict(variables.get(DIAGONALS_COLLECTION, {}))
+    for key in flat_search:
+        if key[-1] == "perm_soft" and key[:-1] + ("perm",) not in search_perms:
+            # the freeze folds the soft matrix's kept entries into the values: values fitted on
+            # the frozen form and written back would be folded a second time
+            raise ValueError(
+                f"refit: the layer at params/{_name(key[:-1])} learns its input permutation "
+                f"(perm_soft), which the freeze folds into its values; freeze first "
+                f"(dd.freeze_tree) and refit the frozen variables"
+            )
     frozen = freeze_tree(variables) if searching else variables
     params = traverse_util.flatten_dict(frozen["params"])
     diagonals = traverse_util.flatten_dict(frozen.get(DIAGONALS_COLLECTION, {}))
@@ -178,6 +198,8 @@ def refit(
         # the dense kernel has the layer's in * out entries (_layer_matrix checks its axes)
         n_out = math.prod(np.shape(kernel)) // n_in
         w = np.asarray(_layer_matrix(path, kernel, (), n_in, n_out), np.float64)
+        if not np.all(np.isfinite(w)):
+            raise ValueError(f"refit: the dense kernel at params/{_name(path)} holds NaN or inf")
         if sequential and i:
             frozen = _with_values(frozen, fitted)
             calls = _capture(model, frozen, inputs, DiagonalDense, kwargs)

@@ -200,6 +200,32 @@ def test_bad_inputs_are_refused_with_the_reason():
         dd.refit(Single(40), dense, Single(40), dense, x)
     with pytest.raises(ValueError, match="non-finite activations at the diagonal layer"):
         dd.refit(model, one_shot, Single(40), dense, x.at[0, 0].set(jnp.nan))
+    diverged = jax.tree.map(lambda a: a, dense)
+    diverged["params"]["layer"]["kernel"] = dense["params"]["layer"]["kernel"].at[2, 3].set(jnp.inf)
+    with pytest.raises(
+        ValueError, match="refit: the dense kernel at params/layer holds NaN or inf"
+    ):
+        dd.refit(model, one_shot, Single(40), diverged, x)
+    # one row cannot determine a row's kept weights: numpy's "Singular matrix" had no hint
+    with pytest.raises(
+        ValueError,
+        match=r"params/layer: the fit of output row \d+ is singular.*"
+        r"ridge > 0",
+    ):
+        dd.refit(model, one_shot, Single(40), dense, x[:1], ridge=0.0)
+
+
+def test_a_learned_sinkhorn_permutation_is_refitted_frozen_only():
+    """The freeze folds the soft matrix into the values: values fitted on the frozen form and
+    written back into the search phase's were folded twice (the refitted model 1.65 away)."""
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    dense = random_dense(Single(40), x)
+    model = dd.nn.sparsify(Single(40), [("layer", {"sparsity": 0.5, "permutation": "learned"})])
+    search = model.init(jax.random.key(5), x)
+    with pytest.raises(ValueError, match="perm_soft.*freeze first .*refit the frozen variables"):
+        dd.refit(model, search, Single(40), dense, x)
+    frozen = dd.refit(model, dd.freeze_tree(search), Single(40), dense, x)
+    assert "perm" in frozen["diagonals"]["layer"]
 
 
 def test_stacked_layers_are_refused_before_any_call():
