@@ -420,3 +420,26 @@ def test_update_needs_params():
     params = _params()
     with pytest.raises(ValueError, match="params"):
         tx.update(params, tx.init(params))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(grad_weight=float("nan")), ValueError, "grad_weight must be a finite number"),
+        (dict(grad_weight=-1.0), ValueError, "grad_weight must be >= 0"),
+        (dict(mutation_ratio=float("inf")), ValueError, "mutation_ratio must be a finite number"),
+        (dict(mutation_ratio="0.2"), TypeError, "mutation_ratio must be a number"),
+    ],
+)
+def test_mest_refuses_bad_constants_naming_them(kwargs, error, match):
+    """A NaN grad_weight made every prune score NaN, and the prune-back then dropped nearly the
+    whole mask; a NaN mutation ratio was reported as the cosine decay's init_value."""
+    with pytest.raises(error, match=match):
+        B.mest(
+            optax.sgd(0.1),
+            distribution=functools.partial(B.uniform, sparsity=0.5),
+            key=jax.random.key(0),
+            update_every=1,
+            end_step=4,
+            **kwargs,
+        )

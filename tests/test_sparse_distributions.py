@@ -63,6 +63,15 @@ def test_erk_makes_a_layer_dense_when_its_density_would_exceed_one():
     assert abs(kept - 0.5 * (1000 * 1000 + 8)) <= 2
 
 
+@pytest.mark.parametrize(
+    "power, error", [(float("nan"), ValueError), (float("inf"), ValueError), ("1", TypeError)]
+)
+def test_erk_refuses_a_power_that_is_not_a_finite_number(power, error):
+    """NaN made every leaf dense; inf divided by zero."""
+    with pytest.raises(error, match="erk: power must be a"):
+        B.erk(_params(), 0.8, power=power)
+
+
 def test_erk_power_zero_is_uniform():
     s = B.erk(_params(), 0.8, power=0.0)
     np.testing.assert_allclose([s[k]["kernel"] for k in SHAPES], 0.8, rtol=1e-12)

@@ -95,6 +95,7 @@ def erk(params, sparsity: float, *, include: Include = _default_include, power: 
       power: exponent on the ERK ratio (``< 1`` flattens the distribution).
     """
     s = _check_sparsity(sparsity)
+    power = finite_number(power, "erk: power")
     flat, treedef, chosen = _selected(params, include)
     shapes = {i: tuple(leaf.shape) for i, ((_, leaf), c) in enumerate(zip(flat, chosen)) if c}
     sizes = {i: math.prod(shape) for i, shape in shapes.items()}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 
+from dynadiag_jax._checks import non_negative
 from dynadiag_jax.baselines.dst import Schedule, cosine_decay, periodic
 from dynadiag_jax.baselines.masks import top_n_mask
 from dynadiag_jax.baselines.sparse_state import budgets, map_masks, random_scores, sparse_wrapper
@@ -82,10 +83,9 @@ def mest(
       An optax transform with :class:`SparseState` state. After each prune-back a layer holds
       exactly ``n`` weights; in between at most ``n + round(r(t) * n)`` (soft) or exactly ``n``.
     """
-    if not callable(mutation_ratio) and float(mutation_ratio) < 0.0:
-        raise ValueError(f"mutation_ratio must be >= 0 or a schedule, got {mutation_ratio!r}")
-    if float(grad_weight) < 0.0:
-        raise ValueError(f"grad_weight must be >= 0, got {grad_weight!r}")
+    if not callable(mutation_ratio):
+        non_negative(mutation_ratio, "mutation_ratio")
+    grad_weight = non_negative(grad_weight, "grad_weight")
     if start_step is None:
         start_step = update_every
     is_update = periodic(update_every, start_step, end_step, include_end=True)
