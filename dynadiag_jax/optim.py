@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import optax
 
+from dynadiag_jax._checks import finite_number, non_negative
+
 __all__ = [
     "alpha_mask",
     "values_mask",
@@ -81,8 +83,8 @@ def init_gain(sparsity: float) -> float:
     """``1 / sqrt(1 - sparsity)``: how many times larger than the dense layer's weights the values
     of a ``fan_in="sparse"`` layer at ``sparsity`` start (the ``values_lr_scale`` that gives them
     the dense layer's relative step under Adam)."""
-    if not 0.0 <= float(sparsity) < 1.0:
-        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    if not 0.0 <= finite_number(sparsity, "init_gain: sparsity") < 1.0:
+        raise ValueError(f"init_gain: sparsity must be in [0, 1), got {sparsity}")
     return 1.0 / math.sqrt(1.0 - float(sparsity))
 
 
@@ -148,11 +150,12 @@ def diag_optimizer(
     Returns:
       An ``optax.GradientTransformation``; combine with ``optax.chain`` for clipping etc.
     """
+    non_negative(weight_decay, "diag_optimizer: weight_decay")
+    if finite_number(values_lr_scale, "diag_optimizer: values_lr_scale") <= 0.0:
+        raise ValueError(f"diag_optimizer: values_lr_scale must be > 0, got {values_lr_scale}")
     weights = optax.adamw(
         learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask
     )
-    if float(values_lr_scale) <= 0.0:
-        raise ValueError(f"values_lr_scale must be > 0, got {values_lr_scale}")
     if values_lr_scale != 1.0:
         weights = optax.chain(weights, optax.masked(optax.scale(values_lr_scale), values_mask))
     alpha = optax.adam(alpha_learning_rate, b1=b1, b2=b2, eps=eps)

@@ -122,6 +122,30 @@ def test_diag_optimizer_values_lr_scale_scales_the_values_updates_only():
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
+        (dict(values_lr_scale=float("nan")), ValueError, "values_lr_scale must be a finite"),
+        (dict(values_lr_scale=float("inf")), ValueError, "values_lr_scale must be a finite"),
+        (dict(values_lr_scale="2"), TypeError, "values_lr_scale must be a number"),
+        (dict(weight_decay=float("nan")), ValueError, "weight_decay must be a finite"),
+        (dict(weight_decay=-0.1), ValueError, "weight_decay must be >= 0"),
+    ],
+)
+def test_diag_optimizer_refuses_bad_constants_naming_them(kwargs, error, message):
+    """NaN and inf scales and a NaN decay trained to NaN; "2" failed in numpy's indexing."""
+    with pytest.raises(error, match=f"diag_optimizer: {message}"):
+        optim.diag_optimizer(1e-3, alpha_learning_rate=0.1, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "sparsity, error", [("0.9", TypeError), (float("nan"), ValueError), (1.0, ValueError)]
+)
+def test_init_gain_refuses_what_is_not_a_sparsity(sparsity, error):
+    with pytest.raises(error, match="init_gain: sparsity must be"):
+        optim.init_gain(sparsity)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
         (dict(learning_rate=float("nan")), ValueError, "learning_rate must be a finite number"),
         (dict(learning_rate=-1.0), ValueError, "learning_rate must be > 0, got -1.0"),
         (dict(learning_rate=0.0), ValueError, "learning_rate must be > 0"),
