@@ -175,6 +175,28 @@ def test_bad_variants_fail_at_construction(make, match):
         make()
 
 
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: models.MLP(0), ValueError, "MLP: num_classes must be >= 1, got 0"),
+        (lambda: models.MLP(3, hidden=(2.5,)), TypeError, r"MLP: hidden\[0\] must be an int"),
+        (lambda: models.MLP(3, hidden=(8, 0)), ValueError, r"MLP: hidden\[1\] must be >= 1"),
+        (lambda: models.MLP(3, hidden="8"), ValueError, "hidden must be a non-empty sequence"),
+        (lambda: models.ViT(0, "mu/4"), ValueError, "ViT: num_classes must be >= 1"),
+        (lambda: models.MlpMixer(-1, "mu/4"), ValueError, "MlpMixer: num_classes must be >= 1"),
+        (lambda: models.GPT2(0, "mu"), ValueError, "GPT2: vocab_size must be >= 1"),
+        (lambda: models.GPT2(256, "mu", block_size=0), ValueError, "GPT2: block_size must be"),
+        (lambda: models.ByPath(("h",), sparse=None), TypeError, "ByPath.sparse must be a layer"),
+        (lambda: models.ByPath(("h",), nn.Dense, dense=3), TypeError, "ByPath.dense must be a"),
+    ],
+)
+def test_bad_sizes_and_constructors_fail_at_construction_by_name(make, error, match):
+    """MLP truncated 2.5 to 2 and divided by zero at 0 classes; GPT2(0) failed in jnp.take; a
+    ByPath without a sparse constructor blamed its dense one."""
+    with pytest.raises(error, match=match):
+        make()
+
+
 def test_bad_input_shapes_name_the_expectation():
     with pytest.raises(ValueError, match="divisible by 4"):
         models.ViT(10, "mu/4").init(KEY, jnp.ones((1, 10, 10, 3)))

@@ -8,6 +8,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from dynadiag_jax._checks import int_at_least
 from dynadiag_jax.models.routing import Dense, linear, resolve_dense
 
 __all__ = ["MLP", "DENSE", "SPARSE_LAYERS"]
@@ -33,10 +34,13 @@ class MLP(nn.Module):
     dtype: Any = None
 
     def __post_init__(self):
-        if not self.hidden or any(int(h) < 1 for h in self.hidden):
+        int_at_least(self.num_classes, "MLP: num_classes", 1)
+        if isinstance(self.hidden, str) or not self.hidden:
             raise ValueError(
                 f"hidden must be a non-empty sequence of positive widths, got {self.hidden!r}"
             )
+        for i, width in enumerate(self.hidden):
+            int_at_least(width, f"MLP: hidden[{i}]", 1)
         super().__post_init__()
 
     @nn.compact

@@ -64,6 +64,14 @@ class ByPath:
                 f"{self.patterns!r}; write ({self.patterns!r},)"
             )
         object.__setattr__(self, "patterns", tuple(self.patterns))
+        for name in ("sparse", "dense"):
+            ctor = getattr(self, name)
+            if not callable(ctor) and not (name == "dense" and ctor is None):
+                raise TypeError(
+                    f"ByPath.{name} must be a layer constructor (e.g. functools.partial("
+                    f"dd.nn.DiagonalDense, sparsity=0.9)){'' if name == 'sparse' else ' or None'}, "
+                    f"got {ctor!r}"
+                )
         for p in self.patterns:
             try:
                 re.compile(p)
