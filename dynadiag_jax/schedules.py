@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dynadiag_jax._checks import finite_number, int_at_least
+from dynadiag_jax._checks import finite_number, int_at_least, int_in_range
 
 __all__ = [
     "Schedule",
@@ -42,6 +42,7 @@ __all__ = [
 Schedule = Callable[..., jnp.ndarray]
 
 _MAX = float(np.finfo(np.float32).max)
+_MAX_STEPS = int(np.iinfo(np.int32).max)
 # The smallest magnitude that float32 rounds to inf: half an ulp above _MAX.
 _INF = 2.0**128 - 2.0**103
 _TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
@@ -55,6 +56,12 @@ def _float32_number(value, name: str) -> float:
             f"{name} must be finite in float32 (|{name}| <= {_MAX:.8g}), got {value!r}"
         )
     return value
+
+
+def _steps(value, name: str, low: int) -> int:
+    """A step count: an int in ``[low, 2**31 - 1]``, the range of the int32 steps a schedule is
+    compared with inside ``jit``."""
+    return int_in_range(value, name, low, _MAX_STEPS)
 
 
 def _step(step, end: int):
@@ -114,7 +121,7 @@ def constant(value) -> Schedule:
 def linear(init_value, end_value, steps) -> Schedule:
     """Linear from ``init_value`` at step 0 to ``end_value`` at ``steps``, held afterwards."""
     a, b = _float32_number(init_value, "init_value"), _float32_number(end_value, "end_value")
-    steps = int_at_least(steps, "steps", 1)
+    steps = _steps(steps, "steps", 1)
     return _schedule(lambda t: _linear(a, b, steps, t), steps)
 
 
@@ -124,7 +131,7 @@ def cosine(init_value, end_value, steps) -> Schedule:
     ``v(t) = end + (init - end) * (1 + cos(pi * t / steps)) / 2``.
     """
     a, b = _float32_number(init_value, "init_value"), _float32_number(end_value, "end_value")
-    steps = int_at_least(steps, "steps", 1)
+    steps = _steps(steps, "steps", 1)
     return _schedule(lambda t: _cosine(a, b, steps, t), steps)
 
 
@@ -142,7 +149,7 @@ def exponential(init_value, end_value, steps) -> Schedule:
                 f"exponential needs {name} > 0, at least float32's smallest normal number "
                 f"{_TINY:.8g}, got {value!r}"
             )
-    steps = int_at_least(steps, "steps", 1)
+    steps = _steps(steps, "steps", 1)
     # Not optax.exponential_decay: its init * rate ** p rounds differently in float32, enough to
     # change the trained runs of the default gate, whose strength decays so (docs/RESULTS.md).
     log_ratio = math.log(b / a)
@@ -167,8 +174,8 @@ def warmup_cosine(init_value, peak_value, end_value, warmup_steps, steps) -> Sch
     a = _float32_number(init_value, "init_value")
     peak = _float32_number(peak_value, "peak_value")
     b = _float32_number(end_value, "end_value")
-    warmup_steps = int_at_least(warmup_steps, "warmup_steps", 0)
-    steps = int_at_least(steps, "steps", 1)
+    warmup_steps = _steps(warmup_steps, "warmup_steps", 0)
+    steps = _steps(steps, "steps", 1)
     if warmup_steps >= steps:
         raise ValueError(f"warmup_steps ({warmup_steps}) must be < steps ({steps})")
 

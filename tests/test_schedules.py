@@ -67,8 +67,12 @@ def test_bad_arguments():
         schedules.by_name("step", init_value=1.0)
     with pytest.raises(TypeError, match="end_value"):
         schedules.by_name("cosine", init_value=1.0)
-    with pytest.raises(ValueError, match="steps must be >= 1"):
+    with pytest.raises(ValueError, match=r"steps must be in \[1, 2147483647\], got 0"):
         schedules.linear(1.0, 0.0, 0)
+    for make in (schedules.linear, schedules.cosine, schedules.exponential):
+        # the schedule compares steps with it inside jit, as an int32 (it failed at the call)
+        with pytest.raises(ValueError, match=r"steps must be in \[1, 2147483647\], got 2147483648"):
+            make(1.0, 0.5, 2**31)
     with pytest.raises(TypeError, match="steps must be an int, got float"):
         schedules.linear(1.0, 0.0, 10.0)
     with pytest.raises(TypeError, match="init_value must be a number, got str"):
