@@ -205,6 +205,41 @@ def test_pattern_matching_no_layer_names_it_and_lists_the_layers():
     assert "hidden" in str(e.value) and "head" in str(e.value)
 
 
+class _Attention(nn.Module):
+    """Only nn.DenseGeneral projections (nn.MultiHeadDotProductAttention's)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.MultiHeadDotProductAttention(num_heads=2, name="mha")(x)
+
+
+def test_a_pattern_on_dense_general_layers_says_they_take_no_adapter():
+    """The error listed "(none)" although the model has four such layers."""
+    model = dd.nn.lora_fa(_Attention(), ["mha/query"], rank=2)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)'mha/query'.*\(none\).*nn.DenseGeneral layers, "
+        r"which take no adapter.*mha/query\n  mha/key",
+    ):
+        model.init(jax.random.key(0), jnp.ones((2, 3, 8), jnp.float32))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(alpha="x"), TypeError, "lora_fa: alpha must be a number"),
+        (dict(alpha=float("nan")), ValueError, "lora_fa: alpha must be a finite number"),
+        (dict(param_dtype=jnp.int32), TypeError, "lora_fa: param_dtype must be a floating dtype"),
+        (dict(a_init=3), TypeError, "lora_fa: a_init must be an initializer"),
+    ],
+)
+def test_bad_adapter_arguments_are_refused_at_once_by_name(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        dd.nn.lora_fa(Net(), ["hidden"], rank=2, **kwargs)
+    with pytest.raises(error, match=match.replace("lora_fa", "dd.nnx.lora_fa")):
+        dd.nnx.lora_fa(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), [""], rank=2, rngs=nnx.Rngs(0), **kwargs)
+
+
 @pytest.mark.parametrize(
     "rank,error", [(0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError)]
 )

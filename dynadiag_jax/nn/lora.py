@@ -34,6 +34,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from dynadiag_jax._checks import finite_number, floating_dtype
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
 from dynadiag_jax.nn.sparsify import PathSession, Rule, intercepted
 
@@ -107,9 +108,14 @@ class _Session(PathSession):
     def __init__(self, owner, rules, root):
         super().__init__(owner, rules, root)
         self.active: list[str] = []  # paths of the adapted calls in progress
+        self.unadapted: dict[str, None] = {}  # nn.DenseGeneral layers seen, in call order
 
     def intercept(self, next_fun, args, kwargs, context):
         layer = context.module
+        if type(layer) is nn.DenseGeneral and context.method_name == "__call__":
+            path = self.relative_path(layer)
+            if path is not None:
+                self.unadapted[path] = None
         if type(layer) not in ADAPTED_TYPES or context.method_name != "__call__":
             return next_fun(*args, **kwargs)
         hit = self.rule_for(layer)
@@ -125,6 +131,16 @@ class _Session(PathSession):
         adapter = LoRAFA(y.shape[-1], parent=layer.scope, label=path, **rule.kwargs)
         return y + adapter(x.astype(y.dtype))
 
+    def note(self) -> str:
+        if not self.unadapted:
+            return ""
+        listed = "\n  ".join(self.unadapted)
+        return (
+            f"\nand these nn.DenseGeneral layers, which take no adapter (e.g. attention "
+            f"projections; dd.nn.sparsify them first, and adapt the DiagonalDense layers it "
+            f"makes):\n  {listed}"
+        )
+
 
 def adapter_rules(layers, rank, alpha, who: str, **extra) -> tuple[Rule, ...]:
     """``layers`` (path regexes) checked and compiled into rules whose kwargs are the adapter's:
@@ -135,9 +151,14 @@ def adapter_rules(layers, rank, alpha, who: str, **extra) -> tuple[Rule, ...]:
         raise TypeError(f"{who}: rank must be an int, got {type(rank).__name__}")
     if rank < 1:
         raise ValueError(f"{who}: rank must be an int >= 1, got {rank!r}")
-    alpha = float(rank if alpha is None else alpha)
-    if not math.isfinite(alpha):
-        raise ValueError(f"{who}: alpha must be finite, got {alpha}")
+    alpha = finite_number(rank if alpha is None else alpha, f"{who}: alpha")
+    if not callable(extra.get("a_init", callable)):
+        raise TypeError(
+            f"{who}: a_init must be an initializer, (key, shape, dtype) -> array, got "
+            f"{extra['a_init']!r}"
+        )
+    if "param_dtype" in extra:
+        extra["param_dtype"] = floating_dtype(extra["param_dtype"], f"{who}: param_dtype")
     kwargs = {"rank": int(rank), "scale": alpha / int(rank), **extra}
     rules = []
     for i, pattern in enumerate(layers):

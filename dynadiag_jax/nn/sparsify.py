@@ -202,6 +202,10 @@ class PathSession:
         self.matched.add(i)
         return path, self.rules[i]
 
+    def note(self) -> str:
+        """What the unmatched-rule error adds after the layers it lists (nothing here)."""
+        return ""
+
 
 class _Session(PathSession):
     def intercept(self, next_fun, args, kwargs, context):
@@ -258,6 +262,7 @@ def intercepted(
         if self.is_initializing() and len(current.matched) < len(rules):
             raise ValueError(
                 unmatched_message(who, rules, current.matched, list(current.paths), base.__name__)
+                + current.note()
             )
         return out
 
