@@ -397,6 +397,7 @@ def test_periodic_schedule():
         (dict(update_every=2, end_step=1), "end_step"),
         (dict(update_every=2, end_step=5, drop_fraction=1.5), "drop_fraction"),
         (dict(update_every=2.5, end_step=5), "update_every"),
+        (dict(update_every=2, end_step=5, key=0), "key must be a jax.random.key .*got int"),
     ],
 )
 def test_bad_arguments_raise(kwargs, match):
@@ -404,8 +405,7 @@ def test_bad_arguments_raise(kwargs, match):
         B.rigl(
             optax.sgd(0.1),
             distribution=functools.partial(B.uniform, sparsity=0.9),
-            key=jax.random.key(0),
-            **kwargs,
+            **{"key": jax.random.key(0), **kwargs},
         )
 
 

@@ -116,6 +116,20 @@ def test_num_active(size, sparsity, expected):
     assert B.num_active(size, sparsity) == expected
 
 
+@pytest.mark.parametrize(
+    "size, sparsity, error, match",
+    [
+        (10.5, 0.5, TypeError, "size must be an int"),  # gave 5.5 weights
+        (0, 0.5, ValueError, "size must be >= 1"),
+        (10, "0.5", TypeError, "sparsity must be a number, got str"),
+        (10, float("nan"), ValueError, r"sparsity must be in \[0, 1\)"),
+    ],
+)
+def test_num_active_refuses_what_is_not_a_size_or_a_sparsity(size, sparsity, error, match):
+    with pytest.raises(error, match=match):
+        B.num_active(size, sparsity)
+
+
 def test_top_n_mask_hand_case_and_ties():
     scores = jnp.array([[0.5, -jnp.inf, 2.0], [2.0, 0.1, -1.0]])
     np.testing.assert_array_equal(B.top_n_mask(scores, 2), [[0, 0, 1], [1, 0, 0]])

@@ -12,6 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dynadiag_jax._checks import int_at_least
+
 __all__ = ["num_active", "top_n_mask", "random_mask"]
 
 
@@ -21,11 +23,13 @@ def num_active(size: int, sparsity: float) -> int:
     This is the RigL/jaxpruner convention; it keeps at least one weight for any ``sparsity < 1``.
 
     Raises:
+      TypeError: ``size`` not an int, ``sparsity`` not a number.
       ValueError: if ``sparsity`` is not in ``[0, 1)`` or ``size < 1``.
     """
-    if size < 1:
-        raise ValueError(f"size must be >= 1, got {size}")
-    if not 0.0 <= sparsity < 1.0:
+    size = int_at_least(size, "size", 1)
+    if isinstance(sparsity, str | bytes | bool) or not hasattr(sparsity, "__float__"):
+        raise TypeError(f"sparsity must be a number, got {type(sparsity).__name__}")
+    if not 0.0 <= float(sparsity) < 1.0:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity!r}")
     return size - math.floor(sparsity * size)
 

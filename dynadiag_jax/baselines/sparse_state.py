@@ -98,6 +98,10 @@ def typed_key(key) -> jax.Array:
 
 def key_data(key) -> jax.Array:
     """Raw uint32 data of a typed or legacy PRNG key."""
+    if not hasattr(key, "dtype"):
+        raise TypeError(
+            f"key must be a jax.random.key or a uint32 key array, got {type(key).__name__}"
+        )
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return jax.random.key_data(key)
     if key.dtype != jnp.uint32:
