@@ -455,6 +455,8 @@ def _damage(step_dir, how):
         (step_dir / "meta" / "metadata").unlink()
     elif how == "meta garbled":
         (step_dir / "meta" / "metadata").write_text("garbage{")
+    elif how == "state metadata deleted":  # a TypeError inside the shape check before
+        (step_dir / "state" / "_METADATA").unlink()
     elif how == "state removed":
         shutil.rmtree(step_dir / "state")
     else:  # an empty step directory
@@ -464,7 +466,14 @@ def _damage(step_dir, how):
 
 @pytest.mark.parametrize(
     "how",
-    ["truncated array file", "meta deleted", "meta garbled", "state removed", "empty directory"],
+    [
+        "truncated array file",
+        "meta deleted",
+        "meta garbled",
+        "state metadata deleted",
+        "state removed",
+        "empty directory",
+    ],
 )
 def test_unreadable_newest_checkpoint_resumes_from_the_one_before(tmp_path, caplog, how):
     full = train_tiny(tmp_path / "full", num_steps=8, eval_every=4)
@@ -482,6 +491,21 @@ def test_unreadable_newest_checkpoint_resumes_from_the_one_before(tmp_path, capl
     assert "resuming from step 4" in warning
     # kept under a name Orbax does not read, and step 6 written again by the resumed run
     assert (checkpoints / "6.unreadable").is_dir() and (checkpoints / "6" / "state").is_dir()
+
+
+def test_a_search_checkpoint_past_this_runs_freeze_step_is_refused(tmp_path):
+    """Resumed with an earlier freeze step (or fewer steps, e.g. another data set), the run
+    searched to its end: the freeze fires only at its step."""
+    train_tiny(tmp_path, num_steps=6, sparsity=0.8, freeze_step=5, checkpoint_every=2)
+    for step in (6, 5):  # the frozen checkpoints: the run resumes from 4 below
+        shutil.rmtree(tmp_path / "checkpoints" / str(step), ignore_errors=True)
+    with pytest.raises(
+        T.CheckpointMismatch,
+        match=r"checkpoint at step 4 .* still searching, but this run freezes at step 3",
+    ):
+        train_tiny(tmp_path, num_steps=6, sparsity=0.8, freeze_step=3, checkpoint_every=2)
+    resumed = train_tiny(tmp_path, num_steps=6, sparsity=0.8, freeze_step=4, checkpoint_every=2)
+    assert resumed.start_step == 4 and not T.is_searching(resumed.state.params)
 
 
 def test_a_resumed_run_keeps_no_more_checkpoints_than_asked(tmp_path):

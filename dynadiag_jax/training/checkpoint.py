@@ -327,6 +327,10 @@ class Checkpointer:
         ``target``'s shapes (:class:`UnreadableCheckpoint` if its metadata cannot be read)."""
         with self._reading(step, "state", RESUME_ADVICE):
             stored = self._manager.item_metadata(step)["state"]
+        if stored is None:  # Orbax's answer for a state/ without its _METADATA file
+            raise UnreadableCheckpoint(
+                self.directory, step, "state: its metadata is missing", RESUME_ADVICE
+            )
         stored = getattr(stored, "tree", stored)
         problems = []
         stored_params = _by_path(stored["params"])

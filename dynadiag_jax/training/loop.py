@@ -1134,6 +1134,14 @@ def train(
             )
 
         searching = is_searching(state.params)
+        if searching and freeze_step is not None and start > freeze_step:
+            # it would search to the end: the freeze fires only at its step
+            raise CheckpointMismatch(
+                f"the checkpoint at step {start} in {workdir} is still searching, but this run "
+                f"freezes at step {freeze_step}: it was written by a run with a later freeze "
+                f"(another freeze step or number of steps); resume with that run's settings, or "
+                f"use another workdir"
+            )
         # A checkpoint at or after the phase's start was written after the switch (the switch
         # comes before the save of its step).
         tuning = finetune is not None and resumed_step is not None and start >= finetune.start_step
