@@ -96,6 +96,16 @@ def _on_tfds(config, root: pathlib.Path):
             r"train.batch_size=5000 exceeds the 4000 examples of the training split",
         ),
         (lambda c: c.train.update(batch_size=0), "train.batch_size must be >= 1"),
+        # numpy's generators of the data order took no negative seed: a traceback at the first
+        # batch, after the start-up lines
+        (lambda c: c.update(seed=-1), r"seed must be in \[0, 2\*\*63\), got -1"),
+        # a traceback from the training loop, after the dense comparison run had trained
+        (lambda c: c.dynadiag.update(score_every=-1), "dynadiag.score_every must be >= 0"),
+        # the sparse gate's strength schedule then ran as the softmax gate's temperature
+        (
+            lambda c: c.dynadiag.update(gate="softmax"),
+            r"dynadiag.gate=softmax with the sparse_topk gate's schedule .*:gate=softmax",
+        ),
     ],
 )
 def test_fashion_mnist_bad_input_is_reported_before_compiling(mutate, match):
@@ -225,6 +235,15 @@ def test_command_line_checks_name_the_key(args, message):
     with pytest.raises(common.ConfigError) as err:
         cli.check_command_line(["fashion_mnist.py", *args], default)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_suite_of_a_fine_tune_config_is_chosen_in_its_argument_only():
+    """--config.suite=mixer ran the MLP suite's model and recipe under the label mixer."""
+    for config in ("sparsify.py", "lora_fa.py"):
+        with pytest.raises(common.ConfigError) as err:
+            cli.check_command_line(["x.py", "--config.suite=mixer"], str(CONFIGS / config))
+        assert "the suite is chosen in the config argument" in str(err.value)
+        assert ":suite=<name>" in str(err.value)
 
 
 def test_command_line_checks_accept_what_ml_collections_accepts():

@@ -225,6 +225,11 @@ def _check_override(config, key: str, value, following, typed: str) -> None:
     entries = _entries(config)
     if key not in entries:
         raise _unknown_key(config, entries, key, typed)
+    if key == "suite":  # a label once the config is built: overriding it changed nothing else
+        raise common.ConfigError(
+            f"{typed}: the suite is chosen in the config argument, which builds that suite's "
+            f"model, layers, recipe and data: --config=<config file>:suite=<name>"
+        )
     default = entries[key]
     if value is None and isinstance(default, bool):
         return  # --config.<flag> alone: true

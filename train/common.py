@@ -34,6 +34,7 @@ from dynadiag_jax.kernel_stats import describe_paths, model_paths
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES
 from dynadiag_jax.nn.functional import HYPER_NAME
 from dynadiag_jax.training.checkpoint import UnreadableCheckpoint, usable_directory
+from train.configs import common as config_common
 
 MODELS = {"mlp": models.MLP, "vit": models.ViT, "mixer": models.MlpMixer, "gpt2": models.GPT2}
 MODEL_MODULES = {"mlp": models.mlp, "vit": models.vit, "mixer": models.mixer, "gpt2": models.gpt2}
@@ -71,6 +72,9 @@ def check_config(config, reference, *, free=("model",)) -> None:
         problems.append(f"missing config keys: {', '.join(missing)}")
     if problems:
         raise ConfigError("; ".join(problems) + f" (known keys: {', '.join(sorted(want))})")
+    # the data pipelines seed numpy's generators with it, which take no negative seed
+    if "seed" in config and not 0 <= int(config.seed) < 2**63:
+        raise ConfigError(f"seed must be in [0, 2**63), got {config.seed}")
 
 
 def sparsity_of(dynadiag_cfg) -> float:
@@ -213,6 +217,16 @@ def gate_schedule(dynadiag_cfg, freeze_step: int | None, num_steps: int) -> T.Ga
     if float(dynadiag_cfg.sparsity) == 0.0:
         return None
     sched = dict(dynadiag_cfg.gate_schedule)
+    for gate, default in config_common.GATE_SCHEDULES.items():
+        if gate != dynadiag_cfg.gate and sched == default:
+            # --config.dynadiag.gate alone keeps the other gate's schedule (a strength decayed
+            # as a temperature); the config argument sets both
+            raise ConfigError(
+                f"dynadiag.gate={dynadiag_cfg.gate} with the {gate} gate's schedule {default}: "
+                f"pick the gate with the config argument (--config=<config file>:"
+                f"gate={dynadiag_cfg.gate}), which sets its schedule too, or also set "
+                f"dynadiag.gate_schedule"
+            )
     name = sched.pop("name")
     steps = max(1, freeze_step if freeze_step is not None else num_steps)
     try:
@@ -225,12 +239,15 @@ def gate_schedule(dynadiag_cfg, freeze_step: int | None, num_steps: int) -> T.Ga
     rescore = float(dynadiag_cfg.rescore_fraction)
     if not 0.0 <= rescore < 1.0:
         raise ConfigError(f"dynadiag.rescore_fraction must be in [0, 1), got {rescore}")
-    return T.GateSchedule(
-        HYPER_NAME[dynadiag_cfg.gate],
-        schedule,
-        int(dynadiag_cfg.score_every),
-        rescore_step=round(rescore * steps),
-    )
+    try:
+        return T.GateSchedule(
+            HYPER_NAME[dynadiag_cfg.gate],
+            schedule,
+            int(dynadiag_cfg.score_every),
+            rescore_step=round(rescore * steps),
+        ).check()
+    except ValueError as e:
+        raise ConfigError(f"dynadiag.{e}") from None
 
 
 def working_set(

@@ -151,7 +151,8 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
             before = finetuning.metric_before(workdir / name / "metrics.jsonl", steps, "accuracy")
             print(
                 f"LoRA-FA phase ({finetuning.row_name(config.lora)}, {total - steps} steps): "
-                f"test accuracy {before:.4f} at step {steps} -> {acc:.4f}"
+                f"test accuracy {finetuning.metric_text(before, '.4f')} at step {steps} -> "
+                f"{acc:.4f}"
             )
         summary.append((name, acc, params, seconds))
         if built.name == "dynadiag":

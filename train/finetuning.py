@@ -193,6 +193,12 @@ def metric_before(metrics_path, step: int, metric: str):
     return before[-1] if before else None
 
 
+def metric_text(value, spec: str) -> str:
+    """A :func:`metric_before` value in format ``spec``; "(not logged)" for None (its
+    metrics.jsonl lost the record, e.g. deleted before a rerun of a finished run)."""
+    return "(not logged)" if value is None else format(value, spec)
+
+
 def counts(variables, trained: list[str]) -> dict[str, int]:
     """Weights of ``variables`` by role: diagonal values, adapters (``A`` + ``B``), the rest, and
     the ones the fine-tune trains."""

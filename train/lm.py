@@ -128,8 +128,9 @@ def report(config, workdir, result, corpus: str) -> None:
     counts = finetuning.counts(T.variables_of(result.state), [])
     total = counts["diagonal"] + counts["adapter"] + counts["other"]
     adapters = f" ({counts['adapter']:,} in adapters)" if counts["adapter"] else ""
+    sparsity = "" if config.method == "dense" else f" at sparsity {config.dynadiag.sparsity:g}"
     print(
-        f"{corpus}: GPT-2 {config.model.variant}, sparsity {config.dynadiag.sparsity:g}, "
+        f"{corpus}: GPT-2 {config.model.variant}, {config.method}{sparsity}, "
         f"{total:,} parameters{adapters}: validation perplexity {m['perplexity']:.3f} per byte "
         f"({m['bits_per_token']:.3f} bits/byte, {m['count']:,} bytes)"
         + (f" (resumed at step {result.start_step})" if result.start_step else "")
@@ -140,7 +141,8 @@ def report(config, workdir, result, corpus: str) -> None:
         before = finetuning.metric_before(metrics, start, "perplexity")
         print(
             f"LoRA-FA phase ({finetuning.row_name(config.lora)}, {config.lora.steps} steps): "
-            f"validation perplexity {before:.3f} at step {start} -> {m['perplexity']:.3f}"
+            f"validation perplexity {finetuning.metric_text(before, '.3f')} at step {start} -> "
+            f"{m['perplexity']:.3f}"
         )
 
 
