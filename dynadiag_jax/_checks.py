@@ -69,6 +69,15 @@ def finite_number(value, name: str) -> float:
     return float(value)
 
 
+def drop_rate(value, name: str) -> float:
+    """``value`` as a float in ``[0, 1)``: a dropout or drop-path rate (``1`` drops everything,
+    a negative one scales training's activations up against evaluation's)."""
+    value = finite_number(value, name)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    return value
+
+
 def check_sparsity(sparsity) -> None:
     """Rejects a ``sparsity`` that is not a number in ``(0, 1)``, saying what to use instead."""
     if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):

@@ -186,6 +186,11 @@ def test_bad_variants_fail_at_construction(make, match):
         (lambda: models.MlpMixer(-1, "mu/4"), ValueError, "MlpMixer: num_classes must be >= 1"),
         (lambda: models.GPT2(0, "mu"), ValueError, "GPT2: vocab_size must be >= 1"),
         (lambda: models.GPT2(256, "mu", block_size=0), ValueError, "GPT2: block_size must be"),
+        # a rate of 1.5 zeroed every activation in training, -0.5 scaled them by 2/3
+        (lambda: models.GPT2(256, "mu", dropout=1.5), ValueError, r"GPT2: dropout must be in"),
+        (lambda: models.GPT2(256, "mu", dropout=-0.5), ValueError, r"GPT2: dropout must be in"),
+        (lambda: models.ViT(10, "mu/4", dropout=1.0), ValueError, r"ViT: dropout must be in"),
+        (lambda: models.MlpMixer(10, "mu/4", drop_path=2), ValueError, r"drop_path must be in"),
         (lambda: models.ByPath(("h",), sparse=None), TypeError, "ByPath.sparse must be a layer"),
         (lambda: models.ByPath(("h",), nn.Dense, dense=3), TypeError, "ByPath.dense must be a"),
     ],

@@ -1106,11 +1106,26 @@ def test_bad_alpha_lr_scale_and_lora_learning_rate_are_reported_before_compiling
             r"^train.batch_size=128 exceeds the 64 examples of the training split "
             r"\(data.fake_examples=64\)$",
         ),
+        # each of these trained without a word
+        (dict(model=dict(drop_path=2.0)), r"ViT: drop_path must be in \[0, 1\), got 2.0"),
+        (dict(mixup=dict(prob=2.0)), r"^mixup.prob must be in \[0, 1\], got 2.0$"),
+        (dict(mixup=dict(cutmix_alpha=-1.0)), r"^mixup.cutmix_alpha must be >= 0, got -1.0$"),
+        (
+            dict(data=dict(randaugment=dict(prob=5.0))),
+            r"^data.randaugment.prob must be in \[0, 1\], got 5.0$",
+        ),
+        (
+            dict(data=dict(randaugment=dict(num_ops=-1))),
+            r"^data.randaugment.num_ops must be >= 0, got -1$",
+        ),
     ],
 )
 def test_imagenet_bad_lengths_and_data_entries_are_reported_before_compiling(changes, message):
     config = vit_imagenet.get_config("runlocal")
     for section, values in changes.items():
+        if section == "data" and "randaugment" in values:
+            config.data.randaugment.update(values["randaugment"])
+            continue
         config[section].update(values)
     with CompileCounter() as c, pytest.raises(common.ConfigError, match=message):
         imagenet.prepare(config)

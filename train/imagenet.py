@@ -74,6 +74,18 @@ def prepare(config):
         int(config.data.num_threads),
         int(config.data.prefetch),
     )
+    for section, prefix, key, bounds in (
+        (ra, "data.randaugment", "magnitude", common.NON_NEGATIVE),
+        (ra, "data.randaugment", "magnitude_std", common.NON_NEGATIVE),
+        (ra, "data.randaugment", "prob", common.PROBABILITY),
+        (config.mixup, "mixup", "mixup_alpha", common.NON_NEGATIVE),
+        (config.mixup, "mixup", "cutmix_alpha", common.NON_NEGATIVE),
+        (config.mixup, "mixup", "switch_prob", common.PROBABILITY),
+        (config.mixup, "mixup", "prob", common.PROBABILITY),
+    ):
+        common.config_number(section, key, prefix, bounds)
+    if int(ra.num_ops) < 0:
+        raise common.ConfigError(f"data.randaugment.num_ops must be >= 0, got {ra.num_ops}")
     randaugment = D.RandAugment(
         int(ra.num_ops), float(ra.magnitude), float(ra.magnitude_std), float(ra.prob)
     )
