@@ -81,6 +81,18 @@ def test_lora_fa_recipe_leaves_out_the_sparse_update_factor_its_phase_never_appl
     assert common.recipe(lora_fa_config("runs/x"), trained)[common.SPARSE_LR_KEY] == "init_gain"
 
 
+def test_a_run_without_the_phase_leaves_the_lora_section_out_of_its_recipe():
+    """fashion_mnist.py's dense comparison run trains no LoRA-FA phase: adding one to the config
+    refused to resume it as another recipe."""
+    dense = baselines.Method("dense", None, None, None, None, None, ())
+    config = fashion_config.get_config()
+    without = common.recipe(config, dense, phase=False)
+    config.lora.steps = 4
+    assert common.recipe(config, dense, phase=False) == without
+    assert not any(k.startswith("lora.") for k in without)
+    assert common.recipe(config, dense)["lora.steps"] == 4  # a run with the phase keeps it
+
+
 def test_lora_fa_script_fine_tunes_a_frozen_run(run_python, tmp_path):
     """A frozen mnist5k DynaDiag MLP: the table (before: the run's own final accuracy; the
     weights counted), the adapted checkpoint (B moved, the diagonal layers not), B + values,

@@ -294,6 +294,7 @@ def freeze_step(dynadiag_cfg, num_steps: int) -> int | None:
 POSITIVE = ("> 0", lambda v: v > 0)
 NON_NEGATIVE = (">= 0", lambda v: v >= 0)
 FRACTION = ("in [0, 1)", lambda v: 0 <= v < 1)
+PROBABILITY = ("in [0, 1]", lambda v: 0 <= v <= 1)
 
 
 def config_number(section, key: str, prefix: str, bounds: tuple[str, Callable]) -> float:
@@ -433,15 +434,16 @@ NOT_RECIPE = frozenset(
 SPARSE_LR_KEY = "optimizer.sparse_lr_scale"
 
 
-def recipe(config, method) -> dict[str, Any]:
+def recipe(config, method, *, phase: bool = True) -> dict[str, Any]:
     """What decides the result of a run of ``method`` (a :class:`train.baselines.Method`), flat:
     ``{"method": name, "optimizer.learning_rate": 1e-3, ...}``: every config entry but
-    :data:`NOT_RECIPE` (and the ``lora`` section of a run without a LoRA-FA phase, and
+    :data:`NOT_RECIPE` (and the ``lora`` section of a run without a LoRA-FA phase - ``lora.steps``
+    0, or ``phase`` False: fashion_mnist.py's dense comparison run - and
     ``optimizer.sparse_lr_scale`` of train/lora_fa.py's, which no step reads), and of the
     ``dynadiag`` and ``unstructured`` sections only what the method reads. Stored with the run's
     checkpoints; resuming with another recipe is refused."""
     # A config without a LoRA-FA phase (lora.steps = 0) computes the same whatever its settings.
-    no_phase = "lora" in config and int(config.lora.get("steps", 1)) == 0
+    no_phase = "lora" in config and (not phase or int(config.lora.get("steps", 1)) == 0)
 
     def kept(key):
         if key in NOT_RECIPE or (no_phase and key.startswith("lora.")):
@@ -504,7 +506,7 @@ def train_from_config(
             log_every=int(t.log_every),
             selection_every=int(t.selection_every),
             learning_rate=method.learning_rate,
-            run_info=recipe(config, method),
+            run_info=recipe(config, method, phase=finetune is not None),
             progress=progress,
             initial_variables=initial_variables,
             finetune=finetune,
