@@ -581,6 +581,27 @@ def test_a_second_ctrl_c_says_what_it_did():
             signal.raise_signal(signal.SIGINT)
 
 
+def test_a_second_ctrl_c_during_the_stop_save_says_what_it_did(tmp_path, monkeypatch):
+    """The stop's save was waited for after the handler was gone: Orbax's save thread failed
+    with a traceback after "saved in ..." was printed."""
+    wait = T.Checkpointer.wait
+
+    def interrupted_wait(self):
+        signal.raise_signal(signal.SIGINT)  # the second Ctrl-C, while the save is pending
+        wait(self)
+
+    def ctrl_c(step, state):
+        if step == 3:
+            monkeypatch.setattr(T.Checkpointer, "wait", interrupted_wait)
+            signal.raise_signal(signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt, match="second Ctrl-C stopped the run at once") as e:
+        train_tiny(tmp_path, num_steps=8, hooks=[ctrl_c])
+    assert not isinstance(e.value, T.Interrupted)  # not "stopped at step 3; saved in ..."
+    monkeypatch.setattr(T.Checkpointer, "wait", wait)
+    assert train_tiny(tmp_path, num_steps=8).start_step in (2, 3)
+
+
 def test_run_differences_list_changed_entries_before_absent_ones():
     from dynadiag_jax.training.checkpoint import run_differences
 

@@ -1313,6 +1313,10 @@ def train(
             # program (it was swallowed, and a caller went on to its next run).
             if stop.is_set():
                 save(state)
+                if ckpt is not None:
+                    # under the handler: a second Ctrl-C during the save says what it kept,
+                    # instead of failing Orbax's save thread after "saved" was printed
+                    ckpt.wait()
                 last = " (the last; its final evaluation was not run)" if step == num_steps else ""
                 raise Interrupted(
                     f"stopped at step {step} of {num_steps}{last}; "
