@@ -42,7 +42,9 @@ def export(
     from ``jax.export.symbolic_shape("b")``, so one program serves every batch size; feature
     widths and the diagonals must be concrete. ``impl="auto"`` then takes the choice it makes at
     both 1 and 2**20 rows where the two agree, else ``"dense"``, and ``"dense"`` on CUDA, whose
-    kernels size their workspaces for a concrete row count (``ops/auto.py``).
+    kernels size their workspaces for a concrete row count (``ops/auto.py``). An explicit
+    ``impl="ffi"`` exported for a platform without kernels (``"tpu"``, ``"rocm"``) raises
+    ``NotImplementedError`` naming it; ``"auto"`` and ``"jax"`` lower for any platform.
     """
     if not hasattr(fun_jit, "trace"):
         fun_jit = jax.jit(fun_jit)

@@ -270,3 +270,17 @@ def test_search_phase_layer_exports_once_for_every_batch_size(rng):
     for n in BATCHES:
         x = jnp.asarray(rng.standard_normal((n, 96)), jnp.float32)
         assert_close_f32(restored.call(variables, x), layer.apply(variables, x), f"y, {n} rows")
+
+
+@pytest.mark.parametrize("platforms", [("tpu",), ("cpu", "rocm")])
+def test_ffi_for_a_platform_without_kernels_is_refused_by_name(platforms):
+    x, values, offsets = jnp.ones((4, 16)), jnp.ones((2, 16)), np.array([0, 3], np.int32)
+
+    def loss(impl):
+        return lambda x, v: jnp.sum(dd.diag_matmul(x, v, offsets, out_features=16, impl=impl))
+
+    refusal = f"impl='ffi' has kernels for .*not for {platforms[-1]}"
+    with pytest.raises(NotImplementedError, match=refusal):
+        dd.export(jax.grad(loss("ffi"), argnums=(0, 1)), platforms=platforms)(x, values)
+    exported = dd.export(jax.grad(loss("auto"), argnums=(0, 1)), platforms=platforms)(x, values)
+    assert exported.platforms == platforms

@@ -284,6 +284,21 @@ def _custom_call_lowering(prefix: str, kind: str, kernels: PlatformKernels, raw:
     return rule
 
 
+def _no_kernels_lowering(platforms):
+    """The lowering rule for every platform without kernels: a clear refusal instead of MLIR's
+    "translation rule not found" (e.g. ``dd.export(..., platforms=("tpu",))`` of
+    ``impl="ffi"``)."""
+
+    def rule(ctx, *operands, **params):
+        platform = ", ".join(ctx.module_context.platforms)
+        raise NotImplementedError(
+            f"impl='ffi' has kernels for {', '.join(sorted(platforms))}, not for {platform}: "
+            "use impl='auto' (the best path of each platform) or impl='jax' (any platform)"
+        )
+
+    return rule
+
+
 def _new_primitive(name: str, kind: str) -> Primitive:
     prim = Primitive(name)
     prim.multiple_results = kind == "bwd"
@@ -304,8 +319,10 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
         must already be registered with ``jax.ffi.register_ffi_target`` for those platforms.
     """
     raws = {}
+    refuse = _no_kernels_lowering(platforms)
     for kind in ("fwd", "dx", "dvalues"):
         raws[kind] = _new_primitive(f"{prefix}_{kind}_call", kind)
+        mlir.register_lowering(raws[kind], refuse)
         for platform, kernels in platforms.items():
             rule = _custom_call_lowering(prefix, kind, kernels, raws[kind])
             mlir.register_lowering(raws[kind], rule, platform=platform)
@@ -316,6 +333,7 @@ def make_ffi_backend(prefix: str, platforms: Mapping[str, PlatformKernels]) -> B
         return dx, raws["dvalues"].bind(dy, x, offsets, *perm, block_size=block_size)
 
     raws["bwd"] = _new_primitive(f"{prefix}_bwd_call", "bwd")
+    mlir.register_lowering(raws["bwd"], refuse)
     for platform, kernels in platforms.items():
         if kernels.fused_backward:
             rule = _custom_call_lowering(prefix, "bwd", kernels, raws["bwd"])
