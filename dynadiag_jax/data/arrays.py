@@ -63,7 +63,7 @@ class ArrayBatches:
             raise ValueError(f"batch size {global_batch_size} exceeds the {n} training examples")
         self.arrays = dict(arrays)
         self.global_batch_size = int(global_batch_size)
-        self.seed = int(seed)
+        self.seed = int_at_least(seed, "seed", 0)  # numpy's generators take no negative seed
         self.steps_per_epoch = n // global_batch_size
         self._share = _process_share(self.global_batch_size, process_index, process_count)
         self._num_examples = n

@@ -15,6 +15,8 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image, ImageEnhance, ImageOps
 
+from dynadiag_jax._checks import finite_number
+
 __all__ = ["RandAugment", "random_resized_crop", "resize_center_crop", "flip"]
 
 _FILL = (124, 116, 104)  # ImageNet mean, used where geometric ops uncover pixels (timm)
@@ -81,10 +83,20 @@ def random_resized_crop(
     return _as_array(out)
 
 
+def check_crop_fraction(crop_fraction) -> float:
+    """``crop_fraction`` as a float in ``(0, 1]`` (above 1 the crop would reach past the resized
+    image and pad it with black); ``ValueError`` otherwise."""
+    value = finite_number(crop_fraction, "crop_fraction")
+    if not 0 < value <= 1:
+        raise ValueError(f"crop_fraction must be in (0, 1], got {value}")
+    return value
+
+
 def resize_center_crop(image: np.ndarray, size: int, *, crop_fraction: float = 0.875) -> np.ndarray:
     """Resize the shorter side to ``size / crop_fraction`` (bicubic), then take the centre
     ``size x size`` (the standard ImageNet evaluation: 256 -> 224). uint8 ``[H, W, C]`` -> uint8 RGB
-    ``[size, size, 3]``."""
+    ``[size, size, 3]``; ``crop_fraction`` in ``(0, 1]``."""
+    crop_fraction = check_crop_fraction(crop_fraction)
     img = _as_pil(image)
     w, h = img.size
     short = int(math.floor(size / crop_fraction))

@@ -21,8 +21,15 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from dynadiag_jax._checks import int_at_least, int_in_range, no_directory
 from dynadiag_jax.data.arrays import _process_share
-from dynadiag_jax.data.augment import RandAugment, flip, random_resized_crop, resize_center_crop
+from dynadiag_jax.data.augment import (
+    RandAugment,
+    check_crop_fraction,
+    flip,
+    random_resized_crop,
+    resize_center_crop,
+)
 
 __all__ = [
     "IMAGENET_MEAN_STD",
@@ -58,10 +65,8 @@ def check_imagenet_dir(data_dir) -> pathlib.Path:
             "(see docs/training.md, 'Preparing the data')"
         )
     root = pathlib.Path(data_dir)
-    if not root.exists():
-        raise FileNotFoundError(f"ImageNet data_dir {root} does not exist")
     if not root.is_dir():
-        raise FileNotFoundError(f"ImageNet data_dir {root} is not a directory")
+        raise FileNotFoundError(f"ImageNet data_dir {root} {no_directory(root)}")
     prepared = [root / DATASET / v for v in VERSIONS]
     prepared = [v for v in prepared if (v / "dataset_info.json").is_file()]
     if not prepared:
@@ -129,9 +134,9 @@ class SyntheticImages:
     SHAPE = (256, 320, 3)  # an ImageNet-like photo: larger than the crops, not square
 
     def __init__(self, num_examples: int, *, seed: int, num_classes: int = 1000):
-        if num_examples < 1:
-            raise ValueError(f"SyntheticImages needs num_examples >= 1, got {num_examples}")
-        self.num_examples, self.seed, self.num_classes = int(num_examples), seed, num_classes
+        self.num_examples = int_at_least(num_examples, "num_examples", 1)
+        self.seed = int_at_least(seed, "seed", 0)  # numpy's generators take no negative seed
+        self.num_classes = int_at_least(num_classes, "num_classes", 1)
 
     def __len__(self) -> int:
         return self.num_examples
@@ -178,10 +183,10 @@ class ImageNetTrain:
     ):
         self.source = source
         self.num_examples = len(source)
-        if not 0 < global_batch_size <= self.num_examples:
-            raise ValueError(f"batch size {global_batch_size} must be in [1, {self.num_examples}]")
-        self.global_batch_size = int(global_batch_size)
-        self.seed, self.image_size, self.randaugment = int(seed), int(image_size), randaugment
+        self.global_batch_size = int_in_range(global_batch_size, "batch size", 1, self.num_examples)
+        self.seed = int_at_least(seed, "seed", 0)  # numpy's generators take no negative seed
+        self.image_size = int_at_least(image_size, "image_size", 1)
+        self.randaugment = randaugment
         self.num_threads, self.prefetch = num_threads, prefetch
         self._share = _process_share(self.global_batch_size, process_index, process_count)
         self._perms: dict[int, np.ndarray] = {}
@@ -242,9 +247,12 @@ class ImageNetEval:
     ):
         self.source = source
         n = len(source)
-        self.num_examples = n if max_examples is None else min(n, int(max_examples))
-        self.global_batch_size = int(global_batch_size)
-        self.image_size, self.crop_fraction = int(image_size), float(crop_fraction)
+        if max_examples is not None:
+            n = min(n, int_at_least(max_examples, "max_examples", 1))
+        self.num_examples = n
+        self.global_batch_size = int_at_least(global_batch_size, "batch size", 1)
+        self.image_size = int_at_least(image_size, "image_size", 1)
+        self.crop_fraction = check_crop_fraction(crop_fraction)
         self.num_threads, self.prefetch = num_threads, prefetch
         self._share = _process_share(self.global_batch_size, process_index, process_count)
 

