@@ -12,6 +12,7 @@ import pytest
 
 import dynadiag_jax as dd
 from dynadiag_jax import baselines as B
+from dynadiag_jax import training as T
 from train import baselines, common, results_report, speed
 from train import results_runs as results
 from train.configs import common as config_common
@@ -227,6 +228,76 @@ def test_suite_selection_and_config_errors():
         results.prepare(config)
 
 
+def test_a_suite_plan_that_would_count_a_run_twice_or_share_its_directory_is_refused():
+    config = _config("models=mlp")
+    with pytest.raises(ValueError, match="seeds='0' must be an int >= 1"):
+        results_config.get_config("models=mlp,seeds=0")  # was: the suite's default seeds
+    for field, value, match in (
+        ("sparsities", (0.9, 0.9), "must differ in their whole percent, got \\(0.9, 0.9\\)"),
+        ("sparsities", (0.875, 0.885), "must differ in their whole percent"),  # both _s88_
+        ("methods", ("dense", "rigl", "rigl"), "name rigl more than once"),
+        ("goal_methods", ("static_diagonals",), "name static_diagonals more than once"),
+    ):
+        bad = _config("models=mlp")
+        with bad.unlocked():
+            bad.models.mlp[field] = value
+        with pytest.raises(common.ConfigError, match=f"models.mlp.*{match}"):
+            results.prepare(bad)
+    with pytest.raises(common.ConfigError, match="--suite names no suite"):
+        results.selected_suites(config, [])
+    with pytest.raises(common.ConfigError, match="--suite=all stands alone"):
+        results.selected_suites(config, ["all", "mlp"])
+
+
+def test_diverged_runs_count_and_are_marked_and_the_header_says_the_seeds_run(tmp_path):
+    config = _config("models=mlp,sparsities=0.8")  # the goal sparsity (90%) is not trained
+    with config.unlocked():
+        config.models.mlp.sweep_seeds = 2
+    records, timings = _records_and_timings()
+    records = [r for r in records if r["sparsity"] in (0.0, 0.8) and r["seed"] < 2]
+    for r in records:
+        r["loss"] = 0.3
+    diverged = next(r for r in records if r["method"] == "rigl")
+    diverged.update(loss=float("nan"), accuracy=0.1)
+    text = results_report.write(tmp_path, config, records, timings, data_name="t").read_text()
+    assert "batch 128; 2 seeds. Sparse layers" in text  # not "3 seeds at 90% and for dense"
+    assert "| RigL | 49.55 ± 55.93 (2, 1 diverged) |" in text
+    assert "1 run diverged (a final evaluation loss that is not finite)" in text
+    assert "| SET | 88.55 ± 0.07 (2) |" in text
+    cores = timings["machine"]["cores_visible"]
+    assert f"({cores} cores: above {cores}, other programs" in text
+
+
+def test_a_record_after_a_torn_last_line_is_kept(tmp_path):
+    path = tmp_path / "accuracy.jsonl"
+    path.write_text('{"a": 1}\n{"torn": ')  # a kill mid-write
+    T.append_jsonl(path, {"b": np.float32(2.5), "c": (1, 2)})
+    T.append_jsonl(path, {"d": 3})
+    assert list(T.read_jsonl(path)) == [{"a": 1}, {"b": 2.5, "c": [1, 2]}, {"d": 3}]
+
+
+def test_timings_of_another_recipe_or_an_unreadable_file_are_not_reported(tmp_path):
+    config = _config("models=mlp")
+    data = results.prepare(config)
+    records, timings = _records_and_timings()
+    recipe = results.timing_recipe(config, "mlp", data)
+    timings["recipes"] = {"mlp": recipe}
+    assert results.stale_timings(config, data, timings) == []
+    with config.unlocked():
+        config.models.mlp.seeds = 5  # how many runs train: the timings still hold
+    assert results.timing_recipe(config, "mlp", data) == recipe
+    with config.unlocked():
+        config.models.mlp.batch_size = 64
+    assert results.stale_timings(config, data, timings) == ["mlp"]
+    del timings["recipes"]  # taken before the recipes were recorded
+    assert results.stale_timings(config, data, timings) == ["mlp"]
+    results.write_timings(tmp_path, timings)
+    assert results.read_timings(tmp_path) == json.loads(json.dumps(timings))
+    (tmp_path / results.SPEED_FILE).write_text('{"models": {"mlp": ')
+    with pytest.raises(common.ConfigError, match="speed.json cannot be read .*--timing_only"):
+        results.read_timings(tmp_path)
+
+
 def _records_and_timings():
     records = []
     acc = {
@@ -316,6 +387,7 @@ def _transformer_records():
                     "seed": seed,
                     "accuracy": a + 0.001 * (seed - 1),
                     "seconds": 60.0,
+                    "steps": 100,
                     "density": 1.0 if method == "dense" else 0.1,
                     # the training loss every 10 steps, drawn in results_vit_loss.png
                     "loss_curve": [[step, 2.3 / (1 + step / 50) + a] for step in range(0, 101, 10)],
@@ -340,11 +412,30 @@ def _transformer_records():
                     "perplexity": ppl,
                     "bits_per_byte": float(np.log2(ppl)),
                     "seconds": 40.0,
+                    "steps": 200,
                     "density": 1.0 if method == "dense" else 0.1,
                     "curve": [[100, 3.5], [200, float(np.log2(ppl))]],
                 }
             )
     return records
+
+
+def test_the_freeze_line_is_at_dynadiag_s_own_freeze_beside_longer_lora_runs():
+    config = _config("models=gpt")
+    records = _transformer_records()
+    fraction = float(config.models.gpt.dynadiag.search_fraction)
+    freeze = dd.schedules.freeze_step(200, search_fraction=fraction)
+    records.append(
+        {
+            "model": "gpt",
+            "method": "dynadiag_lorafa_r8",
+            "sparsity": 0.9,
+            "steps": 250,
+            "lora_steps": 50,
+        }
+    )
+    assert results_report.dynadiag_freeze(config, records, "gpt", 0.9) == freeze
+    assert results_report.dynadiag_freeze(config, records, "gpt", 0.8) is None
 
 
 def test_report_tables_goals_plots_and_kept_notes(tmp_path):
@@ -420,7 +511,7 @@ def test_resumed_runs_are_left_out_of_whole_run_times():
     goals = results_report.search_goals(config, {}, {}, mlp)
     line = next(x for x in goals if whole in x)
     assert "**missed** (1.00x" in line and "1 resumed runs left out" in line
-    table = results_report.whole_run_table(mlp, "mlp", ["dense", "dynadiag"], [0.9])
+    table = results_report.whole_run_table(mlp, "mlp", ["dense", "dynadiag"], [0.9], 2)
     assert "Resumed runs are left out; 1 resumed runs left out." in table
     for r in dynadiag:
         r["resumed_at"] = 48

@@ -872,8 +872,18 @@ def test_only_the_full_campaign_may_write_docs(tmp_path):
         ]
     ]
     (tmp_path / results_runs.ACCURACY_FILE).write_text("\n".join(map(json.dumps, records)))
-    (tmp_path / results_runs.SPEED_FILE).write_text(json.dumps({"models": dict.fromkeys(every)}))
+    timings = {"models": dict.fromkeys(every)}
+    (tmp_path / results_runs.SPEED_FILE).write_text(json.dumps(timings))
+    # timings from before their recipes were recorded: which settings they measured is unknown
+    with pytest.raises(common.ConfigError, match="lacks the timings of mlp, the timings of mixer"):
+        check(trained=[], timed=[])
+    timings["recipes"] = {s: results_runs.timing_recipe(config, s, data) for s in every}
+    results_runs.write_timings(tmp_path, timings)
     check(trained=[], timed=[])  # --report_only of a complete workdir
+    timings["recipes"]["gpt"] = "another batch"
+    results_runs.write_timings(tmp_path, timings)
+    with pytest.raises(common.ConfigError, match=r"lacks the timings of gpt\. Complete"):
+        check(trained=[], timed=[])
     with config.unlocked():
         config.models.mlp.epochs = 1
     with pytest.raises(common.ConfigError, match="not the default one"):

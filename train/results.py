@@ -17,7 +17,10 @@ anything else is refused before it trains, so a smoke run or an experiment never
 shipped report).
 
 Interrupt at any time: finished runs are kept, the interrupted run resumes from its last
-checkpoint, and the same command carries on. A run whose settings changed is trained again.
+checkpoint, and the same command carries on. A run whose settings changed is trained again; a
+suite whose settings changed since it was timed keeps its old timings out of the report until
+``--timing_only`` times it again. A run that diverged (a final evaluation loss that is not finite)
+counts as a seed like any other, and the tables say how many did.
 
   python train/results.py --docs=docs                              # the campaign -> docs/
   python train/results.py                                          # the same, report in --workdir
@@ -30,7 +33,6 @@ checkpoint, and the same command carries on. A run whose settings changed is tra
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 import time
@@ -54,11 +56,16 @@ from train.results_runs import (
     fingerprint,
     prepare,
     read_records,
+    read_timings,
+    run_percent,
     run_plan,
     selected_suites,
+    stale_timings,
     steps_of,
+    timing_recipe,
     train_run,
     untrained,
+    write_timings,
 )
 
 _CONFIG = cli.define_config_flag(str(pathlib.Path(default_config.__file__)))
@@ -103,7 +110,7 @@ def train_all(config, data, suites, workdir: pathlib.Path) -> None:
         steps = steps_of(config.models[model_name], data)
         fp = fingerprint(config, model_name, method, steps)
         bar.set_description(f"{model_name} {method} s={sparsity:g} seed={seed}")
-        run_dir = workdir / model_name / f"{method}_s{round(100 * sparsity)}_seed{seed}_{fp}"
+        run_dir = workdir / model_name / f"{method}_s{run_percent(sparsity)}_seed{seed}_{fp}"
         try:
             record = train_run(config, data, spec, steps, run_dir, fp)
         except KeyboardInterrupt as e:
@@ -112,8 +119,7 @@ def train_all(config, data, suites, workdir: pathlib.Path) -> None:
             )
         except T.CheckpointMismatch as e:  # e.g. no step of the run's checkpoints restores
             common.die(f"{e} ({run_dir})")
-        with accuracy_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        T.append_jsonl(accuracy_path, record)
         metric = (
             f"perplexity {record['perplexity']:.3f} ({record['bits_per_byte']:.3f} bits/byte)"
             if "perplexity" in record
@@ -131,12 +137,14 @@ def time_suites(config, data, suites, workdir: pathlib.Path, begun: float) -> No
     print("timing every method side by side ...")
     timings = speed.measure(config, data, suites, progress=_PROGRESS.value)
     clean = clean_runs(config, suites, workdir, progress=_PROGRESS.value)
-    path = workdir / SPEED_FILE
-    old = json.loads(path.read_text()) if path.exists() else {"models": {}}
+    old = read_timings(workdir) or {"models": {}}
     timings["models"] = {**old.get("models", {}), **timings["models"]}
     timings["clean_runs"] = {**old.get("clean_runs", {}), **clean}
+    # each suite's timings with the recipe they measured: the report leaves out stale ones
+    recipes = {s: timing_recipe(config, s, data) for s in suites}
+    timings["recipes"] = {**old.get("recipes", {}), **recipes}
     timings["invocation_seconds"] = time.perf_counter() - begun  # kept for --report_only
-    path.write_text(json.dumps(timings, indent=1))
+    write_timings(workdir, timings)
 
 
 def main(argv):
@@ -167,6 +175,7 @@ def main(argv):
             )
         # after the checks above, so that a bad config creates nothing
         workdir = common.usable_workdir(workdir, create=not _REPORT_ONLY.value)
+        read_timings(workdir)  # an unreadable speed.json stops the command before it trains
     except common.ConfigError as e:
         common.die(str(e))
     if _REPORT_ONLY.value and not any((workdir / f).exists() for f in (ACCURACY_FILE, SPEED_FILE)):
@@ -206,14 +215,31 @@ def main(argv):
     records = [
         r for r in same_recipe if (r["model"], r["method"], r["sparsity"], r["seed"]) in planned
     ]
-    if not records:
-        print(f"report: no run of {workdir / ACCURACY_FILE} has this config's recipe and plan")
+    if not records:  # a report of nothing would replace the one there
+        common.die(
+            f"no run of {workdir / ACCURACY_FILE} has this config's recipe and plan: the report "
+            "is left as it was (is --config the one the runs were trained with?)"
+        )
     if len(records) < len(same_recipe):
         print(
             f"report: {len(same_recipe) - len(records)} runs of {workdir / ACCURACY_FILE} with "
             "this recipe are outside this config's sparsities and seeds, left out"
         )
-    timings = json.loads((workdir / SPEED_FILE).read_text())
+    try:
+        timings = read_timings(workdir)
+    except common.ConfigError as e:
+        common.die(str(e))
+    stale = stale_timings(config, data, timings)
+    if stale:
+        print(
+            f"report: the timings of {', '.join(stale)} in {workdir / SPEED_FILE} were taken "
+            f"with other settings, left out (--timing_only --suite={','.join(stale)} times them "
+            "again)"
+        )
+        timings["models"] = {k: v for k, v in timings["models"].items() if k not in stale}
+        timings["clean_runs"] = {
+            k: v for k, v in timings.get("clean_runs", {}).items() if k not in stale
+        }
     if _DOCS.value:  # what check_full_campaign allowed must have happened (no run failed)
         try:
             check_full_campaign(config, data, workdir, trained=(), timed=())

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import collections
 import datetime
+import math
 import pathlib
 import re
 
 import numpy as np
 
+import dynadiag_jax as dd
 from train.results_runs import (
     is_language_model,
     method_permutation,
@@ -101,9 +103,25 @@ def metric_stats(records, metric: str = "accuracy") -> dict:
     return {k: stats_of(v) for k, v in groups.items()}
 
 
-def _fmt(stat, scale=100.0, digits=2):
+def diverged_runs(records) -> collections.Counter:
+    """``{(model, method, sparsity): count}`` of the runs whose final evaluation loss is not
+    finite: their metric (an accuracy near chance, an infinite perplexity) counts in the mean like
+    any seed's, and the tables say how many there were."""
+    return collections.Counter(
+        (r["model"], r["method"], r["sparsity"])
+        for r in records
+        if not math.isfinite(r.get("loss", 0.0))
+    )
+
+
+def _runs(n: int) -> str:
+    return f"{n} run" if n == 1 else f"{n} runs"
+
+
+def _fmt(stat, scale=100.0, digits=2, diverged=0):
     mean, std, n = stat
-    return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f} ({n})"
+    count = f"{n}, {diverged} diverged" if diverged else f"{n}"
+    return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f} ({count})"
 
 
 def _methods(m) -> list[str]:
@@ -114,7 +132,10 @@ def _sparsities(m) -> list[float]:
     return sorted(float(s) for s in m.sparsities)
 
 
-def metric_table(stats, model, methods, sparsities, *, scale=100.0, digits=2) -> list[str]:
+def metric_table(
+    stats, model, methods, sparsities, *, scale=100.0, digits=2, diverged=None
+) -> list[str]:
+    diverged = diverged or {}
     lines = [
         "| method | " + " | ".join(f"{100 * s:g}% sparse" for s in sparsities) + " |",
         "|---|" + "---|" * len(sparsities),
@@ -123,7 +144,9 @@ def metric_table(stats, model, methods, sparsities, *, scale=100.0, digits=2) ->
         cells = []
         for s in sparsities:
             key = (model, method, 0.0 if method == "dense" else s)
-            cells.append(_fmt(stats[key], scale, digits) if key in stats else "n/a")
+            cells.append(
+                _fmt(stats[key], scale, digits, diverged.get(key, 0)) if key in stats else "n/a"
+            )
         lines.append(f"| {method_name(method)} | " + " | ".join(cells) + " |")
     return lines
 
@@ -224,10 +247,10 @@ def _resumed_note(records, model) -> str:
     return f"; {resumed} resumed runs left out" if resumed else ""
 
 
-def whole_run_table(records, model, methods, sparsities) -> list[str]:
+def whole_run_table(records, model, methods, sparsities, cores: int) -> list[str]:
     """Mean wall and processor time of whole runs (compilation, search phase, mask updates and
-    evaluations included), relative to the dense runs, with the machine's load during them;
-    resumed runs left out (:func:`uninterrupted`)."""
+    evaluations included), relative to the dense runs, with the machine's load during them (of
+    its ``cores``); resumed runs left out (:func:`uninterrupted`)."""
     runs = collections.defaultdict(list)
     for r in uninterrupted(records):
         if r["model"] == model:
@@ -264,9 +287,9 @@ def whole_run_table(records, model, methods, sparsities) -> list[str]:
         lines += [
             "",
             f"One-minute load average at the starts and ends of these runs: mean "
-            f"{np.mean(loads):.1f}, range {min(loads):.1f}-{max(loads):.1f} (2 cores: above 2, "
-            "other programs shared the processors and wall times stretch; processor time "
-            "stretches less).",
+            f"{np.mean(loads):.1f}, range {min(loads):.1f}-{max(loads):.1f} ({cores} cores: "
+            f"above {cores}, other programs shared the processors and wall times stretch; "
+            "processor time stretches less).",
         ]
     return lines
 
@@ -850,6 +873,20 @@ CURVES = {
 }
 
 
+def dynadiag_freeze(config, records, model: str, sparsity: float) -> int | None:
+    """The freeze step of ``model``'s DynaDiag runs at ``sparsity`` (None without one): of their
+    own steps, whatever longer runs (a LoRA-FA phase after them) a plot draws beside them."""
+    steps = {
+        int(r["steps"]) - int(r.get("lora_steps", 0))
+        for r in records
+        if r["model"] == model and r["method"] == "dynadiag" and r["sparsity"] == sparsity
+    }
+    if not steps:
+        return None
+    fraction = float(config.models[model].dynadiag.search_fraction)
+    return dd.schedules.freeze_step(max(steps), search_fraction=fraction)
+
+
 def plot_curves(config, records, model, sparsity, path, key: str = "curve") -> bool:
     """``records``' per-step ``key`` curves (:data:`CURVES`) against the step for the methods of
     ``model`` at ``sparsity`` (mean over seeds; dense drawn dashed, the DynaDiag freeze dotted);
@@ -865,20 +902,25 @@ def plot_curves(config, records, model, sparsity, path, key: str = "curve") -> b
         return False
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    last = 0
+    colours = plt.get_cmap("tab10").colors
+    others = [x for x in methods if x != "dense"]
     for method in methods:
         steps = sorted(set.intersection(*(set(c) for c in curves[method])))
-        last = max(last, steps[-1])
+        if method == "dense":
+            style = {"ls": "--", "color": "k"}
+        else:  # ten colours, then the same ten dash-dotted: fifteen methods need distinct lines
+            row, column = divmod(others.index(method), len(colours))
+            style = {"ls": ("-", "-.", ":")[row % 3], "color": colours[column]}
         ax.plot(
             steps,
             [np.mean([c[s] for c in curves[method]]) for s in steps],
-            ls="--" if method == "dense" else "-",
-            color="k" if method == "dense" else None,
             marker=".",
             label=f"{method_name(method)} ({len(curves[method])} seeds)",
+            **style,
         )
-    freeze = round(float(m.dynadiag.search_fraction) * last)
-    ax.axvline(freeze, color="grey", lw=0.8, ls=":", label="DynaDiag freeze")
+    freeze = dynadiag_freeze(config, records, model, sparsity)
+    if freeze is not None:
+        ax.axvline(freeze, color="grey", lw=0.8, ls=":", label="DynaDiag freeze")
     ax.set(
         title=f"{SUITE_TITLES.get(model, model)}, {100 * sparsity:g}% sparse",
         xlabel="training step",
@@ -926,9 +968,14 @@ def _suite_section(config, model, records, stats, ppl_stats, bpb_stats) -> list[
     methods, sparsities = _methods(m), _sparsities(m)
     by_steps = is_language_model(m) or int(m.get("steps", 0)) > 0
     length = f"{m.steps} steps" if by_steps else f"{m.epochs} epochs"
-    seeds = f"{m.seeds} seeds at {100 * float(config.goal_sparsity):g}% and for dense"
-    if m.sweep_seeds != m.seeds:
-        seeds += f", {m.sweep_seeds} at the other sparsities"
+    goal = float(config.goal_sparsity)
+    if goal in sparsities:  # as run_plan trains them
+        seeds = f"{m.seeds} seeds at {100 * goal:g}% and for dense"
+        if m.sweep_seeds != m.seeds and len(sparsities) > 1:
+            seeds += f", {m.sweep_seeds} at the other sparsities"
+    else:
+        seeds = f"{m.sweep_seeds} seeds"
+    diverged = diverged_runs(r for r in records if r["model"] == model)
     out = [
         f"### {model}: {SUITE_TITLES.get(model, model)}",
         "",
@@ -941,17 +988,27 @@ def _suite_section(config, model, records, stats, ppl_stats, bpb_stats) -> list[
             f"Validation perplexity per byte (sequences of {m.seq_len} bytes, "
             f"{m.eval_windows} windows), mean ± standard deviation over seeds (number of seeds):",
             "",
-            *metric_table(ppl_stats, model, methods, sparsities, scale=1.0, digits=3),
+            *metric_table(
+                ppl_stats, model, methods, sparsities, scale=1.0, digits=3, diverged=diverged
+            ),
             "",
             "Validation bits per byte:",
             "",
-            *metric_table(bpb_stats, model, methods, sparsities, scale=1.0, digits=4),
+            *metric_table(
+                bpb_stats, model, methods, sparsities, scale=1.0, digits=4, diverged=diverged
+            ),
         ]
     else:
         out += [
             "Final test accuracy (%), mean ± standard deviation over seeds (number of seeds):",
             "",
-            *metric_table(stats, model, methods, sparsities),
+            *metric_table(stats, model, methods, sparsities, diverged=diverged),
+        ]
+    if diverged:
+        out += [
+            "",
+            f"{_runs(sum(diverged.values()))} diverged (a final evaluation loss that is not "
+            "finite): their metric counts in the mean like any seed's.",
         ]
     return out + [
         "",
@@ -1098,7 +1155,11 @@ def write(docs, config, records, timings, *, data_name: str) -> pathlib.Path:
             "phase, mask updates and evaluations included:",
             "",
             *whole_run_table(
-                records, model, _methods(config.models[model]), _sparsities(config.models[model])
+                records,
+                model,
+                _methods(config.models[model]),
+                _sparsities(config.models[model]),
+                int(timings["machine"]["cores_visible"]),
             ),
             "",
             "Mean logged step time over whole training runs relative to the dense runs (includes "

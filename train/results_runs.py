@@ -148,6 +148,11 @@ def run_plan(config, models=None) -> list[tuple[str, str, float, int]]:
     return plan
 
 
+def run_percent(sparsity: float) -> int:
+    """The whole percent that names a run of ``sparsity`` (its directory: ``..._s90_...``)."""
+    return round(100 * float(sparsity))
+
+
 def suites(config) -> list[str]:
     """The config's suites in the order of :data:`train.configs.results.SUITES` (a ConfigDict
     sorts its keys)."""
@@ -158,6 +163,10 @@ def selected_suites(config, names) -> list[str]:
     """The suites ``--suite`` names, in :func:`suites` order; ``all`` is every suite."""
     if list(names) == ["all"]:
         return suites(config)
+    if not names:
+        raise common.ConfigError(f"--suite names no suite: give all or some of {suites(config)}")
+    if "all" in names:
+        raise common.ConfigError(f"--suite=all stands alone (it is every suite), got {names}")
     unknown = sorted(set(names) - set(config.models))
     if unknown:
         raise common.ConfigError(
@@ -181,11 +190,68 @@ def untrained(config, data, suites, workdir: pathlib.Path) -> list[tuple]:
     ]
 
 
-def untimed(suites, workdir: pathlib.Path) -> list[str]:
-    """The ``suites`` that ``speed.json`` has no timings of."""
-    path = workdir / SPEED_FILE
-    timed = json.loads(path.read_text())["models"] if path.exists() else {}
-    return [s for s in suites if s not in timed]
+def timing_recipe(config, model_name: str, data: Data) -> str:
+    """Hash of what a suite's timings depend on: the suite's settings but its seed counts (the
+    model, batch, sparsities, methods and their sections), its data and steps (the clean runs
+    train), the mask updates' section (RigL's step is timed) and the ``speed`` section."""
+    m = config.models[model_name].to_dict()
+    for key in ("seeds", "sweep_seeds"):  # how many runs train, not what a step computes
+        m.pop(key, None)
+    steps = steps_of(config.models[model_name], data)
+    parts = {
+        "suite": m,
+        "data": recipe(config, model_name, "dense", steps)["data"],
+        "steps": steps,
+        "unstructured": config.unstructured.to_dict(),
+        "speed": config.speed.to_dict(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_timings(workdir: pathlib.Path) -> dict | None:
+    """``speed.json`` of ``workdir`` (None if absent).
+
+    Raises:
+      common.ConfigError: it cannot be read (e.g. cut short by a full disk).
+    """
+    path = pathlib.Path(workdir) / SPEED_FILE
+    if not path.exists():
+        return None
+    try:
+        timings = json.loads(path.read_text())
+        if not isinstance(timings.get("models"), dict):
+            raise ValueError("no 'models' entry")
+    except (ValueError, AttributeError) as e:
+        raise common.ConfigError(
+            f"{path} cannot be read ({e}): remove it and time the suites again (--timing_only)"
+        ) from None
+    return timings
+
+
+def write_timings(workdir: pathlib.Path, timings: dict) -> None:
+    """``speed.json`` replaced at once: a kill mid-write leaves the old file."""
+    path = pathlib.Path(workdir) / SPEED_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(timings, indent=1))
+    os.replace(tmp, path)
+
+
+def stale_timings(config, data, timings: dict) -> list[str]:
+    """The suites of ``config`` whose timings in ``timings`` were taken with another
+    :func:`timing_recipe` (or before the recipes were recorded)."""
+    recorded = timings.get("recipes", {})
+    return [
+        s
+        for s in suites(config)
+        if s in timings["models"] and recorded.get(s) != timing_recipe(config, s, data)
+    ]
+
+
+def untimed(config, data, suites, workdir: pathlib.Path) -> list[str]:
+    """The ``suites`` that ``speed.json`` has no timings of this recipe of."""
+    timings = read_timings(workdir) or {"models": {}}
+    stale = set(stale_timings(config, data, timings))
+    return [s for s in suites if s not in timings["models"] or s in stale]
 
 
 def check_full_campaign(config, data, workdir, *, trained, timed) -> None:
@@ -202,7 +268,8 @@ def check_full_campaign(config, data, workdir, *, trained, timed) -> None:
     runs = untrained(config, data, [s for s in everything if s not in trained], workdir)
     missing = [f"{len(runs)} training runs ({runs[0][0]} {runs[0][1]} ...)"] if runs else []
     missing += [
-        f"the timings of {s}" for s in untimed([s for s in everything if s not in timed], workdir)
+        f"the timings of {s}"
+        for s in untimed(config, data, [s for s in everything if s not in timed], workdir)
     ]
     if missing:
         raise common.ConfigError(
@@ -362,6 +429,20 @@ def _check_suite(name: str, m, mesh) -> None:
     if not all(0.0 < float(s) < 1.0 for s in m.sparsities):
         raise common.ConfigError(
             f"models.{name}.sparsities must lie in (0, 1), got {tuple(m.sparsities)}"
+        )
+    # A run's directory and the report's columns name a sparsity by its percent: two of one
+    # percent would share a checkpoint, a repeated one would count its runs twice as seeds.
+    percents = [run_percent(s) for s in m.sparsities]
+    if len(set(percents)) < len(percents):
+        raise common.ConfigError(
+            f"models.{name}.sparsities must differ in their whole percent, got "
+            f"{tuple(m.sparsities)}"
+        )
+    listed = [*m.methods, *m.goal_methods]
+    repeated = sorted({x for x in listed if listed.count(x) > 1})
+    if repeated:
+        raise common.ConfigError(
+            f"models.{name}: methods and goal_methods name {', '.join(repeated)} more than once"
         )
     T.check_batch_size(int(m.batch_size), mesh, name=f"models.{name}.batch_size")
     if is_language_model(m):

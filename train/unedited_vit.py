@@ -287,8 +287,7 @@ def run(
                     config, data, built, seed, steps, run_dir, recipes[name], progress=progress
                 )
             )
-            with path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            T.append_jsonl(path, record)
             records.append(record)
     print("timing the frozen steps ...", flush=True)
     timings = time_frozen(config, data, sparsity)

@@ -13,7 +13,7 @@ _train_extra.require(__name__, ("orbax.checkpoint", "tensorboardX", "tqdm"))
 from dynadiag_jax.training.checkpoint import Checkpointer, CheckpointMismatch
 from dynadiag_jax.training.finetune import Finetune, enter_finetune
 from dynadiag_jax.training.loop import BatchSource, Interrupted, TrainResult, evaluate, train
-from dynadiag_jax.training.metrics import MetricWriter, read_jsonl
+from dynadiag_jax.training.metrics import MetricWriter, append_jsonl, read_jsonl
 from dynadiag_jax.training.mixup import MixupCutmix
 from dynadiag_jax.training.optimizer import (
     NO_DECAY,
@@ -70,6 +70,7 @@ __all__ = [
     "TrainResult",
     "TrainState",
     "adamw",
+    "append_jsonl",
     "apply_gate",
     "check_batch_size",
     "create_train_state",

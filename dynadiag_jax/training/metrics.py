@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MetricWriter", "read_jsonl"]
+__all__ = ["MetricWriter", "append_jsonl", "read_jsonl"]
 
 JSONL_NAME = "metrics.jsonl"
 
@@ -35,6 +35,15 @@ def read_jsonl(path) -> Iterator[dict]:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 continue
+
+
+def append_jsonl(path, record: Mapping[str, Any]) -> None:
+    """Append ``record`` as one line of ``path``, on a line of its own: after a torn last line (a
+    kill mid-write) it starts a new one, so that the torn line alone is lost, not this record."""
+    path = pathlib.Path(path)
+    with path.open("a+b") as f:
+        torn = f.tell() > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + (json.dumps(_plain(record)) + "\n").encode())
 
 
 def _plain(value: Any) -> Any:

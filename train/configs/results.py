@@ -182,7 +182,9 @@ def _suites():
 def get_config(arg=None):
     # Lists inside the argument string are "+"-separated (commas separate the arguments). An empty
     # seeds/methods/sparsities keeps each suite's own; a value replaces it in every suite.
-    arg = parse_arg(arg, quick=False, seeds=0, models="+".join(SUITES), methods="", sparsities="")
+    arg = parse_arg(arg, quick=False, seeds="", models="+".join(SUITES), methods="", sparsities="")
+    if arg.seeds and not (arg.seeds.isdigit() and int(arg.seeds) >= 1):
+        raise ValueError(f"config argument seeds={arg.seeds!r} must be an int >= 1")
     config = ml_collections.ConfigDict()
     config.goal_sparsity = GOAL_SPARSITY
     # Images for the classification suites, a byte-level corpus for the language model.
@@ -194,7 +196,7 @@ def get_config(arg=None):
     config.models = {name: all_models[name] for name in arg.models.split("+")}
     for m in config.models.values():
         if arg.seeds:
-            m.seeds = m.sweep_seeds = arg.seeds
+            m.seeds = m.sweep_seeds = int(arg.seeds)
         if arg.methods:
             m.methods = tuple(arg.methods.split("+"))
             m.goal_methods = ()
