@@ -94,7 +94,7 @@ def add_options(
         )
     parser.add_argument(
         "--out",
-        type=pathlib.Path,
+        type=out_file,
         default=None,
         help=f"CSV path (default bench/results/{name}_<time>.csv)",
     )
@@ -185,7 +185,13 @@ def check_blocks(parser: argparse.ArgumentParser, shapes, blocks) -> None:
         )
 
 
-def check_out_file(parser: argparse.ArgumentParser, out) -> None:
-    """``parser.error`` when ``--out`` names a directory: found now, not after the work."""
-    if out is not None and (pathlib.Path(out).is_dir() or str(out).endswith(("/", "\\"))):
-        parser.error(f"--out {out} is a directory; give a CSV file path")
+def out_file(text: str) -> pathlib.Path:
+    """``--out``: a CSV file path, refused as it parses (not after the work) when it names a
+    directory or lies under a file."""
+    path = pathlib.Path(text)
+    if path.is_dir() or text.endswith(("/", "\\")):
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a CSV file path")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} lies under {parent}, which is a file")
+    return path

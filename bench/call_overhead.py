@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from bench_cli import (  # bench/, beside this
     add_options,
+    check_blocks,
     count,
     make_parser,
     results_path,
@@ -127,6 +128,9 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    check_blocks(parser, args.shapes, args.blocks)
+    if not dd.has_cpu_kernels():
+        parser.error("it times impl='ffi', and the C++ extension is not built")
     out = args.out or results_path("call_overhead")
     print(
         f"jax {jax.__version__}, backend {jax.default_backend()}, sparsity {args.sparsity}, "

@@ -32,11 +32,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from bench_cli import (  # bench/, beside this
     count,
     make_parser,
+    out_file,
     results_path,
     sparsity,
     write_csv,
@@ -163,7 +163,10 @@ def main(argv=None):
         "--repeats", type=count("repeats"), default=1, help="fresh processes per method"
     )
     parser.add_argument(
-        "--out", type=Path, default=None, help="CSV path (default bench/results/compile_<time>.csv)"
+        "--out",
+        type=out_file,
+        default=None,
+        help="CSV path (default bench/results/compile_<time>.csv)",
     )
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -176,9 +179,11 @@ def main(argv=None):
 
     for variant in args.variants.split(","):
         try:
-            parse_variant(variant, vit.SIZES, model="ViT")
+            _, patch = parse_variant(variant, vit.SIZES, model="ViT")
         except ValueError as e:
             parser.error(f"--variants: {e}")
+        if args.image % patch:
+            parser.error(f"--image {args.image} is not a multiple of {variant}'s patch {patch}")
     out = args.out or results_path("compile")
 
     rows = []

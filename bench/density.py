@@ -76,6 +76,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     check_blocks(parser, args.shapes, args.blocks)
+    if not dd.has_cpu_kernels():
+        parser.error("it times impl='ffi', and the C++ extension is not built")
     densities = args.densities
     cells = [
         (s, b, r, d)

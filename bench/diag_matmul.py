@@ -73,6 +73,7 @@ from bench_cli import (  # bench/, beside this
     divides,
     format_us,
     make_parser,
+    out_file,
     parse_fractions,
     parse_shapes,
     parse_sizes,
@@ -332,7 +333,7 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--out",
-        type=pathlib.Path,
+        type=out_file,
         default=None,
         help="CSV path (default bench/results/diag_matmul_<time>.csv)",
     )

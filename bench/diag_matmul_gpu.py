@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import pathlib
 import statistics
 import sys
 import time
@@ -36,7 +35,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_cli import parse_fractions, parse_shapes, parse_sizes, results_path  # bench/, beside
+from bench_cli import (  # bench/, beside this
+    count,
+    out_file,
+    parse_fractions,
+    parse_shapes,
+    parse_sizes,
+    results_path,
+)
 from jax.experimental import sparse
 from tqdm import tqdm
 
@@ -56,9 +62,12 @@ PHASES = ("fwd", "fwd+bwd")
 
 
 def make_offsets(layout: str, k: int, p: int, rng) -> np.ndarray:
-    """``k`` distinct diagonals: scattered at random, or in bands of 16 adjacent ones."""
+    """``k`` distinct diagonals: scattered at random, or in bands of 16 adjacent ones (one band of
+    ``k`` from a random start where ``p`` has too few 16-aligned bands for them)."""
     if layout == "random":
         return rng.choice(p, size=k, replace=False)
+    if -(-k // 16) > p // 16:
+        return (rng.integers(p) + np.arange(k)) % p
     starts = rng.choice(p // 16, size=-(-k // 16), replace=False) * 16
     return (starts[:, None] + np.arange(16)).reshape(-1)[:k] % p
 
@@ -169,7 +178,9 @@ def parse_args(argv):
     )
     parser.add_argument("--impls", type=names(IMPLS), default=IMPLS, help="dense always runs")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    parser.add_argument("--batch", type=int, default=8192, help="rows of x (tokens x batch)")
+    parser.add_argument(
+        "--batch", type=count("--batch"), default=8192, help="rows of x (tokens x batch)"
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument(
         "--warmup",
@@ -184,7 +195,7 @@ def parse_args(argv):
         action="store_true",
         help="run on the CPU backend too (a smoke test; times mean nothing for GPUs)",
     )
-    parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument("--out", type=out_file, default=None)
     args = parser.parse_args(argv)
     if args.quick:  # parsed again with its defaults: what the command line says overrides them
         parser.set_defaults(**QUICK)

@@ -157,8 +157,10 @@ def main(argv=None):
         help="a directory for exploration[_<problems>].csv, or a path ending in .csv",
     )
     args = parser.parse_args(argv)
-    if args.out.suffix == ".csv":
+    if args.out.suffix.lower() == ".csv":
         path = args.out
+    elif args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file: give a directory or a path ending in .csv")
     else:
         path = args.out / (
             "exploration.csv" if args.problems == "all" else f"exploration_{args.problems}.csv"

@@ -33,6 +33,7 @@ from bench_cli import (  # bench/, beside this
 from diag_matmul import time_call  # bench/, beside this
 from tqdm import tqdm
 
+import dynadiag_jax as dd
 from dynadiag_jax.ops.ranking import gate_rank
 
 
@@ -84,6 +85,8 @@ def main(argv=None) -> None:
     )
     add_options(parser, "gate_rank", repeats=1001, each="implementation")
     args = parser.parse_args(argv)
+    if not dd.has_cpu_kernels():  # impl="auto" would time the reference under both names
+        parser.error("the C++ extension is not built: there is no kernel to time")
     sizes = args.p
     with tqdm(total=2 * args.repeats * len(sizes), unit="call", leave=False) as progress:
         rows = [measure(p, args.sparsity, args.repeats, progress) for p in sizes]

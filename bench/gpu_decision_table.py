@@ -19,6 +19,7 @@ import pathlib
 import sys
 
 import jax.numpy as jnp
+from bench_cli import out_file  # bench/, beside this
 
 import dynadiag_jax as dd
 from dynadiag_jax import gpu_cost
@@ -86,7 +87,7 @@ def markdown(records) -> str:
 
 def parse_devices(text: str) -> list[str]:
     """``"H100,A100"``: names of ``gpu_cost.DEVICES``."""
-    names = text.split(",")
+    names = list(dict.fromkeys(text.split(",")))  # a repeated device is timed once
     if not all(name in gpu_cost.DEVICES for name in names):
         raise argparse.ArgumentTypeError(
             f"devices must be among {', '.join(gpu_cost.DEVICES)}, comma separated; got {text!r}"
@@ -103,7 +104,9 @@ def main(argv=None):
         help=f"comma-separated, of {', '.join(gpu_cost.DEVICES)}",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--csv", default=None, help="also write the records to this CSV file")
+    parser.add_argument(
+        "--csv", type=out_file, default=None, help="also write the records to this CSV file"
+    )
     args = parser.parse_args(argv)
     records = [r for device in args.devices for r in rows_of_table(device, jnp.dtype(args.dtype))]
     print(markdown(records))

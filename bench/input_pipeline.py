@@ -29,9 +29,9 @@ import time
 
 import numpy as np
 from bench_cli import (  # bench/, beside this
-    check_out_file,
     count,
     make_parser,
+    out_file,
     parse_sizes,
     results_path,
     write_csv,
@@ -153,11 +153,10 @@ def main(argv=None) -> None:
         "--size", type=parse_size, default=(500, 375), help="synthetic JPEG size WxH"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="CSV path")
+    parser.add_argument("--out", type=out_file, default=None, help="CSV path")
     args = parser.parse_args(argv)
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0; got {args.warmup}")
-    check_out_file(parser, args.out)
     out = args.out or results_path("input_pipeline")
     source, name = _source(args)
     print(

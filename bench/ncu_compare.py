@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+from bench_cli import count, out_file, parse_shapes, parse_sizes, sparsity  # bench/, beside
 from diag_matmul_gpu import make_offsets  # bench/, beside this
 
 import dynadiag_jax as dd
@@ -404,6 +405,13 @@ def table(recs) -> str:
     return "\n".join(lines)
 
 
+def _one_shape(text: str) -> tuple[int, int]:
+    shapes = parse_shapes(text)
+    if len(shapes) != 1:
+        raise argparse.ArgumentTypeError(f"give one IN:OUT shape like 768:3072; got {text!r}")
+    return shapes[0]
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", nargs="?", type=pathlib.Path, help="ncu --csv --page raw output")
@@ -412,14 +420,12 @@ def parse_args(argv):
         choices=("required", "optional"),
         help="print the ncu metrics (comma separated) and exit",
     )
-    parser.add_argument("--rows", type=int, default=403456, help="rows of x (the benchmark's)")
     parser.add_argument(
-        "--shape", type=lambda t: tuple(int(n) for n in t.split(":")), default=(768, 3072)
+        "--rows", type=count("rows"), default=403456, help="rows of x (the benchmark's)"
     )
-    parser.add_argument("--sparsity", type=float, default=0.9)
-    parser.add_argument(
-        "--block-sizes", type=lambda t: tuple(int(n) for n in t.split(",")), default=(16, 32)
-    )
+    parser.add_argument("--shape", type=_one_shape, default=(768, 3072), help="IN:OUT")
+    parser.add_argument("--sparsity", type=sparsity, default=0.9)
+    parser.add_argument("--block-sizes", type=parse_sizes("block sizes", "16,32"), default=(16, 32))
     parser.add_argument("--layout", choices=("random", "band"), default="random")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0, help="the benchmark's --seed")
@@ -429,7 +435,7 @@ def parse_args(argv):
         choices=list(gpu_cost.DEVICES),
         help="the cost model's",
     )
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="write the records here")
+    parser.add_argument("--out", type=out_file, default=None, help="write the records here")
     args = parser.parse_args(argv)
     if args.list_metrics is None and args.csv is None:
         parser.error("give the ncu CSV (or --list-metrics)")

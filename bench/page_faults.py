@@ -49,6 +49,9 @@ def _child(args) -> None:
 
     import dynadiag_jax as dd  # noqa: PLC0415
 
+    if not dd.has_cpu_kernels():
+        sys.exit("error: it times impl='ffi', and the C++ extension is not built")
+
     in_f, out_f = args.shape
     case = make_case(in_f, out_f, args.sparsity, args.block, args.batch, jnp.float32, args.seed)
     x, values, offsets = case.x, case.values, case.offsets

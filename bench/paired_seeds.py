@@ -32,7 +32,7 @@ import sys
 # Appended: `train` from the checkout; the installed dynadiag_jax (with its kernels) still wins.
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench_cli import write_csv  # noqa: E402 - bench/, beside this
+from bench_cli import out_file, write_csv  # noqa: E402 - bench/, beside this
 
 from train import results_runs as R  # noqa: E402
 from train.results_report import CONTROL_PAIRS, common_seeds, paired_of, stats_of  # noqa: E402
@@ -233,7 +233,7 @@ def main(argv=None) -> None:
         help="comma-separated fingerprints (or prefixes): where a method has runs of several, "
         "pair the runs of these",
     )
-    parser.add_argument("--out")
+    parser.add_argument("--out", type=out_file)
     args = parser.parse_args(argv)
     if args.pairs is not None and args.against:
         parser.error("--pairs and --against: give one (--against pairs each method with itself)")

@@ -37,7 +37,7 @@ sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from bench_cli import check_out_file, write_csv  # noqa: E402 - bench/, beside this
+from bench_cli import out_file, write_csv  # noqa: E402 - bench/, beside this
 from flax import traverse_util  # noqa: E402
 from scipy.optimize import linear_sum_assignment  # noqa: E402
 from sparse_lr_probe import prepare, seeds_of  # noqa: E402 - bench/, beside this
@@ -159,7 +159,7 @@ def main(argv=None) -> None:
         "--relaxation", default="sinkhorn", choices=("sinkhorn", "blocks"), help="moves: of perm"
     )
     parser.add_argument("--data", default="auto", help="the suites' data.source (mnist5k: small)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=out_file, default=None)
     args = parser.parse_args(argv)
     seeds = seeds_of(parser, args.seeds)
     try:
@@ -170,7 +170,6 @@ def main(argv=None) -> None:
         parser.error("need --lr-scales >= 0")
     if args.dense_steps < 0:
         parser.error("need --dense-steps >= 0")
-    check_out_file(parser, args.out)
     config = results_config.get_config(f"models={args.suite}")
     config.data.source = args.data
     config.models[args.suite].dynadiag.permutation_relaxation = args.relaxation
@@ -185,7 +184,8 @@ def main(argv=None) -> None:
     for run in dict.fromkeys(r["run"] for r in rows):
         mine = [r for r in rows if r["run"] == run]
         values = np.array([r["metric"] for r in mine])
-        line = f"  {run:<58} {values.mean():.4f} +- {values.std():.4f}"
+        spread = values.std(ddof=1) if len(values) > 1 else 0.0  # the sample std, as results.py
+        line = f"  {run:<58} {values.mean():.4f} +- {spread:.4f}"
         if "moved" in mine[0]:
             moved = np.mean([list(r["moved"].values()) for r in mine], axis=0)
             line += "  rows moved per layer: " + " ".join(f"{x:.2f}" for x in moved)

@@ -27,7 +27,7 @@ import tempfile
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from bench_cli import check_out_file, write_csv  # noqa: E402 - bench/, beside this
+from bench_cli import out_file, write_csv  # noqa: E402 - bench/, beside this
 
 from train import baselines, common  # noqa: E402
 from train import results_runs as R  # noqa: E402
@@ -75,7 +75,7 @@ def add_run_arguments(parser, methods: tuple[str, ...], default: str) -> None:
     parser.add_argument("--methods", default=default, help=f"of {methods}")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--data", default="auto", help="the suites' data.source (mnist5k: small)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=out_file, default=None)
 
 
 def methods_and_seeds(parser, args, methods: tuple[str, ...]) -> tuple[list[str], list[int]]:
@@ -84,7 +84,6 @@ def methods_and_seeds(parser, args, methods: tuple[str, ...]) -> tuple[list[str]
     chosen = args.methods.split(",")
     if not set(chosen) <= set(methods):
         parser.error(f"--methods must be among {methods}")
-    check_out_file(parser, args.out)
     return chosen, seeds_of(parser, args.seeds)
 
 

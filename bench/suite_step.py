@@ -44,7 +44,7 @@ sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from bench_cli import write_csv  # noqa: E402 - bench/, beside this
+from bench_cli import out_file, write_csv  # noqa: E402 - bench/, beside this
 from diag_matmul import time_interleaved  # noqa: E402 - bench/, beside this
 from sparse_lr_probe import prepare  # noqa: E402 - bench/, beside this
 from tqdm import tqdm  # noqa: E402
@@ -196,7 +196,7 @@ def main(argv=None) -> None:
         default=1.25,
         help="also time the working-set form of this factor (>= 1; 0: not)",
     )
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=out_file, default=None)
     args = parser.parse_args(argv)
     if not 0.0 < args.sparsity < 1.0 or not 0.0 <= args.fraction < 1.0 or args.repeats < 1:
         parser.error("need 0 < --sparsity < 1, 0 <= --fraction < 1 and --repeats >= 1")

@@ -19,7 +19,7 @@
 #   VENV=/path/to/venv PYTHON=python3.11 bash scripts/gpu_check.sh "$OUT"
 #
 # On a machine without network whose python already has JAX for CUDA (and scikit-build-core,
-# nanobind, pytest, tqdm), USE_PYTHON_JAX=1 builds dynadiag-jax against that JAX into $VENV/site
+# nanobind, pytest, pytest-xdist, tqdm), USE_PYTHON_JAX=1 builds dynadiag-jax against that JAX into $VENV/site
 # without downloading anything. STEPS (default "1 2 3 4 5") picks the steps, SANITIZER_TOOLS
 # (default all four) the compute-sanitizer tools, DEFAULT_BENCH=0 leaves out the benchmark at the
 # default shapes (the target shape always runs in step 4); CUDAARCHS (e.g. 90) limits the build;
@@ -44,7 +44,14 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 limited() { if [ -n "${STEP_TIMEOUT:-}" ]; then timeout -k 10 "$STEP_TIMEOUT" "$@"; else "$@"; fi; }
 
 command -v nvcc > /dev/null || { echo "nvcc is not on PATH (needed to build the CUDA kernels)" >&2; exit 2; }
-command -v nvidia-smi > /dev/null && nvidia-smi | tee "$OUT/nvidia-smi.txt"
+# No GPU, no check: said now, not after step 1's downloads and build.
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 \
+    || { echo "nvidia-smi sees no GPU (see $OUT/nvidia-smi.txt): nothing to check" >&2; exit 2; }
+  cat "$OUT/nvidia-smi.txt"
+else
+  echo "nvidia-smi is not on PATH: whether JAX sees a GPU is checked after step 1" >&2
+fi
 cuda_major=$(nvcc --version | sed -n 's/.*release \([0-9][0-9]*\)\..*/\1/p')
 case "$cuda_major" in
   12 | 13) ;;
@@ -72,11 +79,14 @@ else
 fi
 # Tests and benchmarks run from $OUT so that the installed package, not the checkout, is imported.
 cd "$OUT"
-"$VENV/bin/python" - << 'EOF' | tee -a "$OUT/gpu_check.log"
+"$VENV/bin/python" - << 'EOF' 2>&1 | tee -a "$OUT/gpu_check.log" || exit 2
+import sys
 import jax, dynadiag_jax as dd
 print("jax", jax.__version__, "backend", jax.default_backend(), jax.devices())
-assert jax.default_backend() == "gpu", "JAX does not see the GPU"
-assert dd.has_cuda_kernels(), "dynadiag-jax was built without the CUDA kernels"
+if jax.default_backend() != "gpu":
+    sys.exit("error: JAX does not see a GPU: nothing to check")
+if not dd.has_cuda_kernels():
+    sys.exit("error: dynadiag-jax was built without the CUDA kernels (see install.log)")
 EOF
 
 export XLA_PYTHON_CLIENT_PREALLOCATE=false

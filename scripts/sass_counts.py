@@ -419,12 +419,18 @@ def main(argv=None) -> int:
         return 2
     import jax  # noqa: PLC0415 - only for the XLA FFI headers
 
+    print(
+        f"compiling the CUDA device code for sm_{ARCH} with {nvcc} (minutes on two cores) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     log, sass = compile_and_disassemble(nvcc, nvdisasm, jax.ffi.include_dir())
     text = render(count_all(log, sass), nvcc_version(nvcc))
     if args.write:
         TABLE.write_text(text)
+        print(f"wrote {TABLE}", file=sys.stderr)
     else:
-        print(text)
+        print(text, end="")
     return 0
 
 

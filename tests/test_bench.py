@@ -886,6 +886,32 @@ REFUSED = [
     ("sparse_lr_probe", ["--data", "mnist5k", "--out", "{tmp}"], "is a directory"),
     ("diagonal_regrow", ["--data", "mnist5k", "--out", "{tmp}"], "is a directory"),
     ("permutation_probe", ["--data", "mnist5k", "--out", "{tmp}/"], "is a directory"),
+    # every --out is checked as it parses, not when the table is written after the work
+    *[
+        (script, [*args, "--out", "{tmp}"], "is a directory; give a CSV file path")
+        for script, args in (
+            ("diag_matmul", []),
+            ("gate_rank", ["--p", "8"]),
+            ("page_faults", []),
+            ("density", []),
+            ("call_overhead", []),
+            ("search_step", []),
+            ("compile", []),
+            ("suite_step", []),
+            ("coverage", ["{tmp}"]),
+            ("paired_seeds", ["--workdir", "{tmp}"]),
+            ("diag_matmul_gpu", []),
+            ("ncu_compare", ["x.csv"]),
+        )
+    ],
+    ("gpu_decision_table", ["--csv", "{tmp}/"], "is a directory; give a CSV file path"),
+    ("call_overhead", ["--shapes", "32:64", "--blocks", "5"], "no block size of --blocks 5"),
+    ("compile", ["--variants", "mu/16", "--image", "8"], "--image 8 is not a multiple of mu/16's"),
+    ("diag_matmul_gpu", ["--batch", "0"], "--batch must be an integer >= 1"),
+    ("ncu_compare", ["x.csv", "--shape", "768x3072"], "shapes must look like 768:3072"),
+    ("ncu_compare", ["x.csv", "--shape", "1:2,3:4"], "give one IN:OUT shape"),
+    ("ncu_compare", ["x.csv", "--sparsity", "1.5"], "the sparsity must lie in (0, 1)"),
+    ("ncu_compare", ["x.csv", "--rows", "0"], "rows must be an integer >= 1"),
 ]
 # Where a script writes, when not --out; lora_cost writes nothing.
 OUT_OPTION = {"gpu_decision_table": "--csv", "lora_cost": None}
@@ -906,6 +932,40 @@ def test_bench_scripts_refuse_bad_options_in_one_line(tmp_path, capsys, script, 
     assert "Traceback" not in stderr and message in stderr.splitlines()[-1], stderr
     assert "error:" in stderr.splitlines()[-1], stderr
     assert not out.parent.exists()
+
+
+def test_an_out_path_under_a_file_is_refused_as_it_parses(tmp_path):
+    cli = _bench_cli()
+    (tmp_path / "table.csv").write_text("")
+    with pytest.raises(Exception, match="lies under .*table.csv, which is a file"):
+        cli.out_file(str(tmp_path / "table.csv" / "x.csv"))
+    assert cli.out_file(str(tmp_path / "new" / "x.csv")) == tmp_path / "new" / "x.csv"
+
+
+def test_exploration_refuses_an_out_file_that_is_not_a_csv(tmp_path, capsys):
+    (tmp_path / "notes").write_text("")
+    assert_refuses(ROOT / "bench" / "exploration.py", ["--out", str(tmp_path / "notes")], capsys)
+
+
+@pytest.mark.parametrize("script", ["gate_rank", "call_overhead", "density"])
+def test_kernel_benchmarks_refuse_to_run_without_the_extension(monkeypatch, capsys, script):
+    """gate_rank's impl="auto" timed the reference under both columns without it; the others
+    died in a traceback of impl='ffi'."""
+    monkeypatch.setattr(dd, "has_cpu_kernels", lambda: False)
+    with pytest.raises(SystemExit) as exited:
+        load_script(ROOT / "bench" / f"{script}.py").main([])
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2 and "the C++ extension is not built" in stderr, stderr
+
+
+def test_band_offsets_of_a_layer_narrower_than_its_bands_are_one_band():
+    gpu = load_script(ROOT / "bench" / "diag_matmul_gpu.py")
+    rng = np.random.default_rng(0)
+    for k, p in ((4, 8), (19, 20), (16, 64)):
+        offsets = gpu.make_offsets("band", k, p, rng)
+        assert len(set(offsets.tolist())) == k and offsets.max() < p
+    table = load_script(ROOT / "bench" / "gpu_decision_table.py")
+    assert table.parse_devices("H100,H100,A100") == ["H100", "A100"]
 
 
 @pytest.mark.parametrize("content", ["", "a,b\n1,2\n"])
