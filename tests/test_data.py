@@ -73,6 +73,8 @@ def test_fashion_mnist_bad_dirs_say_what_is_missing(tmp_path):
         D.load_small_images("auto", data_dir=tmp_path / "nope")
     with pytest.raises(ValueError, match="unknown data source"):
         D.load_small_images("cifar")
+    with pytest.raises(ValueError, match="data source mnist5k reads no data_dir"):
+        D.load_small_images("mnist5k", data_dir=tmp_path)  # it was ignored
 
 
 def test_fashion_mnist_files_that_would_train_wrongly_are_refused(tmp_path):

