@@ -29,6 +29,7 @@ __all__ = [
     "values_mask",
     "init_gain",
     "path_mask",
+    "compile_patterns",
     "weight_decay_mask",
     "param_labels",
     "with_alpha_optimizer",
@@ -88,10 +89,30 @@ def init_gain(sparsity: float) -> float:
     return 1.0 / math.sqrt(1.0 - float(sparsity))
 
 
+def compile_patterns(patterns: Sequence[str], name: str = "patterns") -> list[re.Pattern]:
+    """The regexes of a sequence of path patterns. ``TypeError``: a bare string (a sequence of
+    one-letter patterns, each a path it would miss) or a pattern that is not a string;
+    ``ValueError``: a pattern that is not a regex, naming it."""
+    if isinstance(patterns, (str, bytes)) or not isinstance(patterns, Sequence):
+        raise TypeError(
+            f"{name} must be a sequence of path patterns, e.g. ({patterns!r},), got "
+            f"{type(patterns).__name__}"
+        )
+    compiled = []
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise TypeError(f"{name}: each pattern must be a str, got {type(pattern).__name__}")
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as e:
+            raise ValueError(f"{name}: {pattern!r} is not a regex: {e}") from None
+    return compiled
+
+
 def path_mask(patterns: Sequence[str], *, match: bool = True, min_ndim: int = 0):
     """``params -> bool tree``: True where the leaf's "/"-joined path fully matches a pattern
     (``match``) or none (``not match``), and the leaf has at least ``min_ndim`` axes."""
-    compiled = [re.compile(p) for p in patterns]
+    compiled = compile_patterns(patterns)
 
     def mask(params):
         def hit(names, leaf, parent):
@@ -106,6 +127,7 @@ def path_mask(patterns: Sequence[str], *, match: bool = True, min_ndim: int = 0)
 def weight_decay_mask(params, no_decay: Sequence[str] = NO_DECAY):
     """Tree of bools: True where weight decay applies: leaves with >= 2 axes whose path matches
     none of ``no_decay`` (so stacked layers' biases, with 2 axes, stay undecayed too)."""
+    compile_patterns(no_decay, "no_decay")  # named, not as path_mask's "patterns"
     return path_mask(no_decay, match=False, min_ndim=2)(params)
 
 
@@ -149,7 +171,23 @@ def diag_optimizer(
 
     Returns:
       An ``optax.GradientTransformation``; combine with ``optax.chain`` for clipping etc.
+
+    Raises:
+      TypeError: a rate that is neither a number nor a schedule, a hyper-parameter that is not a
+        number.
+      ValueError: a negative or non-finite rate, ``weight_decay`` or ``eps``; ``b1`` or ``b2``
+        outside ``[0, 1)``; ``values_lr_scale`` <= 0.
     """
+    for name, rate in (
+        ("learning_rate", learning_rate),
+        ("alpha_learning_rate", alpha_learning_rate),
+    ):
+        if not callable(rate):  # a schedule is called with the step; a number must be a rate
+            non_negative(rate, f"diag_optimizer: {name} (a number or a schedule)")
+    for name, value in (("b1", b1), ("b2", b2)):
+        if not 0.0 <= finite_number(value, f"diag_optimizer: {name}") < 1.0:
+            raise ValueError(f"diag_optimizer: {name} must be in [0, 1), got {value!r}")
+    non_negative(eps, "diag_optimizer: eps")
     non_negative(weight_decay, "diag_optimizer: weight_decay")
     if finite_number(values_lr_scale, "diag_optimizer: values_lr_scale") <= 0.0:
         raise ValueError(f"diag_optimizer: values_lr_scale must be > 0, got {values_lr_scale}")

@@ -564,6 +564,28 @@ def test_checkpointer_checks_its_directory_up_front(tmp_path):
     reader.close()
 
 
+def test_checkpointer_names_a_missing_step_a_bad_max_to_keep_and_a_changed_optimizer(tmp_path):
+    with pytest.raises(TypeError, match="max_to_keep must be an int, got str"):
+        T.Checkpointer(tmp_path / "c", max_to_keep="a")
+    with pytest.raises(TypeError, match="max_to_keep must be an int, got float"):
+        T.Checkpointer(tmp_path / "c", max_to_keep=2.5)  # was kept as 2
+    train_tiny(tmp_path, num_steps=2, checkpoint_every=0)
+    reader = T.Checkpointer(tmp_path / "checkpoints", read_only=True)
+    with pytest.raises(FileNotFoundError, match=r"holds no checkpoint of step 5 \(steps: \[2\]\)"):
+        reader.read_meta(5)  # was: "step 5 cannot be read (it has no state/); delete it"
+    reader.close()
+    # the same number of arrays in another structure: the message names where they differ
+    with pytest.raises(
+        T.CheckpointMismatch, match=r"14 arrays stored, 14 expected; differing, e\.g"
+    ):
+        train_tiny(
+            tmp_path,
+            num_steps=2,
+            checkpoint_every=0,
+            optimizer=optax.chain(optax.clip_by_global_norm(1.0), T.adamw(1e-2, weight_decay=1e-4)),
+        )
+
+
 def test_restore_variables_of_an_unreadable_step_names_it(tmp_path):
     train_tiny(tmp_path, num_steps=2, checkpoint_every=0)
     _damage(tmp_path / "checkpoints" / "2", "truncated array file")

@@ -408,6 +408,12 @@ def test_stop_requests_outside_the_main_thread_install_nothing():
     assert seen == [(False, signal.getsignal(signal.SIGTERM))]
 
 
+def _mesh(n):
+    """A stand-in for a mesh of ``n`` devices: only ``.devices.size`` is read before the
+    refusals the tests expect."""
+    return type("FakeMesh", (), {"devices": np.empty(n)})()
+
+
 def _train_arguments(**changes):
     """Arguments of a tiny dense :func:`T.train` run, with ``changes``."""
     return {
@@ -446,15 +452,103 @@ def _train_arguments(**changes):
         (dict(gate="strength"), TypeError, "gate must be a GateSchedule or None"),
         (dict(finetune=3), TypeError, "finetune must be a Finetune or None"),
         (dict(initial_variables=[1]), TypeError, "initial_variables must be a mapping"),
+        # a generator lost its first batch to the compile ahead of the evaluation
+        (
+            dict(eval_data=(b for b in D.EvalBatches(blobs(64), 32))),
+            TypeError,
+            "eval_data must be re-iterable batches .* got a one-shot iterator",
+        ),
+        (dict(eval_data=D.EvalBatches(blobs(64), 7), mesh=_mesh(2)), ValueError, None),
+        (dict(example_input=jax.ShapeDtypeStruct((BATCH, 3), jnp.float32)), ValueError, None),
     ],
 )
 def test_train_refuses_arguments_of_the_wrong_kind_before_compiling(changes, error, message):
     """Each once failed deep in JAX or pathlib, only after the first step (a hook), or not at all
     (a str keep_checkpoints; an empty workdir, which wrote metrics.jsonl into the current
-    directory and no checkpoint)."""
+    directory and no checkpoint); eval batches that do not split over the devices failed at the
+    first evaluation, an example_input of another width in flax's parameter shapes."""
+    message = message or {
+        "eval_data": "eval_data's batch size=7 is not divisible by the number of devices",
+        "example_input": r"example_input has shape \[16, 3\], but train_data's batches give "
+        r"the model inputs of shape \[16, 16\]",
+    }.get(next(iter(changes)))
     with CompileCounter() as c, pytest.raises(error, match=message):
         T.train(**_train_arguments(**changes))
     assert c.count == 0
+
+
+def test_labels_that_are_no_class_are_refused_or_give_a_nan_loss():
+    """A label outside [0, C) had an all-zero target: loss 0, as if learned; a [B, 1] label
+    broadcast the loss against every example's logits."""
+    batch = {k: v[:BATCH] for k, v in blobs().items()}
+    task = T.Classification(NUM_CLASSES)
+    outside = {**batch, "label": batch["label"] + NUM_CLASSES}
+    with pytest.raises(ValueError, match=r"labels must be in \[0, num_classes=4\), the batch "):
+        task.check_batch(outside)
+    with CompileCounter() as c, pytest.raises(ValueError, match="labels must be in"):
+        T.train(
+            **_train_arguments(
+                train_data=D.ArrayBatches(
+                    {**blobs(), "label": blobs()["label"] + NUM_CLASSES}, BATCH, seed=0
+                )
+            )
+        )
+    assert c.count == 0
+    logits = jnp.zeros((BATCH, NUM_CLASSES), jnp.float32)
+    inputs, targets = jax.jit(task.train_inputs)(outside, jax.random.key(0))
+    assert np.isnan(float(task.loss(logits, targets, outside)[0]))
+    column = {**batch, "label": batch["label"][:, None]}
+    with pytest.raises(ValueError, match=r"batch\['label'\] must have shape \[B\] = \[16\]"):
+        task.train_inputs(column, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"batch\['label'\] must have shape \[B\]"):
+        task.eval_sums(logits, column)
+
+
+def test_a_train_data_that_ends_early_names_the_step_and_keeps_it(tmp_path):
+    class Short:
+        global_batch_size = BATCH
+
+        def iterate(self, start):
+            batches = D.ArrayBatches(blobs(), BATCH, seed=0).iterate(start)
+            return (next(batches) for _ in range(3 - start))
+
+    with pytest.raises(ValueError, match=r"iterate\(0\) ended after 3 batches, at step 3 of "):
+        T.train(**_train_arguments(train_data=Short(), num_steps=5, workdir=tmp_path))
+    assert (tmp_path / "checkpoints" / "3").is_dir()
+
+
+def test_a_checkpoint_past_num_steps_is_refused(tmp_path):
+    T.train(**_train_arguments(num_steps=3, workdir=tmp_path, checkpoint_every=1))
+    with pytest.raises(T.CheckpointMismatch, match="step 3 .* past this run's num_steps=2"):
+        T.train(**_train_arguments(num_steps=2, workdir=tmp_path, checkpoint_every=1))
+    assert T.train(**_train_arguments(num_steps=3, workdir=tmp_path)).start_step == 3
+
+
+def test_path_patterns_must_be_a_sequence_of_regexes():
+    """A bare string was a sequence of one-letter patterns: "head/kernel" decayed head/kernel."""
+    params = {"head": {"kernel": jnp.ones((2, 2))}}
+    with pytest.raises(TypeError, match="no_decay must be a sequence of path patterns"):
+        dd.optim.weight_decay_mask(params, no_decay="head/kernel")
+    with pytest.raises(TypeError, match="no_decay must be a sequence"):
+        T.adamw(1e-3, weight_decay=0.1, no_decay="head/kernel")
+    with pytest.raises(ValueError, match=r"trained: '\*/lora_b' is not a regex"):
+        T.split_params(params, ("*/lora_b",))
+    assert dd.optim.weight_decay_mask(params, no_decay=("head/kernel",))["head"]["kernel"] is False
+
+
+def test_mixup_checks_its_fields_and_mixes_integer_images_as_floats():
+    for field, value, message in (
+        ("mixup_alpha", float("nan"), "mixup_alpha must be a finite"),
+        ("cutmix_alpha", -1.0, "cutmix_alpha must be >= 0"),
+        ("prob", 5.0, r"prob must be in \[0, 1\]"),
+        ("switch_prob", float("nan"), "switch_prob must be a finite"),
+    ):
+        with pytest.raises(ValueError, match=f"MixupCutmix: {message}"):
+            T.Classification(NUM_CLASSES, mixup=T.MixupCutmix(**{field: value}))
+    images = jnp.asarray(np.random.default_rng(0).integers(1, 255, (4, 6, 6, 3)), jnp.uint8)
+    targets = jnp.eye(4, dtype=jnp.float32)
+    mixed, _ = T.MixupCutmix(0.8, 0.0)(jax.random.key(0), images, targets)
+    assert mixed.dtype == jnp.float32 and float(jnp.min(mixed)) > 0  # were all zeros
 
 
 def test_train_takes_an_iterable_eval_data_and_hooks_as_documented():

@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 from jax.experimental import multihost_utils
 
+from dynadiag_jax._checks import int_at_least
 from dynadiag_jax.training.state import TrainState
 
 __all__ = [
@@ -206,8 +207,7 @@ class Checkpointer:
         clock: Callable[[], float] = time.perf_counter,
         read_only: bool = False,
     ):
-        if int(max_to_keep) < 1:
-            raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep!r}")
+        max_to_keep = int_at_least(max_to_keep, "max_to_keep", 1)
         try:
             self.directory = usable_directory(directory, create=not read_only)
         except ValueError as e:
@@ -266,8 +266,13 @@ class Checkpointer:
     @contextlib.contextmanager
     def _reading(self, step: int, item: str, advice: str = ""):
         """Raise :class:`UnreadableCheckpoint` (with ``advice``) if ``item`` (``"meta"``,
-        ``"state"``) of ``step`` is missing, or if reading it fails other than by a mismatch."""
+        ``"state"``) of ``step`` is missing, or if reading it fails other than by a mismatch;
+        ``FileNotFoundError`` if there is no step ``step`` at all."""
         path = self.directory / str(step)
+        if not path.exists():  # nothing to delete: "step 5 has no state/" sent users to a ghost
+            raise FileNotFoundError(
+                f"{self.directory} holds no checkpoint of step {step} (steps: {self.all_steps()})"
+            )
         missing = None
         if path.is_dir() and not any(path.iterdir()):
             missing = "its directory is empty"
@@ -347,9 +352,13 @@ class Checkpointer:
             # By path: Orbax stores NamedTuple states as dicts, whose leaves flatten in key order.
             a_leaves, b_leaves = _by_path(stored["opt_state"]), _by_path(target.opt_state)
             if a_leaves != b_leaves:
+                differ = sorted(
+                    k for k in set(a_leaves) | set(b_leaves) if a_leaves.get(k) != b_leaves.get(k)
+                )
                 problems.append(
                     "opt_state: a different optimizer state structure "
-                    f"({len(a_leaves)} arrays stored, {len(b_leaves)} expected)"
+                    f"({len(a_leaves)} arrays stored, {len(b_leaves)} expected; differing, e.g. "
+                    f"{', '.join(differ[:3])})"
                 )
             a_coll, b_coll = _by_path(stored["collections"]), _by_path(target.collections)
             if a_coll != b_coll:

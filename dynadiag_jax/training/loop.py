@@ -39,6 +39,7 @@ import optax
 import tqdm
 
 from dynadiag_jax._checks import check_variables, int_at_least, int_in_range
+from dynadiag_jax.optim import compile_patterns
 from dynadiag_jax.training.ahead import CompileAhead
 from dynadiag_jax.training.checkpoint import (
     RESUME_ADVICE,
@@ -53,6 +54,7 @@ from dynadiag_jax.training.parallel import (
     batch_sharded,
     check_batch_size,
     data_mesh,
+    global_batch_shape,
     replicated,
     step_batch,
 )
@@ -822,6 +824,7 @@ def _check_args(
                 f"finetune.start_step={start} comes before freeze_step={freeze_step}: the "
                 "fine-tuning phase starts from the frozen model"
             )
+        compile_patterns(finetune.trained, "finetune.trained")
     if working_set is not None:
         if not isinstance(working_set, WorkingSet):
             raise TypeError(
@@ -888,6 +891,12 @@ def _check_kinds(
     if eval_data is not None and not isinstance(eval_data, Iterable):
         raise TypeError(
             f"eval_data must be re-iterable batches or None, got {type(eval_data).__name__}"
+        )
+    if isinstance(eval_data, Iterator):  # each evaluation, and the compile ahead, iterate it
+        raise TypeError(
+            f"eval_data must be re-iterable batches (a list, dynadiag_jax.data.EvalBatches), "
+            f"got a one-shot iterator ({type(eval_data).__name__}): the first evaluation would "
+            "use it up"
         )
     if gate is not None and not isinstance(gate, GateSchedule):
         raise TypeError(f"gate must be a GateSchedule or None, got {type(gate).__name__}")
@@ -1040,6 +1049,18 @@ def train(
     )
     mesh = data_mesh() if mesh is None else mesh
     check_batch_size(train_data.global_batch_size, mesh, name="batch_size")
+    # what can be known of the evaluation's batches without reading them: said now, not at the
+    # first evaluation (the end of the run by default)
+    if hasattr(eval_data, "global_batch_size"):
+        check_batch_size(eval_data.global_batch_size, mesh, name="eval_data's batch size")
+    elif isinstance(eval_data, Sequence):
+        for batch in eval_data:
+            # this process's share of each batch: the global batch is every process's
+            rows = {np.shape(v)[0] for v in jax.tree.leaves(batch) if np.ndim(v)}
+            for n in sorted(rows):
+                check_batch_size(
+                    global_batch_shape((n,), mesh)[0], mesh, name="an eval_data batch's rows"
+                )
 
     def init(variables):
         return create_train_state(model, optimizer, example_input, seed=seed, variables=variables)
@@ -1100,6 +1121,15 @@ def train(
             # A fresh run: its first step is compiled while its initial state is.
             batches = iter(train_data.iterate(0))
             first = next(batches)
+            if hasattr(task, "check_batch"):  # e.g. labels no class of the task's
+                task.check_batch(first)
+            inputs, _ = jax.eval_shape(lambda b: task.train_inputs(b, jax.random.key(0)), first)
+            if hasattr(inputs, "shape") and inputs.shape[1:] != tuple(example_input.shape[1:]):
+                raise ValueError(
+                    f"example_input has shape {list(example_input.shape)}, but train_data's "
+                    f"batches give the model inputs of shape {list(inputs.shape)} (the first "
+                    "axis aside, they must agree: the model is built for example_input)"
+                )
             batches = itertools.chain([first], batches)
             frozen_first = sparse and freeze_step == 0
             tuned_first = finetune is not None and finetune.start_step == 0
@@ -1128,6 +1158,12 @@ def train(
             working_set=working_set,
         )
         start = resumed_step or 0
+        if start > num_steps:  # it would return that run's state as this one's result
+            raise CheckpointMismatch(
+                f"the checkpoint at step {start} in {workdir} is past this run's "
+                f"num_steps={num_steps}: it was written by a longer run; resume with that run's "
+                "settings, or use another workdir"
+            )
         if workdir is not None:
             writer = MetricWriter(
                 workdir, start_step=resumed_step, tensorboard=tensorboard, enabled=is_main
@@ -1234,7 +1270,16 @@ def train(
             while step < num_steps and not stop.is_set():
                 progs, key = phase()
                 ahead.wait(("step", key))
-                local = timer.fetch(batches)
+                try:
+                    local = timer.fetch(batches)
+                except StopIteration:  # a bare StopIteration named neither the data nor the step
+                    save(state)
+                    kept = f"step {step} saved in {workdir}" if workdir else "no workdir"
+                    raise ValueError(
+                        f"train_data.iterate({start}) ended after {step - start} batches, at step "
+                        f"{step} of num_steps={num_steps} ({kept}): it must yield a batch for "
+                        "every step"
+                    ) from None
                 state = train_one_step(progs.train_step, state, local, mesh, sums, timer)
                 step += 1
                 if step == start + 1 and not tuning:

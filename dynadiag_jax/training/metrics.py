@@ -25,16 +25,20 @@ JSONL_NAME = "metrics.jsonl"
 
 
 def read_jsonl(path) -> Iterator[dict]:
-    """The records of a metrics file, skipping a torn last line (a kill mid-write)."""
+    """The records (JSON objects) of a metrics file, skipping every line that is not one: a torn
+    line (a kill mid-write), or one damaged otherwise. Non-finite values are written and read as
+    ``NaN``/``Infinity``, as Python's ``json`` does (strict JSON readers refuse them)."""
     path = pathlib.Path(path)
     if not path.exists():
         return
     with path.open() as f:
         for line in f:
             try:
-                yield json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict):
+                yield record
 
 
 def append_jsonl(path, record: Mapping[str, Any]) -> None:

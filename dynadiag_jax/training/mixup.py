@@ -6,10 +6,13 @@ mixing ratio for the whole batch, and pairs every example with the batch flipped
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from dynadiag_jax._checks import finite_number
 
 __all__ = ["MixupCutmix"]
 
@@ -18,6 +21,8 @@ class MixupCutmix(NamedTuple):
     """Mixing hyper-parameters (DeiT: ``mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5``).
 
     An alpha of 0 disables that method; ``prob`` is the chance that a batch is mixed at all.
+    :meth:`check` (called by ``Classification`` and by each call) refuses a negative or
+    non-finite alpha and probabilities outside ``[0, 1]``.
     """
 
     mixup_alpha: float = 0.8
@@ -25,10 +30,29 @@ class MixupCutmix(NamedTuple):
     switch_prob: float = 0.5
     prob: float = 1.0
 
+    def check(self) -> MixupCutmix:
+        """``self`` after checking every field (``TypeError``: not a real number; ``ValueError``:
+        an alpha below 0 or not finite, a probability outside ``[0, 1]``)."""
+        for name, low, high in (
+            ("mixup_alpha", 0, math.inf),
+            ("cutmix_alpha", 0, math.inf),
+            ("switch_prob", 0, 1),
+            ("prob", 0, 1),
+        ):
+            value = finite_number(getattr(self, name), f"MixupCutmix: {name}")
+            if not low <= value <= high:
+                bounds = ">= 0" if high == math.inf else "in [0, 1]"
+                raise ValueError(f"MixupCutmix: {name} must be {bounds}, got {value}")
+        return self
+
     def __call__(self, key, images, targets):
-        """Mix ``images[B, H, W, C]`` and soft ``targets[B, N]``; returns both, same shapes."""
+        """Mix ``images[B, H, W, C]`` and soft ``targets[B, N]``; returns both, same shapes
+        (integer images come back as float32: a mix of uint8 pixels is not a uint8)."""
+        self.check()
         if self.mixup_alpha <= 0 and self.cutmix_alpha <= 0:
             return images, targets
+        if not jnp.issubdtype(images.dtype, jnp.floating):
+            images = images.astype(jnp.float32)  # lam cast to uint8 was 0: all-black images
         k_apply, k_switch, k_mix, k_cut, k_box = jax.random.split(key, 5)
         b, h, w = images.shape[:3]
         f32 = jnp.float32

@@ -69,6 +69,7 @@ def adamw(
         if not 0.0 <= finite_number(value, name) < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {value!r}")
     non_negative(eps, "eps")
+    dd.optim.compile_patterns(no_decay, "no_decay")
     if clip_norm is not None:
         non_negative(clip_norm, "clip_norm (None or 0: no clipping)")
     _positive(alpha_lr_scale, "alpha_lr_scale")
@@ -115,6 +116,7 @@ def split_params(params, patterns: Sequence[str]) -> tuple[dict, dict]:
     """``(trained, fixed)``: the params whose "/"-joined path fully matches a pattern, and the
     others, each nested as in ``params`` (so path-based masks see the same names);
     :func:`merge_params` joins them back. Raises ``ValueError`` if no param matches."""
+    dd.optim.compile_patterns(patterns, "trained")
     flat = traverse_util.flatten_dict(params, keep_empty_nodes=True)
     hits = traverse_util.flatten_dict(dd.optim.path_mask(patterns)(params), keep_empty_nodes=True)
     picked = {k for k, v in flat.items() if v is not traverse_util.empty_node and hits[k] is True}

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from dynadiag_jax._checks import finite_number, int_at_least
@@ -41,8 +42,13 @@ class Classification:
     Raises:
       TypeError: ``num_classes`` not an int, ``label_smoothing`` not a number, ``mixup`` not
         callable.
-      ValueError: ``num_classes`` < 2, ``label_smoothing`` outside ``[0, 1)``; when a step is
-        traced, logits whose width is not ``num_classes``.
+      ValueError: ``num_classes`` < 2, ``label_smoothing`` outside ``[0, 1)``, a bad ``mixup``
+        field; when a step is traced, logits whose width is not ``num_classes`` or labels that
+        are not ``[B]``; :meth:`check_batch` (``train`` calls it on its first batch), a label
+        outside ``[0, num_classes)``.
+
+    Inside ``jit`` a label outside ``[0, num_classes)`` makes its example's training loss NaN
+    (its one-hot target would be all zeros: a loss of 0, as if learned).
     """
 
     num_classes: int
@@ -62,6 +68,30 @@ class Classification:
                 "Classification: mixup must be a MixupCutmix or None, "
                 f"got {type(self.mixup).__name__}"
             )
+        if isinstance(self.mixup, MixupCutmix):
+            self.mixup.check()
+
+    def check_batch(self, batch) -> None:
+        """Raises ``ValueError`` when a (host) batch's labels are not classes of this task."""
+        labels = np.asarray(batch["label"])
+        bad = labels[(labels < 0) | (labels >= self.num_classes)]
+        if bad.size:
+            raise ValueError(
+                f"Classification: labels must be in [0, num_classes={self.num_classes}), the "
+                f"batch holds {bad.size} outside (e.g. {bad.flat[0]})"
+            )
+
+    @staticmethod
+    def _labels(batch, n: int):
+        """``batch["label"]``, checked to be ``[B]`` (a ``[B, 1]`` would broadcast the loss
+        against every example's logits)."""
+        labels = batch["label"]
+        if labels.shape != (n,):
+            raise ValueError(
+                f"Classification: batch['label'] must have shape [B] = [{n}] (class indices), "
+                f"got {list(labels.shape)}"
+            )
+        return labels
 
     def _check_width(self, logits):
         """Raises unless the logits (traced: their shape is static) are ``num_classes`` wide;
@@ -82,11 +112,13 @@ class Classification:
 
     def train_inputs(self, batch, key):
         """``(inputs, soft targets [B, num_classes])`` for a training step."""
-        targets = optax.smooth_labels(
-            jax.nn.one_hot(batch["label"], self.num_classes, dtype=jnp.float32),
-            self.label_smoothing,
-        )
         images = self._images(batch)
+        labels = self._labels(batch, images.shape[0])
+        known = (labels >= 0) & (labels < self.num_classes)
+        targets = optax.smooth_labels(
+            jax.nn.one_hot(labels, self.num_classes, dtype=jnp.float32), self.label_smoothing
+        )
+        targets = jnp.where(known[:, None], targets, jnp.nan)
         if self.mixup is not None:
             images, targets = self.mixup(key, images, targets)
         return images, targets
@@ -106,7 +138,9 @@ class Classification:
         """Sums of per-example loss and correct predictions over the unmasked examples."""
         self._check_width(logits)
         m = _mask(batch, logits.shape[0])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(
+            logits, self._labels(batch, logits.shape[0])
+        )
         correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
         return {"loss": (ce * m).sum(), "correct": (correct * m).sum(), "count": m.sum()}
 
@@ -171,6 +205,11 @@ class Distillation:
 
     def eval_inputs(self, batch):
         return self.task.eval_inputs(batch)
+
+    def check_batch(self, batch) -> None:
+        check = getattr(self.task, "check_batch", None)
+        if check is not None:
+            check(batch)
 
     def eval_sums(self, logits, batch):
         return self.task.eval_sums(logits, batch)
