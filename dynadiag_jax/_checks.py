@@ -145,10 +145,22 @@ def floating_dtype(dtype, name: str):
     return resolved
 
 
-def check_layer_arguments(*, num_buckets, dtype, param_dtype, kernel_init, bias_init) -> None:
+def boolean(value, name: str) -> bool:
+    """``value`` as a bool; ``TypeError`` for anything else (``"no"`` is truthy: a switch given a
+    string would silently be on)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_layer_arguments(
+    *, num_buckets, dtype, param_dtype, kernel_init, bias_init, use_bias
+) -> None:
     """The arguments both diagonal layers (linen and NNX) check alike: ``num_buckets >= 1``,
-    floating ``dtype`` (or None) and ``param_dtype``, callable initializers."""
+    floating ``dtype`` (or None) and ``param_dtype``, callable initializers, a bool
+    ``use_bias``."""
     int_at_least(num_buckets, "num_buckets", 1)
+    boolean(use_bias, "use_bias")
     if dtype is not None:
         floating_dtype(dtype, "dtype")
     # an integer param_dtype would init the values to zeros and make the layer output 0

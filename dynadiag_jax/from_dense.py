@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from dynadiag_jax._checks import check_variables, host_array
+from dynadiag_jax._checks import boolean, check_variables, host_array
 from dynadiag_jax.freeze import freeze_tree
 from dynadiag_jax.nn.functional import (
     DIAGONALS_COLLECTION,
@@ -207,7 +207,8 @@ def from_dense(
       Variables of the structure of ``template`` (search phase), or of ``freeze_tree`` of it.
 
     Raises:
-      TypeError: a ``gate_value`` that is not a number.
+      TypeError: a ``gate_value`` that is not a number, a ``keep_norm`` or ``freeze`` that is not
+        a bool.
       ValueError: a ``gate_value`` <= 0 or NaN (or, without one, a template's gate value <= 0),
         which would erase or reverse the ranking; a checkpoint of another model or size: a
         diagonal layer without a dense kernel at its path, a kernel whose shape does not flatten
@@ -217,6 +218,8 @@ def from_dense(
     """
     for name, variables in (("dense_variables", dense_variables), ("template", template)):
         check_variables(variables, name, "from_dense")
+    boolean(keep_norm, "from_dense: keep_norm")
+    boolean(freeze, "from_dense: freeze")
     if gate_value is not None:
         check_scale(gate_value, "gate_value", "from_dense")
     flat_t = traverse_util.flatten_dict(template["params"])

@@ -141,6 +141,7 @@ class DiagonalDense(nnx.Module):
             param_dtype=param_dtype,
             kernel_init=kernel_init,
             bias_init=bias_init,
+            use_bias=use_bias,
         )
         F.check_init_and_search(fan_in, scale)
         perms.check_permutation_args(

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from dynadiag_jax._checks import check_variables, non_negative
+from dynadiag_jax._checks import boolean, check_variables, non_negative
 from dynadiag_jax.freeze import freeze_tree
 from dynadiag_jax.from_dense import _layer_matrix, _name
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
@@ -137,6 +137,7 @@ def refit(
       Variables of the structure of ``variables``.
 
     Raises:
+      TypeError: a ``sequential`` that is not a bool (and the checks of the other arguments).
       ValueError: no diagonal layer; no dense layer at a diagonal layer's path, or a kernel of
         another shape; stacked (``nn.scan``) layers; an input whose trailing axes do not flatten
         to the layer's width; non-finite activations or dense kernels; a negative or non-finite
@@ -145,6 +146,7 @@ def refit(
         frozen).
     """
     non_negative(ridge, "refit: ridge")
+    boolean(sequential, "refit: sequential")
     for name, given in (("variables", variables), ("dense_variables", dense_variables)):
         check_variables(given, name, "refit")
     kwargs = dict(apply_kwargs or {})

@@ -350,6 +350,16 @@ def test_a_gate_value_that_would_erase_or_reverse_the_ranking_is_refused(
         dd.from_dense(dense, template, gate_value=gate_value)
 
 
+def test_switches_that_are_not_bools_are_refused():
+    """keep_norm="no" rescaled the values and freeze="no" froze them: a string is truthy."""
+    x = jnp.ones((2, 16))
+    dense = random_dense(Single(40), x)
+    template = dd.nn.sparsify(Single(40), [("layer", {"sparsity": 0.7})]).init(jax.random.key(5), x)
+    for name in ("keep_norm", "freeze"):
+        with pytest.raises(TypeError, match=f"from_dense: {name} must be True or False, got str"):
+            dd.from_dense(dense, template, **{name: "no"})
+
+
 def test_a_template_whose_gate_starts_at_zero_needs_a_gate_value():
     x = jnp.ones((2, 16))
     dense = random_dense(Single(40), x)

@@ -896,6 +896,7 @@ def test_alpha_from_values_of_non_finite_values_is_nan_and_freezing_refuses_it()
         (dict(dtype="foo"), "dtype must be a floating dtype.*got 'foo'"),
         (dict(kernel_init=3), "kernel_init must be an initializer.*got 3"),
         (dict(bias_init=None), "bias_init must be an initializer.*got None"),
+        (dict(use_bias="no"), "use_bias must be True or False, got str"),  # made a bias
     ],
 )
 def test_dtype_and_initializer_arguments_are_checked(kwargs, match):

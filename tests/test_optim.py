@@ -127,12 +127,18 @@ def test_diag_optimizer_values_lr_scale_scales_the_values_updates_only():
         (dict(values_lr_scale="2"), TypeError, "values_lr_scale must be a number"),
         (dict(weight_decay=float("nan")), ValueError, "weight_decay must be a finite"),
         (dict(weight_decay=-0.1), ValueError, "weight_decay must be >= 0"),
+        # a NaN rate trained to NaN, "1e-3" failed at the first update, b1=2 was taken
+        (dict(learning_rate=float("nan")), ValueError, "learning_rate .* must be a finite"),
+        (dict(alpha_learning_rate=-1.0), ValueError, "alpha_learning_rate .* must be >= 0"),
+        (dict(learning_rate="1e-3"), TypeError, "learning_rate .* must be a number"),
+        (dict(b1=2.0), ValueError, r"b1 must be in \[0, 1\), got 2.0"),
+        (dict(eps=-1.0), ValueError, "eps must be >= 0"),
     ],
 )
 def test_diag_optimizer_refuses_bad_constants_naming_them(kwargs, error, message):
     """NaN and inf scales and a NaN decay trained to NaN; "2" failed in numpy's indexing."""
     with pytest.raises(error, match=f"diag_optimizer: {message}"):
-        optim.diag_optimizer(1e-3, alpha_learning_rate=0.1, **kwargs)
+        optim.diag_optimizer(**{"learning_rate": 1e-3, "alpha_learning_rate": 0.1, **kwargs})
 
 
 @pytest.mark.parametrize(

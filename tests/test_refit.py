@@ -189,6 +189,8 @@ def test_bad_inputs_are_refused_with_the_reason():
     ):
         with pytest.raises(error, match=match):
             dd.refit(model, one_shot, Single(40), dense, x, ridge=ridge)
+    with pytest.raises(TypeError, match="refit: sequential must be True or False, got str"):
+        dd.refit(model, one_shot, Single(40), dense, x, sequential="no")
     with pytest.raises(ValueError, match="variables must be variables with a 'params'"):
         dd.refit(model, {"diagonals": {}}, Single(40), dense, x)
     with pytest.raises(TypeError, match="refit: dense_variables must be a mapping"):

@@ -232,6 +232,7 @@ class DiagonalDense(nn.Module):
             param_dtype=self.param_dtype,
             kernel_init=self.kernel_init,
             bias_init=self.bias_init,
+            use_bias=self.use_bias,
         )
         F.check_init_and_search(self.fan_in, self.scale)
         perms.check_permutation_args(

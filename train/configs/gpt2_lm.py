@@ -71,7 +71,7 @@ def get_config(arg=None):
         sparse_lr_scale="init_gain",
     )
     if arg.runlocal:
-        if "variant" not in typed:  # runlocal,variant=S/16 smoke-runs that variant
+        if "variant" not in typed:  # runlocal,variant=micro smoke-runs that variant
             config.model.variant = "mu"
         config.unstructured.update_every = 2  # rigl/set/mest update their masks in a short run
         config.data.seq_len = 32

@@ -27,7 +27,7 @@ On a GPU every sparse layer runs at dense speed: with dynadiag.impl="auto", elem
 default block_size=1) run as W built on the device + XLA's dot, by design (scattered diagonals
 cannot beat cuBLAS). block_size=16 or 32 are no faster today: the GPU cost model, which counts the
 instructions the compiled CUDA kernels issue, predicts none at 90% with the 1.25x over dense that
-"auto" asks for (the kernels at 1.13x forward / 0.81x step of cuBLAS for ViT-B/16's fc1 at 90%,
+"auto" asks for (the kernels at 1.14x forward / 0.81x step of cuBLAS for ViT-B/16's fc1 at 90%,
 b=16, bfloat16, H100; 1.07x / 0.87x at b=32), so "auto" takes the dense path for them too.
 The fastest GPU command predicted is therefore the sparsity=0.9 one above, at about the dense
 step time plus the search's gate work; the script prints the path and predicted speed of every
