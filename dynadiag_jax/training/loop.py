@@ -1010,14 +1010,18 @@ def train(
 
     Raises:
       TypeError: a step count, period or seed that is not an int, or an argument of the wrong kind
-        (a model that is not a Module, a train_data that is not a BatchSource, a hook not callable).
-      ValueError: a step count or period out of range, other bad arguments or a batch size not
-        divisible by the device count;
+        (a model that is not a Module, a train_data that is not a BatchSource, a hook not callable,
+        an eval_data that is a one-shot iterator).
+      ValueError: a step count or period out of range, other bad arguments, a training or
+        evaluation batch size not divisible by the device count, a first batch the task refuses
+        (``check_batch``: labels that are no class) or whose model inputs differ from
+        ``example_input`` beyond the first axis; a ``train_data`` that runs out before
+        ``num_steps`` (its last step saved);
         :class:`CheckpointMismatch` (a ``ValueError``): the newest checkpoint in ``workdir`` was
-        written with another ``run_info``, seed or model shape, no committed checkpoint there can
-        be read (one that cannot while an earlier one can is set aside, with a warning, and the
-        run resumes from the earlier one), or ``workdir`` cannot hold checkpoints (a file, not
-        writable) — all before anything is compiled.
+        written with another ``run_info``, seed or model shape, or past ``num_steps``, no
+        committed checkpoint there can be read (one that cannot while an earlier one can is set
+        aside, with a warning, and the run resumes from the earlier one), or ``workdir`` cannot
+        hold checkpoints (a file, not writable) — all before anything is compiled.
       Interrupted: (a ``KeyboardInterrupt``) after SIGINT/SIGTERM, once the current step is
         checkpointed; its ``signum`` says which.
     """
