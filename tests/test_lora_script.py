@@ -209,6 +209,21 @@ def test_lm_run_with_a_lora_phase_and_lora_fa_on_its_checkpoint(tmp_path, capsys
     assert after["perplexity"] != before["perplexity"] and after["adapter"] > 0
 
 
+def test_settings_the_phase_would_not_read_are_refused(tmp_path):
+    """optimizer.learning_rate / warmup_steps were replaced by lora.learning_rate and no warm-up
+    without a word, lora.alpha=0 trained nothing, and another script's config died in an
+    AttributeError."""
+    for key, value in (("learning_rate", 0.5), ("warmup_steps", 3)):
+        config = lora_fa_config("runs/x")
+        config.optimizer[key] = value
+        with pytest.raises(common.ConfigError, match=f"optimizer.{key} is not read"):
+            script.prepare(config)
+    with pytest.raises(common.ConfigError, match="lora.alpha=0 scales the adapters to nothing"):
+        script.prepare(lora_fa_config("runs/x", alpha=0.0))
+    with pytest.raises(common.ConfigError, match="no 'suite' entry: give train/configs/lora_fa"):
+        script.prepare(gpt2_lm.get_config("runlocal"))
+
+
 def test_lm_lora_phase_is_checked_before_training():
     dense = gpt2_lm.get_config("runlocal,sparsity=0")
     dense.lora.steps = 2

@@ -973,6 +973,11 @@ def test_sparsify_script_one_shot_and_fine_tune_from_a_dense_run(run_python, tmp
         setattr(bad, key, value)
         with pytest.raises(common.ConfigError, match=message):
             sparsify.prepare(bad)
+    with pytest.raises(common.ConfigError, match="no 'suite' entry: give train/configs/sparsify"):
+        sparsify.prepare(vit_imagenet.get_config("runlocal"))  # was an AttributeError
+    tiny = config.copy_and_resolve_references()
+    tiny.train.finetune_fraction = 1e-4  # rounded to 0 steps: the one-shot model alone
+    assert sparsify.prepare(tiny)[-2] == 1
     config.train.finetune_fraction = 0.0
     one_shot = config.copy_and_resolve_references()
     sparsify.run(config, tmp_path / "once", progress=False)
@@ -1128,6 +1133,13 @@ def test_bad_alpha_lr_scale_and_lora_learning_rate_are_reported_before_compiling
             dict(data=dict(randaugment=dict(num_ops=-1))),
             r"^data.randaugment.num_ops must be >= 0, got -1$",
         ),
+        # each draw is clipped to 10: any mean above trained as 10
+        (
+            dict(data=dict(randaugment=dict(magnitude=25.0))),
+            r"^data.randaugment.magnitude must be in \[0, 10\], got 25.0$",
+        ),
+        # a misspelt method at sparsity 0 trained dense
+        (dict(method="rgil", dynadiag=dict(sparsity=0.0)), "method must be one of .* got 'rgil'"),
     ],
 )
 def test_imagenet_bad_lengths_and_data_entries_are_reported_before_compiling(changes, message):
@@ -1136,7 +1148,10 @@ def test_imagenet_bad_lengths_and_data_entries_are_reported_before_compiling(cha
         if section == "data" and "randaugment" in values:
             config.data.randaugment.update(values["randaugment"])
             continue
-        config[section].update(values)
+        if isinstance(values, dict):
+            config[section].update(values)
+        else:
+            config[section] = values
     with CompileCounter() as c, pytest.raises(common.ConfigError, match=message):
         imagenet.prepare(config)
     assert c.count == 0

@@ -169,6 +169,25 @@ def test_script_refuses_to_resume_another_recipe_in_one_message(run_python, tmp_
     assert "optimizer.learning_rate: 0.001 in the checkpoint, 0.05 in this run" in proc.stderr
 
 
+def test_settings_the_script_does_not_read_are_named():
+    """A dynadiag.layers override reached the suite's ViT and not the plain one (two sparsity
+    patterns compared), and the config's sparsities trained at --sparsity without a word."""
+    assert U.unread_settings(_config()) == []
+    config = _config()
+    with config.unlocked():
+        config.models.vit.dynadiag.layers = (".*/attn/qkv",)
+        config.models.vit.sparsities = (0.8,)
+    assert U.unread_settings(config) == [
+        "models.vit.sparsities",
+        "models.vit.dynadiag.layers (the plain ViT's layers are RULES)",
+    ]
+    config = _config()
+    with config.unlocked():
+        config.speed.repeats = 0  # a median of nothing: the report printed "nanx"
+    with pytest.raises(common.ConfigError, match="speed.repeats must be >= 1, got 0"):
+        R.prepare(U.trained_config(config, 0.9))
+
+
 def test_train_one_passes_the_progress_bar_on(monkeypatch, tmp_path):
     """--progress (the default) shows a bar over each run's steps; it had none."""
     seen = {}

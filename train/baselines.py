@@ -287,6 +287,7 @@ def from_config(config, *, num_steps: int, warmup_steps: int, **model_kwargs) ->
     """The method that ``config.method`` names (``dense`` when ``dynadiag.sparsity`` is 0), built
     from the config's ``model``, ``dynadiag``, ``unstructured`` and ``optimizer`` sections."""
     sparsity = float(config.dynadiag.sparsity)
+    check(config.method, config.unstructured)  # a misspelt method at sparsity 0 trained dense
     return build(
         config.method if sparsity else "dense",
         model_cfg=config.model,

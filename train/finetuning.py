@@ -113,6 +113,11 @@ def check_lora(lora_cfg) -> None:
         )
     if not float(lora_cfg.learning_rate) > 0:
         raise common.ConfigError(f"lora.learning_rate must be > 0, got {lora_cfg.learning_rate}")
+    if rank and float(lora_cfg.alpha) == 0:  # the adapters' scale alpha / rank: B gets no gradient
+        raise common.ConfigError(
+            "lora.alpha=0 scales the adapters to nothing (B gets no gradient): give alpha > 0, or "
+            "lora.rank=0 with lora.train_values=True for the values alone"
+        )
 
 
 def trained_patterns(lora_cfg) -> list[str]:

@@ -75,7 +75,8 @@ def prepare(config):
         int(config.data.prefetch),
     )
     for section, prefix, key, bounds in (
-        (ra, "data.randaugment", "magnitude", common.NON_NEGATIVE),
+        # RandAugment clips each draw to [0, 10]: a mean above 10 trains as 10
+        (ra, "data.randaugment", "magnitude", ("in [0, 10]", lambda v: 0 <= v <= 10)),
         (ra, "data.randaugment", "magnitude_std", common.NON_NEGATIVE),
         (ra, "data.randaugment", "prob", common.PROBABILITY),
         (config.mixup, "mixup", "mixup_alpha", common.NON_NEGATIVE),

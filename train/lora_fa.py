@@ -84,8 +84,17 @@ def prepare(config, workdir=None) -> Prepared:
     problem (a checkpoint of another model or method, ``workdir`` the source's own) surfaces
     here, before training. ``config.checkpoint`` and ``config.step`` become the resolved run
     directory and step, so the recipe names the model it started from."""
-    common.check_config(config, default_config.get_config(f"suite={config.suite}"))
+    if "suite" not in config:  # another script's config: its keys are not this one's
+        raise common.ConfigError("the config has no 'suite' entry: give train/configs/lora_fa.py")
+    default = default_config.get_config(f"suite={config.suite}")
+    common.check_config(config, default)
     common.check_train_section(config.train)
+    for key in ("learning_rate", "warmup_steps"):  # the phase's: lora.learning_rate, no warm-up
+        if config.optimizer[key] != default.optimizer[key]:
+            raise common.ConfigError(
+                f"optimizer.{key} is not read: the phase trains at lora.learning_rate without "
+                "a warm-up (set lora.learning_rate instead)"
+            )
     if not config.checkpoint:
         raise common.ConfigError("checkpoint= (the frozen DynaDiag run's workdir) is required")
     fraction = float(config.train.finetune_fraction)

@@ -462,6 +462,9 @@ def prepare(config, *, timed: bool = False) -> Data:
     common.check_config(config, default_config.get_config(), free=("models",))
     if not config.models:
         raise common.ConfigError("need at least one model")
+    for key, low in (("repeats", 1), ("warmup", 0), ("clean_repeats", 1)):
+        if int(config.speed[key]) < low:  # 0 repeats: a median of nothing, NaN ratios
+            raise common.ConfigError(f"speed.{key} must be >= {low}, got {config.speed[key]}")
     mesh = T.data_mesh()
     T.check_batch_size(int(config.eval_batch_size), mesh, name="eval_batch_size")
     for name, m in config.models.items():

@@ -58,6 +58,8 @@ def prepare(config, workdir=None):
     refitted by ``dd.refit`` (None without ``refit_examples``), baselines.Method, fine-tune steps,
     example)``.
     """
+    if "suite" not in config:  # another script's config: its keys are not this one's
+        raise common.ConfigError("the config has no 'suite' entry: give train/configs/sparsify.py")
     common.check_config(config, default_config.get_config(f"suite={config.suite}"))
     common.check_train_section(config.train)
     if not config.checkpoint:
@@ -82,7 +84,8 @@ def prepare(config, workdir=None):
     T.check_batch_size(int(config.train.batch_size), mesh)
     T.check_batch_size(int(config.train.eval_batch_size), mesh, name="train.eval_batch_size")
     data = finetuning.suite_data(config)
-    steps = round(fraction * data.scratch_steps)
+    # 0: the one-shot model alone; any fraction above trains at least one step
+    steps = max(1, round(fraction * data.scratch_steps)) if fraction else 0
     built = baselines.build(
         "dynadiag",
         model_cfg=config.model,

@@ -15,6 +15,10 @@ the table:
   python train/unedited_vit.py                        # 3 seeds at 90%, ~5 min on two cores
   python train/unedited_vit.py --seeds=1 --config=train/configs/results.py:quick
 
+``--seeds`` defaults to the config's ViT suite's ``seeds`` (``:quick``: 1). The config's
+``sparsities``, ``methods`` and sparse ``layers`` are not read (``--sparsity`` is the one trained,
+:data:`RULES` the plain ViT's layers): a config that changes them is refused.
+
 Interrupt at any time: finished runs are kept and the same command resumes the interrupted one.
 Each run's recipe (the suite's DynaDiag settings, data and sparsity) is kept with its checkpoints
 and its record: running another one in the same ``--workdir`` is refused with the settings that
@@ -295,22 +299,40 @@ def run(
     return report(chosen, timings, sparsity)
 
 
+def unread_settings(config) -> list[str]:
+    """The entries of the config's ViT suite that this script does not read but the config
+    changes from the suite's default (``--sparsity`` is trained, :data:`RULES` sparsify the plain
+    ViT)."""
+    m, default = config.models[SUITE], default_config.get_config(f"models={SUITE}").models[SUITE]
+    unread = [
+        f"models.{SUITE}.{key}"
+        for key in ("sparsities", "methods", "goal_methods")
+        if tuple(m[key]) != tuple(default[key])
+    ]
+    if tuple(m.dynadiag.layers) != tuple(default.dynadiag.layers):
+        unread.append(f"models.{SUITE}.dynadiag.layers (the plain ViT's layers are RULES)")
+    return unread
+
+
 def main(argv):
     del argv
     config = FLAGS.config
+    if "models" not in config:  # another script's config
+        common.die("the config has no 'models' entry: give train/configs/results.py")
     if SUITE not in config.models:
         common.die(f"the config has no {SUITE!r} suite (use models={SUITE} or the default)")
     if not 0.0 < FLAGS.sparsity < 1.0:
         common.die(f"--sparsity must lie in (0, 1), got {FLAGS.sparsity}")
+    unread = unread_settings(config)
+    if unread:
+        common.die(
+            f"unedited_vit.py trains --sparsity={FLAGS.sparsity:g} with the suite's sparse layers "
+            f"and --seeds; it does not read {', '.join(unread)}: leave them at their defaults"
+        )
+    seeds = FLAGS.seeds or int(config.models[SUITE].seeds)
     common.run_script(
         lambda: print(
-            run(
-                config,
-                pathlib.Path(FLAGS.workdir),
-                FLAGS.seeds,
-                FLAGS.sparsity,
-                progress=FLAGS.progress,
-            )
+            run(config, pathlib.Path(FLAGS.workdir), seeds, FLAGS.sparsity, progress=FLAGS.progress)
         )
     )
 
@@ -318,7 +340,9 @@ def main(argv):
 if __name__ == "__main__":  # flags exist only when run as a file (tests import this module)
     cli.define_config_flag(str(pathlib.Path(default_config.__file__)))
     flags.DEFINE_string("workdir", "runs/unedited_vit", "run directories and records")
-    flags.DEFINE_integer("seeds", 3, "seeds 0 .. n-1", lower_bound=1)
+    flags.DEFINE_integer(
+        "seeds", 0, "seeds 0 .. n-1 (0: the config's ViT suite's seeds)", lower_bound=0
+    )
     flags.DEFINE_float("sparsity", 0.9, "sparsity of the diagonal layers")
     flags.DEFINE_bool("progress", True, "show a progress bar over each run's steps")
     app.run(main, flags_parser=cli.parse_flags)
