@@ -346,6 +346,12 @@ def test_metric_writer_drops_records_after_the_resume_step(tmp_path):
     records = list(T.read_jsonl(tmp_path / "metrics.jsonl"))
     assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     assert records[0]["v"] == [0, 1]
+    with pytest.raises(ValueError, match="metrics writer of .* is closed"):  # an AttributeError
+        w.write(4, "train", {"loss": 4.0})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write("3\n")  # valid JSON, no record: a resume died in an AttributeError
+    assert len(list(T.read_jsonl(tmp_path / "metrics.jsonl"))) == 3
+    T.MetricWriter(tmp_path, start_step=3, tensorboard=False).close()
 
 
 def test_metric_writer_of_a_fresh_run_drops_every_earlier_record(tmp_path):

@@ -110,9 +110,12 @@ class MetricWriter:
             )
 
     def write(self, step: int, kind: str, values: Mapping[str, Any]) -> None:
-        """Append one record; numeric finite scalars also go to TensorBoard as ``kind/name``."""
+        """Append one record; numeric finite scalars also go to TensorBoard as ``kind/name``.
+        ``ValueError`` after :meth:`close`."""
         if not self.enabled:
             return
+        if self._file is None:
+            raise ValueError(f"the metrics writer of {self.path} is closed: nothing can be written")
         record = {"step": int(step), "kind": kind, **_plain(values)}
         self._file.write(json.dumps(record) + "\n")
         self._logged.add((int(step), kind))
