@@ -715,7 +715,7 @@ class LoRAFA(nnx.Module):
 
     Args:
       base: the adapted layer, an ``nnx.Linear`` or a :class:`DiagonalDense` (either phase; its
-        product keeps running through ``dd.diag_matmul``).
+        product keeps running through ``dd.diag_matmul``), a :class:`DiagonalDenseGeneral` too.
       rank: ``r``, in ``[1, min(in, out)]``.
       scale: ``alpha / r``.
       a_init: initializer of ``A`` (default N(0, 1/in)); param_dtype: dtype of ``A`` and ``B``.
@@ -753,9 +753,14 @@ class LoRAFA(nnx.Module):
         self.lora_b = nnx.Param(jnp.zeros((*stack, n_out, rank), param_dtype))
 
     def __call__(self, x, **kwargs):
-        """``x[..., in] -> [..., out]``; ``kwargs`` go to ``base``."""
-        y = self.base(x, **kwargs)
+        """``x[..., in] -> [..., out]`` (a :class:`DiagonalDenseGeneral` base: ``[...,
+        *in_shape] -> [..., *out_shape]``, the adapter on the flattened axes as the base's
+        product); ``kwargs`` go to ``base``."""
+        y = self.base(x, **kwargs)  # checks x first
         a, b = self.lora_a.get_value(), self.lora_b.get_value()
+        if isinstance(self.base, DiagonalDenseGeneral):
+            flat = x.reshape((*x.shape[: x.ndim - len(self.base.in_shape)], -1))
+            return y + low_rank_term(flat.astype(y.dtype), a, b, self.scale).reshape(y.shape)
         return y + low_rank_term(x.astype(y.dtype), a, b, self.scale)
 
 
@@ -769,8 +774,9 @@ def lora_fa(
     a_init=default_a_init,
     param_dtype=jnp.float32,
 ):
-    """Wraps, in place, every ``nnx.Linear`` / :class:`DiagonalDense` of ``model`` whose path a
-    pattern of ``layers`` matches in a :class:`LoRAFA`; returns ``model``.
+    """Wraps, in place, every ``nnx.Linear`` / :class:`DiagonalDense` (:class:`DiagonalDenseGeneral`
+    included: an ``nnx.LinearGeneral`` :func:`sparsify` replaced) of ``model`` whose path a pattern
+    of ``layers`` matches in a :class:`LoRAFA`; returns ``model``.
 
     Args:
       model: an NNX module (also one :func:`sparsify` or :func:`freeze` returned).
@@ -800,7 +806,7 @@ def lora_fa(
     return _replace_layers(
         model,
         rules,
-        (nnx.Linear, DiagonalDense),
+        (nnx.Linear, DiagonalDense, DiagonalDenseGeneral),  # the last: sparsify's LinearGeneral
         lambda layer, path, rule: LoRAFA(layer, rngs=rngs, path=path, **rule.kwargs),
         "dd.nnx.lora_fa",
     )

@@ -372,6 +372,28 @@ def test_a_stacked_ensemble_sets_its_gates_and_freezes_per_member(block_size):
     np.testing.assert_allclose(forward(frozen, x), forward(each, x), rtol=1e-6)
 
 
+def test_lora_fa_adapts_the_layer_sparsify_made_of_a_linear_general():
+    """It listed "(none)" for the DiagonalDenseGeneral at the pattern's path (linen tells users to
+    sparsify such layers first, then adapt them)."""
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.LinearGeneral((4, 4), (2, 4), axis=(-2, -1), rngs=rngs)
+
+        def __call__(self, x):
+            return self.fc(x)
+
+    model = dd.nnx.sparsify(Model(nnx.Rngs(0)), [("fc", {"sparsity": 0.5})], rngs=nnx.Rngs(1))
+    x = jax.random.normal(jax.random.key(2), (3, 4, 4))
+    before = model(x)
+    dd.nnx.lora_fa(model, ["fc"], rank=2, alpha=4.0, rngs=nnx.Rngs(3))
+    np.testing.assert_allclose(model(x), before, rtol=1e-6)  # B starts at zero
+    a, b = model.fc.lora_a.get_value(), model.fc.lora_b
+    b.set_value(jax.random.normal(jax.random.key(4), b.get_value().shape))
+    low_rank = 2.0 * (x.reshape(3, 16) @ a.T) @ b.get_value().T
+    np.testing.assert_allclose(model(x), before + low_rank.reshape(3, 2, 4), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("block_size", [1, 8])
 @pytest.mark.parametrize("phase", ["search", "frozen"])
 def test_lora_fa_gives_each_member_of_a_stacked_layer_its_own_adapter(block_size, phase):
