@@ -75,9 +75,10 @@ def finite_number(value, name: str) -> float:
     return float(value)
 
 
-def drop_rate(value, name: str) -> float:
+def fraction(value, name: str) -> float:
     """``value`` as a float in ``[0, 1)``: a dropout or drop-path rate (``1`` drops everything,
-    a negative one scales training's activations up against evaluation's)."""
+    a negative one scales training's activations up against evaluation's), Adam's ``b1``/``b2``,
+    a label smoothing."""
     value = finite_number(value, name)
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value!r}")

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import optax
 
-from dynadiag_jax._checks import finite_number, non_negative
+from dynadiag_jax._checks import finite_number, fraction, non_negative
 
 __all__ = [
     "alpha_mask",
@@ -109,10 +109,13 @@ def compile_patterns(patterns: Sequence[str], name: str = "patterns") -> list[re
     return compiled
 
 
-def path_mask(patterns: Sequence[str], *, match: bool = True, min_ndim: int = 0):
+def path_mask(
+    patterns: Sequence[str], *, match: bool = True, min_ndim: int = 0, name: str = "patterns"
+):
     """``params -> bool tree``: True where the leaf's "/"-joined path fully matches a pattern
-    (``match``) or none (``not match``), and the leaf has at least ``min_ndim`` axes."""
-    compiled = compile_patterns(patterns)
+    (``match``) or none (``not match``), and the leaf has at least ``min_ndim`` axes; bad
+    patterns are refused as :func:`compile_patterns` does, by ``name``."""
+    compiled = compile_patterns(patterns, name)
 
     def mask(params):
         def hit(names, leaf, parent):
@@ -127,8 +130,7 @@ def path_mask(patterns: Sequence[str], *, match: bool = True, min_ndim: int = 0)
 def weight_decay_mask(params, no_decay: Sequence[str] = NO_DECAY):
     """Tree of bools: True where weight decay applies: leaves with >= 2 axes whose path matches
     none of ``no_decay`` (so stacked layers' biases, with 2 axes, stay undecayed too)."""
-    compile_patterns(no_decay, "no_decay")  # named, not as path_mask's "patterns"
-    return path_mask(no_decay, match=False, min_ndim=2)(params)
+    return path_mask(no_decay, match=False, min_ndim=2, name="no_decay")(params)
 
 
 def param_labels(params):
@@ -184,9 +186,8 @@ def diag_optimizer(
     ):
         if not callable(rate):  # a schedule is called with the step; a number must be a rate
             non_negative(rate, f"diag_optimizer: {name} (a number or a schedule)")
-    for name, value in (("b1", b1), ("b2", b2)):
-        if not 0.0 <= finite_number(value, f"diag_optimizer: {name}") < 1.0:
-            raise ValueError(f"diag_optimizer: {name} must be in [0, 1), got {value!r}")
+    fraction(b1, "diag_optimizer: b1")
+    fraction(b2, "diag_optimizer: b2")
     non_negative(eps, "diag_optimizer: eps")
     non_negative(weight_decay, "diag_optimizer: weight_decay")
     if finite_number(values_lr_scale, "diag_optimizer: values_lr_scale") <= 0.0:

@@ -205,7 +205,7 @@ def timing_recipe(config, model_name: str, data: Data) -> str:
         "unstructured": config.unstructured.to_dict(),
         "speed": config.speed.to_dict(),
     }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return _digest(parts)
 
 
 def read_timings(workdir: pathlib.Path) -> dict | None:
@@ -515,7 +515,11 @@ def prepare(config, *, timed: bool = False) -> Data:
 
 def fingerprint(config, model_name: str, method: str, steps: int) -> str:
     """Hash of :func:`recipe` (a changed setting retrains the run)."""
-    parts = recipe(config, model_name, method, steps)
+    return _digest(recipe(config, model_name, method, steps))
+
+
+def _digest(parts) -> str:
+    """A short hash of JSON-able ``parts`` (keys sorted)."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -284,7 +284,7 @@ def run(
             if (name, seed, sparsity) in done:
                 continue
             print(f"training {name} seed {seed} ...", flush=True)
-            run_dir = workdir / f"{name}_s{round(100 * sparsity)}_seed{seed}"
+            run_dir = workdir / f"{name}_s{R.run_percent(sparsity)}_seed{seed}"
             record = {"variant": name, "seed": seed, "sparsity": sparsity, "recipe": recipes[name]}
             record.update(
                 train_one(

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax.numpy as jnp
 
-from dynadiag_jax._checks import drop_rate, int_at_least
+from dynadiag_jax._checks import fraction, int_at_least
 from dynadiag_jax.models.blocks import FeedForward, SelfAttention
 from dynadiag_jax.models.routing import Dense, resolve_dense
 
@@ -93,7 +93,7 @@ class GPT2(nn.Module):
     def __post_init__(self):
         int_at_least(self.vocab_size, "GPT2: vocab_size", 1)
         int_at_least(self.block_size, "GPT2: block_size", 1)
-        drop_rate(self.dropout, "GPT2: dropout")
+        fraction(self.dropout, "GPT2: dropout")
         if self.variant not in SIZES:
             raise ValueError(f"unknown GPT2 variant {self.variant!r}; known: {', '.join(SIZES)}")
         super().__post_init__()

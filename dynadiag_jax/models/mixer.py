@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax._checks import drop_rate, int_at_least
+from dynadiag_jax._checks import fraction, int_at_least
 from dynadiag_jax.models.blocks import DropPath, FeedForward, patch_tokens
 from dynadiag_jax.models.routing import Dense, resolve_dense
 from dynadiag_jax.models.variants import parse_variant
@@ -84,7 +84,7 @@ class MlpMixer(nn.Module):
 
     def __post_init__(self):
         int_at_least(self.num_classes, "MlpMixer: num_classes", 1)
-        drop_rate(self.drop_path, "MlpMixer: drop_path")
+        fraction(self.drop_path, "MlpMixer: drop_path")
         parse_variant(self.variant, SIZES, model="MlpMixer")
         super().__post_init__()
 

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax._checks import drop_rate, int_at_least
+from dynadiag_jax._checks import fraction, int_at_least
 from dynadiag_jax.models.blocks import DropPath, FeedForward, SelfAttention, patch_tokens
 from dynadiag_jax.models.routing import Dense, resolve_dense
 from dynadiag_jax.models.variants import parse_variant
@@ -105,8 +105,8 @@ class ViT(nn.Module):
 
     def __post_init__(self):
         int_at_least(self.num_classes, "ViT: num_classes", 1)
-        drop_rate(self.drop_path, "ViT: drop_path")
-        drop_rate(self.dropout, "ViT: dropout")
+        fraction(self.drop_path, "ViT: drop_path")
+        fraction(self.dropout, "ViT: dropout")
         parse_variant(self.variant, SIZES, model="ViT")
         super().__post_init__()
 

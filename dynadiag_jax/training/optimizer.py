@@ -15,7 +15,7 @@ import optax
 from flax import traverse_util
 
 import dynadiag_jax as dd
-from dynadiag_jax._checks import finite_number, non_negative
+from dynadiag_jax._checks import finite_number, fraction, non_negative
 
 __all__ = ["NO_DECAY", "adamw", "merge_params", "split_params", "train_only"]
 
@@ -65,9 +65,8 @@ def adamw(
             )
         _positive(learning_rate, "learning_rate")
     non_negative(weight_decay, "weight_decay")
-    for name, value in (("b1", b1), ("b2", b2)):
-        if not 0.0 <= finite_number(value, name) < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    fraction(b1, "b1")
+    fraction(b2, "b2")
     non_negative(eps, "eps")
     dd.optim.compile_patterns(no_decay, "no_decay")
     if clip_norm is not None:
@@ -116,9 +115,9 @@ def split_params(params, patterns: Sequence[str]) -> tuple[dict, dict]:
     """``(trained, fixed)``: the params whose "/"-joined path fully matches a pattern, and the
     others, each nested as in ``params`` (so path-based masks see the same names);
     :func:`merge_params` joins them back. Raises ``ValueError`` if no param matches."""
-    dd.optim.compile_patterns(patterns, "trained")
     flat = traverse_util.flatten_dict(params, keep_empty_nodes=True)
-    hits = traverse_util.flatten_dict(dd.optim.path_mask(patterns)(params), keep_empty_nodes=True)
+    mask = dd.optim.path_mask(patterns, name="trained")
+    hits = traverse_util.flatten_dict(mask(params), keep_empty_nodes=True)
     picked = {k for k, v in flat.items() if v is not traverse_util.empty_node and hits[k] is True}
     if not picked:
         raise ValueError(f"trained: the patterns {list(patterns)} match no param")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dynadiag_jax._checks import finite_number, int_at_least
+from dynadiag_jax._checks import fraction, int_at_least
 from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.training.mixup import MixupCutmix
 
@@ -58,11 +58,7 @@ class Classification:
 
     def __post_init__(self):
         int_at_least(self.num_classes, "Classification: num_classes", 2)
-        smoothing = finite_number(self.label_smoothing, "Classification: label_smoothing")
-        if not 0.0 <= smoothing < 1.0:
-            raise ValueError(
-                f"Classification: label_smoothing must be in [0, 1), got {self.label_smoothing!r}"
-            )
+        fraction(self.label_smoothing, "Classification: label_smoothing")
         if self.mixup is not None and not callable(self.mixup):
             raise TypeError(
                 "Classification: mixup must be a MixupCutmix or None, "
@@ -138,10 +134,9 @@ class Classification:
         """Sums of per-example loss and correct predictions over the unmasked examples."""
         self._check_width(logits)
         m = _mask(batch, logits.shape[0])
-        ce = optax.softmax_cross_entropy_with_integer_labels(
-            logits, self._labels(batch, logits.shape[0])
-        )
-        correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+        labels = self._labels(batch, logits.shape[0])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
         return {"loss": (ce * m).sum(), "correct": (correct * m).sum(), "count": m.sum()}
 
     @staticmethod
