@@ -202,6 +202,58 @@ def test_bad_sizes_and_constructors_fail_at_construction_by_name(make, error, ma
         make()
 
 
+def test_keywords_a_constructor_binds_are_kept():
+    """The models passed use_bias=True and dtype=None to every replaceable layer, overriding
+    what a functools.partial bound: a bias came back and bfloat16 fell back to float32."""
+    import dynadiag_jax as dd
+
+    x = jnp.ones((2, 16))
+    for ctor in (nn.Dense, functools.partial(dd.nn.DiagonalDense, sparsity=0.5)):
+        model = models.MLP(
+            10, hidden=(16,), dense=functools.partial(ctor, use_bias=False, dtype=jnp.bfloat16)
+        )
+        with jax.numpy_dtype_promotion("standard"):  # the float32 head takes the bf16 output
+            variables = model.init(KEY, x)
+            _, inter = model.apply(variables, x, capture_intermediates=True)
+        assert "bias" not in variables["params"]["hidden_0"]
+        assert inter["intermediates"]["hidden_0"]["__call__"][0].dtype == jnp.bfloat16
+    # the model's own dtype still reaches a constructor that binds none
+    variables = models.MLP(10, hidden=(16,), dtype=jnp.bfloat16).init(KEY, x)
+    _, inter = models.MLP(10, hidden=(16,), dtype=jnp.bfloat16).apply(
+        variables, x, capture_intermediates=True
+    )
+    assert inter["intermediates"]["hidden_0"]["__call__"][0].dtype == jnp.bfloat16
+
+
+def test_by_path_matches_the_same_layers_when_the_model_is_nested():
+    """Patterns were matched against the absolute module path: inside a wrapper module every
+    anchored pattern (the MLP's SPARSE_LAYERS, the paths replaceable_layers lists) matched
+    nothing, and the model stayed dense without a word."""
+    import dynadiag_jax as dd
+
+    sparse = functools.partial(dd.nn.DiagonalDense, sparsity=0.5)
+    x = jnp.ones((1, 8, 8, 3))
+    qkv = "encoder/block_0/attn/qkv"
+    assert qkv in models.replaceable_layers(models.ViT(10, "mu/4"), x)
+    for make, patterns in (
+        (functools.partial(models.ViT, 10, "mu/4"), (qkv,)),
+        (functools.partial(models.MLP, 10, hidden=(16,)), models.mlp.SPARSE_LAYERS),
+    ):
+
+        class Wrapper(nn.Module):
+            inner: nn.Module
+
+            def __call__(self, x):
+                return self.inner(x)
+
+        inner = make(dense=models.ByPath(patterns, sparse=sparse))
+        alone = jax.eval_shape(inner.init, KEY, x)["params"]
+        nested = jax.eval_shape(Wrapper(inner).init, KEY, x)["params"]["inner"]
+        assert jax.tree.structure(alone) == jax.tree.structure(nested)
+        paths = ["/".join(map(str, p)) for p, _ in jax.tree.leaves_with_path(nested)]
+        assert sum("alpha" in p for p in paths) == 1
+
+
 def test_bad_input_shapes_name_the_expectation():
     with pytest.raises(ValueError, match="divisible by 4"):
         models.ViT(10, "mu/4").init(KEY, jnp.ones((1, 10, 10, 3)))
@@ -209,6 +261,21 @@ def test_bad_input_shapes_name_the_expectation():
         models.GPT2(256, "mu", block_size=8).init(KEY, jnp.ones((1, 9), jnp.int32))
     with pytest.raises(TypeError, match="integers"):
         models.GPT2(256, "mu", block_size=8).init(KEY, jnp.ones((1, 8), jnp.float32))
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        models.MLP(10, hidden=(8,)).init(KEY, jnp.ones((784,)))  # once 784 examples of width 1
+
+
+def test_gpt2_token_ids_out_of_range():
+    """Ids >= vocab_size gave NaN logits silently, negative ones the embedding of vocab + id."""
+    model = models.GPT2(256, "mu", block_size=8)
+    tokens = jnp.arange(8, dtype=jnp.int32)[None]
+    variables = model.init(KEY, tokens)
+    for bad in (256, -1):
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=256\)"):
+            model.apply(variables, tokens.at[0, 3].set(bad))
+        logits = jax.jit(model.apply)(variables, tokens.at[0, 3].set(bad))
+        assert np.isnan(logits).all()
+    assert np.isfinite(jax.jit(model.apply)(variables, tokens)).all()
 
 
 def test_by_path_builds_block_diagonal_layers():

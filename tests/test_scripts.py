@@ -70,6 +70,11 @@ def _on_tfds(config, root: pathlib.Path):
         (lambda c: c.train.unlock().update(bogus=1), "unknown config keys: train.bogus"),
         (lambda c: c.model.update(name="resnet"), "unknown model 'resnet'"),
         (lambda c: c.model.update(depth=3), "unknown mlp model arguments: depth"),
+        # the script set 10 from the data over it, silently
+        (
+            lambda c: c.model.update(num_classes=5),
+            "model.num_classes=5: the script sets num_classes=10 from the data",
+        ),
         (
             lambda c: c.data.update(source="fashion_mnist", data_dir="/nonexistent"),
             "does not exist",

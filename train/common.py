@@ -129,6 +129,13 @@ def sparse_layer(cfg) -> functools.partial:
 def build_model(model_cfg, dynadiag_cfg, **overrides) -> nn.Module:
     """The model named ``model_cfg.name`` with the config's arguments; replaceable layers matching
     ``dynadiag_cfg.layers`` become DiagonalDense unless ``dynadiag_cfg.sparsity == 0`` (dense)."""
+    clash = sorted(k for k in overrides if k in model_cfg and model_cfg[k] != overrides[k])
+    if clash:
+        raise ConfigError(
+            "; ".join(f"model.{k}={model_cfg[k]!r}" for k in clash)
+            + f": the script sets {', '.join(f'{k}={overrides[k]!r}' for k in clash)} from the "
+            "data; remove it from the config"
+        )
     kwargs = {**dict(model_cfg), **overrides}
     name = kwargs.pop("name", None)
     if name not in MODELS:
@@ -139,7 +146,7 @@ def build_model(model_cfg, dynadiag_cfg, **overrides) -> nn.Module:
     if unknown:
         raise ConfigError(
             f"unknown {name} model arguments: {', '.join(unknown)}; accepted: "
-            f"{', '.join(sorted(fields))}"
+            f"{', '.join(sorted(fields - set(overrides)))}"
         )
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
     if sparsity_of(dynadiag_cfg) != 0.0:

@@ -11,6 +11,7 @@ import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from dynadiag_jax._checks import fraction, int_at_least
@@ -100,7 +101,12 @@ class GPT2(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, *, train: bool = False):
-        """``tokens[B, T]`` int (T <= block_size) -> next-token logits ``[B, T, vocab_size]``."""
+        """``tokens[B, T]`` int (T <= block_size) -> next-token logits ``[B, T, vocab_size]``.
+
+        Token ids must lie in ``[0, vocab_size)``: an array whose values can be read (not traced)
+        is checked; inside ``jit`` an id out of range, negative ones included, makes the logits
+        of its sequence NaN (its embedding is NaN, and attention carries it on).
+        """
         if tokens.ndim != 2 or tokens.shape[1] > self.block_size:
             raise ValueError(
                 f"GPT2 expects tokens [B, T] with T <= block_size={self.block_size}, "
@@ -108,8 +114,18 @@ class GPT2(nn.Module):
             )
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be integers, got dtype {tokens.dtype}")
+        if not isinstance(tokens, jax.core.Tracer) and tokens.size:
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= self.vocab_size:
+                raise ValueError(
+                    f"token ids must lie in [0, vocab_size={self.vocab_size}), got ids from "
+                    f"{low} to {high}"
+                )
+        if jnp.issubdtype(tokens.dtype, jnp.signedinteger):
+            # a negative id would index from the end of the table: out of range like the others
+            tokens = jnp.where(tokens < 0, self.vocab_size, tokens)
         size = SIZES[self.variant]
-        dense = resolve_dense(self.dense, DENSE)
+        dense = resolve_dense(self.dense, DENSE, self.path)
         wte = nn.Embed(
             self.vocab_size,
             size.width,

@@ -25,7 +25,8 @@ class MLP(nn.Module):
       num_classes: output width of the dense head.
       hidden: widths of the replaceable hidden layers, named ``hidden_0``, ``hidden_1``, ...
       dense: the hidden layers' constructor or a :class:`~dynadiag_jax.models.ByPath`.
-      dtype: computation dtype (``None``: the input's).
+      dtype: computation dtype (``None``: as ``nn.Dense``, the input's promoted with the
+        parameters', float32 for float32 parameters).
     """
 
     num_classes: int
@@ -47,7 +48,12 @@ class MLP(nn.Module):
     def __call__(self, x, *, train: bool = False):
         """``x[B, ...]`` (flattened) -> logits ``[B, num_classes]``. ``train`` is unused."""
         del train
-        dense = resolve_dense(self.dense, DENSE)
+        if x.ndim < 2:
+            raise ValueError(
+                f"MLP expects x[B, ...] with a batch axis first (at least 2 dimensions), got "
+                f"shape {x.shape}"
+            )
+        dense = resolve_dense(self.dense, DENSE, self.path)
         x = x.reshape(x.shape[0], -1)
         if self.dtype is not None:
             x = x.astype(self.dtype)

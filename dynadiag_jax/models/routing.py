@@ -9,7 +9,9 @@ constructor by matching regular expressions against the layer's module path, e.g
 :func:`linear`, so they stay dense whatever the patterns say.
 
 A constructor is called as ``ctor(features, *, name, use_bias, dtype, param_dtype)``, the keywords
-that ``flax.linen.Dense`` and ``dd.nn.DiagonalDense`` share. Model-specific initialisers live in
+that ``flax.linen.Dense`` and ``dd.nn.DiagonalDense`` share, less those it binds itself as a
+``functools.partial`` (a ``use_bias=False`` or ``dtype`` bound there is kept) and a ``dtype`` or
+``param_dtype`` the model leaves ``None``. Model-specific initialisers live in
 each model's default dense constructor (``vit.DENSE`` etc.), which :class:`ByPath` uses for the
 layers no pattern matches; :func:`resolve_dense` also passes them (``kernel_init``,
 ``bias_init``) to the other constructors, which must then accept them as ``nn.Dense`` does.
@@ -48,7 +50,8 @@ class ByPath:
 
     Attributes:
       patterns: regular expressions, each matched with ``re.fullmatch`` against the layer's module
-        path (names joined by ``"/"``, without the model's own name), e.g. ``r".*/attn/qkv"``.
+        path inside the model (names joined by ``"/"``, without the model's own name or those of
+        modules the model is nested in), e.g. ``r".*/attn/qkv"``.
       sparse: constructor for matching layers, e.g. ``partial(dd.nn.DiagonalDense, sparsity=0.9)``.
       dense: constructor for the other layers; ``None`` means the model's own default.
     """
@@ -56,6 +59,8 @@ class ByPath:
     patterns: tuple[str, ...]
     sparse: DenseFactory
     dense: DenseFactory | None = None
+    # The model's own module path, set by resolve_dense: layer paths are matched relative to it.
+    root: tuple[str, ...] = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self):
         if isinstance(self.patterns, str):
@@ -101,17 +106,19 @@ def _with_initializers(ctor, inits: dict):
     return functools.partial(ctor, **missing) if missing else ctor
 
 
-def resolve_dense(dense: Dense, default: DenseFactory) -> Dense:
+def resolve_dense(dense: Dense, default: DenseFactory, root: Sequence[str] = ()) -> Dense:
     """``dense`` ready for :func:`linear`: a :class:`ByPath`'s missing ``dense`` is the model
     default, and every other constructor gets the default's initializers it does not bind itself
     (so a ``DiagonalDense`` in place of the model's dense layer starts from that layer's
-    distribution: ``dd.nn.DiagonalDense``'s ``kernel_init``)."""
+    distribution: ``dd.nn.DiagonalDense``'s ``kernel_init``). ``root`` is the model's module path
+    (``self.path``), so that a model nested in another module matches the same layers."""
     inits = initializers(default)
     if isinstance(dense, ByPath):
         return dataclasses.replace(
             dense,
             sparse=_with_initializers(dense.sparse, inits),
             dense=default if dense.dense is None else _with_initializers(dense.dense, inits),
+            root=tuple(root),
         )
     return _with_initializers(dense, inits)
 
@@ -136,13 +143,18 @@ def linear(
     """
     ctor = dense
     if isinstance(dense, ByPath):
-        path = "/".join((*parent.path, name))
-        ctor = dense.sparse if dense.matches(path) else dense.dense
+        path = (*parent.path, name)
+        if path[: len(dense.root)] == dense.root:
+            path = path[len(dense.root) :]
+        ctor = dense.sparse if dense.matches("/".join(path)) else dense.dense
         if ctor is None:
             raise ValueError("ByPath.dense is None: pass the ByPath through resolve_dense first")
-    kwargs = {"use_bias": use_bias, "dtype": dtype}
-    if param_dtype is not None:
-        kwargs["param_dtype"] = param_dtype
+    bound = getattr(ctor, "keywords", None) or {}
+    kwargs = {
+        k: v
+        for k, v in (("use_bias", use_bias), ("dtype", dtype), ("param_dtype", param_dtype))
+        if k not in bound and (v is not None or k == "use_bias")
+    }
     return ctor(features, name=name, **kwargs)
 
 

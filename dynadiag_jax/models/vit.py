@@ -114,7 +114,7 @@ class ViT(nn.Module):
     def __call__(self, images, *, train: bool = False):
         """``images[B, H, W, C]`` (H, W divisible by the patch) -> logits ``[B, num_classes]``."""
         size, patch = parse_variant(self.variant, SIZES, model="ViT")
-        dense = resolve_dense(self.dense, DENSE)
+        dense = resolve_dense(self.dense, DENSE, self.path)
         x = patch_tokens(
             images,
             patch,
