@@ -30,7 +30,8 @@ def export(
 
     Args:
       fun_jit: a ``jax.jit``-wrapped function (a plain callable is wrapped in ``jax.jit``).
-      platforms: lowering platforms, e.g. ``("cpu", "cuda")``; default: the default backend's.
+      platforms: lowering platforms, e.g. ``("cpu", "cuda")`` (one name alone: ``"cuda"``);
+        default: the default backend's.
       disabled_checks: further safety checks to skip, as for ``jax.export.export``.
 
     Returns:
@@ -48,6 +49,11 @@ def export(
     """
     if not hasattr(fun_jit, "trace"):
         fun_jit = jax.jit(fun_jit)
+    # one name or one check, not a sequence of them: a string was exported for ('c', 'p', 'u')
+    if isinstance(platforms, str):
+        platforms = (platforms,)
+    if isinstance(disabled_checks, DisabledSafetyCheck):
+        disabled_checks = (disabled_checks,)
     ours = tuple(DisabledSafetyCheck.custom_call(name) for name in custom_call_targets())
     return jax.export.export(
         fun_jit, platforms=platforms, disabled_checks=(*disabled_checks, *ours)

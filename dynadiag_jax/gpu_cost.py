@@ -59,13 +59,15 @@ another with :func:`register_device` (a :class:`DeviceSpec`; ``device_kinds`` ar
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 from dynadiag_jax import gpu_sass, launch_plan
-from dynadiag_jax.layout import DiagGeometry, geometry
+from dynadiag_jax._checks import int_at_least, int_in_range
+from dynadiag_jax.layout import DiagGeometry, concrete_offsets, geometry
 
 __all__ = [
     "DEVICES",
@@ -298,9 +300,10 @@ class Prediction(NamedTuple):
     seconds: dict  # name -> (fwd, bwd, step)
 
     def speedup(self, path: str = "kernel", baseline: str = "dense_layer") -> tuple:
-        """``(fwd, step)`` speed-ups of ``path`` over ``baseline`` (> 1: faster)."""
+        """``(fwd, step)`` speed-ups of ``path`` over ``baseline`` (> 1: faster; ``inf`` where
+        ``path`` launches nothing, as for zero rows, and ``baseline`` does)."""
         p, b = self.seconds[path], self.seconds[baseline]
-        return b[0] / p[0], b[2] / p[2]
+        return tuple(b[i] / p[i] if p[i] else (math.inf if b[i] else 1.0) for i in (0, 2))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -823,13 +826,17 @@ def predict_layer(
     """:func:`predict` for a layer whose geometry the caller holds (``diag_matmul``'s dispatch
     computes it once per call and hands it down)."""
     spec = device_spec(device)
+    dtype = launch_plan.kernel_dtype(dtype, "predict")
+    rows = int_at_least(rows, "rows", 0)
     in_features, out_features, block_size = geo
     if offsets is None:
         if num_diagonals is None:
             raise ValueError("give num_diagonals or offsets")
-        off, structure = spread_offsets(num_diagonals, geo.num_candidates), "spread"
+        p = "P_b" if geo.blocked else "P"
+        k = int_in_range(num_diagonals, "num_diagonals", 1, geo.num_candidates, f"[1, {p}]")
+        off, structure = spread_offsets(k, geo.num_candidates), "spread"
     else:
-        off, structure = np.asarray(offsets, np.int64).reshape(-1), "offsets"
+        off, structure = concrete_offsets(offsets, geo, "predict"), "offsets"
     k = off.size
     per_diag = geo.length * (block_size * block_size if geo.blocked else 1)
     paths = {

@@ -30,8 +30,8 @@ from flax import traverse_util
 
 from dynadiag_jax import gpu_cost, launch_plan
 from dynadiag_jax._checks import int_at_least
-from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, geometry
-from dynadiag_jax.ops import auto, cuda
+from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, concrete_offsets, geometry
+from dynadiag_jax.ops import auto
 
 __all__ = [
     "KernelStats",
@@ -105,10 +105,10 @@ def kernel_stats(
         )
     gpu_cost.device_spec(device)  # checked with or without rows
     geo = geometry(in_features, out_features, block_size)
-    dtype = _kernel_dtype(dtype)
+    dtype = launch_plan.kernel_dtype(dtype, "kernel_stats")
     if rows is not None:
         rows = int_at_least(rows, "rows", 1)
-    off = _concrete_offsets(offsets, geo.num_candidates, "P_b" if geo.blocked else "P")
+    off = concrete_offsets(offsets, geo, "kernel_stats")
     stats = _block_stats(off, geo, dtype) if geo.blocked else _element_stats(off, geo, dtype)
     if rows is None:
         return stats
@@ -173,36 +173,6 @@ def _block_stats(off, geo, dtype) -> KernelStats:
     )
 
 
-def _kernel_dtype(dtype):
-    """``dtype`` as a numpy dtype; ``TypeError`` unless the CUDA kernels take it."""
-    supported = [jnp.dtype(d) for d in cuda.KERNELS.dtypes]
-    try:
-        parsed = None if dtype is None else jnp.dtype(dtype)
-    except TypeError:
-        parsed = None
-    if parsed not in supported:
-        got = repr(dtype) if parsed is None else str(parsed)
-        raise TypeError(
-            f"kernel_stats: dtype must be one the CUDA kernels take "
-            f"({', '.join(map(str, supported))}), got {got}"
-        )
-    return parsed
-
-
-def _concrete_offsets(offsets, num_candidates: int, name: str) -> np.ndarray:
-    if isinstance(offsets, jax.core.Tracer):
-        raise TypeError("kernel_stats needs concrete offsets, got a traced array")
-    off = np.asarray(offsets)
-    if off.ndim != 1 or not np.issubdtype(off.dtype, np.integer):
-        raise TypeError(f"offsets must be a 1-D integer array, got shape {off.shape} {off.dtype}")
-    if off.size and (off.min() < 0 or off.max() >= num_candidates):
-        raise ValueError(
-            f"offsets must lie in [0, {name}) = [0, {num_candidates}); got values in "
-            f"[{off.min()}, {off.max()}]"
-        )
-    return off.astype(np.int64)
-
-
 # --- which path each layer of a model takes ----------------------------------------------------
 
 
@@ -230,6 +200,9 @@ class LayerPath(NamedTuple):
     copies: int = 1
 
 
+LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
 def model_paths(model, *init_args, platform: str | None = None) -> list[LayerPath]:
     """For every ``DiagonalDense`` of a linen ``model``: the path ``impl="auto"`` takes there.
 
@@ -241,10 +214,16 @@ def model_paths(model, *init_args, platform: str | None = None) -> list[LayerPat
     Args:
       model: a linen module holding ``dd.nn.DiagonalDense`` layers.
       init_args: the arguments of ``model.init`` (an RNG key and an example input).
-      platform: lowering platform; default the default backend's.
+      platform: lowering platform (``"cpu"``, ``"cuda"``, ``"rocm"`` or ``"tpu"``); default the
+        default backend's.
     """
     from dynadiag_jax.nn import DiagonalDense  # noqa: PLC0415 - the layers import the ops
 
+    if platform is not None and platform not in LOWERING_PLATFORMS:
+        hint = " (JAX's backend 'gpu' lowers as 'cuda' or 'rocm')" if platform == "gpu" else ""
+        raise ValueError(
+            f"platform must be one of {', '.join(LOWERING_PLATFORMS)}, got {platform!r}{hint}"
+        )
     calls = {}  # module path -> (y shape, y dtype, input width, K, b, permutation, relaxation)
 
     def record(next_fun, args, kwargs, context):

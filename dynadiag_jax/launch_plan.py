@@ -29,6 +29,9 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from dynadiag_jax._checks import int_at_least
+from dynadiag_jax.layout import geometry
+
 try:
     from dynadiag_jax import _plan_ext
 except ImportError:
@@ -94,6 +97,26 @@ def constants() -> LaunchConstants:
     return LaunchConstants(**_ext().constants())
 
 
+# The dtypes the CUDA kernels take (ops/cuda.py registers them; gpu_cost.py counts them).
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def kernel_dtype(dtype, caller: str):
+    """``dtype`` as a numpy dtype; ``TypeError`` naming ``caller`` unless the kernels take it."""
+    supported = [jnp.dtype(d) for d in KERNEL_DTYPES]
+    try:
+        parsed = None if dtype is None else jnp.dtype(dtype)
+    except TypeError:
+        parsed = None
+    if parsed not in supported:
+        got = repr(dtype) if parsed is None else str(parsed)
+        raise TypeError(
+            f"{caller}: dtype must be one the CUDA kernels take "
+            f"({', '.join(map(str, supported))}), got {got}"
+        )
+    return parsed
+
+
 def _tensor_cores(dtype) -> bool:
     """None stands for the plan with tensor cores (the largest)."""
     return dtype is None or jnp.dtype(dtype) in TENSOR_CORE_DTYPES
@@ -128,6 +151,14 @@ def _check_kind(kind: str, kinds: tuple) -> None:
         raise ValueError(f"kind must be {names}, got {kind!r}")
 
 
+def _check_shape(in_features, out_features, block_size=1, *, rows=0, num_diagonals=0) -> None:
+    """The C++ planners divide by the widths and the block count along the short axis: a width,
+    block size, row or diagonal count out of range is a ValueError here, not a SIGFPE there."""
+    geometry(in_features, out_features, block_size)
+    int_at_least(rows, "rows", 0)
+    int_at_least(num_diagonals, "num_diagonals", 0)  # offsets may repeat: K is not bounded by P
+
+
 def product_layout(
     kind: str, in_features: int, out_features: int, num_diagonals: int = 0, dtype=None
 ) -> ProductLayout:
@@ -138,6 +169,7 @@ def product_layout(
         tensor-core plan, the largest).
     """
     _check_kind(kind, ("fwd", "dx"))
+    _check_shape(in_features, out_features, num_diagonals=num_diagonals)
     plan = _ext().product_plan(
         in_features, out_features, kind == "dx", num_diagonals, _tensor_cores(dtype)
     )
@@ -146,6 +178,7 @@ def product_layout(
 
 def sddmm_splits(rows: int, in_features: int, out_features: int, num_diagonals: int) -> int:
     """Into how many row ranges the element dvalues kernel splits the batch (1 = no workspace)."""
+    _check_shape(in_features, out_features, rows=rows, num_diagonals=num_diagonals)
     return _ext().sddmm_splits(rows, in_features, out_features, num_diagonals)
 
 
@@ -165,6 +198,7 @@ class BlockProductPlan(NamedTuple):
 def block_product_plan(kind, in_features, out_features, block_size, dtype) -> BlockProductPlan:
     """The panel plan of the block forward (``"fwd"``) or ``dx`` product."""
     _check_kind(kind, ("fwd", "dx"))
+    _check_shape(in_features, out_features, block_size)
     plan = _ext().block_product_plan(
         in_features, out_features, kind == "dx", block_size, _tensor_cores(dtype)
     )
@@ -189,7 +223,8 @@ def block_sddmm_plan(
     rows, in_features, out_features, num_diagonals, block_size, dtype, available=None
 ) -> BlockSddmmPlan:
     """The plan of the block dvalues (``available``: workspace bytes given, None = as planned)."""
-    limit = {} if available is None else {"available": available}
+    _check_shape(in_features, out_features, block_size, rows=rows, num_diagonals=num_diagonals)
+    limit = {} if available is None else {"available": int_at_least(available, "available", 0)}
     plan = _ext().block_sddmm_plan(
         rows,
         in_features,
@@ -235,9 +270,11 @@ def workspace_bytes(
       block_size: ``b`` of block diagonals, 1 for element diagonals.
 
     Raises:
-      ValueError: for ``in_features + out_features >= 2**31`` (see :func:`check_index_range`).
+      ValueError: for ``in_features + out_features >= 2**31`` (see :func:`check_index_range`),
+        and for widths, a block size, rows or a diagonal count the kernels cannot take.
     """
     _check_kind(kind, ("fwd", "dx", "dvalues"))
+    _check_shape(in_features, out_features, block_size, rows=rows, num_diagonals=num_diagonals)
     check_index_range(in_features, out_features)
     paths = (False, True) if dtype is None else (_tensor_cores(dtype),)
     ext = _ext()

@@ -183,6 +183,23 @@ def _checked_offsets(offsets, geo: DiagGeometry):
     return jnp.asarray(offsets, jnp.int32)
 
 
+def concrete_offsets(offsets, geo: DiagGeometry, caller: str) -> np.ndarray:
+    """``offsets`` read on the host as int64 ``[K]`` in ``[0, P)``, for what counts or plans
+    from their values (``TypeError`` for a traced or non-integer array, ``ValueError`` out of
+    range)."""
+    if isinstance(offsets, jax.core.Tracer):
+        raise TypeError(f"{caller} needs concrete offsets, got a traced array")
+    off = np.asarray(offsets)
+    if off.ndim != 1 or not np.issubdtype(off.dtype, np.integer):
+        raise TypeError(f"offsets must be a 1-D integer array, got shape {off.shape} {off.dtype}")
+    if off.size and (off.min() < 0 or off.max() >= geo.num_candidates):
+        raise ValueError(
+            f"offsets must lie in [0, {'P_b' if geo.blocked else 'P'}) = [0, {geo.num_candidates})"
+            f"; got values in [{off.min()}, {off.max()}]"
+        )
+    return off.astype(np.int64)
+
+
 def diag_indices(offsets, in_features: int, out_features: int):
     """Dense coordinates of every element-diagonal entry.
 

@@ -194,6 +194,15 @@ def test_lowering_for_cuda_calls_the_kernels_where_the_model_says_so(monkeypatch
     assert targets(text) == {f"dynadiag_diag_matmul_v2_{kind}" for kind in ("fwd", "dx", "dvalues")}
 
 
+@pytest.mark.parametrize("b", [1, 16])
+def test_an_empty_batch_lowers_for_cuda(b):
+    """Zero rows: the cost model's speed-up divided by a kernel that launches nothing."""
+    k = dd.num_diagonals(768, 3072, 0.9, block_size=b)
+    shape = (k, 768) if b == 1 else (k, 192, b, b)
+    text = lowered(shape, ("cuda",), rows=0)
+    assert not targets(text)
+
+
 def test_two_platform_lowering_holds_the_cpu_kernels_and_the_cuda_choice():
     if not dd.has_cpu_kernels():
         pytest.skip("CPU kernels not built")

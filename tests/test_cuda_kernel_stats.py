@@ -177,6 +177,14 @@ def test_model_paths_say_what_auto_runs_per_layer_and_platform():
     assert "W built + XLA's dot" in lines[0] and f"{up.kernel_speedup[1]:.2f}x" in lines[0]
 
 
+@pytest.mark.parametrize("platform", ["gpu", "CUDA", "cdua"])
+def test_model_paths_refuse_a_platform_no_lowering_has(platform):
+    """Each was silently a platform without kernels: "W built + XLA's dot", no prediction."""
+    x = jax.ShapeDtypeStruct((8, 768), jnp.float32)
+    with pytest.raises(ValueError, match="platform must be one of cpu, cuda, rocm, tpu"):
+        model_paths(_TwoLayers(), jax.random.key(0), x, platform=platform)
+
+
 def test_model_paths_of_frozen_layers():
     # the static-diagonals baseline: frozen from init, values [K, D] leave a wide layer's input
     # width open; the call gives it

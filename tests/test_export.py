@@ -284,3 +284,15 @@ def test_ffi_for_a_platform_without_kernels_is_refused_by_name(platforms):
         dd.export(jax.grad(loss("ffi"), argnums=(0, 1)), platforms=platforms)(x, values)
     exported = dd.export(jax.grad(loss("auto"), argnums=(0, 1)), platforms=platforms)(x, values)
     assert exported.platforms == platforms
+
+
+def test_one_platform_name_is_one_platform():
+    """A string was exported for ('c', 'p', 'u'), refused only when called."""
+    x, values, offsets = jnp.ones((4, 16)), jnp.ones((2, 16)), np.array([0, 3], np.int32)
+    exported = dd.export(
+        lambda x, v: dd.diag_matmul(x, v, offsets, out_features=16), platforms="cpu"
+    )(x, values)
+    assert exported.platforms == ("cpu",)
+    np.testing.assert_allclose(
+        exported.call(x, values), dd.diag_matmul(x, values, offsets, out_features=16)
+    )

@@ -188,7 +188,7 @@ def test_spread_offsets_are_distinct_and_scattered():
 
 
 def test_devices_can_be_added_and_are_found_by_kind(monkeypatch):
-    monkeypatch.setitem(gpu_cost.DEVICES, "H100", gpu_cost.H100)  # restored afterwards
+    monkeypatch.setattr(gpu_cost, "DEVICES", dict(gpu_cost.DEVICES))  # restored afterwards
     assert gpu_cost.device_for_kind("NVIDIA H100 80GB HBM3") is gpu_cost.H100
     assert gpu_cost.device_for_kind("NVIDIA A100-SXM4-80GB") is gpu_cost.A100
     assert gpu_cost.device_for_kind("Tesla T4") is None
@@ -199,9 +199,7 @@ def test_devices_can_be_added_and_are_found_by_kind(monkeypatch):
         issue_rate=h100.issue_rate / 4,
         stage_seconds=4 * h100.stage_seconds,
     )
-    monkeypatch.delitem(gpu_cost.DEVICES, "slowH", raising=False)
     gpu_cost.register_device(slow)
-    monkeypatch.setitem(gpu_cost.DEVICES, "slowH", slow)
     assert gpu_cost.device_for_kind("NVIDIA L4") is slow
     fast = gpu_cost.predict(VIT_ROWS, 768, 3072, BF16, 5, block_size=16)
     slower = gpu_cost.predict(VIT_ROWS, 768, 3072, BF16, 5, block_size=16, device="slowH")
@@ -211,12 +209,74 @@ def test_devices_can_be_added_and_are_found_by_kind(monkeypatch):
         gpu_cost.predict(10, 16, 16, BF16, 1, device="B200")
     with pytest.raises(TypeError, match="DeviceSpec"):
         gpu_cost.register_device({"name": "x"})
-    monkeypatch.delitem(gpu_cost.DEVICES, "slowH")
+
+
+def test_a_device_registered_after_the_first_decision_is_used(monkeypatch):
+    """impl="auto" cached the spec of the first decision: a device registered after it was
+    never used."""
+    from dynadiag_jax.ops import auto
+
+    monkeypatch.setattr(gpu_cost, "DEVICES", dict(gpu_cost.DEVICES))  # restored afterwards
+    monkeypatch.setattr(auto, "_gpu_kind", lambda: "NVIDIA L4")
+    assert auto.gpu_spec() is gpu_cost.DEVICES[gpu_cost.DEFAULT_DEVICE]
+    l4 = gpu_cost.H100._replace(name="L4", device_kinds=("L4",), sms=58)
+    gpu_cost.register_device(l4)
+    assert auto.gpu_spec() is l4
 
 
 def test_predict_needs_k_or_offsets():
     with pytest.raises(ValueError, match="num_diagonals or offsets"):
         gpu_cost.predict(10, 16, 16, BF16)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        # a KeyError from the SASS figures, or silently some other K or offsets
+        (lambda: gpu_cost.predict(10, 64, 128, jnp.float64, 4), TypeError, "predict: dtype"),
+        (lambda: gpu_cost.predict(10, 64, 128, "int8", 4), TypeError, "CUDA kernels take"),
+        (lambda: gpu_cost.predict(-5, 64, 128, BF16, 4), ValueError, "rows must be >= 0"),
+        (lambda: gpu_cost.predict(2.5, 64, 128, BF16, 4), TypeError, "rows"),
+        (lambda: gpu_cost.predict(10, 64, 128, BF16, -3), ValueError, r"\[1, P\]"),
+        (lambda: gpu_cost.predict(10, 64, 128, BF16, 2.5), TypeError, "num_diagonals"),
+        (lambda: gpu_cost.predict(10, 64, 128, BF16, 500), ValueError, r"\[1, P\] = \[1, 128\]"),
+        (lambda: gpu_cost.predict(10, 64, 128, BF16, offsets=[0, 999]), ValueError, "lie in"),
+        (lambda: gpu_cost.predict(10, 64, 128, BF16, offsets=[-1, 3]), ValueError, "lie in"),
+        (lambda: gpu_cost.predict(10, 64, 128, BF16, offsets=[0.5]), TypeError, "integer"),
+    ],
+)
+def test_predict_refuses_what_the_kernels_cannot_run(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_zero_rows_cost_nothing_and_divide_by_nothing():
+    """No launches for zero rows made the speed-up a ZeroDivisionError, in impl="auto" too."""
+    pred = gpu_cost.predict(0, 128, 64, BF16, 2, block_size=16)
+    assert pred.seconds["kernel"][0] == 0
+    fwd, step = pred.speedup("kernel", "dense_layer")
+    assert fwd >= 1 and step >= 1
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: launch_plan.block_product_plan("fwd", 64, 128, 128, BF16),
+        lambda: launch_plan.block_product_plan("fwd", 64, 128, 0, BF16),
+        lambda: launch_plan.block_product_plan("fwd", 64, 128, -16, BF16),
+        lambda: launch_plan.block_sddmm_plan(1000, 64, 128, 2, 128, BF16),
+        lambda: launch_plan.workspace_bytes("dvalues", 1000, 64, 128, 2, BF16, block_size=128),
+        lambda: launch_plan.workspace_bytes("dvalues", 1000, 0, 128, 2, BF16, block_size=16),
+        lambda: launch_plan.workspace_bytes("dvalues", 100000, 64, 128, -1),
+        lambda: launch_plan.sddmm_splits(-1, 64, 128, 2),
+        lambda: launch_plan.product_layout("fwd", 64, 128, -1),
+    ],
+)
+def test_launch_plans_refuse_shapes_the_planner_divides_by(call):
+    """The C++ planners divided by zero blocks along the short axis: the interpreter died of
+    SIGFPE, or a negative K came back as 2^64 bytes of workspace."""
+    with pytest.raises(ValueError, match="block_size|in_features|rows|num_diagonals"):
+        call()
 
 
 def _imported_modules(module) -> set:

@@ -4,6 +4,7 @@ import json
 
 import matplotlib.pyplot as plt
 import numpy as np
+import pytest
 from matplotlib.collections import QuadMesh
 
 from train import plots
@@ -60,3 +61,18 @@ def test_block_layers_are_drawn_as_blocks(tmp_path, monkeypatch):
     assert "1 of 2 block diagonals" in support.get_title()
     (mesh,) = [c for c in evolution.collections if isinstance(c, QuadMesh)]
     assert np.asarray(mesh.get_array()).size == 2 * 2  # P_b offsets x 2 snapshots
+
+
+def test_the_path_returned_is_the_file_written(tmp_path):
+    """matplotlib adds ".png" to a path without a suffix; the path returned did not exist."""
+    (tmp_path / "metrics.jsonl").write_text("")
+    png = plots.plot_diagonals(
+        tmp_path / "metrics.jsonl", {"h": np.array([1])}, {"h": (6, 8)}, tmp_path / "noext"
+    )
+    assert png == tmp_path / "noext.png" and png.stat().st_size > 0
+    with pytest.raises(ValueError, match="kept names no layer"):
+        plots.plot_diagonals(tmp_path / "metrics.jsonl", {}, {}, tmp_path / "d.png")
+    with pytest.raises(ValueError, match=r"no shape for h \(shapes: \['g'\]\)"):
+        plots.plot_diagonals(
+            tmp_path / "metrics.jsonl", {"h": np.array([1])}, {"g": (6, 8)}, tmp_path / "d.png"
+        )

@@ -65,7 +65,7 @@ def plot_diagonals(
       metrics_path: the run's ``metrics.jsonl`` (its ``"selection"`` records).
       kept: ``{layer path: offsets}`` of the final (frozen) model.
       shapes: ``{layer path: (in_features, out_features)}``.
-      out_path: the PNG to write.
+      out_path: the PNG to write (``.png`` added when it has no suffix).
       freeze_step: the step of the freeze (named in the titles, a dashed line on the step axis).
       block_size: the layers' block size (``dynadiag.block_size``); block layers are drawn as
         whole ``b x b`` blocks, their selection over the ``P_b`` block diagonals.
@@ -75,8 +75,15 @@ def plot_diagonals(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, history = selection_history(metrics_path)
     layers = sorted(kept)
+    if not layers:
+        raise ValueError("plot_diagonals: kept names no layer")
+    missing = [layer for layer in layers if layer not in shapes]
+    if missing:
+        raise ValueError(
+            f"plot_diagonals: no shape for {', '.join(missing)} (shapes: {sorted(shapes)})"
+        )
+    steps, history = selection_history(metrics_path)
     fig, axes = plt.subplots(
         len(layers),
         2,
@@ -123,6 +130,8 @@ def plot_diagonals(
         fig.suptitle(title)
     fig.tight_layout()
     out_path = pathlib.Path(out_path)
+    if not out_path.suffix:  # matplotlib would add it, and the path returned would not exist
+        out_path = out_path.with_suffix(".png")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=110)
     plt.close(fig)

@@ -91,16 +91,22 @@ def current_platform() -> str:
 
 
 @functools.cache
-def gpu_spec() -> gpu_cost.DeviceSpec:
-    """The spec of the first GPU (by device kind); H100 when it is unknown or none is visible."""
-    default = gpu_cost.DEVICES[gpu_cost.DEFAULT_DEVICE]
+def _gpu_kind() -> str | None:
     try:
         device = jax.devices()[0]
     except RuntimeError:
-        return default
-    if device.platform != "gpu":
-        return default
-    return gpu_cost.device_for_kind(device.device_kind) or default
+        return None
+    return device.device_kind if device.platform == "gpu" else None
+
+
+def gpu_spec() -> gpu_cost.DeviceSpec:
+    """The spec of the first GPU (by device kind); H100 when it is unknown or none is visible.
+
+    Looked up on every call (the device kind is cached), so a device registered with
+    ``gpu_cost.register_device`` counts from the next decision on."""
+    default = gpu_cost.DEVICES[gpu_cost.DEFAULT_DEVICE]
+    kind = _gpu_kind()
+    return default if kind is None else gpu_cost.device_for_kind(kind) or default
 
 
 @functools.lru_cache(maxsize=1024)
@@ -158,6 +164,8 @@ def _decide(
         return Decision("dense", f"no kernels on {platform}: XLA's dot on W built on the device")
     if not kernel_available:
         return Decision("dense", "no CUDA kernel for this dtype or block size")
+    if rows == 0:
+        return Decision("dense", "no rows: nothing to run")
     spec = gpu_spec() if spec is None else spec
     pred = _prediction(rows, geo, jnp.dtype(dtype).name, num_diagonals, spec)
     fwd, step = pred.speedup("kernel", "dense")

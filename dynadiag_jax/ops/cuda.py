@@ -12,9 +12,7 @@ the CPU as ``dynadiag_emu_diag_matmul_v2_{fwd,dx,dvalues}`` and reached with
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
-from dynadiag_jax.launch_plan import workspace_bytes
+from dynadiag_jax.launch_plan import KERNEL_DTYPES, workspace_bytes
 from dynadiag_jax.ops.ffi import PlatformKernels
 
 __all__ = ["EMULATED_PREFIX", "KERNELS"]
@@ -23,7 +21,7 @@ EMULATED_PREFIX = "dynadiag_emu_diag_matmul_v2"
 
 # What the CUDA handlers and their emulation accept (ops/ffi.py adds the workspace result).
 KERNELS = PlatformKernels(
-    dtypes=(jnp.float32, jnp.bfloat16, jnp.float16),
+    dtypes=KERNEL_DTYPES,
     workspace_bytes=workspace_bytes,
     block_diagonals=True,
 )
