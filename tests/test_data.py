@@ -159,9 +159,43 @@ def test_process_shares_partition_each_global_batch():
     whole = next(D.ArrayBatches(arrays, 16, seed=0, process_index=0, process_count=1).iterate(5))[
         "x"
     ]
-    np.testing.assert_array_equal(np.sort(np.concatenate(shares)), whole)
+    # the shares join into the one-process batch, row for row (dropout masks and mixup's pairs
+    # follow the rows): once the same examples in an order that depended on the process count
+    np.testing.assert_array_equal(np.concatenate(shares), whole)
+    np.testing.assert_array_equal(
+        np.concatenate(
+            [D.ArrayBatches(arrays, 16, seed=0, process_index=i, process_count=4).indices(5)
+             for i in range(4)]
+        ),
+        whole,
+    )  # fmt: skip
     with pytest.raises(ValueError, match="not divisible by the number of processes"):
         D.ArrayBatches(arrays, 10, seed=0, process_index=0, process_count=4)
+
+
+@pytest.mark.parametrize(
+    "index, count, error, match",
+    [
+        (4, 4, ValueError, r"process_index must be in \[0, process_count - 1\] = \[0, 3\], got 4"),
+        (-1, 4, ValueError, "process_index must be in"),
+        (0, 0, ValueError, "process_count must be >= 1, got 0"),
+        (0, -2, ValueError, "process_count must be >= 1"),
+        (1, None, ValueError, r"= \[0, 0\], got 1"),  # JAX's count: one process
+        (0.5, 2, TypeError, "process_index"),
+    ],
+)
+def test_a_process_outside_the_count_is_refused(index, count, error, match):
+    """An empty share (index >= count, negative), a ZeroDivisionError (count 0) or a negative
+    count taken as given; ImageNetTrain's share of index 4 of 4 was the next batch's rows."""
+    tokens = np.arange(100, dtype=np.int32)
+    for make in (
+        lambda: D.ArrayBatches(
+            {"x": np.arange(50)}, 8, seed=0, process_index=index, process_count=count
+        ),
+        lambda: D.TokenWindows(tokens, 8, 4, seed=0, process_index=index, process_count=count),
+    ):
+        with pytest.raises(error, match=match):
+            make()
 
 
 def test_array_batches_reject_bad_input():

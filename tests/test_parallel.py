@@ -3,9 +3,12 @@
 import json
 import os
 import pathlib
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -42,8 +45,8 @@ def test_batch_not_divisible_by_four_devices(run_python):
     )
 
 
-def test_two_processes_train_like_one(tmp_path):
-    """Two hosts (processes), one device each: every process ends with the same state."""
+def _two_processes(tmp_path, *args):
+    """Two ``train_child.py`` processes of one run (CPU, gloo), one device each."""
     with socket.socket() as sock:
         sock.bind(("localhost", 0))
         port = sock.getsockname()[1]
@@ -61,13 +64,7 @@ def test_two_processes_train_like_one(tmp_path):
         )
         children.append(
             subprocess.Popen(
-                [
-                    sys.executable,
-                    str(HERE / "train_child.py"),
-                    str(tmp_path / "run"),
-                    "--steps",
-                    "6",
-                ],
+                [sys.executable, str(HERE / "train_child.py"), str(tmp_path / "run"), *args],
                 cwd=tmp_path,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -75,9 +72,24 @@ def test_two_processes_train_like_one(tmp_path):
                 text=True,
             )
         )
+    return children
+
+
+def _finish(children, timeout=600):
+    """``(returncode, stdout, stderr)`` of each child; kills both if one hangs."""
+    try:
+        return [(c, *c.communicate(timeout=timeout)) for c in children]
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.communicate()  # closes the pipes too
+
+
+def test_two_processes_train_like_one(tmp_path):
+    """Two hosts (processes), one device each: every process ends with the same state."""
     outs = []
-    for child in children:
-        stdout, stderr = child.communicate(timeout=600)
+    for child, stdout, stderr in _finish(_two_processes(tmp_path, "--steps", "6")):
         assert child.returncode == 0, stderr[-3000:]
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
     assert [o["process"] for o in outs] == [0, 1] and all(o["devices"] == 2 for o in outs)
@@ -85,6 +97,27 @@ def test_two_processes_train_like_one(tmp_path):
     single = train_tiny(num_steps=6, eval_every=4)
     np.testing.assert_allclose(outs[0]["eval"]["loss"], single.eval_metrics["loss"], rtol=1e-5)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4", "6"]
+
+
+def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
+    """SIGTERM to one process of two: it stopped to save while the other went on into the next
+    step, and each waited for the other for ever. Both stop at the next meeting, saved."""
+    children = _two_processes(tmp_path, "--steps", "40", "--step-sleep", "0.2")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (checkpoints / "2").exists():
+        assert time.monotonic() < deadline and all(c.poll() is None for c in children)
+        time.sleep(0.2)
+    children[1].send_signal(signal.SIGTERM)
+    finished = _finish(children, timeout=180)
+    stops = set()
+    for child, _, stderr in finished:
+        assert child.returncode != 0, stderr[-3000:]
+        (stop,) = re.findall(r"stopped at step (\d+) of 40", stderr)
+        stops.add(int(stop))
+    (stop,) = stops  # the same step on both
+    assert stop % parallel.STOP_CHECK_EVERY == 0 and stop < 40
+    assert str(stop) in {p.name for p in checkpoints.iterdir()}
 
 
 def test_abstract_batch_describes_the_batch_a_step_is_called_with():

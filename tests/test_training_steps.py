@@ -477,6 +477,22 @@ def test_train_refuses_arguments_of_the_wrong_kind_before_compiling(changes, err
     assert c.count == 0
 
 
+def test_an_eval_batch_the_devices_cannot_split_is_named():
+    """An eval_data without a global_batch_size failed in JAX with an IndivisibleError naming a
+    sharding, after every training step."""
+    from dynadiag_jax.training import loop
+
+    devices = np.array([type("Device", (), {"process_index": 0})()] * 2, dtype=object)
+    mesh = type("FakeMesh", (), {"devices": devices})()
+    batches = [
+        {"x": np.ones((8, 3)), "mask": np.ones(8)},
+        {"x": np.ones((7, 3)), "mask": np.ones(7)},
+    ]
+    message = r"an eval_data batch's rows=7 is not divisible by the number of devices \(2\)"
+    with pytest.raises(ValueError, match=message):
+        loop.evaluate(lambda state, batch: {"n": 1}, None, batches, mesh, None)
+
+
 def test_labels_that_are_no_class_are_refused_or_give_a_nan_loss():
     """A label outside [0, C) had an all-zero target: loss 0, as if learned; a [B, 1] label
     broadcast the loss against every example's logits."""

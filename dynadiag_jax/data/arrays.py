@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 import jax
 import numpy as np
 
-from dynadiag_jax._checks import int_at_least
+from dynadiag_jax._checks import int_at_least, int_in_range
 
 __all__ = ["ArrayBatches", "EvalBatches"]
 
@@ -28,8 +28,11 @@ def _check_arrays(arrays: Mapping[str, np.ndarray]) -> int:
 
 
 def _process_share(global_batch_size: int, process_index, process_count):
+    pc = int_at_least(
+        jax.process_count() if process_count is None else process_count, "process_count", 1
+    )
     pi = jax.process_index() if process_index is None else process_index
-    pc = jax.process_count() if process_count is None else process_count
+    pi = int_in_range(pi, "process_index", 0, pc - 1, "[0, process_count - 1]")
     if global_batch_size % pc:
         raise ValueError(
             f"batch size {global_batch_size} is not divisible by the number of processes ({pc})"
@@ -73,7 +76,8 @@ class ArrayBatches:
         epoch, i = divmod(int(step), self.steps_per_epoch)
         perm = np.random.default_rng([self.seed, epoch]).permutation(self._num_examples)
         b = self.global_batch_size
-        return np.sort(perm[i * b : (i + 1) * b][self._share])
+        # sorted before it is shared: the processes' shares join into one process's batch
+        return np.sort(perm[i * b : (i + 1) * b])[self._share]
 
     def iterate(self, start_step: int) -> Iterator[dict[str, np.ndarray]]:
         """Batches of steps ``start_step, start_step + 1, ...``."""
@@ -86,7 +90,7 @@ class ArrayBatches:
                     e,
                     np.random.default_rng([self.seed, e]).permutation(self._num_examples),
                 )
-            idx = np.sort(perm[i * b : (i + 1) * b][self._share])
+            idx = np.sort(perm[i * b : (i + 1) * b])[self._share]
             yield {k: v[idx] for k, v in self.arrays.items()}
             step += 1
 

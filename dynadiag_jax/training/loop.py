@@ -50,6 +50,7 @@ from dynadiag_jax.training.checkpoint import (
 from dynadiag_jax.training.finetune import Finetune, enter_finetune
 from dynadiag_jax.training.metrics import MetricWriter
 from dynadiag_jax.training.parallel import (
+    StopAgreement,
     abstract_batch,
     batch_sharded,
     check_batch_size,
@@ -561,6 +562,9 @@ def evaluate(eval_step, state: TrainState, eval_data: Iterable, mesh, task) -> d
     """Run the jitted ``eval_step`` over ``eval_data`` and summarise with ``task.summarise``."""
     total = None
     for local in eval_data:
+        # said by name: JAX's IndivisibleError named a sharding, not eval_data
+        rows = global_batch_shape(np.shape(jax.tree.leaves(local)[0]), mesh)[0]
+        check_batch_size(rows, mesh, name="an eval_data batch's rows")
         sums = eval_step(state, step_batch(local, mesh))
         total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
     if total is None:
@@ -1264,14 +1268,15 @@ def train(
             disable=not (progress and is_main),
             desc="finetune" if tuning else "search" if searching else "train",
         )
-        with stop_requests() as stop, contextlib.closing(bar):
+        with stop_requests() as request, contextlib.closing(bar):
+            stop = StopAgreement(request, last_step=num_steps)
             if batches is None:
                 batches = iter(train_data.iterate(start))
             timer = StepTimer(
                 busy=ahead.busy_since,
                 writing=(lambda start: False) if ckpt is None else ckpt.writing_since,
             )
-            while step < num_steps and not stop.is_set():
+            while step < num_steps and not stop(step):
                 progs, key = phase()
                 ahead.wait(("step", key))
                 try:
@@ -1360,7 +1365,7 @@ def train(
                 bar.update(1)
             # A request during the last step ends the loop as its count does: it still stops the
             # program (it was swallowed, and a caller went on to its next run).
-            if stop.is_set():
+            if stop(step):
                 save(state)
                 if ckpt is not None:
                     # under the handler: a second Ctrl-C during the save says what it kept,

@@ -7,6 +7,7 @@ of the global batch (:func:`global_batch`), and ``jax.jit`` runs one program ove
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +28,8 @@ __all__ = [
     "initialize_distributed",
     "replicated",
     "batch_sharded",
+    "StopAgreement",
+    "STOP_CHECK_EVERY",
 ]
 
 DATA_AXIS = "data"
@@ -53,12 +56,78 @@ def initialize_distributed(
         process_id = int(env["JAX_PROCESS_ID"])
     coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
     cluster_tasks = max(int(env.get("SLURM_NTASKS", 1)), int(env.get("OMPI_COMM_WORLD_SIZE", 1)))
-    if (num_processes or 1) <= 1 and cluster_tasks <= 1:
+    if num_processes is not None and num_processes <= 1:
+        return False  # said outright, also inside a SLURM or MPI job of several tasks
+    if cluster_tasks <= 1 and num_processes is None:
         return False
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
     )
     return True
+
+
+# Steps between two checks of a stop request when several processes train (each check is one
+# barrier of the processes through JAX's coordination service: host work, no device sync).
+STOP_CHECK_EVERY = 10
+_STOP_TIMEOUT_MS = 3_600_000  # a process compiling or evaluating longer than its peers waits
+_runs = itertools.count()  # every process starts the same runs in the same order
+
+
+class StopAgreement:
+    """Whether a run stops after ``step``: the same answer on every process.
+
+    One process stops at the first step boundary after its signal. Several see a SIGTERM (or a
+    Ctrl-C) each at its own step, and one that stopped to save while the others went on into
+    the next step's collectives left every process waiting for the others for ever. So the
+    processes meet every :data:`STOP_CHECK_EVERY` steps and at the last step: a request that
+    any process posted before a meeting stops all of them there, with its signal.
+
+    Args:
+      request: this process's :class:`~dynadiag_jax.training.loop.StopRequest` (``signum``).
+      last_step: the run's last step (``num_steps``), where the processes always meet.
+    """
+
+    def __init__(self, request, *, last_step: int):
+        self.request = request
+        self.signum = None
+        self._last = last_step
+        self._client = _coordination_client() if jax.process_count() > 1 else None
+        self._prefix = f"dynadiag_jax/stop/{next(_runs)}"
+        self._posted = False
+        self._answer = None  # (step, stop) of the last meeting
+
+    def __call__(self, step: int) -> bool:
+        if self._client is None:
+            self.signum = self.request.signum
+            return self.request.is_set()
+        if step % STOP_CHECK_EVERY and step != self._last:
+            return False
+        if self._answer is not None and self._answer[0] == step:
+            return self._answer[1]
+        if self.request.is_set() and not self._posted:
+            key = f"{self._prefix}/posted/{jax.process_index()}"
+            self._client.key_value_set(key, f"{step} {self.request.signum}")
+            self._posted = True
+        self._client.wait_at_barrier(f"{self._prefix}/at/{step}", _STOP_TIMEOUT_MS)
+        posted = [v.split() for _, v in self._client.key_value_dir_get(f"{self._prefix}/posted/")]
+        # posted before this meeting; a later post counts at the next one
+        due = sorted((int(at), int(signum)) for at, signum in posted if int(at) <= step)
+        if due:
+            self.signum = due[0][1]
+        self._answer = (step, bool(due))
+        return bool(due)
+
+
+def _coordination_client():
+    from jax._src import distributed  # noqa: PLC0415 - what Orbax's multihost utilities use too
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            f"{jax.process_count()} processes but no jax.distributed client: start the run with "
+            "initialize_distributed()"
+        )
+    return client
 
 
 def data_mesh(devices=None) -> Mesh:
