@@ -136,3 +136,22 @@ def test_abstract_batch_describes_the_batch_a_step_is_called_with():
         )
         assert abstract[k].sharding is None
     assert parallel.global_batch_shape((8, 3), mesh) == (8, 3)
+
+
+def test_initialize_distributed_starts_only_a_run_of_several_processes(monkeypatch):
+    """JAX_NUM_PROCESSES=1 inside a SLURM job of several tasks (a Python started in the batch
+    step, outside srun) waited for peers that never came."""
+    started = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: started.append(kw))
+    names = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS")
+    for name in (*names, "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert not parallel.initialize_distributed() and not started
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
+    assert not parallel.initialize_distributed() and not started
+    monkeypatch.delenv("JAX_NUM_PROCESSES")
+    assert parallel.initialize_distributed()  # JAX reads the rest from SLURM
+    assert started == [dict(coordinator_address=None, num_processes=None, process_id=None)]
+    assert parallel.initialize_distributed(num_processes=2, process_id=1)
+    assert started[-1]["num_processes"] == 2
