@@ -858,13 +858,15 @@ def predict_layer(
     )
 
 
-def tile_cost_ratio(spec: DeviceSpec = H100, dtype=jnp.bfloat16) -> float:
-    """Model cost of one tensor-core tile over one diagonal entry, per 128-row slab.
+def tile_cost_ratio(spec: DeviceSpec | str = H100, dtype=jnp.bfloat16) -> float:
+    """Model cost of one tensor-core tile over one diagonal entry, per 128-row slab, on ``spec``
+    (a :class:`DeviceSpec` or a name in :data:`DEVICES`).
 
     The element kernels take the tensor-core path for an output block when
     ``tiles * TILE_COST <= entries * ENTRY_COST`` (``xla_ext/cuda/launch_plan.h``); this is the
     ratio those integer constants round.
     """
+    spec = device_spec(spec)
     const = launch_plan.constants()
     s = _itemsize(dtype)
     rows = const.ELEM_ROWS

@@ -40,6 +40,7 @@ def test_sparse_scattered_offsets_take_the_diagonal_path(rng):
 def test_the_fill_threshold_is_the_cost_models_ratio():
     const = launch_plan.constants()
     assert const.TILE_COST / const.ENTRY_COST == round(gpu_cost.tile_cost_ratio())
+    assert gpu_cost.tile_cost_ratio("A100") == gpu_cost.tile_cost_ratio(gpu_cost.A100)
 
 
 def test_contiguous_offsets_take_tensor_cores():

@@ -31,7 +31,7 @@ class MixerSize(NamedTuple):
 
 
 SIZES = {
-    "mu": MixerSize(32, 2, 16, 64),  # tests and smoke runs only
+    "mu": MixerSize(32, 2, 16, 64),  # tests, smoke runs and results.py's Mixer suite (mu/7)
     "C": MixerSize(256, 8, 128, 1024),  # CIFAR scale: use "C/4" on 32x32 images (64 tokens)
     "S": MixerSize(512, 8, 256, 2048),
     "B": MixerSize(768, 12, 384, 3072),
