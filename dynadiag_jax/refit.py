@@ -24,36 +24,47 @@ from dynadiag_jax.freeze import freeze_tree
 from dynadiag_jax.from_dense import _layer_matrix, _name
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
 from dynadiag_jax.nn.functional import DIAGONALS_COLLECTION
+from dynadiag_jax.nn.sparsify import _shapes
 from dynadiag_jax.ops.reference import _entry_indices
 
 __all__ = ["refit"]
 
 
-def _capture(model, variables, inputs, kinds, apply_kwargs) -> dict[tuple, list]:
-    """``{module path: [input of each call]}`` of the modules of ``kinds``, in call order."""
+def _capture(model, variables, inputs, kinds, apply_kwargs) -> tuple[dict, dict]:
+    """``({module path: [input of each call as [rows, in]]}, {module path: output width})`` of
+    the modules of ``kinds``, in call order; an input given by keyword counts too."""
     seen: dict[tuple, list] = {}
+    widths: dict[tuple, int] = {}
 
     def record(next_fun, args, kwargs, context):
-        if context.method_name == "__call__" and isinstance(context.module, kinds) and args:
-            seen.setdefault(tuple(context.module.path), []).append(np.asarray(args[0]))
+        layer = context.module
+        x = args[0] if args else kwargs.get("inputs", kwargs.get("x"))
+        if context.method_name == "__call__" and isinstance(layer, kinds) and x is not None:
+            x = np.asarray(x)
+            # the contracted axes (trailing, as sparsify maps them) flattened to one
+            contracted = len(_shapes(layer, x)[0]) if isinstance(layer, nn.DenseGeneral) else 1
+            path = tuple(layer.path)
+            seen.setdefault(path, []).append(
+                x.reshape(-1, math.prod(x.shape[x.ndim - contracted :]))
+            )
+            features = layer.features
+            widths[path] = math.prod(features) if isinstance(features, tuple | list) else features
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(record):
         model.apply(variables, inputs, **apply_kwargs)
-    return seen
+    return seen, widths
 
 
 def _rows(calls: list, n_in: int, path: tuple, which: str) -> np.ndarray:
-    """The inputs of every call of a layer as ``[rows, n_in]`` float64 (trailing axes flattened)."""
-    out = []
+    """The inputs of every call of a layer as ``[rows, n_in]`` float64."""
     for x in calls:
-        if math.prod(x.shape[-1:]) != n_in and (x.ndim < 2 or math.prod(x.shape[-2:]) != n_in):
+        if x.shape[-1] != n_in:
             raise ValueError(
-                f"refit: the {which} layer at params/{_name(path)} was called with an input of "
-                f"shape {x.shape}, whose trailing axes do not flatten to its {n_in} input features"
+                f"refit: the {which} layer at params/{_name(path)} takes {x.shape[-1]} input "
+                f"features, the diagonal layer {n_in}: pass the dense model it was made from"
             )
-        out.append(np.asarray(x, np.float64).reshape(-1, n_in))
-    rows = np.concatenate(out)
+    rows = np.concatenate([np.asarray(x, np.float64) for x in calls])
     if not np.all(np.isfinite(rows)):
         raise ValueError(
             f"refit: the calibration inputs give non-finite activations at the {which} layer "
@@ -139,11 +150,9 @@ def refit(
     Raises:
       TypeError: a ``sequential`` that is not a bool (and the checks of the other arguments).
       ValueError: no diagonal layer; no dense layer at a diagonal layer's path, or a kernel of
-        another shape; stacked (``nn.scan``) layers; an input whose trailing axes do not flatten
-        to the layer's width; non-finite activations or dense kernels; a negative or non-finite
-        ``ridge``; a singular fit (``ridge=0``); a
-        search-phase layer learning its permutation with the Sinkhorn relaxation (refit it
-        frozen).
+        another shape; stacked (``nn.scan``) layers; non-finite activations or dense kernels; a
+        negative or non-finite ``ridge``; a singular fit (``ridge=0``); a search-phase layer
+        learning its permutation with the Sinkhorn relaxation (refit it frozen).
     """
     non_negative(ridge, "refit: ridge")
     boolean(sequential, "refit: sequential")
@@ -174,14 +183,14 @@ def refit(
                 f"{offsets.shape}, e.g. by nn.scan); refit fits one layer per call site"
             )
 
-    calls = _capture(model, frozen, inputs, DiagonalDense, kwargs)
+    calls, widths = _capture(model, frozen, inputs, DiagonalDense, kwargs)
     layers = [p for p in calls if p + ("values",) in params and p + ("offsets",) in diagonals]
     if not layers:
         raise ValueError(
             "refit: the model calls no frozen DiagonalDense with these variables; pass the model "
             "with diagonal layers and its variables (search phase or frozen)"
         )
-    dense_calls = _capture(
+    dense_calls, _ = _capture(
         dense_model, dense_variables, inputs, (nn.Dense, nn.DenseGeneral), kwargs
     )
     fitted = {}
@@ -197,14 +206,18 @@ def refit(
         n_in = int(np.asarray(diagonals[path + ("in_features",)]).reshape(-1)[0])
         block_size = values.shape[-1] if values.ndim == 4 else 1
         kernel = dense_params[path + ("kernel",)]
-        # the dense kernel has the layer's in * out entries (_layer_matrix checks its axes)
-        n_out = math.prod(np.shape(kernel)) // n_in
+        n_out = widths[path]
+        if math.prod(np.shape(kernel)) != n_in * n_out:
+            raise ValueError(
+                f"refit: the dense kernel at params/{_name(path)} has shape {np.shape(kernel)}, "
+                f"the diagonal layer maps {n_in} -> {n_out}: pass the dense model it was made from"
+            )
         w = np.asarray(_layer_matrix(path, kernel, (), n_in, n_out), np.float64)
         if not np.all(np.isfinite(w)):
             raise ValueError(f"refit: the dense kernel at params/{_name(path)} holds NaN or inf")
         if sequential and i:
             frozen = _with_values(frozen, fitted)
-            calls = _capture(model, frozen, inputs, DiagonalDense, kwargs)
+            calls, _ = _capture(model, frozen, inputs, DiagonalDense, kwargs)
         xs = _rows(calls[path], n_in, path, "diagonal") if sequential else None
         xd = _rows(dense_calls[path], n_in, path, "dense")
         if xs is None:  # the dense model's inputs for every layer

@@ -231,6 +231,8 @@ def test_a_pattern_on_dense_general_layers_says_they_take_no_adapter():
         (dict(alpha=float("nan")), ValueError, "lora_fa: alpha must be a finite number"),
         (dict(param_dtype=jnp.int32), TypeError, "lora_fa: param_dtype must be a floating dtype"),
         (dict(a_init=3), TypeError, "lora_fa: a_init must be an initializer"),
+        # B's gradient is scaled by alpha: an adapter that never trains
+        (dict(alpha=0.0), ValueError, "lora_fa: alpha=0 scales the adapter to nothing"),
     ],
 )
 def test_bad_adapter_arguments_are_refused_at_once_by_name(kwargs, error, match):
@@ -259,6 +261,8 @@ def test_bad_patterns_and_double_wrapping_are_refused():
         dd.nn.lora_fa(Net(), "hidden", rank=2)
     with pytest.raises(ValueError, match="invalid"):
         dd.nn.lora_fa(Net(), ["hid(den"], rank=2)
+    with pytest.raises(ValueError, match="layers is empty"):
+        dd.nn.lora_fa(Net(), [], rank=2)
     with pytest.raises(ValueError, match="already adapted"):
         dd.nn.lora_fa(dd.nn.lora_fa(Net(), ["hidden"], rank=2), ["head"], rank=2)
 

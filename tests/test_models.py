@@ -276,6 +276,11 @@ def test_gpt2_token_ids_out_of_range():
         logits = jax.jit(model.apply)(variables, tokens.at[0, 3].set(bad))
         assert np.isnan(logits).all()
     assert np.isfinite(jax.jit(model.apply)(variables, tokens)).all()
+    # a concrete array captured by a traced function is read on the host, not traced
+    jax.eval_shape(lambda: model.init(KEY, tokens))
+    bad = tokens.at[0, 3].set(256)
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        jax.eval_shape(lambda: model.init(KEY, bad))
 
 
 def test_by_path_builds_block_diagonal_layers():

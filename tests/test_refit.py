@@ -217,6 +217,47 @@ def test_bad_inputs_are_refused_with_the_reason():
         dd.refit(model, one_shot, Single(40), dense, x[:1], ridge=0.0)
 
 
+class ByKeyword(nn.Module):
+    """A dense layer called with its input by keyword, and one contracting three axes."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16, name="first")(inputs=x.reshape(x.shape[0], -1))
+        return nn.DenseGeneral(8, axis=(-3, -2, -1), name="second")(h.reshape(-1, 2, 2, 4))
+
+
+def test_keyword_inputs_and_several_contracted_axes_are_refitted():
+    """A layer called as layer(inputs=x) was skipped on the diagonal side and "not called" on
+    the dense one; a DenseGeneral over three axes "did not flatten to its 16 features"."""
+    x = jax.random.normal(jax.random.key(1), (256, 16))
+    dense = random_dense(ByKeyword(), x)
+    model = dd.nn.sparsify(ByKeyword(), [(".*", {"sparsity": 0.5})])
+    one_shot = dd.from_dense(dense, model.init(jax.random.key(5), x), freeze=True)
+    refitted = dd.refit(model, one_shot, ByKeyword(), dense, x)
+    for name in ("first", "second"):
+        before = one_shot["params"][name]["values"]
+        assert not np.allclose(refitted["params"][name]["values"], before)
+    err = lambda v: float(jnp.mean((model.apply(v, x) - ByKeyword().apply(dense, x)) ** 2))  # noqa: E731
+    assert err(refitted) < err(one_shot)
+
+
+@pytest.mark.parametrize("dense_width", [32, 8, 24])
+def test_a_dense_model_of_another_width_is_refused(dense_width):
+    """16 -> 24 fitted from a 16 -> 32 kernel (meaningless values), 16 -> 16 returned [8, 8]
+    values from a 16 -> 8 one, 16 -> 32 from 16 -> 24 failed on an offset."""
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    width = {32: 24, 8: 16, 24: 32}[dense_width]
+    model = dd.nn.sparsify(Single(width), [("layer", {"sparsity": 0.5})])
+    variables = dd.freeze_tree(model.init(jax.random.key(5), x))
+    dense = random_dense(Single(dense_width), x)
+    message = (
+        rf"kernel at params/layer has shape \(16, {dense_width}\), the diagonal layer maps "
+        rf"16 -> {width}"
+    )
+    with pytest.raises(ValueError, match=message):
+        dd.refit(model, variables, Single(dense_width), dense, x)
+
+
 def test_a_learned_sinkhorn_permutation_is_refitted_frozen_only():
     """The freeze folds the soft matrix into the values: values fitted on the frozen form and
     written back into the search phase's were folded twice (the refitted model 1.65 away)."""

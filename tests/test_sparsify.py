@@ -397,6 +397,8 @@ def test_scan_without_the_collections_says_how_to_carry_them():
         ([("Dense_0", {"features": 3, "sparsity": 0.9})], ValueError, "sets \\['features'\\]"),
         ([("Dense_0", {"sparsity": 1.5})], ValueError, "rules\\[0\\] \\('Dense_0'\\): sparsity"),
         ([("Dense_0", {})], ValueError, "exactly one of sparsity="),
+        ([], ValueError, "rules is empty"),  # the module came back unchanged
+        ({}, ValueError, "rules is empty"),
     ],
 )
 def test_malformed_rules_fail_at_once(rules, error, match):

@@ -11,10 +11,9 @@ import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
-from dynadiag_jax._checks import fraction, int_at_least
+from dynadiag_jax._checks import fraction, host_array, int_at_least
 from dynadiag_jax.models.blocks import FeedForward, SelfAttention
 from dynadiag_jax.models.routing import Dense, resolve_dense
 
@@ -103,9 +102,10 @@ class GPT2(nn.Module):
     def __call__(self, tokens, *, train: bool = False):
         """``tokens[B, T]`` int (T <= block_size) -> next-token logits ``[B, T, vocab_size]``.
 
-        Token ids must lie in ``[0, vocab_size)``: an array whose values can be read (not traced)
-        is checked; inside ``jit`` an id out of range, negative ones included, makes the logits
-        of its sequence NaN (its embedding is NaN, and attention carries it on).
+        Token ids must lie in ``[0, vocab_size)``: an array whose values can be read without a
+        trace or a device sync (numpy, or on the CPU) is checked; otherwise (inside ``jit``, on a
+        GPU) an id out of range, negative ones included, makes the logits of its sequence NaN
+        (its embedding is NaN, and attention carries it on).
         """
         if tokens.ndim != 2 or tokens.shape[1] > self.block_size:
             raise ValueError(
@@ -114,8 +114,9 @@ class GPT2(nn.Module):
             )
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be integers, got dtype {tokens.dtype}")
-        if not isinstance(tokens, jax.core.Tracer) and tokens.size:
-            low, high = int(tokens.min()), int(tokens.max())
+        host = host_array(tokens)
+        if host is not None and host.size:
+            low, high = int(host.min()), int(host.max())
             if low < 0 or high >= self.vocab_size:
                 raise ValueError(
                     f"token ids must lie in [0, vocab_size={self.vocab_size}), got ids from "

@@ -147,11 +147,15 @@ def adapter_rules(layers, rank, alpha, who: str, **extra) -> tuple[Rule, ...]:
     ``rank``, ``scale = alpha / rank`` (``alpha`` None: ``rank``) and ``extra``."""
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
         raise TypeError(f"{who}: layers must be a sequence of regular expressions, got {layers!r}")
+    if not layers:
+        raise ValueError(f"{who}: layers is empty: no layer would get an adapter")
     if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
         raise TypeError(f"{who}: rank must be an int, got {type(rank).__name__}")
     if rank < 1:
         raise ValueError(f"{who}: rank must be an int >= 1, got {rank!r}")
     alpha = finite_number(rank if alpha is None else alpha, f"{who}: alpha")
+    if alpha == 0:  # B's gradient is scaled by alpha too: the adapter could never move
+        raise ValueError(f"{who}: alpha=0 scales the adapter to nothing (and its gradient)")
     if not callable(extra.get("a_init", callable)):
         raise TypeError(
             f"{who}: a_init must be an initializer, (key, shape, dtype) -> array, got "

@@ -68,6 +68,8 @@ def parse_rules(rules, who: str) -> tuple[Rule, ...]:
         raise TypeError(
             f"{who}: rules must be a sequence of (regex, kwargs) pairs, got {type(rules).__name__}"
         )
+    if not rules:
+        raise ValueError(f"{who}: rules is empty: the module would come back unchanged")
     out = []
     for i, rule in enumerate(rules):
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
