@@ -244,3 +244,19 @@ def test_lm_lora_phase_is_checked_before_training():
     method = lm.prepare(plain)[0]
     assert not any(k.startswith("lora.") for k in common.recipe(plain, method))
     assert "lora.rank" in common.recipe(config, method)
+
+
+def test_the_adapters_follow_the_diagonal_layers_by_default():
+    """lora.layers held a copy of the patterns: with dynadiag.layers narrowed to hidden_0, the
+    phase adapted the dense hidden_1 too."""
+    config = fashion_config.get_config()
+    config.data.source = "mnist5k"
+    config.dynadiag.layers = ("hidden_0",)
+    config.lora.steps = 5
+    _, _, example, runs = fashion_mnist.prepare(config)
+    (phase,) = [run.phase for run in runs.values() if run.phase is not None]
+    variables = jax.eval_shape(
+        lambda x: phase.model.init(jax.random.key(0), x, train=False), example
+    )
+    adapted = sorted(k for k in variables["params"] if "lora_b" in variables["params"][k])
+    assert adapted == ["hidden_0"]

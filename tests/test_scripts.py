@@ -70,6 +70,11 @@ def _on_tfds(config, root: pathlib.Path):
         (lambda c: c.train.unlock().update(bogus=1), "unknown config keys: train.bogus"),
         (lambda c: c.model.update(name="resnet"), "unknown model 'resnet'"),
         (lambda c: c.model.update(depth=3), "unknown mlp model arguments: depth"),
+        # printed "sparsity 0: no rigll run" and trained dense
+        (
+            lambda c: (c.dynadiag.update(sparsity=0.0), c.update(method="rigll")),
+            "method must be one of .* got 'rigll'",
+        ),
         # the script set 10 from the data over it, silently
         (
             lambda c: c.model.update(num_classes=5),
@@ -141,6 +146,8 @@ def test_config_arguments_are_typed_and_checked():
     with pytest.raises(ValueError, match="runlocal='maybe' is not true or false"):
         gpt2_lm.get_config("runlocal=maybe")
     assert gpt2_lm.get_config("runlocal=no").train.num_steps == 1000
+    assert fashion_config.get_config("runlocal").train.epochs == 1
+    assert fashion_config.get_config("runlocal,epochs=3").train.epochs == 3  # once 1
 
 
 def test_configs_import_only_config_helpers(run_python):

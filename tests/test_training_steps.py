@@ -662,3 +662,20 @@ def test_a_model_with_scanned_layers_trains_across_the_freeze_and_logs_each_memb
     assert searching and all(
         f"effective_k/layers/DiagonalDense_0/{i}" in r for r in searching for i in range(3)
     )
+
+
+def test_seeds_beyond_32_bits_draw_their_own_weights():
+    """jax.random.key keeps a seed's low 32 bits: seeds 5 and 2**32 + 5 trained from the same
+    weights, -1 and 2**32 - 1 too. Seeds in [0, 2**32) keep their keys."""
+    x = jax.ShapeDtypeStruct((BATCH, FEATURES), jnp.float32)
+    tx = T.adamw(1e-2, weight_decay=0.0)
+
+    def kernel(seed):
+        state = T.create_train_state(tiny_mlp(), tx, x, seed=seed)
+        return np.asarray(state.params["hidden_0"]["kernel"])
+
+    init_key = jax.random.split(jax.random.key(5))[0]
+    as_before = tiny_mlp().init({"params": init_key, "dropout": init_key}, jnp.zeros(x.shape))
+    np.testing.assert_array_equal(kernel(5), as_before["params"]["hidden_0"]["kernel"])
+    assert not np.array_equal(kernel(5), kernel(2**32 + 5))
+    assert not np.array_equal(kernel(-1), kernel(2**32 - 1))

@@ -31,6 +31,7 @@ import optax
 import dynadiag_jax as dd
 from dynadiag_jax import baselines as B
 from dynadiag_jax import models
+from dynadiag_jax import training as T
 from train import common
 
 METHODS = ("dense", "dynadiag", "static_diagonals", "static_unstructured", "rigl", "set", "mest")
@@ -256,7 +257,7 @@ def build(
             include=kernel_include(dynadiag_cfg.layers),
         )
         kwargs = dict(
-            distribution=distribution, key=jax.random.fold_in(jax.random.key(seed), MASK_STREAM)
+            distribution=distribution, key=jax.random.fold_in(T.seed_key(seed), MASK_STREAM)
         )
         if method != "static_unstructured":
             end_step = max(1, round(float(u.end_fraction) * num_steps))

@@ -11,7 +11,9 @@ Ctrl-C at any time; the same command resumes from the last checkpoint.
       --config=train/configs/fashion_mnist.py:sparsity=0.95
   python train/fashion_mnist.py --workdir=runs/fashion_mnist_mnist5k --config.data.source=mnist5k
 
-A workdir keeps one recipe: running another config there is refused (use another ``--workdir``).
+Each method, block size and sparsity trains in a subdirectory of its own (``dense``,
+``dynadiag_s90``, ...); another recipe for one of them (learning rate, epochs, ...) is refused
+there (use another ``--workdir``).
 Both runs took 79-90 s of CPU time on a 2-core AMD EPYC VM; the wall-clock time grows when other
 jobs share the cores (4-4.5 min at a load average of 7-15; docs/training.md).
 
@@ -63,6 +65,7 @@ def prepare(config):
     if steps < 1:
         raise common.ConfigError(f"train.epochs={config.train.epochs} gives no training step")
     sparsity = common.sparsity_of(config.dynadiag)
+    baselines.check(config.method, config.unstructured)  # a misspelt method at sparsity 0 too
     method = config.method if sparsity else "dense"
     runs = [("dense", "dense", 0.0)] if config.compare_dense or method == "dense" else []
     if method != "dense":
@@ -140,11 +143,14 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
         # the adapters' A (not a param) counted with the params
         counts = finetuning.counts(T.variables_of(result.state), [])
         params = counts["diagonal"] + counts["adapter"] + counts["other"]
+        kept = ""
+        if built.name in baselines.UNSTRUCTURED:  # masked dense kernels: say what they keep
+            kept = f", {counts['nonzero']:,} non-zero"
         acc = result.eval_metrics["accuracy"]
         resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
         adapters = f", {counts['adapter']:,} in adapters" if counts["adapter"] else ""
         print(
-            f"{name}: test accuracy {acc:.4f}, {params:,} parameters "
+            f"{name}: test accuracy {acc:.4f}, {params:,} parameters{kept} "
             f"({counts['diagonal']:,} in diagonals{adapters}), {seconds:.0f}s{resumed}"
         )
         if phase is not None:
@@ -154,7 +160,7 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
                 f"test accuracy {finetuning.metric_text(before, '.4f')} at step {steps} -> "
                 f"{acc:.4f}"
             )
-        summary.append((name, acc, params, seconds))
+        summary.append((name, acc, counts["nonzero"] if kept else params, seconds))
         if built.name == "dynadiag":
             png = plots.plot_diagonals(
                 workdir / name / "metrics.jsonl",
@@ -167,7 +173,8 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
             )
             print(f"figure: {png}")
     width = max([20, *(len(name) for name, *_ in summary)])  # static_unstructured_s90: 23
-    print(f"\n{'model':<{width}} test accuracy   parameters   time")
+    # the unstructured baselines' masked dense layers: their non-zero weights
+    print(f"\n{'model':<{width}} test accuracy      weights   time")
     for name, acc, params, seconds in summary:
         print(f"{name:<{width}} {acc:>13.4f} {params:>12,} {seconds:>5.0f}s")
     return summary

@@ -145,11 +145,8 @@ def lora_phase(
     """
     check_lora(lora_cfg)
     rank = int(lora_cfg.rank)
-    model = (
-        dd.nn.lora_fa(base, tuple(lora_cfg.layers), rank=rank, alpha=float(lora_cfg.alpha))
-        if rank
-        else base
-    )
+    layers = tuple(lora_cfg.layers) or tuple(dynadiag_cfg.layers)  # (): the diagonal layers
+    model = dd.nn.lora_fa(base, layers, rank=rank, alpha=float(lora_cfg.alpha)) if rank else base
     x = jnp.zeros(example_input.shape, example_input.dtype)
     try:
         jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))
@@ -205,8 +202,8 @@ def metric_text(value, spec: str) -> str:
 
 
 def counts(variables, trained: list[str]) -> dict[str, int]:
-    """Weights of ``variables`` by role: diagonal values, adapters (``A`` + ``B``), the rest, and
-    the ones the fine-tune trains."""
+    """Weights of ``variables`` by role: diagonal values, adapters (``A`` + ``B``), the rest, the
+    ones the fine-tune trains, and the non-zero ones."""
     params = variables["params"]
     flat = traverse_util.flatten_dict(params, sep="/")
     sizes = {k: int(np.prod(np.shape(v))) for k, v in flat.items()}
@@ -214,11 +211,13 @@ def counts(variables, trained: list[str]) -> dict[str, int]:
     a = sum(int(np.prod(np.shape(v))) for v in jax.tree.leaves(variables.get("lora_frozen", {})))
     by_role = T.parameter_counts(params)
     hits = traverse_util.flatten_dict(dd.optim.path_mask(trained)(params), sep="/")
+    nonzero = sum(int(np.count_nonzero(np.asarray(v))) for v in flat.values())
     return {
         "diagonal": by_role.diagonal,
         "adapter": a + b,
         "other": by_role.other - b,
         "trained": sum(sizes[k] for k, hit in hits.items() if hit),
+        "nonzero": nonzero + a,  # what a masked dense layer keeps (A counted whole)
     }
 
 

@@ -133,9 +133,13 @@ def report(config, workdir, result, corpus: str) -> None:
     counts = finetuning.counts(T.variables_of(result.state), [])
     total = counts["diagonal"] + counts["adapter"] + counts["other"]
     adapters = f" ({counts['adapter']:,} in adapters)" if counts["adapter"] else ""
-    sparsity = "" if config.method == "dense" else f" at sparsity {config.dynadiag.sparsity:g}"
+    # at sparsity 0 every method trains the dense model (what its checkpoint records)
+    dense = config.method == "dense" or common.sparsity_of(config.dynadiag) == 0.0
+    method = "dense" if dense else f"{config.method} at sparsity {config.dynadiag.sparsity:g}"
+    if not dense and config.method in baselines.UNSTRUCTURED:  # masked dense kernels
+        adapters += f" ({counts['nonzero']:,} non-zero)"
     print(
-        f"{corpus}: GPT-2 {config.model.variant}, {config.method}{sparsity}, "
+        f"{corpus}: GPT-2 {config.model.variant}, {method}, "
         f"{total:,} parameters{adapters}: validation perplexity {m['perplexity']:.3f} per byte "
         f"({m['bits_per_token']:.3f} bits/byte, {m['count']:,} bytes)"
         + (f" (resumed at step {result.start_step})" if result.start_step else "")

@@ -33,7 +33,6 @@ if __package__ in (None, ""):  # run as a file: make `train` importable from the
     # Appended: the installed dynadiag_jax (with the compiled kernels) must win over the checkout.
     sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax
 import jax.numpy as jnp
 from absl import app, flags
 
@@ -116,7 +115,7 @@ def prepare(config, workdir=None):
         common.check_workdir(workdir, {**common.recipe(config, built), "seed": int(config.seed)})
     dense = source.variables
     template = built.model.init(
-        jax.random.key(int(config.seed)), jnp.zeros(example.shape, example.dtype)
+        T.seed_key(int(config.seed)), jnp.zeros(example.shape, example.dtype)
     )
     template = {k: v for k, v in template.items() if k != "intermediates"}
     # a checkpoint of another model fails here

@@ -39,7 +39,7 @@ from dynadiag_jax.training.sparsity import (
     layer_metrics,
     parameter_counts,
 )
-from dynadiag_jax.training.state import TrainState, create_train_state, variables_of
+from dynadiag_jax.training.state import TrainState, create_train_state, seed_key, variables_of
 from dynadiag_jax.training.steps import make_eval_step, make_train_step
 from dynadiag_jax.training.tasks import Classification, Distillation, LanguageModeling
 from dynadiag_jax.training.working_set import (
@@ -88,6 +88,7 @@ __all__ = [
     "merge_params",
     "parameter_counts",
     "read_jsonl",
+    "seed_key",
     "split_params",
     "step_batch",
     "train",

@@ -13,14 +13,13 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import traverse_util
 
 from dynadiag_jax.training.optimizer import split_params
-from dynadiag_jax.training.state import TrainState
+from dynadiag_jax.training.state import TrainState, seed_key
 
 __all__ = ["Finetune", "enter_finetune", "new_variables"]
 
@@ -75,12 +74,12 @@ def new_variables(template, have) -> dict:
 
 def enter_finetune(state: TrainState, phase: Finetune, example_input, *, seed: int) -> TrainState:
     """``state`` (frozen) as the first state of ``phase``: its variables plus the phase model's
-    new ones, drawn with ``jax.random.key(seed)`` as the ``"params"`` RNG (so an adapter's ``A``
+    new ones, drawn with ``seed_key(seed)`` as the ``"params"`` RNG (so an adapter's ``A``
     depends only on the seed and its layer's path), and the phase optimizer's fresh state over the
     trained params. Same step and RNG. Pure and jit-able (works under ``jax.eval_shape``).
     """
     x = jnp.zeros(example_input.shape, example_input.dtype)
-    key = jax.random.key(seed)
+    key = seed_key(seed)
     template = phase.model.init({"params": key, "dropout": key}, x, train=False)
     template = {k: v for k, v in template.items() if k != "intermediates"}
     variables = dict(new_variables(template, {"params": state.params, **state.collections}))

@@ -40,6 +40,15 @@ def variables_of(state: TrainState) -> dict:
     return {"params": state.params, **state.collections}
 
 
+def seed_key(seed: int) -> jax.Array:
+    """``jax.random.key(seed)`` for a seed in ``[0, 2**32)``; any other 64-bit seed has its high
+    word folded in (``jax.random.key`` keeps the low 32 bits alone without x64: seeds 5 and
+    ``2**32 + 5`` drew the same weights, -1 and ``2**32 - 1`` too)."""
+    word = int(seed) % 2**64
+    key = jax.random.key(word & 0xFFFFFFFF)
+    return key if word >> 32 == 0 else jax.random.fold_in(key, word >> 32)
+
+
 def create_train_state(
     model: nn.Module,
     optimizer: optax.GradientTransformation,
@@ -56,7 +65,7 @@ def create_train_state(
       optimizer: the optax transformation used for training.
       example_input: an input batch (or ``jax.ShapeDtypeStruct``) with the training shapes.
       seed: the run's seed; the initialisation key and the per-step base key are both split
-        from ``jax.random.key(seed)``.
+        from :func:`seed_key` of it (``jax.random.key(seed)`` for seeds in ``[0, 2**32)``).
       variables: the model's variables to start from instead of its init (e.g.
         :func:`dynadiag_jax.from_dense`'s); they must have the init's structure and shapes.
       trained: path regexes: the optimizer state covers only the params they match (as
@@ -64,7 +73,7 @@ def create_train_state(
 
     Works under ``jax.eval_shape`` (for abstract checkpoint targets).
     """
-    key = jax.random.key(seed)
+    key = seed_key(seed)
     init_key, run_key = jax.random.split(key)
     x = jnp.zeros(example_input.shape, example_input.dtype)
     initial = model.init({"params": init_key, "dropout": init_key}, x, train=False)

@@ -180,12 +180,14 @@ def finetune(arg, *, selection_every: int, suites=FINETUNE_SUITES) -> ml_collect
     return config
 
 
-def lora_section(layers, *, steps: int | None = 0) -> dict:
+def lora_section(*, steps: int | None = 0) -> dict:
     """A config's ``lora`` section: the defaults (r = 8, alpha 16, B alone at 1e-2, which beat
-    the suites' 1e-3 on the MLP: docs/training.md) on ``layers``; ``steps`` is the in-run phase's
-    length (0: none; None: no such entry, for train/lora_fa.py, whose length is a fraction).
-    ``layers`` is a tuple: ml_collections overrides no list entry from the command line."""
-    section = dict(rank=8, alpha=16.0, layers=tuple(layers), train_values=False, learning_rate=1e-2)
+    the suites' 1e-3 on the MLP: docs/training.md); ``steps`` is the in-run phase's length (0:
+    none; None: no such entry, for train/lora_fa.py, whose length is a fraction). ``layers`` ()
+    means the diagonal layers, whatever ``dynadiag.layers`` is set to (a copy of the patterns went
+    stale when they were overridden, and adapted dense layers); a tuple of path regexes names
+    others (ml_collections overrides no list entry from the command line)."""
+    section = dict(rank=8, alpha=16.0, layers=(), train_values=False, learning_rate=1e-2)
     return section if steps is None else dict(section, steps=steps)
 
 

@@ -4,7 +4,8 @@ The authors' MNIST recipe scaled down: Adam 1e-3 (cosine decay), weight decay 1e
 sparse gate's strength anneals over the first 10% of training, then the selection freezes (the
 authors' 30% is for 100 epochs; on these 8 the shorter search is the better one, docs/selection.md).
 
-One workdir per recipe: a workdir holding a run of another recipe is refused (docs/training.md).
+One workdir per recipe: a run of another recipe in the subdirectory of its method and sparsity
+is refused (docs/training.md).
 
   python train/fashion_mnist.py                                         # both runs
   python train/fashion_mnist.py --workdir=runs/fashion_mnist_s95_e20 \\
@@ -27,6 +28,7 @@ import ml_collections
 from train.configs.common import (
     SHORT_SEARCH,
     dynadiag,
+    given,
     lora_section,
     parse_arg,
     unstructured_defaults,
@@ -34,6 +36,7 @@ from train.configs.common import (
 
 
 def get_config(arg=None):
+    typed = given(arg)
     arg = parse_arg(
         arg,
         sparsity=0.9,
@@ -54,7 +57,7 @@ def get_config(arg=None):
     # (dynadiag.layers) at the same sparsity; unstructured methods follow `unstructured`.
     config.method = arg.method
     config.unstructured = unstructured_defaults()
-    config.lora = lora_section(config.dynadiag.layers)
+    config.lora = lora_section()  # layers (): the diagonal layers
     config.compare_dense = True  # also train the dense model with the same recipe
     config.data = dict(source="auto", data_dir="")
     config.train = dict(
@@ -79,6 +82,6 @@ def get_config(arg=None):
         # the sparse layers' weights' updates times their init's gain (train/baselines.py)
         sparse_lr_scale="init_gain",
     )
-    if arg.runlocal:
+    if arg.runlocal and "epochs" not in typed:  # runlocal,epochs=3 trains 3
         config.train.epochs = 1
     return config

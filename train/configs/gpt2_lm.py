@@ -58,7 +58,7 @@ def get_config(arg=None):
     )
     # A LoRA-FA phase after the run's num_steps (steps 0: none; train/finetuning.py): adapters on
     # the frozen diagonal layers, B (and with train_values the diagonal values) trained.
-    config.lora = lora_section(SPARSE_LAYERS)
+    config.lora = lora_section()  # layers (): the diagonal layers (dynadiag.layers)
     config.optimizer = dict(
         learning_rate=1e-3,
         end_learning_rate=1e-4,

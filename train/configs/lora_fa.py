@@ -34,8 +34,8 @@ def get_config(arg=None):
         runlocal=False,
     )
     config = finetune(arg, selection_every=0, suites=(*FINETUNE_SUITES, "gpt"))
-    # The diagonal layers by default; finetune_fraction sets the length.
-    config.lora = lora_section(config.dynadiag.layers, steps=None)
+    # The diagonal layers by default (layers ()); finetune_fraction sets the length.
+    config.lora = lora_section(steps=None)
     config.lora.update(
         rank=arg.rank,
         alpha=arg.alpha,

@@ -73,7 +73,7 @@ def _lora(fraction=0.25):
     """A suite's ``lora`` section: train/finetuning.py's defaults (the rank is the method's, the
     layers the suite's diagonal ones) and ``fraction``, the phase's length as a fraction of the
     run's steps (train/lora_fa.py's default fine-tune length)."""
-    section = lora_section((), steps=None)
+    section = lora_section(steps=None)
     del section["rank"], section["layers"]
     return dict(section, fraction=fraction)
 
