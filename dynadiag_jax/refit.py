@@ -2,7 +2,7 @@
 
 Freezing :func:`dynadiag_jax.from_dense`'s result keeps each dense kernel's entries on the K
 diagonals of largest energy and drops the rest: at 90% sparsity most of every layer's output goes
-with them (docs/training.md, "From a dense checkpoint": 16-31% test accuracy on the suites).
+with them (docs/training.md, "From a dense checkpoint": 16-29% test accuracy on the suites).
 :func:`refit` chooses instead, for each output of each diagonal layer, the weights on its kept
 inputs that best reproduce the dense layer's output on a calibration batch: a ridge least-squares
 problem per output row, in the way one-shot pruning methods for large models reconstruct each
