@@ -342,6 +342,18 @@ def test_rule_that_matches_nothing_lists_the_layers():
     with pytest.raises(ValueError, match="'Dense' match no linear layer"):
         jax.eval_shape(dd.nn.sparsify(Mlp(), [("Dense", SPARSE)]).init, jax.random.key(0), x)
 
+    class MyDense(nn.Dense):
+        pass
+
+    class Custom(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return MyDense(4, name="fc")(x)
+
+    # it said "(none)", nothing on why the model's layer was not one
+    with pytest.raises(ValueError, match=r"\(none; a subclass of the layer classes is not one\)"):
+        jax.eval_shape(dd.nn.sparsify(Custom(), [("fc", SPARSE)]).init, jax.random.key(0), x)
+
 
 def test_sizes_a_rule_cannot_take_name_the_layer():
     x = jnp.ones((2, 12))

@@ -115,7 +115,8 @@ def first_match(rules: Sequence[Rule], path: str) -> int | None:
 def unmatched_message(who: str, rules, matched, paths: Sequence[str], model: str) -> str:
     """The error for rules that matched no linear layer, listing the layers there are."""
     missing = ", ".join(repr(r.pattern) for i, r in enumerate(rules) if i not in matched)
-    listed = "\n  ".join(paths) if paths else "(none)"
+    # layers are taken by their exact class: a subclass of nn.Dense is none of them
+    listed = "\n  ".join(paths) if paths else "(none; a subclass of the layer classes is not one)"
     return (
         f"{who}: rule pattern(s) {missing} match no linear layer of {model} (patterns are matched "
         f"with re.fullmatch against these module paths):\n  {listed}"
