@@ -398,6 +398,10 @@ def test_periodic_schedule():
         (dict(update_every=2, end_step=5, drop_fraction=1.5), "drop_fraction"),
         (dict(update_every=2.5, end_step=5), "update_every"),
         (dict(update_every=2, end_step=5, key=0), "key must be a jax.random.key .*got int"),
+        # each once a message that did not name the argument, or accepted ("0.3", True: all)
+        (dict(update_every=2, end_step=5, drop_fraction=None), "drop_fraction must be a number"),
+        (dict(update_every=2, end_step=5, drop_fraction="0.3"), "drop_fraction must be a number"),
+        (dict(update_every=2, end_step=5, drop_fraction=True), "drop_fraction must be a number"),
     ],
 )
 def test_bad_arguments_raise(kwargs, match):
@@ -407,6 +411,12 @@ def test_bad_arguments_raise(kwargs, match):
             distribution=functools.partial(B.uniform, sparsity=0.9),
             **{"key": jax.random.key(0), **kwargs},
         )
+
+
+def test_a_distribution_that_is_no_function_is_named():
+    """A sparsity in place of the function failed at init: 'float' object is not callable."""
+    with pytest.raises(TypeError, match="distribution must be a function, got float"):
+        B.rigl(optax.sgd(0.1), distribution=0.9, key=jax.random.key(0), update_every=1, end_step=5)
 
 
 def test_update_needs_params():
@@ -429,6 +439,7 @@ def test_update_needs_params():
         (dict(grad_weight=-1.0), ValueError, "grad_weight must be >= 0"),
         (dict(mutation_ratio=float("inf")), ValueError, "mutation_ratio must be a finite number"),
         (dict(mutation_ratio="0.2"), TypeError, "mutation_ratio must be a number"),
+        (dict(soft_bound="no"), TypeError, "soft_bound must be True or False"),  # once soft
     ],
 )
 def test_mest_refuses_bad_constants_naming_them(kwargs, error, match):

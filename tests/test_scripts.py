@@ -390,6 +390,29 @@ def test_imagenet_trains_the_baseline_its_config_names(tmp_path, method):
     assert density == pytest.approx(0.1, abs=0.02)
 
 
+@pytest.mark.parametrize("end_fraction", [1.0, 0.95])
+def test_mest_ends_at_its_budget_whatever_the_end_fraction(end_fraction):
+    """MEST's last update prunes back to the budget; at end_fraction 1.0 (or 0.95 of 10 steps,
+    rounded to 10) it fell after the last step and the run ended above its budget."""
+    config = fashion_config.get_config("method=mest,sparsity=0.9")
+    config.model.hidden = (16, 12)
+    config.unstructured.update_every = 2
+    config.unstructured.end_fraction = end_fraction
+    method = baselines.from_config(config, num_steps=10, warmup_steps=0, num_classes=10)
+    example = jax.ShapeDtypeStruct((8, 784), jnp.float32)
+    state = T.create_train_state(method.model, method.optimizer, example, seed=0)
+    step = jax.jit(T.make_train_step(method.model, method.optimizer, T.Classification(10)))
+    rng = np.random.default_rng(0)
+    for _ in range(10):
+        batch = {
+            "image": rng.normal(size=(8, 784)).astype(np.float32),
+            "label": rng.integers(0, 10, 8).astype(np.int32),
+        }
+        state, _ = step(state, batch)
+    kernel = np.asarray(state.params["hidden_0"]["kernel"])
+    assert np.count_nonzero(kernel) == kernel.size - math.floor(0.9 * kernel.size)
+
+
 def test_lm_trains_the_baseline_its_config_names(tmp_path):
     config = gpt2_lm.get_config("runlocal,sparsity=0.9,method=mest")
     config.unstructured.update_every = 2

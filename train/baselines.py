@@ -261,6 +261,10 @@ def build(
         )
         if method != "static_unstructured":
             end_step = max(1, round(float(u.end_fraction) * num_steps))
+            if method == "mest":
+                # its last update at end_step prunes back to the budget: one at or after the
+                # last step never runs, and the run ended above its budget
+                end_step = min(end_step, num_steps - 1)
             if int(u.update_every) >= end_step:
                 # the first mask update is at step update_every; none would come before the end
                 raise common.ConfigError(

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from dynadiag_jax import schedules
-from dynadiag_jax._checks import int_at_least
+from dynadiag_jax._checks import finite_number, int_at_least
 from dynadiag_jax.baselines.masks import top_n_mask
 from dynadiag_jax.baselines.sparse_state import map_masks, random_scores, sparse_wrapper
 
@@ -84,7 +84,8 @@ def drop_and_grow(mask, drop_score, grow_score, num_drop):
 
 
 def _check_fraction(value: Schedule, name: str) -> None:
-    if not callable(value) and not 0.0 <= float(value) <= 1.0:
+    # finite_number: None, "0.3" (float() took it) and True (drop everything) named the argument
+    if not callable(value) and not 0.0 <= finite_number(value, name) <= 1.0:
         raise ValueError(f"{name} must be in [0, 1] or a schedule, got {value!r}")
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 
-from dynadiag_jax._checks import non_negative
+from dynadiag_jax._checks import boolean, non_negative
 from dynadiag_jax.baselines.dst import Schedule, cosine_decay, periodic
 from dynadiag_jax.baselines.masks import top_n_mask
 from dynadiag_jax.baselines.sparse_state import budgets, map_masks, random_scores, sparse_wrapper
@@ -86,6 +86,7 @@ def mest(
     if not callable(mutation_ratio):
         non_negative(mutation_ratio, "mutation_ratio")
     grad_weight = non_negative(grad_weight, "grad_weight")
+    soft_bound = boolean(soft_bound, "soft_bound")  # "no" was the soft bound
     if start_step is None:
         start_step = update_every
     is_update = periodic(update_every, start_step, end_step, include_end=True)

@@ -196,6 +196,17 @@ def sparse_wrapper(
     Returns:
       An optax transform; its ``update`` requires ``params``.
     """
+    # a sparsity or a computed sparsities tree in place of the function failed at init, unnamed
+    for name, value in (
+        ("distribution", distribution),
+        ("rule", rule),
+        ("is_update_step", is_update_step),
+    ):
+        if not callable(value):
+            raise TypeError(
+                f"{name} must be a function, got {type(value).__name__}: e.g. "
+                "functools.partial(uniform, sparsity=0.9) for a distribution"
+            )
     key = key_data(key)
 
     def init_fn(params):
