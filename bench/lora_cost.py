@@ -39,7 +39,7 @@ from train.configs.common import lora_section  # noqa: E402
 
 
 def _lora(m, rank: int, train_values: bool):
-    section = lora_section(m.dynadiag.layers, steps=None)
+    section = lora_section(steps=None)  # layers (): the diagonal layers
     section.update(rank=rank, train_values=train_values)
     return ml_collections.ConfigDict(section)
 
