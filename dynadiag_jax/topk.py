@@ -333,15 +333,22 @@ def _scaled_jvp(lo, hi, primals, tangents):
     return z, jnp.where((q > lo) & (q < hi), (d_dot - z * h_dot) / h, 0)
 
 
+# The largest strength or temperature a gate divides by: an infinite one made inf / inf = NaN of
+# an infinite score, and above about 1 / tiny (~8.5e37) a finite score's quotient is denormal and
+# the threshold solve gave gates of 1 on every finite entry. 1e30 is already the smooth limit.
+_MAX_HYPER = 1e30
+
+
 def _split_hyper(value, work):
-    """``(positive, safe)``: whether the traced value is > 0, and the value with 1 elsewhere.
+    """``(positive, safe)``: whether the traced value is > 0, and the value with 1 elsewhere
+    (and at most :data:`_MAX_HYPER`).
 
     The soft branch is computed with ``safe`` so that neither it nor its gradient can hold NaN
     where the hard branch is chosen (``jnp.where`` would still propagate a NaN gradient).
     """
     value = jnp.asarray(value, work)
     positive = value > 0  # False for negative and NaN values
-    return positive, jnp.where(positive, value, jnp.ones_like(value))
+    return positive, jnp.where(positive, jnp.minimum(value, _MAX_HYPER), jnp.ones_like(value))
 
 
 def sparse_soft_topk(scores, k, *, strength):

@@ -361,6 +361,20 @@ def test_softmax_gate_of_an_infinite_maximum_is_the_hard_limit(scores, k, want):
         assert float(d_temperature) == 0
 
 
+@pytest.mark.parametrize("value", [1e38, INF])
+def test_a_huge_strength_or_temperature_is_the_smooth_limit(value):
+    """inf / inf was NaN for an infinite score, and above ~1/tiny a finite score's quotient was
+    denormal: five gates of 1 for k = 2."""
+    s = jnp.asarray([INF, 1.0, 0.5, 0.2, -0.3, 0.0], jnp.float32)
+    for big in (value, jnp.float32(value)):
+        y = np.asarray(jax.jit(lambda s, h: topk(s, 2, h))(s, big))
+        np.testing.assert_allclose(y, topk(s, 2, 1e30), atol=1e-6)
+        assert np.isfinite(y).all() and y.sum() == pytest.approx(2)
+    s = jnp.asarray([1.0, 0.5, 0.2, -0.3, 0.0, -INF], jnp.float32)
+    y = np.asarray(dd.softmax_topk(s, 2, temperature=value))
+    np.testing.assert_allclose(y, [0.4] * 5 + [0], atol=1e-6)
+
+
 def test_softmax_gate_gives_minus_inf_scores_nothing():
     s = jnp.asarray([2.0, 1.0, -INF, -INF])
     y = np.asarray(dd.softmax_topk(s, 2, temperature=0.5))

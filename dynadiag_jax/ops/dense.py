@@ -10,9 +10,8 @@ is folded into ``W`` (its columns permuted once, ``W P``) instead of gathering `
 
 from __future__ import annotations
 
-import jax
+import jax.numpy as jnp
 
-from dynadiag_jax.layout import geometry
 from dynadiag_jax.ops import reference
 from dynadiag_jax.ops.products import Backend, every_block_size, every_float_dtype
 
@@ -37,23 +36,22 @@ def _fwd(x, values, offsets, *, out_features, perm=None):
     return _product(x, values, offsets, perm, x.shape[-1], out_features)
 
 
+# The transposes written out, not jax.linear_transpose of the forward: inside jax.shard_map that
+# transpose summed dvalues over the mesh axis already (values do not vary along it, dy does), and
+# the primitive's own rule summed it again: gradients 4x on four devices.
 def _dx(dy, values, offsets, *, in_features, perm=None):
-    def product(x):
-        return _product(x, values, offsets, perm, in_features, dy.shape[-1])
-
-    x = jax.ShapeDtypeStruct(dy.shape[:-1] + (in_features,), dy.dtype)
-    return jax.linear_transpose(product, x)(dy)[0]
+    """``dy @ (W P)``."""
+    w = permuted_dense(values, offsets, perm, in_features=in_features, out_features=dy.shape[-1])
+    dx = jnp.dot(dy.reshape(-1, dy.shape[-1]), w)
+    return dx.reshape(dy.shape[:-1] + (in_features,))
 
 
 def _dvalues(dy, x, offsets, *, block_size, perm=None):
+    """The diagonals of ``dW = d(W P) P^T``, ``d(W P) = dy^T x``."""
     in_features, out_features = x.shape[-1], dy.shape[-1]
-    geo = geometry(in_features, out_features, block_size)
-
-    def product(values):
-        return _product(x, values, offsets, perm, in_features, out_features)
-
-    values = jax.ShapeDtypeStruct(offsets.shape + geo.values_shape, dy.dtype)
-    return jax.linear_transpose(product, values)(dy)[0]
+    dwp = jnp.dot(dy.reshape(-1, out_features).T, x.reshape(-1, in_features))
+    dw = reference.gather_columns(dwp, perm)
+    return reference.dense_to_diag(dw, offsets, block_size=block_size)
 
 
 BACKEND = Backend(

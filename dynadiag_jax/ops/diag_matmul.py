@@ -23,7 +23,7 @@ import numpy as np
 
 from dynadiag_jax._checks import as_int32, host_array, permutation_problem
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, geometry
-from dynadiag_jax.ops import auto, dense, products, reference
+from dynadiag_jax.ops import auto, products, reference
 
 __all__ = ["diag_matmul", "diag_to_dense", "available_impls"]
 
@@ -349,40 +349,9 @@ def _diag_matmul(x, values, offsets, *, out_features, impl, guard, perm=None):
     # checks the impl; "auto" goes on to the products, which decide per lowering platform
     resolve_impl(impl, x.dtype, geo, products.row_count(x), values.shape[0])
     x2 = x.reshape((-1, geo.in_features))
-    if impl == "dense":
-        y2 = _dense(x2, values, offsets, perm, geo, guard)
-    else:
-        y2 = products.fwd(
-            x2,
-            values,
-            offsets,
-            perm,
-            out_features=geo.out_features,
-            impl=impl,
-            guard=guard,
-        )
+    # impl="dense" too: the products carry the out-of-range rule into every derivative (JAX's
+    # autodiff of a W built with NaN left a tangent in values alone half NaN)
+    y2 = products.fwd(
+        x2, values, offsets, perm, out_features=geo.out_features, impl=impl, guard=guard
+    )
     return y2.reshape(lead + (geo.out_features,))
-
-
-def _dense(x2, values, offsets, perm, geo, guard):
-    """The dense baseline, with the products' rule for offsets out of range (NaN, not wrapped).
-
-    A bad offset's row of ``values`` is scaled by NaN (its gradient rows become NaN) and the whole
-    of ``W`` gets a NaN added (all of ``y`` and ``dx``), as in :mod:`dynadiag_jax.ops.products`;
-    so does a ``perm`` that is not a permutation (every row). ``guard=False`` (offsets known in
-    range) builds ``W`` directly. ``perm`` is folded into ``W``'s columns.
-    """
-    widths = {"in_features": geo.in_features, "out_features": geo.out_features}
-    if not guard:
-        return reference.dense_product(x2, dense.permuted_dense(values, offsets, perm, **widths))
-    valid = (offsets >= 0) & (offsets < geo.num_candidates)
-    if perm is not None:
-        ok = reference.is_permutation(perm)
-        valid = valid & ok
-        perm = jnp.where(ok, perm, jnp.arange(geo.in_features, dtype=jnp.int32))
-    nan = jnp.asarray(jnp.nan, values.dtype)
-    one = jnp.asarray(1, values.dtype)
-    scale = jnp.where(valid, one, nan).reshape(valid.shape + (1,) * (values.ndim - 1))
-    w = dense.permuted_dense(values * scale, jnp.where(valid, offsets, 0), perm, **widths)
-    w = w + jnp.where(jnp.all(valid), jnp.zeros((), values.dtype), nan)
-    return reference.dense_product(x2, w)
