@@ -629,6 +629,33 @@ def test_block_handlers_reject_bad_operands(target, results, operands, message):
         _ffi(target, results, *operands)
 
 
+@pytest.mark.parametrize(
+    "target, results, operand, operands",
+    [
+        ("fwd", [(256, 64)], 0, (np.ones((256, 64), np.float32), np.ones((3, 64), np.float32))),
+        ("dx", [(256, 64)], 0, (np.ones((256, 64), np.float32), np.ones((3, 64), np.float32))),
+        # 3 rows: x has dvalues' shape
+        ("dvalues", [(3, 64)], 1, (np.ones((3, 64), np.float32), np.ones((3, 64), np.float32))),
+        (
+            "bwd",
+            [(256, 64), (3, 64)],
+            1,
+            (np.ones((256, 64), np.float32),) * 2 + (np.ones((3, 64), np.float32),),
+        ),
+    ],
+)
+def test_a_result_aliasing_an_operand_is_refused(target, results, operand, operands):
+    """input_output_aliases in a direct call: the kernels read x while they wrote y over it
+    (a square layer's fwd was 34 off the product)."""
+    offsets = np.array([0, 5, 17], np.int32)
+    out = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in results)
+    call = jax.ffi.ffi_call(
+        f"dynadiag_diag_matmul_v2_{target}", out, input_output_aliases={operand: 0}
+    )
+    with pytest.raises(jax.errors.JaxRuntimeError, match="must not share memory with"):
+        jax.block_until_ready(jax.jit(lambda *a: call(*a, offsets))(*operands))
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_float16_auto_runs_the_kernels_in_float32(block_size, rng):
     """A float16 model on CPU (it once took the pure-JAX path, slower than dense): impl="auto"

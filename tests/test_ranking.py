@@ -230,3 +230,13 @@ def test_search_layer_compiles_one_ranking_call_per_layer():
     text = jax.jit(jax.grad(loss)).lower(variables["params"]).as_text()
     assert text.count(ranking.TARGET) == 1
     assert "stablehlo.sort" not in text and "stablehlo.while" not in text
+
+
+@pytest.mark.parametrize("impl", ["jax", "auto"])
+def test_a_half_precision_alpha_is_refused_by_name(impl):
+    """The reference took bfloat16 and the CPU kernel refused it only when the program ran."""
+    alpha = jnp.zeros((2, 6), jnp.bfloat16)
+    with pytest.raises(
+        TypeError, match="gate_rank: alpha must be float32 or float64, got bfloat16"
+    ):
+        ranking.gate_rank(alpha, 1.0, jnp.zeros((2, 3), jnp.int32), sparse=True, impl=impl)

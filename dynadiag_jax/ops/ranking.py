@@ -171,6 +171,9 @@ def gate_rank(alpha, hyper, old_topk, *, sparse: bool, impl: str = "auto") -> Ra
       :class:`Ranking` with leading dims ``[...]``; ``kth``, ``tau``, ``share`` in ``alpha``'s
       dtype.
     """
+    if jnp.dtype(alpha.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
+        # the reference took bfloat16, the CPU kernel refused it only when the program ran
+        raise TypeError(f"gate_rank: alpha must be float32 or float64, got {alpha.dtype}")
     lead, p = alpha.shape[:-1], alpha.shape[-1]
     k = old_topk.shape[-1]
     if not 1 <= k <= p:

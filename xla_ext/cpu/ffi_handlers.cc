@@ -11,12 +11,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <new>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "diag_kernels.h"
@@ -228,6 +230,24 @@ std::optional<ffi::Error> CheckPerm(const char* target, const ffi::AnyBuffer& pe
   return std::nullopt;
 }
 
+// A result must not share memory with an operand (input_output_aliases in a direct call): the
+// kernels read the operands while they write it, and returned garbage.
+std::optional<ffi::Error> CheckNoAlias(
+    const char* target, const char* result_name, const ffi::AnyBuffer& result,
+    std::initializer_list<std::pair<const char*, const ffi::AnyBuffer*>> operands) {
+  const char* lo = static_cast<const char*>(result.untyped_data());
+  const char* hi = lo + result.size_bytes();
+  for (const auto& [name, operand] : operands) {
+    if (operand == nullptr || operand->size_bytes() == 0 || result.size_bytes() == 0) continue;
+    const char* a = static_cast<const char*>(operand->untyped_data());
+    if (a < hi && lo < a + operand->size_bytes()) {
+      return Invalid(target, std::string(result_name) + " must not share memory with " + name +
+                                 " (no input_output_aliases)");
+    }
+  }
+  return std::nullopt;
+}
+
 // The targets without and with the input permutation (an extra last operand perm[in]).
 struct Names {
   const char* fwd;
@@ -268,6 +288,8 @@ std::optional<ffi::Error> DecodeFwd(const char* target, const ffi::AnyBuffer* pe
     DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w, guard));
   }
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "values", values.dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckNoAlias(
+      target, "y", *y, {{"x", &x}, {"values", &values}, {"offsets", &offsets}, {"perm", perm}}));
   args = FwdArgs{*type, Rows(x.dimensions()), w, x.untyped_data(), y->untyped_data()};
   return std::nullopt;
 }
@@ -295,6 +317,8 @@ std::optional<ffi::Error> DecodeDx(const char* target, const ffi::AnyBuffer* per
     DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w, guard));
   }
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "values", values.dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckNoAlias(
+      target, "dx", *dx, {{"dy", &dy}, {"values", &values}, {"offsets", &offsets}, {"perm", perm}}));
   args = DxArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), dx->untyped_data()};
   return std::nullopt;
 }
@@ -323,6 +347,8 @@ std::optional<ffi::Error> DecodeDvalues(const char* target, const ffi::AnyBuffer
     DYNADIAG_RETURN_IF_ERROR(CheckPerm(target, *perm, w, guard));
   }
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "dvalues", dvalues->dimensions(), w));
+  DYNADIAG_RETURN_IF_ERROR(CheckNoAlias(
+      target, "dvalues", *dvalues, {{"dy", &dy}, {"x", &x}, {"offsets", &offsets}, {"perm", perm}}));
   args = DvaluesArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), x.untyped_data(),
                      dvalues->untyped_data()};
   return std::nullopt;
@@ -358,6 +384,12 @@ std::optional<ffi::Error> DecodeBwd(const char* target, const ffi::AnyBuffer* pe
   }
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "values", values.dimensions(), w));
   DYNADIAG_RETURN_IF_ERROR(CheckDiagShape(target, "dvalues", dvalues->dimensions(), w));
+  for (const auto& [name, result] :
+       {std::pair<const char*, ffi::AnyBuffer*>{"dx", &*dx}, {"dvalues", &*dvalues}}) {
+    DYNADIAG_RETURN_IF_ERROR(CheckNoAlias(target, name, *result,
+                                          {{"dy", &dy}, {"x", &x}, {"values", &values},
+                                           {"offsets", &offsets}, {"perm", perm}}));
+  }
   args = BwdArgs{*type, Rows(dy.dimensions()), w, dy.untyped_data(), x.untyped_data(),
                  dx->untyped_data(), dvalues->untyped_data()};
   return std::nullopt;
