@@ -218,7 +218,7 @@ def test_a_pattern_on_dense_general_layers_says_they_take_no_adapter():
     model = dd.nn.lora_fa(_Attention(), ["mha/query"], rank=2)
     with pytest.raises(
         ValueError,
-        match=r"(?s)'mha/query'.*\(none\).*nn.DenseGeneral layers, "
+        match=r"(?s)'mha/query'.*\(none.*nn.DenseGeneral layers, "
         r"which take no adapter.*mha/query\n  mha/key",
     ):
         model.init(jax.random.key(0), jnp.ones((2, 3, 8), jnp.float32))

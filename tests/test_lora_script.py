@@ -48,13 +48,14 @@ def test_counts_split_diagonals_adapters_and_trained():
     variables = {
         "params": {
             "fc": {"values": jnp.zeros((3, 4)), "bias": jnp.zeros(4), "lora_b": jnp.zeros((4, 2))},
-            "head": {"kernel": jnp.zeros((4, 2))},
+            "head": {"kernel": jnp.zeros((4, 2)).at[0].set(1.0)},
         },
         "lora_frozen": {"fc": {"lora_a": jnp.zeros((2, 4))}},
         "diagonals": {"fc": {"offsets": jnp.zeros(3, jnp.int32)}},
     }
     got = finetuning.counts(variables, [r".*/lora_b"])
-    assert got == {"diagonal": 12, "adapter": 16, "other": 12, "trained": 8}
+    # non-zero: the head's 2 ones and A counted whole (8)
+    assert got == {"diagonal": 12, "adapter": 16, "other": 12, "trained": 8, "nonzero": 10}
     assert finetuning.counts(variables, [r".*/lora_b", r".*/values"])["trained"] == 20
 
 
