@@ -70,7 +70,11 @@ def finite_number(value, name: str) -> float:
     NaN or infinite."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond float's range: "int too large to convert to float"
+        finite = False
+    if not finite:
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
 

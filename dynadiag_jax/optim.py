@@ -147,6 +147,34 @@ def with_alpha_optimizer(
     return optax.multi_transform({"alpha": alpha_tx, "weights": tx}, param_labels)
 
 
+def _mask_of_tree(tree):
+    """A tree of bools as ``params -> tree`` of the params' structure: the tree itself kept
+    ``alpha``'s entries, and the first update after the freeze (no ``alpha``) failed on them."""
+    flat = {
+        tuple(str(_key(k)) for k in path): v
+        for path, v in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+    def mask(params):
+        def entry(path, _):
+            key = tuple(str(_key(k)) for k in path)
+            if key not in flat:
+                raise ValueError(f"decay_mask has no entry for params/{'/'.join(key)}")
+            return flat[key]
+
+        return jax.tree_util.tree_map_with_path(entry, params)
+
+    return mask
+
+
+def _key(entry):
+    """The name in a pytree path entry (a dict key, an attribute, an index)."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return entry
+
+
 def diag_optimizer(
     learning_rate,
     *,
@@ -165,7 +193,8 @@ def diag_optimizer(
       alpha_learning_rate: float or optax schedule for alpha.
       weight_decay: decoupled weight decay on the leaves selected by ``decay_mask``.
       b1, b2, eps: Adam moments, shared by both groups.
-      decay_mask: tree of bools or ``params -> tree``; default :func:`weight_decay_mask`
+      decay_mask: tree of bools (its entries at the params' paths are read, so it serves the
+        frozen params too) or ``params -> tree``; default :func:`weight_decay_mask`
         (``functools.partial(weight_decay_mask, no_decay=...)`` for other path patterns).
       values_lr_scale: the final updates of every ``values`` leaf (:func:`values_mask`), weight
         decay included, times this; :func:`init_gain` of the layers' sparsity for
@@ -192,6 +221,8 @@ def diag_optimizer(
     non_negative(weight_decay, "diag_optimizer: weight_decay")
     if finite_number(values_lr_scale, "diag_optimizer: values_lr_scale") <= 0.0:
         raise ValueError(f"diag_optimizer: values_lr_scale must be > 0, got {values_lr_scale}")
+    if not callable(decay_mask):
+        decay_mask = _mask_of_tree(decay_mask)
     weights = optax.adamw(
         learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask
     )

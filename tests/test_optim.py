@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+import dynadiag_jax as dd
 from dynadiag_jax import optim
 from dynadiag_jax import training as T
 
@@ -191,3 +192,26 @@ def test_adamw_takes_schedules_and_clip_norm_none_or_zero_as_no_clipping():
     assert np.all(np.isfinite(off)) and np.all(np.asarray(off) < 0)
     np.testing.assert_array_equal(update(clip_norm=0.0), off)
     np.testing.assert_array_equal(update(clip_norm=None), off)
+
+
+def test_a_tree_of_bools_as_decay_mask_serves_the_frozen_params():
+    """A static mask kept alpha's entry: the first update after the freeze failed on the pytree
+    structure (a function of the params never did)."""
+    layer = dd.nn.DiagonalDense(8, sparsity=0.5)
+    variables = layer.init(jax.random.key(0), jnp.ones((2, 8)))
+    params = variables["params"]
+    static = dd.optim.weight_decay_mask(params)
+    tx = dd.optim.diag_optimizer(0.1, alpha_learning_rate=0.3, weight_decay=0.5, decay_mask=static)
+    by_function = dd.optim.diag_optimizer(0.1, alpha_learning_rate=0.3, weight_decay=0.5)
+    frozen = dd.freeze_tree(variables)["params"]
+    grads = jax.tree.map(jnp.ones_like, frozen)
+    updates = []
+    for t in (tx, by_function):
+        state = dd.freeze_opt_state(t.init(params), params, frozen)
+        with jax.numpy_dtype_promotion("standard"):  # optax's Adam bias correction mixes dtypes
+            updates.append(t.update(grads, state, frozen)[0])
+    jax.tree.map(np.testing.assert_array_equal, *updates)
+    with pytest.raises(ValueError, match="decay_mask has no entry for params/bias"):
+        dd.optim.diag_optimizer(0.1, alpha_learning_rate=0.3, decay_mask={"values": True}).init(
+            params
+        )

@@ -102,6 +102,14 @@ def test_values_beyond_float32_are_refused_by_name(make, name):
         make()
 
 
+def test_an_int_beyond_float_is_refused_by_name():
+    """It raised Python's OverflowError: int too large to convert to float."""
+    with pytest.raises(ValueError, match="value must be a finite number"):
+        schedules.constant(10**400)
+    with pytest.raises(ValueError, match="search_fraction must be a finite number"):
+        schedules.freeze_step(10, search_fraction=10**400)
+
+
 @pytest.mark.parametrize("init, end", [(1e-60, 1.0), (1.0, 1e-40)])
 def test_exponential_refuses_values_below_float32_normals(init, end):
     name = "init_value" if init < end else "end_value"

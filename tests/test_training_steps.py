@@ -679,3 +679,37 @@ def test_seeds_beyond_32_bits_draw_their_own_weights():
     np.testing.assert_array_equal(kernel(5), as_before["params"]["hidden_0"]["kernel"])
     assert not np.array_equal(kernel(5), kernel(2**32 + 5))
     assert not np.array_equal(kernel(-1), kernel(2**32 - 1))
+
+
+@pytest.mark.parametrize(
+    "gate, error, match",
+    [
+        # 2.5 scored at steps 0, 5, 10; a rescore at 2.5 never came; "3" failed while tracing
+        (dict(score_every=2.5), TypeError, "GateSchedule.score_every must be an int"),
+        (dict(score_every="3"), TypeError, "GateSchedule.score_every must be an int"),
+        (dict(rescore_step=2.5), TypeError, "GateSchedule.rescore_step must be an int"),
+        (dict(rescore_step=True), TypeError, "GateSchedule.rescore_step must be an int"),
+        (dict(schedule=0.5), TypeError, "GateSchedule.schedule must be a function"),
+        (dict(score_every=-1), ValueError, "GateSchedule.score_every must be >= 0"),
+    ],
+)
+def test_a_gate_schedule_of_the_wrong_kind_is_named(gate, error, match):
+    fields = {"name": "strength", "schedule": dd.schedules.constant(1.0), **gate}
+    with pytest.raises(error, match=match):
+        T.GateSchedule(**fields).check()
+
+
+def test_a_rescore_after_the_search_is_refused_before_compiling():
+    """The restart runs only while the layers search: at or after the freeze it never came."""
+    gate = T.GateSchedule("strength", dd.schedules.cosine(1.0, 0.05, 3), rescore_step=3)
+    arguments = _train_arguments(model=tiny_mlp(0.5), num_steps=6, freeze_step=3, gate=gate)
+    with CompileCounter() as c, pytest.raises(ValueError, match="rescore_step=3 must come before"):
+        T.train(**arguments)
+    assert c.count == 0
+
+
+def test_a_models_own_parameter_named_alpha_is_no_search():
+    """Any param called alpha made a dense model 'in the search phase' (train asked for a gate)."""
+    assert not T.is_searching({"alpha": jnp.ones(()), "Dense_0": {"kernel": jnp.ones((2, 2))}})
+    assert T.is_searching({"layer": {"alpha": jnp.ones(4), "values": jnp.ones((4, 2))}})
+    assert T.is_searching({"stack": {"alpha": jnp.ones((3, 4)), "values": jnp.ones((3, 4, 2))}})

@@ -1081,6 +1081,13 @@ def train(
         )
     if gate is not None:
         gate.check()
+        end = num_steps if freeze_step is None else freeze_step
+        if sparse and gate.rescore_step >= end:
+            # the restart runs only while the layers search: it would never come
+            raise ValueError(
+                f"gate.rescore_step={gate.rescore_step} must come before "
+                f"{'freeze_step' if freeze_step is not None else 'num_steps'}={end}"
+            )
     if sparse and finetune is not None and freeze_step is None:
         raise ValueError("a fine-tuning phase needs the frozen model: pass freeze_step")
     if working_set is not None:

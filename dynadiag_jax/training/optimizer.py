@@ -113,8 +113,9 @@ def train_only(tx: optax.GradientTransformation, patterns: Sequence[str]):
 
 def split_params(params, patterns: Sequence[str]) -> tuple[dict, dict]:
     """``(trained, fixed)``: the params whose "/"-joined path fully matches a pattern, and the
-    others, each nested as in ``params`` (so path-based masks see the same names);
-    :func:`merge_params` joins them back. Raises ``ValueError`` if no param matches."""
+    others, each nested as in ``params`` (so path-based masks see the same names) in plain dicts
+    (a ``FrozenDict`` comes back as a dict); :func:`merge_params` joins them back. Raises
+    ``ValueError`` if no param matches."""
     flat = traverse_util.flatten_dict(params, keep_empty_nodes=True)
     mask = dd.optim.path_mask(patterns, name="trained")
     hits = traverse_util.flatten_dict(mask(params), keep_empty_nodes=True)
@@ -127,7 +128,7 @@ def split_params(params, patterns: Sequence[str]) -> tuple[dict, dict]:
 
 
 def merge_params(trained, fixed) -> dict:
-    """The params :func:`split_params` split into ``trained`` and ``fixed``."""
+    """The params :func:`split_params` split into ``trained`` and ``fixed``, as plain dicts."""
     flat = traverse_util.flatten_dict(fixed, keep_empty_nodes=True)
     flat.update(traverse_util.flatten_dict(trained))
     return traverse_util.unflatten_dict(flat)

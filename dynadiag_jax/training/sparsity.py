@@ -17,6 +17,7 @@ import numpy as np
 from flax import traverse_util
 
 import dynadiag_jax as dd
+from dynadiag_jax._checks import int_at_least
 from dynadiag_jax.nn.functional import DIAGONALS_COLLECTION, GATE_COLLECTION, HYPER_NAME
 from dynadiag_jax.training.state import TrainState
 from dynadiag_jax.training.working_set import leave_working_set
@@ -57,10 +58,14 @@ class GateSchedule(NamedTuple):
     def check(self) -> GateSchedule:
         if self.name not in HYPER_NAME.values():
             raise ValueError(f"gate name must be 'strength' or 'temperature', got {self.name!r}")
-        if int(self.score_every) < 0:
-            raise ValueError(f"score_every must be >= 0, got {self.score_every!r}")
-        if int(self.rescore_step) < 0:
-            raise ValueError(f"rescore_step must be >= 0, got {self.rescore_step!r}")
+        if not callable(self.schedule):
+            raise TypeError(
+                f"GateSchedule.schedule must be a function step -> value (e.g. "
+                f"dd.schedules.constant(...)), got {type(self.schedule).__name__}"
+            )
+        # int_at_least: 2.5 scored at steps 0, 5, 10 and a rescore at 2.5 never came
+        int_at_least(self.score_every, "GateSchedule.score_every", 0)
+        int_at_least(self.rescore_step, "GateSchedule.rescore_step", 0)
         return self
 
 
@@ -71,8 +76,10 @@ def _leaves(tree, name: str) -> dict[str, Any]:
 
 
 def is_searching(params) -> bool:
-    """Whether any DiagonalDense layer in ``params`` is in the search phase (has ``alpha``)."""
-    return bool(_leaves(params, "alpha"))
+    """Whether any DiagonalDense layer in ``params`` is in the search phase (an ``alpha`` beside
+    its ``values``: a model's own parameter named ``alpha`` is none)."""
+    flat = traverse_util.flatten_dict(params) if params else {}
+    return any(k[-1] == "alpha" and k[:-1] + ("values",) in flat for k in flat)
 
 
 def apply_gate(collections: dict, gate: GateSchedule | None, step) -> dict:
@@ -126,7 +133,9 @@ def _check_mapping(tree, name: str, what: str, example: str) -> None:
 
 
 def kept_offsets(collections) -> dict[str, np.ndarray]:
-    """``{layer path: offsets}``: the frozen diagonals, or while searching the top-K by alpha.
+    """``{layer path: offsets}``: the frozen diagonals, or while searching the top-K by alpha as
+    the last step's forward pass saw it (before that step's update of alpha; the freeze ranks the
+    alpha after it).
 
     ``collections``: the model's non-param collections (``state.collections``); ``TypeError``
     for anything but a mapping."""
