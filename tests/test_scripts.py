@@ -111,6 +111,14 @@ def _on_tfds(config, root: pathlib.Path):
         (lambda c: c.update(seed=-1), r"seed must be in \[0, 2\*\*63\), got -1"),
         # a traceback from the training loop, after the dense comparison run had trained
         (lambda c: c.dynadiag.update(score_every=-1), "dynadiag.score_every must be >= 0"),
+        # 3 search steps (one epoch of mnist5k): the restart at step 3 came with the freeze, never
+        (
+            lambda c: (
+                c.update(data=dict(c.data, source="mnist5k"), train=dict(c.train, epochs=1)),
+                c.dynadiag.update(rescore_fraction=0.9),
+            ),
+            r"dynadiag.rescore_fraction=0.9 of the 3 search steps restarts alpha at step 3",
+        ),
         # the sparse gate's strength schedule then ran as the softmax gate's temperature
         (
             lambda c: c.dynadiag.update(gate="softmax"),

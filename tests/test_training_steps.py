@@ -685,12 +685,12 @@ def test_seeds_beyond_32_bits_draw_their_own_weights():
     "gate, error, match",
     [
         # 2.5 scored at steps 0, 5, 10; a rescore at 2.5 never came; "3" failed while tracing
-        (dict(score_every=2.5), TypeError, "GateSchedule.score_every must be an int"),
-        (dict(score_every="3"), TypeError, "GateSchedule.score_every must be an int"),
-        (dict(rescore_step=2.5), TypeError, "GateSchedule.rescore_step must be an int"),
-        (dict(rescore_step=True), TypeError, "GateSchedule.rescore_step must be an int"),
+        (dict(score_every=2.5), TypeError, "score_every must be an int"),
+        (dict(score_every="3"), TypeError, "score_every must be an int"),
+        (dict(rescore_step=2.5), TypeError, "rescore_step must be an int"),
+        (dict(rescore_step=True), TypeError, "rescore_step must be an int"),
         (dict(schedule=0.5), TypeError, "GateSchedule.schedule must be a function"),
-        (dict(score_every=-1), ValueError, "GateSchedule.score_every must be >= 0"),
+        (dict(score_every=-1), ValueError, "score_every must be >= 0"),
     ],
 )
 def test_a_gate_schedule_of_the_wrong_kind_is_named(gate, error, match):

@@ -246,6 +246,11 @@ def gate_schedule(dynadiag_cfg, freeze_step: int | None, num_steps: int) -> T.Ga
     rescore = float(dynadiag_cfg.rescore_fraction)
     if not 0.0 <= rescore < 1.0:
         raise ConfigError(f"dynadiag.rescore_fraction must be in [0, 1), got {rescore}")
+    if rescore and round(rescore * steps) >= steps:  # the restart would come with the freeze
+        raise ConfigError(
+            f"dynadiag.rescore_fraction={rescore} of the {steps} search steps restarts alpha at "
+            f"step {round(rescore * steps)}, the freeze's; use a smaller fraction"
+        )
     try:
         return T.GateSchedule(
             HYPER_NAME[dynadiag_cfg.gate],
@@ -253,7 +258,7 @@ def gate_schedule(dynadiag_cfg, freeze_step: int | None, num_steps: int) -> T.Ga
             int(dynadiag_cfg.score_every),
             rescore_step=round(rescore * steps),
         ).check()
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"dynadiag.{e}") from None
 
 

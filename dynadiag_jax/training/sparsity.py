@@ -64,8 +64,8 @@ class GateSchedule(NamedTuple):
                 f"dd.schedules.constant(...)), got {type(self.schedule).__name__}"
             )
         # int_at_least: 2.5 scored at steps 0, 5, 10 and a rescore at 2.5 never came
-        int_at_least(self.score_every, "GateSchedule.score_every", 0)
-        int_at_least(self.rescore_step, "GateSchedule.rescore_step", 0)
+        int_at_least(self.score_every, "score_every", 0)
+        int_at_least(self.rescore_step, "rescore_step", 0)
         return self
 
 
