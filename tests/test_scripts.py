@@ -1213,6 +1213,21 @@ def test_lora_layers_can_be_overridden_on_the_command_line(config_file):
     assert holder.value.lora.layers == ("hidden_0",)
 
 
+def test_a_tilde_in_the_workdir_is_the_home_directory(tmp_path):
+    """The shell leaves "--workdir=~/x" as it is: the run made a directory named "~"."""
+    (tmp_path / "x").write_text("")  # a file: the run stops at once, naming the path it took
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train" / "fashion_mnist.py"), "--workdir=~/x"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)},
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode != 0 and f"{tmp_path / 'x'} is a file" in done.stderr
+    assert not (tmp_path / "~").exists()
+
+
 @pytest.mark.parametrize("script", ["fashion_mnist.py", "lm.py", "imagenet.py"])
 def test_an_empty_workdir_is_refused(script):
     """``--workdir=`` would write into the current directory (or save nothing) and say to resume."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import os
 import pathlib
 import re
 import sys
@@ -73,7 +74,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     """``app.run``'s ``flags_parser``: absl's flag errors as one line and status 2.
 
     ``--config`` is read before the ``--config.<key>`` overrides wherever it was typed (see
-    :func:`config_first`). An empty ``--workdir=`` is refused.
+    :func:`config_first`). An empty ``--workdir=`` is refused; a ``~`` in it is expanded.
     """
     try:
         rest = flags.FLAGS(config_first(argv))
@@ -84,6 +85,9 @@ def parse_flags(argv: list[str]) -> list[str]:
     workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
     if workdir is not None and not workdir.strip():
         common.die("--workdir is empty: give the directory for the run's checkpoints and logs")
+    if workdir is not None:
+        # the shell leaves a ~ after "--workdir=" as it is: a directory named "~" was made
+        flags.FLAGS.workdir = os.path.expanduser(workdir)
     return rest
 
 
