@@ -135,7 +135,9 @@ def num_diagonals(in_features: int, out_features: int, sparsity: float, *, block
     """Number of diagonals ``K`` a layer keeps at ``sparsity`` (the authors' budget rule).
 
     Element diagonals: ``K = max(1, ceil(floor((1 - s) * in * out) / D))``, so the density
-    ``K * D / (in * out)`` is at least ``1 - s``. Example: 768 -> 3072 at ``s = 0.9`` gives 308.
+    ``K * D / (in * out)`` is at least ``floor((1 - s) * in * out) / (in * out)`` (``1 - s`` up to
+    that floor and float rounding: 9 -> 9 at ``s = 0.1`` keeps 8 of 9 diagonals, 0.889). Example:
+    768 -> 3072 at ``s = 0.9`` gives 308.
 
     Block diagonals (``block_size = b >= 2``):
     ``K = max(1, min(P_b, ceil(floor((1 - s) * in * out) / (max(in, out) * b))))``; each holds

@@ -70,6 +70,22 @@ def test_output_scale_at_a_flat_start(scale, expected):
     np.testing.assert_allclose(scale_seen, expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("explore", ["none", "dense_score", "buckets"])
+def test_the_rescale_and_output_scale_count_the_computed_diagonals_only(explore):
+    """explore="none"/"dense_score" compute the top K_cap of P flat gates: the rescale counted
+    all P, so the search ran at sqrt(K_cap / P) of the frozen scale (0.35 here) while
+    output_scale said 1.02. Measured against the frozen layer, the sown figure is the product's."""
+    layer = DiagonalDense(40, k=4, explore=explore, impl="jax", use_bias=False)
+    x = jax.random.normal(jax.random.key(1), (4000, 40))
+    variables = layer.init(jax.random.key(0), x[:2])  # flat gates
+    y, state = layer.apply(variables, x, mutable=["intermediates"])
+    frozen = layer.apply(dd.freeze_tree(variables), x)
+    measured = float(jnp.sqrt(jnp.mean(y**2) / jnp.mean(frozen**2)))
+    (sown,) = state["intermediates"]["output_scale"]
+    assert measured == pytest.approx(float(sown), rel=0.05)
+    assert measured == pytest.approx(1.0, rel=0.1)
+
+
 def test_alpha_from_values_ranks_diagonals_by_their_values_norm():
     layer = DiagonalDense(24, k=4, impl="jax")
     x = jnp.ones((2, 16))
@@ -99,3 +115,13 @@ def test_rescore_happens_on_its_step_only():
     )
     with pytest.raises(ValueError, match="rescore_step"):
         GateSchedule("strength", lambda step: 1.0, rescore_step=-1).check()
+
+
+def test_k_cap_is_the_documented_ceiling():
+    """1.12 * 25 is 28.000000000000004 in floats: K_cap was 29, one diagonal computed (and sown)
+    too many per step; slack=1e308 overflowed in ceil at init."""
+    assert DiagonalDense(64, k=25, slack=0.12).capacity(64) == 28
+    assert DiagonalDense(64, k=25, slack=0.25).capacity(64) == 32  # ceil(31.25)
+    huge = DiagonalDense(64, k=25, slack=1e308)
+    assert huge.capacity(64) == 64
+    huge.init(jax.random.key(0), jnp.ones((2, 64)))

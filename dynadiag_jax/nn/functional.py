@@ -99,8 +99,10 @@ def uncarried_collections(module, collections=LAYER_COLLECTIONS) -> list[str]:
 
 # The gate value a layer starts with when neither the call nor the layer gives one.
 DEFAULT_HYPER = {"strength": 1.0, "temperature": 5.0}
-# alpha = (1 + ALPHA_NOISE * u) / P with u ~ U(0, 1): breaks ties in the ranking, and stays far
-# below any sensible strength, so the first sparse gate is uniform (K / P) on every diagonal.
+# alpha = (1 + ALPHA_NOISE * u) / P with u ~ U(0, 1): breaks most ties in the ranking (float32
+# holds about 8k values in [1/P, 1.001/P]: at P = 3072 some hundreds stay tied, so a hard gate
+# right after init can share its K-th place), and stays far below any sensible strength, so the
+# first sparse gate is uniform (K / P) on every diagonal.
 ALPHA_NOISE = 1e-3
 
 
@@ -191,8 +193,12 @@ class LayerSpec(NamedTuple):
 
     @property
     def k_cap(self) -> int:
-        """``min(P, ceil((1 + slack) * K))``: diagonals a fixed-size search step computes."""
-        return min(self.num_candidates, math.ceil((1.0 + self.slack) * self.k))
+        """``min(P, ceil((1 + slack) * K))``: diagonals a fixed-size search step computes (the
+        product rounded to 9 decimals first: 1.12 * 25 is 28.000000000000004 in floats)."""
+        p = self.num_candidates
+        if self.slack * self.k >= p:  # also a slack so large that the product overflows
+            return p
+        return min(p, math.ceil(round((1.0 + self.slack) * self.k, 9)))
 
     @property
     def hyper_name(self) -> str:

@@ -182,6 +182,7 @@ def search_forward(spec, values, x, inputs: GateInputs, *, score=False):
             y = product(x, values, gate, order, branch)
         # every non-zero gate is computed
         outside = jnp.zeros((), jnp.float32)
+        computed = gate
     else:
         sizes, branch = (k_cap,), jnp.asarray(0, jnp.int32)
         product = _ranked_product(sizes, spec.out_features, spec.impl)
@@ -194,7 +195,10 @@ def search_forward(spec, values, x, inputs: GateInputs, *, score=False):
         else:
             y = product(x, values, gate, order, branch)
         outside = jnp.sum(jnp.where(rank >= k_cap, jax.lax.stop_gradient(gate), 0))
-    c = rms_scale(gate, spec.k) if spec.scale == "rms" else jnp.ones((), gate.dtype)
+        # the product's gates: the ones beyond K_cap were never computed, and counting them left
+        # the search at sqrt(K_cap / P) of the frozen scale while output_scale said 1
+        computed = jnp.where(rank < k_cap, gate, 0)
+    c = rms_scale(computed, spec.k) if spec.scale == "rms" else jnp.ones((), gate.dtype)
     if spec.scale == "rms":
         y = y * c.astype(y.dtype)
     stats = SearchStats(
@@ -202,7 +206,7 @@ def search_forward(spec, values, x, inputs: GateInputs, *, score=False):
         gate_mass_outside=outside.astype(jnp.float32),
         gate_mean=inputs.gate_mean,
         computed_diagonals=jnp.asarray(sizes, jnp.float32)[branch],
-        output_scale=_output_scale(gate * c, values, order[: spec.k]),
+        output_scale=_output_scale(computed * c, values, order[: spec.k]),
     )
     return checkpoint_name(y, PRODUCT_NAME), stats
 
