@@ -1082,7 +1082,7 @@ def train(
     if gate is not None:
         gate.check()
         end = num_steps if freeze_step is None else freeze_step
-        if sparse and gate.rescore_step >= end:
+        if sparse and gate.rescore_step and gate.rescore_step >= end:  # 0: never
             # the restart runs only while the layers search: it would never come
             raise ValueError(
                 f"gate.rescore_step={gate.rescore_step} must come before "
