@@ -18,12 +18,14 @@ BF16_TOL = 3e-2
 SHAPES = [(16, 24), (24, 16), (20, 20)]  # (in, out): tall, wide, square
 
 
-def dense_reference(params, x, features, gate, computed, k=None):
+def dense_reference(params, x, features, gate, computed, k=None, scaled=None):
     """``x @ W.T + b`` with ``W = sum_{p in computed} gate[p] * values[p]`` built densely; with
-    ``k`` the gate is first scaled by the layer's ``scale="rms"`` factor ``sqrt(k / sum(gate^2))``
-    (constant for the gradient)."""
+    ``k`` the gate is first scaled by the layer's ``scale="rms"`` factor ``sqrt(k / sum(g^2))``
+    over the gates the product computes (``scaled``, default ``computed``), constant for the
+    gradient."""
     if k is not None:
-        gate = gate * jax.lax.stop_gradient(jnp.sqrt(k / jnp.sum(gate * gate)))
+        g = gate[computed if scaled is None else scaled]
+        gate = gate * jax.lax.stop_gradient(jnp.sqrt(k / jnp.sum(g * g)))
     w = dd.diag_to_dense(
         gate[computed][:, None] * params["values"][computed],
         computed,
@@ -268,7 +270,10 @@ def test_dense_score_step_gives_exact_gradient_for_every_diagonal(rng, n_in, n_o
 
     def ref(params, computed):
         g = dd.sparse_soft_topk(params["alpha"], k, strength=0.1)
-        return dense_reference(params, x, n_out, g, computed, k=layer.budget(n_in))
+        # scaled as the product computes it: over the truncated gates
+        return dense_reference(
+            params, x, n_out, g, computed, k=layer.budget(n_in), scaled=truncated
+        )
 
     y = layer.apply(v, x)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref(params, truncated)), atol=F32_TOL)
