@@ -150,29 +150,14 @@ def with_alpha_optimizer(
 def _mask_of_tree(tree):
     """A tree of bools as ``params -> tree`` of the params' structure: the tree itself kept
     ``alpha``'s entries, and the first update after the freeze (no ``alpha``) failed on them."""
-    flat = {
-        tuple(str(_key(k)) for k in path): v
-        for path, v in jax.tree_util.tree_leaves_with_path(tree)
-    }
+    flat = {_names(path): v for path, v in jax.tree_util.tree_leaves_with_path(tree)}
 
-    def mask(params):
-        def entry(path, _):
-            key = tuple(str(_key(k)) for k in path)
-            if key not in flat:
-                raise ValueError(f"decay_mask has no entry for params/{'/'.join(key)}")
-            return flat[key]
+    def entry(names, leaf, parent):
+        if names not in flat:
+            raise ValueError(f"decay_mask has no entry for params/{'/'.join(names)}")
+        return flat[names]
 
-        return jax.tree_util.tree_map_with_path(entry, params)
-
-    return mask
-
-
-def _key(entry):
-    """The name in a pytree path entry (a dict key, an attribute, an index)."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return getattr(entry, attr)
-    return entry
+    return lambda params: _map_named(params, entry)
 
 
 def diag_optimizer(

@@ -78,8 +78,7 @@ def _leaves(tree, name: str) -> dict[str, Any]:
 def is_searching(params) -> bool:
     """Whether any DiagonalDense layer in ``params`` is in the search phase (an ``alpha`` beside
     its ``values``: a model's own parameter named ``alpha`` is none)."""
-    flat = traverse_util.flatten_dict(params) if params else {}
-    return any(k[-1] == "alpha" and k[:-1] + ("values",) in flat for k in flat)
+    return any(jax.tree.leaves(dd.optim.alpha_mask(params))) if params else False
 
 
 def apply_gate(collections: dict, gate: GateSchedule | None, step) -> dict:
