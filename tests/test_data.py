@@ -247,6 +247,64 @@ def test_eval_batches_pad_and_mask():
     np.testing.assert_array_equal(kept, np.arange(10) + 1)
 
 
+def test_data_directories_expand_a_tilde(tmp_path, monkeypatch):
+    """The shell leaves ``~`` after ``--config.data.data_dir=`` as it is: the loaders said that an
+    existing directory did not exist."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _fake_fashion_dir(_empty(tmp_path / "fm"))
+    assert D.load_fashion_mnist("~/fm").train["image"].shape == (20, 28, 28, 1)
+    assert D.load_small_images("auto", data_dir="~/fm").test["label"].shape == (10,)
+    wikitext = _empty(tmp_path / "wt")
+    for split in ("train", "valid"):
+        (wikitext / f"wiki.{split}.raw").write_text(f" = {split} = \n" * 50)
+    assert str(tmp_path / "wt") in D.load_corpus("wikitext", "~/wt").name
+    (_empty(tmp_path / "fortunes") / "tips").write_text("a fortune\n%\n" * 40)
+    assert str(tmp_path / "fortunes") in D.load_corpus("fortunes", "~/fortunes").name
+    vdir = tmp_path / "tfds" / "imagenet2012" / "5.1.0"
+    vdir.mkdir(parents=True)
+    (vdir / "dataset_info.json").write_text("{}")
+    (vdir / "imagenet2012-train.array_record-00000-of-00001").write_bytes(b"")
+    assert D.check_imagenet_dir("~/tfds") == vdir
+
+
+def test_empty_evaluation_sets_are_refused_when_built():
+    """They trained every step and failed at the first evaluation ("yielded no batches")."""
+    with pytest.raises(ValueError, match=r"no example to evaluate: \{'x': \(0, 3\)\}"):
+        D.EvalBatches({"x": np.zeros((0, 3))}, 4)
+    with pytest.raises(ValueError, match="evaluation source holds no example"):
+        D.ImageNetEval([], 4, image_size=8)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(num_ops=-3), "num_ops must be >= 0, got -3"),
+        (dict(num_ops=1.5), "num_ops must be an int"),
+        (dict(magnitude=11.0), r"magnitude must be in \[0, 10\], got 11.0"),
+        (dict(magnitude_std=-1.0), "magnitude_std must be >= 0, got -1.0"),
+        (dict(prob=5.0), r"prob must be in \[0, 1\], got 5.0"),
+        (dict(prob=float("nan")), "prob must be a finite number"),
+    ],
+)
+def test_randaugment_fields_are_checked_where_the_pipeline_takes_them(fields, message):
+    """A negative magnitude_std failed in grain's reader at the first batch; prob=5 and
+    num_ops=-3 were taken silently."""
+    with pytest.raises((TypeError, ValueError), match=f"RandAugment: {message}"):
+        D.ImageNetTrain(np.zeros(8), 4, seed=0, randaugment=D.RandAugment(**fields))
+
+
+def test_crop_ranges_and_reader_counts_are_checked():
+    image = np.zeros((40, 60, 3), np.uint8)
+    for kwargs in (dict(ratio=(0, 1)), dict(scale=(-1, -0.5)), dict(scale=(0.9, 0.1))):
+        with pytest.raises(ValueError, match="with 0 < low <= high"):
+            D.random_resized_crop(image, 8, np.random.default_rng(0), **kwargs)
+    for kwargs, name in ((dict(num_threads=-1), "num_threads"), (dict(prefetch=-2), "prefetch")):
+        with pytest.raises(ValueError, match=f"{name} must be >= 0"):
+            D.ImageNetTrain(np.zeros(8), 4, seed=0, **kwargs)
+        with pytest.raises(ValueError, match=f"{name} must be >= 0"):
+            D.ImageNetEval(np.zeros(8), 4, **kwargs)
+
+
 def test_bytes_round_trip_and_corpora(tmp_path):
     text = "naïve café – ok\n"
     tokens = D.encode_bytes(text)

@@ -27,6 +27,10 @@ def _check_arrays(arrays: Mapping[str, np.ndarray]) -> int:
     return next(iter(lengths.values()))
 
 
+def _shapes(arrays: Mapping[str, np.ndarray]) -> dict:
+    return {k: tuple(np.shape(v)) for k, v in arrays.items()}
+
+
 def _process_share(global_batch_size: int, process_index, process_count):
     pc = int_at_least(
         jax.process_count() if process_count is None else process_count, "process_count", 1
@@ -110,6 +114,8 @@ class EvalBatches:
         process_count: int | None = None,
     ):
         self.num_examples = _check_arrays(arrays)
+        if not self.num_examples:  # else the run trains and fails at its first evaluation
+            raise ValueError(f"arrays hold no example to evaluate: {_shapes(arrays)}")
         int_at_least(global_batch_size, "batch size", 1)
         self.arrays = dict(arrays)
         self.global_batch_size = int(global_batch_size)

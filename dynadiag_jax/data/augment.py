@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image, ImageEnhance, ImageOps
 
-from dynadiag_jax._checks import finite_number
+from dynadiag_jax._checks import finite_number, int_at_least
 
 __all__ = ["RandAugment", "random_resized_crop", "resize_center_crop", "flip"]
 
@@ -58,7 +58,13 @@ def random_resized_crop(
     """A crop of random area fraction in ``scale`` and aspect ratio in ``ratio`` (log-uniform),
     resized to ``size x size`` with bicubic filtering (torchvision's algorithm, 10 attempts, then
     a centre crop). ``image``: uint8 ``[H, W, C]`` (any ``C`` :func:`_as_pil` takes); returns uint8
-    RGB ``[size, size, 3]``."""
+    RGB ``[size, size, 3]``. ``scale`` and ``ratio``: pairs ``0 < low <= high``."""
+    for name, pair in (("scale", scale), ("ratio", ratio)):
+        low, high = (finite_number(v, f"random_resized_crop: {name}") for v in pair)
+        if not 0 < low <= high:
+            raise ValueError(
+                f"random_resized_crop: {name} must be (low, high) with 0 < low <= high, got {pair}"
+            )
     img = _as_pil(image)
     w, h = img.size
     area = w * h
@@ -185,6 +191,22 @@ class RandAugment(NamedTuple):
     magnitude: float = 9.0
     magnitude_std: float = 0.5
     prob: float = 0.5
+
+    def check(self) -> RandAugment:
+        """``self`` after checking every field: ``num_ops`` an int >= 0, ``magnitude`` in
+        ``[0, 10]`` (a mean above 10 would train as 10), ``magnitude_std`` >= 0, ``prob`` in
+        ``[0, 1]`` (``TypeError``: not a number; ``ValueError``: out of range)."""
+        int_at_least(self.num_ops, "RandAugment: num_ops", 0)
+        for name, low, high in (
+            ("magnitude", 0, 10),
+            ("magnitude_std", 0, math.inf),
+            ("prob", 0, 1),
+        ):
+            value = finite_number(getattr(self, name), f"RandAugment: {name}")
+            if not low <= value <= high:
+                bounds = ">= 0" if high == math.inf else f"in [{low}, {high}]"
+                raise ValueError(f"RandAugment: {name} must be {bounds}, got {value}")
+        return self
 
     def __call__(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """uint8 ``[H, W, C]`` -> uint8 RGB ``[H, W, 3]``."""

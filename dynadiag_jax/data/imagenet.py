@@ -64,7 +64,7 @@ def check_imagenet_dir(data_dir) -> pathlib.Path:
             "ImageNet needs data_dir: the tfds data directory in which imagenet2012 was prepared "
             "(see docs/training.md, 'Preparing the data')"
         )
-    root = pathlib.Path(data_dir)
+    root = pathlib.Path(data_dir).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(f"ImageNet data_dir {root} {no_directory(root)}")
     prepared = [root / DATASET / v for v in VERSIONS]
@@ -120,8 +120,16 @@ def imagenet_source(split: str, data_dir, version: str | None = None):
         version = check_imagenet_dir(data_dir).name
     name = DATASET if version is None else f"{DATASET}:{version}"
     return tfds.data_source(
-        name, split=split, data_dir=None if data_dir is None else str(data_dir), download=False
+        name,
+        split=split,
+        data_dir=None if data_dir is None else str(pathlib.Path(data_dir).expanduser()),
+        download=False,
     )
+
+
+def _reader_counts(num_threads: int, prefetch: int) -> tuple[int, int]:
+    # grain refuses a negative count only in the reader, at the first batch, as a traceback.
+    return int_at_least(num_threads, "num_threads", 0), int_at_least(prefetch, "prefetch", 0)
 
 
 class SyntheticImages:
@@ -186,8 +194,8 @@ class ImageNetTrain:
         self.global_batch_size = int_in_range(global_batch_size, "batch size", 1, self.num_examples)
         self.seed = int_at_least(seed, "seed", 0)  # numpy's generators take no negative seed
         self.image_size = int_at_least(image_size, "image_size", 1)
-        self.randaugment = randaugment
-        self.num_threads, self.prefetch = num_threads, prefetch
+        self.randaugment = None if randaugment is None else randaugment.check()
+        self.num_threads, self.prefetch = _reader_counts(num_threads, prefetch)
         self._share = _process_share(self.global_batch_size, process_index, process_count)
         self._perms: dict[int, np.ndarray] = {}
 
@@ -247,13 +255,15 @@ class ImageNetEval:
     ):
         self.source = source
         n = len(source)
+        if not n:  # else the run trains and fails at its first evaluation
+            raise ValueError("the evaluation source holds no example")
         if max_examples is not None:
             n = min(n, int_at_least(max_examples, "max_examples", 1))
         self.num_examples = n
         self.global_batch_size = int_at_least(global_batch_size, "batch size", 1)
         self.image_size = int_at_least(image_size, "image_size", 1)
         self.crop_fraction = check_crop_fraction(crop_fraction)
-        self.num_threads, self.prefetch = num_threads, prefetch
+        self.num_threads, self.prefetch = _reader_counts(num_threads, prefetch)
         self._share = _process_share(self.global_batch_size, process_index, process_count)
 
     def example(self, g: int) -> dict:

@@ -135,7 +135,7 @@ def load_fashion_mnist(data_dir=FASHION_MNIST_DIR) -> ImageData:
         split, or the image size of the two splits), a label is not a class 0-9, or every
         training pixel is equal.
     """
-    data_dir = pathlib.Path(data_dir)
+    data_dir = pathlib.Path(data_dir).expanduser()
     if not data_dir.is_dir():
         raise FileNotFoundError(
             f"Fashion-MNIST directory {data_dir} {no_directory(data_dir)} "
@@ -224,6 +224,8 @@ def _load_tfds(data_dir) -> ImageData:
         prepare the data (offline, or a package tfds needs for that is missing); the message
         keeps tfds's reason.
     """
+    if data_dir is not None:
+        data_dir = str(pathlib.Path(data_dir).expanduser())
     where = data_dir or "tfds's default data directory"
     try:
         import tensorflow_datasets as tfds

@@ -59,7 +59,7 @@ def _split(data: bytes, valid_fraction: float, name: str) -> Corpus:
 
 
 def _fortunes(path) -> Corpus:
-    root = FORTUNES_DIR if path is None else pathlib.Path(path)
+    root = FORTUNES_DIR if path is None else pathlib.Path(path).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(
             f"fortunes directory {root} {no_directory(root)} "
@@ -76,7 +76,7 @@ def _fortunes(path) -> Corpus:
 
 
 def _stdlib(path, max_bytes: int) -> Corpus:
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"] if path is None else path)
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"] if path is None else path).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(f"source directory {root} {no_directory(root)}")
     skip = {"test", "tests", "site-packages", "idlelib", "__pycache__"}
@@ -100,7 +100,7 @@ def _wikitext(path) -> Corpus:
             "the wikitext corpus needs a path to the directory holding "
             f"{', '.join(WIKITEXT_FILES.values())} (WikiText-103 raw)"
         )
-    root = pathlib.Path(path)
+    root = pathlib.Path(path).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(f"WikiText directory {root} {no_directory(root)}")
     missing = [f for f in ("train", "valid") if not (root / WIKITEXT_FILES[f]).exists()]
