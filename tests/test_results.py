@@ -276,6 +276,21 @@ def test_a_record_after_a_torn_last_line_is_kept(tmp_path):
     assert list(T.read_jsonl(path)) == [{"a": 1}, {"b": 2.5, "c": [1, 2]}, {"d": 3}]
 
 
+def test_the_wikitext_corpus_takes_its_path_and_the_path_is_recipe(tmp_path):
+    """``data.corpus=wikitext`` was accepted, but the config had no key for its directory."""
+    for split in ("train", "valid"):
+        (tmp_path / f"wiki.{split}.raw").write_text(f" = {split} = \n" * 4000)
+    config = _config("quick,models=gpt")
+    fp = results.fingerprint(config, "gpt", "dense", 10)
+    with config.unlocked():
+        config.data.update(corpus="wikitext", path=str(tmp_path))
+    assert results.prepare(config).corpus.name == f"wikitext ({tmp_path})"
+    assert results.fingerprint(config, "gpt", "dense", 10) != fp
+    with config.unlocked():
+        config.data.update(corpus="auto", path="")
+    assert results.fingerprint(config, "gpt", "dense", 10) == fp  # runs before the key
+
+
 def test_timings_of_another_recipe_or_an_unreadable_file_are_not_reported(tmp_path):
     config = _config("models=mlp")
     data = results.prepare(config)

@@ -1410,6 +1410,22 @@ def test_imagenet_split_that_cannot_be_read_is_reported_at_start_up(
     assert c.count == 0
 
 
+@pytest.mark.parametrize("cut", [0.5, 0.0])
+def test_imagenet_damaged_dataset_info_is_one_line_naming_the_data_dir(tmp_path, cut):
+    """A dataset_info.json cut short (an interrupted copy) stopped the script with a 97-line
+    protobuf traceback."""
+    root = _tfds_imagenet(tmp_path)
+    info = root / "imagenet2012" / "5.1.0" / "dataset_info.json"
+    text = info.read_text()
+    info.write_text(text[: int(len(text) * cut)])
+    config = vit_imagenet.get_config("runlocal,sparsity=0")
+    config.data.update(fake_examples=0, data_dir=str(root))
+    message = rf"^data.data_dir='{root}': the preparation in {info.parent} cannot be read .*: \w+"
+    with CompileCounter() as c, pytest.raises(common.ConfigError, match=message) as e:
+        imagenet.prepare(config)
+    assert c.count == 0 and "\n" not in str(e.value)
+
+
 def test_imagenet_splits_and_data_dirs_are_named_in_their_errors(tmp_path):
     root = _tfds_imagenet(tmp_path / "tfds")
     (tmp_path / "a_file").write_text("")

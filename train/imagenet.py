@@ -152,12 +152,18 @@ def _sources(data_cfg):
 
 def _imagenet_split(data_cfg, key: str, version_dir):
     """``data.<key>`` of the preparation in ``version_dir`` (``<data_dir>/imagenet2012/<version>``);
-    tfds's error for an unknown or malformed split names no config entry."""
+    tfds's error for an unknown or malformed split names no config entry, and its errors for a
+    damaged ``dataset_info.json`` (a cut copy, no splits recorded) are long tracebacks."""
     split = data_cfg[key]
     try:
         return D.imagenet_source(split, data_cfg.data_dir, version=version_dir.name)
     except ValueError as e:
         raise common.ConfigError(f"data.{key}={split!r}: {_first_line(e)}") from None
+    except Exception as e:  # protobuf, KeyError, AssertionError...: each as one line
+        raise common.ConfigError(
+            f"data.data_dir={data_cfg.data_dir!r}: the preparation in {version_dir} cannot be "
+            f"read (its dataset_info.json damaged?): {type(e).__name__}: {_first_line(e)}"
+        ) from None
 
 
 def _split_name(data_cfg, key: str) -> str:

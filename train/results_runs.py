@@ -476,7 +476,11 @@ def prepare(config, *, timed: bool = False) -> Data:
             if "classification" in tasks
             else None
         )
-        corpus = D.load_corpus(config.data.corpus) if "language_modeling" in tasks else None
+        corpus = (
+            D.load_corpus(config.data.corpus, config.data.path or None)
+            if "language_modeling" in tasks
+            else None
+        )
     except (FileNotFoundError, ValueError) as e:
         raise common.ConfigError(str(e)) from None
     data = Data(images, corpus)
@@ -537,6 +541,8 @@ def recipe(config, model_name: str, method: str, steps: int) -> dict:
             "corpus": config.data.corpus,
             **{k: int(m[k]) for k in ("seq_len", "eval_windows")},
         }
+        if config.data.path:  # the default corpora's runs hash as before a path could be given
+            data["path"] = config.data.path
     else:
         data = {k: config.data[k] for k in ("source", "data_dir")}
     optimizer = m.optimizer.to_dict()

@@ -187,8 +187,9 @@ def get_config(arg=None):
         raise ValueError(f"config argument seeds={arg.seeds!r} must be an int >= 1")
     config = ml_collections.ConfigDict()
     config.goal_sparsity = GOAL_SPARSITY
-    # Images for the classification suites, a byte-level corpus for the language model.
-    config.data = dict(source="auto", data_dir="", corpus="auto")
+    # Images for the classification suites, a byte-level corpus for the language model (path: the
+    # wikitext corpus's directory, or another directory for the others; "" their default).
+    config.data = dict(source="auto", data_dir="", corpus="auto", path="")
     all_models = _suites()
     unknown = sorted(set(arg.models.split("+")) - set(all_models))
     if unknown:
