@@ -310,6 +310,9 @@ def test_bytes_round_trip_and_corpora(tmp_path):
     tokens = D.encode_bytes(text)
     assert tokens.dtype == np.int32 and tokens.max() < D.BYTE_VOCAB_SIZE
     assert D.decode_bytes(tokens) == text
+    for bad in (300, -1):  # 300 decoded as "," (300 mod 256)
+        with pytest.raises(ValueError, match=f"bytes in \\[0, 256\\), got {bad}"):
+            D.decode_bytes(np.array([65, bad]))
     for split in ("train", "valid"):
         (tmp_path / f"wiki.{split}.raw").write_text(f" = {split} = \n" * 50)
     corpus = D.load_corpus("wikitext", tmp_path)

@@ -48,8 +48,14 @@ def encode_bytes(text: str) -> np.ndarray:
 
 
 def decode_bytes(tokens) -> str:
-    """Inverse of :func:`encode_bytes` (invalid UTF-8 sequences become U+FFFD)."""
-    return np.asarray(tokens, np.uint8).tobytes().decode("utf-8", errors="replace")
+    """Inverse of :func:`encode_bytes` (invalid UTF-8 sequences become U+FFFD); a token outside
+    ``[0, 256)`` (sampled from a model of a larger vocabulary) is a ``ValueError``, not a byte
+    taken modulo 256."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= BYTE_VOCAB_SIZE):
+        bad = tokens[(tokens < 0) | (tokens >= BYTE_VOCAB_SIZE)].ravel()[0]
+        raise ValueError(f"tokens must be bytes in [0, {BYTE_VOCAB_SIZE}), got {bad}")
+    return tokens.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
 def _split(data: bytes, valid_fraction: float, name: str) -> Corpus:
