@@ -114,9 +114,23 @@ def non_negative(value, name: str) -> float:
     return value
 
 
+def refuse_nnx(value, name: str, what: str, instead: str) -> None:
+    """``TypeError`` naming ``instead`` (the NNX function) when ``value`` is an NNX module or
+    state given to ``what``, a function of linen variables: they failed deep inside flax, or with
+    a message about linen's collections."""
+    from flax import nnx
+
+    if isinstance(value, nnx.Module | nnx.State):
+        raise TypeError(
+            f"{what}: {name} is an NNX {type(value).__name__}; {what} takes linen variables (a "
+            f"dict of collections); for an NNX model use {instead}"
+        )
+
+
 def check_variables(variables, name: str, what: str) -> None:
     """Rejects ``variables`` that are not a mapping of collections (``TypeError``) or have no
     ``"params"`` collection (``ValueError``); ``what`` starts both messages (the caller)."""
+    refuse_nnx(variables, name, what, "the functions of dd.nnx")
     if not isinstance(variables, Mapping):
         raise TypeError(
             f"{what}: {name} must be a mapping of collections (what model.init returns), "

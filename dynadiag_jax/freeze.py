@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from dynadiag_jax._checks import check_variables, host_array, int_in_range
+from dynadiag_jax._checks import check_variables, host_array, int_in_range, refuse_nnx
 from dynadiag_jax.nn.diagonal_dense import DiagonalDense
 from dynadiag_jax.nn.functional import (
     DIAGONALS_COLLECTION,
@@ -276,6 +276,7 @@ def freeze(layer: DiagonalDense, variables):
     Raises:
       ValueError: ``alpha`` holds NaN or inf (see :func:`freeze_tree`).
     """
+    refuse_nnx(layer, "layer", "freeze", "dd.nnx.freeze(model)")
     if not isinstance(layer, DiagonalDense):
         raise TypeError(
             f"freeze expects a DiagonalDense, got {type(layer).__name__}; "
@@ -327,6 +328,7 @@ def _checked_pair(params_before, params_after) -> tuple[dict, dict, dict]:
     ``params_before``, after checking that ``params_after`` has the structure and shapes of its
     frozen form (shapes only: which rows were kept cannot be checked without the offsets)."""
     for name, tree in (("params_before", params_before), ("params_after", params_after)):
+        refuse_nnx(tree, name, "freeze_opt_state", "dd.nnx.freeze_opt_state")
         if not isinstance(tree, Mapping):
             raise TypeError(
                 f"freeze_opt_state: {name} must be a params tree (variables['params'], a "

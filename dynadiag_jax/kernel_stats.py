@@ -219,6 +219,11 @@ def model_paths(model, *init_args, platform: str | None = None) -> list[LayerPat
     """
     from dynadiag_jax.nn import DiagonalDense  # noqa: PLC0415 - the layers import the ops
 
+    if not isinstance(model, nn.Module):  # an NNX one has no init to trace
+        raise TypeError(
+            f"model_paths takes a linen module (it traces model.init), got "
+            f"{type(model).__name__}; for an NNX layer pass its offsets to dd.kernel_stats"
+        )
     if platform is not None and platform not in LOWERING_PLATFORMS:
         hint = " (JAX's backend 'gpu' lowers as 'cuda' or 'rocm')" if platform == "gpu" else ""
         raise ValueError(

@@ -26,12 +26,20 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dynadiag_jax._checks import check_layer_arguments, int_at_least, non_negative
+from dynadiag_jax._checks import (
+    check_layer_arguments,
+    finite_number,
+    floating_dtype,
+    host_array,
+    int_at_least,
+    non_negative,
+)
 from dynadiag_jax._dtypes import promote_floats, work_dtype
 from dynadiag_jax.freeze import finite_values, gather_rows, is_abstract
 from dynadiag_jax.freeze import freeze_opt_state as freeze_params_opt_state
@@ -195,6 +203,7 @@ class DiagonalDense(nnx.Module):
         )
         self.permutation = permutation
         self.permutation_penalty = float(permutation_penalty)
+        self.permutation_relaxation = permutation_relaxation
         n = spec.in_features
         if permutation == "random" or (permutation == "learned" and init_phase == "frozen"):
             self.perm = Diagonals(perms.random_permutation(rngs.params(), n))
@@ -234,9 +243,10 @@ class DiagonalDense(nnx.Module):
         F.check_layer_input(x)
         if x.shape[-1] != spec.in_features:
             raise ValueError(
-                f"DiagonalDense: x has width {x.shape[-1]}, the layer expects {spec.in_features}"
+                f"{self._label()}: x has width {x.shape[-1]}, the layer expects {spec.in_features}"
             )
         self._check_state()
+        self._check_permutation_state()
         name = spec.hyper_name
         given, wrong = (strength, temperature) if name == "strength" else (temperature, strength)
         if wrong is not None:
@@ -249,16 +259,16 @@ class DiagonalDense(nnx.Module):
             else promote_floats(x.dtype, self.param_dtype)
         )
         x = x.astype(dtype)
-        perm = None
+        perm, label = None, self._label()
         if hasattr(self, "perm_soft") and hasattr(self, "perm"):  # the "blocks" relaxation
-            x = perms.apply_permutation(x, self.perm.get_value(), "DiagonalDense")
+            x = perms.apply_permutation(x, self.perm.get_value(), label)
             x = perms.block_permute(x, self._soft_matrix())
         elif hasattr(self, "perm_soft"):
             x = perms.soft_permute(x, self._soft_matrix())
         elif hasattr(self, "perm") and self.frozen:  # the product reads x through perm
-            perm = perms.checked_permutation(self.perm.get_value(), x.shape[-1], "DiagonalDense")
+            perm = perms.checked_permutation(self.perm.get_value(), x.shape[-1], label)
         elif hasattr(self, "perm"):
-            x = perms.apply_permutation(x, self.perm.get_value(), "DiagonalDense")
+            x = perms.apply_permutation(x, self.perm.get_value(), label)
         if self.frozen:
             values, offsets = self.values.get_value(), self.offsets.get_value()
             y = F.frozen_forward(spec, values, offsets, x, perm)
@@ -274,7 +284,15 @@ class DiagonalDense(nnx.Module):
         if self.bias is not None:
             bias = self.bias.get_value().astype(dtype)
             y = y + bias.reshape((1,) * (y.ndim - 1) + (spec.out_features,))
-        return y
+        return self._guard_width(y)
+
+    def _guard_width(self, y):
+        """NaN outputs when the stored ``in_features`` is traced and differs from the layer's
+        (jit cannot raise; a host value is checked by :meth:`_check_state`)."""
+        stored = self.in_features.get_value()
+        if host_array(stored) is not None:
+            return y
+        return jnp.where(stored == self.spec.in_features, y, jnp.asarray(jnp.nan, y.dtype))
 
     def _label(self) -> str:
         """The layer's path where it knows one (:class:`DiagonalDenseGeneral`), else its widths."""
@@ -305,6 +323,50 @@ class DiagonalDense(nnx.Module):
                     f"its state was made for another layer or phase (e.g. a search-phase state "
                     f"loaded into a frozen layer)"
                 )
+        # Layers of swapped widths (16 -> 32, 32 -> 16) can hold equal shapes.
+        stored = host_array(self.in_features.get_value())
+        if stored is not None and int(stored) != spec.in_features:
+            raise ValueError(
+                f"{self._label()}: its state was made for inputs of width {int(stored)} "
+                f"(in_features), but this layer reads {spec.in_features}: the state was made by "
+                f"a layer with other widths"
+            )
+
+    def _check_permutation_state(self):
+        """Raises naming the layer when its permutation variables are not the ones its
+        ``permutation`` (and phase, and relaxation) keeps, or ``perm_soft`` is not of its shape (a
+        state loaded by ``nnx.update`` can add, drop or reshape them; ``perm`` is checked where it
+        is read)."""
+        n, label = self.spec.in_features, self._label()
+        soft, hard = hasattr(self, "perm_soft"), hasattr(self, "perm")
+        blocks = self.permutation_relaxation == "blocks"
+        if self.permutation is None:
+            want_soft = want_hard = False
+        elif self.permutation == "learned" and not self.frozen:
+            want_soft, want_hard = True, blocks
+        else:
+            want_soft, want_hard = False, True
+        if (soft, hard) != (want_soft, want_hard):
+            held = [v for v, has in (("perm_soft", soft), ("perm", hard)) if has] or ["neither"]
+            wanted = [v for v, has in (("perm_soft", want_soft), ("perm", want_hard)) if has]
+            raise ValueError(
+                f"{label}: its state holds {' and '.join(held)}, but a "
+                f"{'frozen' if self.frozen else 'search-phase'} layer with "
+                f"permutation={self.permutation!r}"
+                + (f" (relaxation {self.permutation_relaxation!r})" if want_soft else "")
+                + f" holds {' and '.join(wanted) or 'no permutation'}: the state was made by "
+                f"a layer with another permutation or phase"
+            )
+        if soft:
+            b = perms.soft_block_size(n) if blocks else n
+            shape = (n // b, b, b) if blocks else (n, n)
+            got = tuple(self.perm_soft.get_value().shape)
+            if got != shape:
+                raise ValueError(
+                    f"{label}: perm_soft must have shape {list(shape)} for "
+                    f"permutation_relaxation={self.permutation_relaxation!r} at in = {n}, "
+                    f"got {list(got)}"
+                )
 
     def _soft_matrix(self):
         soft = self.perm_soft.get_value().astype(work_dtype(self.param_dtype))
@@ -317,6 +379,14 @@ class DiagonalDense(nnx.Module):
             return jnp.zeros((), jnp.float32)
         weight = jnp.float32(self.permutation_penalty)
         return weight * perms.l1_l2_penalty(self._soft_matrix())
+
+
+def _sizes(shape, name: str) -> tuple[int, ...]:
+    """``shape`` (an int as a 1-tuple, as ``nnx.LinearGeneral`` takes it) checked: ints >= 1."""
+    shape = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
+    if not shape:
+        raise ValueError(f"{name} must name at least one axis, got ()")
+    return tuple(int_at_least(n, f"{name}[{i}]", 1) for i, n in enumerate(shape))
 
 
 class DiagonalDenseGeneral(DiagonalDense):
@@ -335,10 +405,12 @@ class DiagonalDenseGeneral(DiagonalDense):
     """
 
     def __init__(self, in_shape, out_shape, *, axis=None, path: str = "", **kwargs):
+        in_shape, out_shape = _sizes(in_shape, "in_shape"), _sizes(out_shape, "out_shape")
         super().__init__(math.prod(in_shape), math.prod(out_shape), **kwargs)
-        self.in_shape = tuple(int(n) for n in in_shape)
-        self.out_shape = tuple(int(n) for n in out_shape)
-        self.axis = tuple(range(-len(self.in_shape), 0)) if axis is None else tuple(axis)
+        self.in_shape, self.out_shape = in_shape, out_shape
+        if axis is None:
+            axis = tuple(range(-len(self.in_shape), 0))
+        self.axis = (axis,) if isinstance(axis, numbers.Integral) else tuple(axis)
         self.path = path
 
     def __call__(self, x, **kwargs):
@@ -740,6 +812,16 @@ class LoRAFA(nnx.Module):
         param_dtype=jnp.float32,
         path: str = "",
     ):
+        who = "dd.nnx.LoRAFA"
+        if not isinstance(base, nnx.Linear | DiagonalDense):
+            raise TypeError(
+                f"{who}: base must be an nnx.Linear or a dd.nnx.DiagonalDense, got "
+                f"{type(base).__name__}"
+            )
+        rank = int_at_least(rank, f"{who}: rank", 1)
+        if finite_number(scale, f"{who}: scale") == 0:  # B's gradient is scaled by it too
+            raise ValueError(f"{who}: scale=0 scales the adapter to nothing (and its gradient)")
+        param_dtype = floating_dtype(param_dtype, f"{who}: param_dtype")
         spec = base.spec if isinstance(base, DiagonalDense) else base
         n_in, n_out = spec.in_features, spec.out_features
         weights = base.values if isinstance(base, DiagonalDense) else base.kernel

@@ -1,5 +1,8 @@
 """dd.nnx: the NNX layer over the linen layer's functional core, used as an NNX user would."""
 
+import importlib
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -275,6 +278,156 @@ def test_a_state_of_the_other_phase_names_the_layer():
     general.values.set_value(general.values.get_value()[:8])
     with pytest.raises(ValueError, match=r"blocks/0/fc: values has shape \[8, 16\]"):
         general(jnp.ones((2, 4, 4)))
+
+
+@pytest.mark.parametrize("phase", ["search", "frozen"])
+def test_a_state_of_swapped_widths_names_the_layer(phase):
+    """A 32 -> 16 layer's state loaded into a 16 -> 32 one (equal shapes) ran silently; inside
+    jit, where the stored width is traced, the outputs are NaN (as the linen layer's)."""
+
+    def make(n_in, n_out, seed):
+        layer = dd.nnx.DiagonalDense(n_in, n_out, sparsity=0.5, use_bias=False, rngs=nnx.Rngs(seed))
+        return dd.nnx.freeze(layer) if phase == "frozen" else layer
+
+    layer = make(16, 32, 0)
+    nnx.update(layer, nnx.state(make(32, 16, 1)))
+    x = jnp.ones((2, 16))
+    with pytest.raises(ValueError, match=r"16 -> 32\): its state was made for inputs of width 32"):
+        layer(x)
+    graph, state = nnx.split(layer)
+    y = jax.jit(lambda state: nnx.merge(graph, state)(x))(state)
+    assert np.isnan(np.asarray(y)).all()
+    good = make(16, 32, 0)
+    graph, state = nnx.split(good)
+    assert np.isfinite(np.asarray(jax.jit(lambda state: nnx.merge(graph, state)(x))(state))).all()
+
+
+def test_permutation_variables_that_do_not_match_the_layer_name_it():
+    """A permutation added or reshaped by nnx.update gave NaN outputs, an einsum error naming no
+    layer, or silently permuted the inputs of a permutation=None layer."""
+    x = jnp.ones((2, 16))
+    none = dd.nnx.DiagonalDense(16, 8, sparsity=0.5, rngs=nnx.Rngs(0))
+    nnx.update(
+        none,
+        nnx.state(
+            dd.nnx.DiagonalDense(16, 8, sparsity=0.5, permutation="random", rngs=nnx.Rngs(0))
+        ),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"holds perm, but a search-phase layer with "
+        r"permutation=None holds no permutation",
+    ):
+        none(x)
+    blocks = dd.nnx.DiagonalDense(
+        16,
+        8,
+        sparsity=0.5,
+        permutation="learned",
+        permutation_relaxation="blocks",
+        rngs=nnx.Rngs(0),
+    )
+    blocks.perm_soft.set_value(jnp.ones((2, 6, 6)))
+    with pytest.raises(
+        ValueError, match=r"perm_soft must have shape \[1, 16, 16\].*got \[2, 6, 6\]"
+    ):
+        blocks(x)
+    learned = dd.nnx.DiagonalDense(16, 8, sparsity=0.5, permutation="learned", rngs=nnx.Rngs(0))
+    learned.perm_soft.set_value(jnp.ones((8, 8)))
+    with pytest.raises(ValueError, match=r"perm_soft must have shape \[16, 16\]"):
+        learned(x)
+    frozen = dd.nnx.freeze(
+        dd.nnx.DiagonalDense(16, 8, sparsity=0.5, permutation="random", rngs=nnx.Rngs(0))
+    )
+    frozen.perm.set_value(jnp.arange(8, dtype=jnp.int32))
+    with pytest.raises(ValueError, match=r"perm must be an integer array \[in\] = \[16\]"):
+        frozen(x)
+    del frozen.perm
+    with pytest.raises(
+        ValueError,
+        match=r"holds neither, but a frozen layer with "
+        r"permutation='random' holds perm",
+    ):
+        frozen(x)
+
+
+def test_linen_functions_given_nnx_objects_name_the_nnx_ones(standard_promotion):
+    """They failed with "freeze expects a DiagonalDense, got DiagonalDense", a bare AssertionError
+    inside flax, "a frozen or dense model has no gate" of a searching model, or an
+    AttributeError."""
+    kernel_stats = importlib.import_module(
+        "dynadiag_jax.kernel_stats"
+    )  # dd.kernel_stats: a function
+    model = dd.nnx.DiagonalDense(16, 32, sparsity=0.5, rngs=nnx.Rngs(0))
+    frozen = dd.nnx.freeze(dd.nnx.DiagonalDense(16, 32, sparsity=0.5, rngs=nnx.Rngs(0)))
+    params = nnx.state(model, nnx.Param)
+    for call, use in [
+        (lambda: dd.freeze(model, nnx.state(model)), r"dd\.nnx\.freeze\(model\)"),
+        (lambda: dd.freeze_tree(nnx.state(model)), r"the functions of dd\.nnx"),
+        (
+            lambda: dd.freeze_opt_state({}, params, nnx.state(frozen, nnx.Param)),
+            r"dd\.nnx\.freeze_opt_state",
+        ),
+        (lambda: dd.nn.set_gate(nnx.state(model), strength=0.5), r"dd\.nnx\.set_gate"),
+    ]:
+        with pytest.raises(TypeError, match=f"is an NNX .*; for an NNX model use {use}"):
+            call()
+    with pytest.raises(TypeError, match="model_paths takes a linen module"):
+        kernel_stats.model_paths(model, jax.random.key(0), jnp.ones((2, 16)))
+
+
+def test_a_partitioned_kernel_init_gives_the_plain_draw():
+    """nn.with_partitioning / nnx.with_partitioning initializers failed with "'Partitioned'
+    object has no attribute 'T'"; the values are the plain initializer's draw."""
+    init = nnx.initializers.lecun_normal()
+    plain = dd.nnx.DiagonalDense(8, 8, sparsity=0.5, kernel_init=init, rngs=nnx.Rngs(0))
+    boxed = dd.nnx.DiagonalDense(
+        8, 8, sparsity=0.5, kernel_init=nnx.with_partitioning(init, (None, "m")), rngs=nnx.Rngs(0)
+    )
+    np.testing.assert_array_equal(boxed.values.get_value(), plain.values.get_value())
+    key, x = jax.random.key(0), jnp.ones((1, 8))
+    linen = dd.nn.DiagonalDense(8, sparsity=0.5, kernel_init=init).init(key, x)
+    partitioned = dd.nn.DiagonalDense(
+        8, sparsity=0.5, kernel_init=nn.with_partitioning(init, (None, "m"))
+    ).init(key, x)
+    np.testing.assert_array_equal(partitioned["params"]["values"], linen["params"]["values"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(rank=0), ValueError, "rank must be >= 1, got 0"),
+        (dict(rank=2.5), TypeError, "rank must be an int"),
+        (dict(scale=float("nan")), ValueError, "scale must be a finite number"),
+        (dict(scale=0.0), ValueError, "scale=0 scales the adapter to nothing"),
+        (dict(param_dtype=jnp.int32), TypeError, "param_dtype must be a floating dtype"),
+        (dict(base="dropout"), TypeError, "base must be an nnx.Linear or a dd.nnx.DiagonalDense"),
+    ],
+)
+def test_lora_fa_class_checks_its_arguments(kwargs, error, match):
+    """rank=0 built a do-nothing adapter, -1 an MLIRError, scale=nan NaN outputs, a Dropout base
+    an AttributeError."""
+    base = dd.nnx.DiagonalDense(16, 8, sparsity=0.5, rngs=nnx.Rngs(0))
+    if kwargs.get("base") == "dropout":
+        kwargs["base"] = nnx.Dropout(0.1)
+    kwargs = {"base": base, "rank": 2, "scale": 1.0, **kwargs}
+    with pytest.raises(error, match=f"dd.nnx.LoRAFA: {match}"):
+        dd.nnx.LoRAFA(kwargs.pop("base"), rngs=nnx.Rngs(1), **kwargs)
+
+
+def test_diagonal_dense_general_takes_ints_and_refuses_bad_sizes():
+    """An int in_shape/out_shape/axis (nnx.LinearGeneral takes them) failed with "'int' object
+    is not iterable"; (-2, -4) passed as 8 and failed at the first call."""
+    layer = dd.nnx.DiagonalDenseGeneral(16, (2, 4), axis=-1, sparsity=0.5, rngs=nnx.Rngs(0))
+    assert (layer.in_shape, layer.out_shape, layer.axis) == ((16,), (2, 4), (-1,))
+    assert layer(jnp.ones((3, 16))).shape == (3, 2, 4)
+    for shapes, match in [
+        (((16,), (-2, -4)), r"out_shape\[0\] must be >= 1, got -2"),
+        (((16, 0), 8), r"in_shape\[1\] must be >= 1, got 0"),
+        (((), 8), r"in_shape must name at least one axis"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            dd.nnx.DiagonalDenseGeneral(*shapes, sparsity=0.5, rngs=nnx.Rngs(0))
 
 
 def test_freeze_opt_state_checks_its_arguments(standard_promotion):

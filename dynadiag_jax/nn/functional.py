@@ -223,6 +223,8 @@ def init_values(spec: LayerSpec, kernel_init=DEFAULT_KERNEL_INIT, fan_in: str = 
     the frozen layer's): each output then sums its ``density * in`` inputs at the scale the dense
     layer has with all ``in``, instead of starting ``sqrt(density)`` times smaller as a masked
     dense layer does (``fan_in="dense"``). The draw is dense-sized once, as ``nn.Dense``'s init.
+    A sharding annotation on the kernel (``nn.with_partitioning`` / ``nnx.with_partitioning``) is
+    dropped with the kernel: its axes name ``[in, out]``, not the values' ``[N, *V]``.
     """
     check_init_and_search(fan_in, "none")
     geo = spec.geometry
@@ -231,11 +233,18 @@ def init_values(spec: LayerSpec, kernel_init=DEFAULT_KERNEL_INIT, fan_in: str = 
     gain = 1.0 / math.sqrt(density) if fan_in == "sparse" else 1.0
 
     def init(key, offsets, dtype=jnp.float32):
-        kernel = kernel_init(key, (spec.in_features, spec.out_features), jnp.float32)
+        kernel = _unboxed(kernel_init(key, (spec.in_features, spec.out_features), jnp.float32))
         values = dense_to_diag(kernel.T, offsets, block_size=spec.block_size)
         return (gain * values).astype(dtype)
 
     return init
+
+
+def _unboxed(kernel):
+    """``kernel`` without the metadata box of linen's (``nn.Partitioned``) or NNX's
+    (``VariableMetadata``) partitioned initializers."""
+    kernel = nn.meta.unbox(kernel)
+    return getattr(kernel, "raw_value", kernel)
 
 
 def random_offsets(key, spec: LayerSpec):

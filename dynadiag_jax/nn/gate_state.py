@@ -12,6 +12,7 @@ import numpy as np
 from flax import traverse_util
 from flax.core import FrozenDict
 
+from dynadiag_jax._checks import refuse_nnx
 from dynadiag_jax.nn.functional import GATE_COLLECTION, HYPER_NAME
 from dynadiag_jax.topk import check_gate_value
 
@@ -82,6 +83,7 @@ def set_gate(variables, *, strength=None, temperature=None, score=None):
             check_gate_value(value, name, "set_gate")
     if score is not None:
         check_score(score, "set_gate")
+    refuse_nnx(variables, "variables", "set_gate", "dd.nnx.set_gate(model, ...)")
     if not isinstance(variables, Mapping):
         raise TypeError(
             f"variables must be a mapping of collections, got {type(variables).__name__}"
