@@ -88,7 +88,13 @@ def layer_rows(run_dir: Path) -> list[dict]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories (with checkpoints/)")
+    # absolute: Orbax refuses a relative checkpoint path
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        type=lambda p: Path(p).resolve(),
+        help="run directories (with checkpoints/)",
+    )
     add_options(parser, "coverage")
     args = parser.parse_args(argv)
     args.out = args.out or results_path("coverage")

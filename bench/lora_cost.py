@@ -32,7 +32,7 @@ from sparse_lr_probe import prepare  # noqa: E402 - bench/, beside this
 from tqdm import tqdm  # noqa: E402
 
 from dynadiag_jax import training as T  # noqa: E402
-from train import finetuning  # noqa: E402
+from train import common, finetuning  # noqa: E402
 from train import results_runs as R  # noqa: E402
 from train.configs import results as results_config  # noqa: E402
 from train.configs.common import lora_section  # noqa: E402
@@ -138,7 +138,12 @@ def main(argv=None) -> None:
         parser.error("need 0 < --sparsity < 1, --repeats >= 1 and every rank >= 1")
     config = results_config.get_config(f"models={args.suite}")
     config.data.source = args.data
-    rows = measure(config, prepare(parser, config), args.suite, args.sparsity, ranks, args.repeats)
+    try:
+        rows = measure(
+            config, prepare(parser, config), args.suite, args.sparsity, ranks, args.repeats
+        )
+    except common.ConfigError as e:  # a rank above a layer's width
+        parser.error(f"--ranks: {e}")
     print(f"{args.suite} at {args.sparsity:g}, {jax.devices()[0].platform}, {jnp.float32.dtype}")
     print("\n".join(table(rows)))
 

@@ -883,6 +883,11 @@ REFUSED = [
     ("permutation_probe", ["--data", "nosuch"], "unknown data source 'nosuch'"),
     ("suite_step", ["--data", "nosuch"], "unknown data source 'nosuch'"),
     ("lora_cost", ["--suite", "mlp", "--data", "nosuch"], "unknown data source 'nosuch'"),
+    (
+        "lora_cost",
+        ["--suite", "mlp", "--data", "mnist5k", "--ranks", "100000", "--repeats", "1"],
+        "--ranks: lora.layers / lora.rank: lora_fa: rank=100000 exceeds min(in, out)",
+    ),
     ("sparse_lr_probe", ["--data", "mnist5k", "--out", "{tmp}"], "is a directory"),
     ("diagonal_regrow", ["--data", "mnist5k", "--out", "{tmp}"], "is a directory"),
     ("permutation_probe", ["--data", "mnist5k", "--out", "{tmp}/"], "is a directory"),
@@ -1003,6 +1008,18 @@ def test_write_csv_writes_beside_the_scripts_whatever_the_current_directory(
     assert path.parent == tmp_path / "results" and path.name.startswith("probe_"), path
     assert read_rows(path) == (["a"], [{"a": "1"}])
     assert not (tmp_path / "elsewhere" / "bench").exists()
+
+
+def test_coverage_takes_relative_run_paths(tmp_path, monkeypatch):
+    """Orbax refused the relative path of its own usage example ("Checkpoint path should be
+    absolute")."""
+    coverage = load_script(ROOT / "bench" / "coverage.py")
+    seen = []
+    monkeypatch.setattr(coverage, "layer_rows", lambda run: seen.append(run) or [])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    coverage.main(["runs/a", "--out", str(tmp_path / "c.csv")])
+    assert seen == [tmp_path / "runs" / "a"]
 
 
 def test_compile_and_coverage_write_a_new_csv_per_run_by_default(tmp_path, monkeypatch):

@@ -291,6 +291,89 @@ def test_the_wikitext_corpus_takes_its_path_and_the_path_is_recipe(tmp_path):
     assert results.fingerprint(config, "gpt", "dense", 10) == fp  # runs before the key
 
 
+def test_retiming_a_suite_drops_its_old_clean_runs():
+    """--timing_only of a suite with no run at the goal sparsity kept its old clean runs under
+    the new recipe, so the report judged the search-cost goals on them."""
+    old = {
+        "models": {"mlp": {"0.9": 1}, "vit": {"0.9": 2}},
+        "clean_runs": {"mlp": {"old": 1}, "vit": {"kept": 2}},
+        "recipes": {"mlp": "a", "vit": "b"},
+    }
+    merged = results.merge_timings(old, {"models": {"mlp": {"0.8": 3}}}, {}, {"mlp": "c"})
+    assert merged["models"] == {"mlp": {"0.8": 3}, "vit": {"0.9": 2}}
+    assert merged["clean_runs"] == {"vit": {"kept": 2}}
+    assert merged["recipes"] == {"mlp": "c", "vit": "b"}
+    fresh = results.merge_timings(None, {"models": {"mlp": {}}}, {"mlp": {"new": 0}}, {"mlp": "c"})
+    assert fresh["clean_runs"] == {"mlp": {"new": 0}}
+
+
+def test_goal_sparsity_is_checked_and_the_clean_runs_train_at_it():
+    """goal_sparsity=1.5 passed (a report headed "Goals at 150% sparsity"); the clean runs were
+    at 90% whatever the goal, and judged the 80% goals."""
+    config = _config("quick,models=mlp,sparsities=0.8+0.9")
+    with config.unlocked():
+        config.goal_sparsity = 1.5
+    with pytest.raises(common.ConfigError, match=r"goal_sparsity must be in \(0, 1\), got 1.5"):
+        results.prepare(config)
+    with config.unlocked():
+        config.goal_sparsity = 0.8
+    assert results.clean_specs(config, ["mlp"]) == [
+        ("mlp", "dense", 0.0, 0),
+        ("mlp", "static_diagonals", 0.8, 0),
+        ("mlp", "dynadiag", 0.8, 0),
+    ]
+    with config.unlocked():
+        config.goal_sparsity = 0.7  # no run of the suite at it: no clean runs
+    assert results.clean_specs(config, ["mlp"]) == []
+
+
+def test_static_diagonals_of_another_block_size_do_not_reuse_element_runs():
+    """Its fingerprint took the block size from the method's name only, so
+    dynadiag.block_size=16 reused the element-diagonal runs as blocks."""
+    config = _config("quick,models=mlp")
+    before = results.fingerprint(config, "mlp", "static_diagonals", 10)
+    with config.unlocked():
+        config.models.mlp.dynadiag.block_size = 16
+    assert results.fingerprint(config, "mlp", "static_diagonals", 10) != before
+    with config.unlocked():
+        config.models.mlp.dynadiag.block_size = 1
+    assert results.fingerprint(config, "mlp", "static_diagonals", 10) == before
+
+
+def test_a_diverged_language_model_ranks_last_whatever_the_order():
+    """A NaN loss gave a NaN perplexity, and min(nan, x) is nan but min(x, nan) is x: the GPT
+    goal was met or missed by which baseline diverged."""
+    summary = T.LanguageModeling.summarise({"loss": float("nan"), "count": 4})
+    assert summary["perplexity"] == summary["bits_per_token"] == float("inf")
+    verdicts = set()
+    for diverged in ("rigl", "set"):
+        records = [
+            {"model": "gpt", "method": m, "sparsity": 0.9, "perplexity": v}
+            for m, v in (("dynadiag", 6.0), ("rigl", 6.1), ("set", 6.2))
+        ]
+        records.append(
+            {"model": "gpt", "method": diverged, "sparsity": 0.9, "perplexity": float("nan")}
+        )
+        stats = results_report.metric_stats(records, "perplexity")
+        assert stats[("gpt", diverged, 0.9)][0] == float("inf")
+        line = results_report.gpt_goals(stats)[0]
+        verdicts.add(line.split("**")[1])
+    assert verdicts == {"met"}  # a diverged baseline's mean is inf: the other one is the best
+
+
+def test_plot_labels_keep_a_permutation_apart_and_block_rows_follow_the_records():
+    """The speed plot labelled "diagonal" and "diagonal_perm" both "Diagonal"; a one-suite
+    report listed n/a block rows of every other suite."""
+    assert results_report.speed_label("diagonal") != results_report.speed_label("diagonal_perm")
+    assert results_report.speed_label("diagonal_b16_perm").endswith(", input permutation")
+    assert "(" not in results_report.speed_label("diagonal_b16")
+    config = _config("quick,models=mlp+vit")
+    records, timings = _records_and_timings()
+    stats = results_report.metric_stats(records)
+    rows = results_report.block_table(config, records, stats, {}, timings)
+    assert rows[2:] and all(row.startswith("| mlp |") for row in rows[2:]), rows
+
+
 def test_timings_of_another_recipe_or_an_unreadable_file_are_not_reported(tmp_path):
     config = _config("models=mlp")
     data = results.prepare(config)

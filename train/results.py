@@ -54,6 +54,7 @@ from train.results_runs import (
     clean_runs,
     cold_compiles,
     fingerprint,
+    merge_timings,
     prepare,
     read_records,
     read_timings,
@@ -137,12 +138,9 @@ def time_suites(config, data, suites, workdir: pathlib.Path, begun: float) -> No
     print("timing every method side by side ...")
     timings = speed.measure(config, data, suites, progress=_PROGRESS.value)
     clean = clean_runs(config, suites, workdir, progress=_PROGRESS.value)
-    old = read_timings(workdir) or {"models": {}}
-    timings["models"] = {**old.get("models", {}), **timings["models"]}
-    timings["clean_runs"] = {**old.get("clean_runs", {}), **clean}
     # each suite's timings with the recipe they measured: the report leaves out stale ones
     recipes = {s: timing_recipe(config, s, data) for s in suites}
-    timings["recipes"] = {**old.get("recipes", {}), **recipes}
+    timings = merge_timings(read_timings(workdir), timings, clean, recipes)
     timings["invocation_seconds"] = time.perf_counter() - begun  # kept for --report_only
     write_timings(workdir, timings)
 
@@ -223,7 +221,7 @@ def main(argv):
     if len(records) < len(same_recipe):
         print(
             f"report: {len(same_recipe) - len(records)} runs of {workdir / ACCURACY_FILE} with "
-            "this recipe are outside this config's sparsities and seeds, left out"
+            "this recipe are outside this config's methods, sparsities and seeds, left out"
         )
     try:
         timings = read_timings(workdir)

@@ -88,9 +88,16 @@ def _metric(config, model: str) -> str:
 
 
 def stats_of(values) -> tuple[float, float, int]:
-    """``(mean, std, n)`` of ``values`` (the sample std; 0 for one value)."""
+    """``(mean, std, n)`` of ``values`` (the sample std; 0 for one value; NaN beside an infinite
+    mean, a diverged run's perplexity)."""
     v = np.asarray(values, np.float64)
-    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0, len(v)
+    with np.errstate(invalid="ignore"):  # inf - inf
+        return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0, len(v)
+
+
+# Metrics where lower is better: a NaN one (a diverged run's, in records written before
+# LanguageModeling.summarise made it inf) counts as infinite, the worst.
+LOWER_IS_BETTER = ("perplexity", "bits_per_byte")
 
 
 def metric_stats(records, metric: str = "accuracy") -> dict:
@@ -99,7 +106,10 @@ def metric_stats(records, metric: str = "accuracy") -> dict:
     groups = collections.defaultdict(list)
     for r in records:
         if metric in r:
-            groups[(r["model"], r["method"], r["sparsity"])].append(r[metric])
+            value = r[metric]
+            if metric in LOWER_IS_BETTER and math.isnan(value):
+                value = math.inf
+            groups[(r["model"], r["method"], r["sparsity"])].append(value)
     return {k: stats_of(v) for k, v in groups.items()}
 
 
@@ -774,12 +784,13 @@ def block_table(config, records, stats, ppl_stats, timings, sparsity=0.9) -> lis
         "(frozen layers) | inference ×dense (largest batch) |",
         "|---|---|---|---|---|---|",
     ]
+    trained = {r["model"] for r in records}  # a one-suite report has no rows of the others
     for model in suites(config):
         m = config.models[model]
         blocks = [
             x for x in m.goal_methods if parse_method(x)[0] == "dynadiag" and not method_rank(x)
         ]
-        if not blocks:
+        if not blocks or model not in trained:
             continue
         lm = is_language_model(m)
         dens = _densities(records, model)
@@ -825,7 +836,8 @@ def plot_quality(config, stats, ppl_stats, models, path):
     # covered the curves once the suites had a dozen methods)
     methods = list(dict.fromkeys(x for model in models for x in _methods(config.models[model])))
     colors = {x: plt.cm.tab20(i % 20) for i, x in enumerate(x for x in methods if x != "dense")}
-    rows = -(-len(methods) // 5)
+    ncol = min(5, 2 * len(models))  # a one-suite figure (5.5 in) is too narrow for 5 labels
+    rows = -(-len(methods) // ncol)
     height = 4 + 0.22 * rows
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), height), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -860,7 +872,7 @@ def plot_quality(config, stats, ppl_stats, models, path):
     for ax in axes[0]:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
-    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=5, fontsize=8)
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=ncol, fontsize=8)
     fig.tight_layout(rect=(0, 0.22 * rows / height + 0.02, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -934,6 +946,12 @@ def plot_curves(config, records, model, sparsity, path, key: str = "curve") -> b
     return True
 
 
+def speed_label(variant: str) -> str:
+    """:func:`variant_name` without its parenthesis (", input permutation" kept: the plain and
+    the permuted variant had one label)."""
+    return re.sub(r" \([^)]*\)", "", variant_name(variant))
+
+
 def plot_speed(timings, models, path):
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
@@ -949,7 +967,7 @@ def plot_speed(timings, models, path):
                 if variant in groups[s]
             ]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=variant_name(variant).split(" (")[0])
+                ax.plot(*zip(*pts), marker="o", label=speed_label(variant))
         ax.set(
             title=f"training step, {model}",
             xlabel="sparsity (%)",

@@ -462,6 +462,8 @@ def prepare(config, *, timed: bool = False) -> Data:
     common.check_config(config, default_config.get_config(), free=("models",))
     if not config.models:
         raise common.ConfigError("need at least one model")
+    if not 0 < float(config.goal_sparsity) < 1:  # the report headed "Goals at 150% sparsity"
+        raise common.ConfigError(f"goal_sparsity must be in (0, 1), got {config.goal_sparsity}")
     for key, low in (("repeats", 1), ("warmup", 0), ("clean_repeats", 1)):
         if int(config.speed[key]) < low:  # 0 repeats: a median of nothing, NaN ratios
             raise common.ConfigError(f"speed.{key} must be >= {low}, got {config.speed[key]}")
@@ -578,6 +580,8 @@ def recipe(config, model_name: str, method: str, steps: int) -> dict:
         parts["dynadiag"] = section
     if base == "static_diagonals":
         parts["fan_in"] = m.dynadiag.fan_in
+        # the name's block size, else the section's (which the method reads too)
+        block = int(method_dynadiag(m, method).get("block_size", 1))
         if block > 1:
             parts["block_size"] = block
         permutation = method_dynadiag(m, method).get("permutation", "none")
@@ -841,10 +845,9 @@ def read_records(path: pathlib.Path) -> list[dict]:
     return list(T.read_jsonl(path))
 
 
-# What the clean runs of time_suites train, per suite (seed 0): the methods the search-cost goals
-# compare, at the goals' sparsity.
+# What the clean runs of time_suites train, per suite (seed 0, at config.goal_sparsity): the
+# methods the search-cost goals compare.
 CLEAN_METHODS = ("dense", "static_diagonals", "dynadiag")
-CLEAN_SPARSITY = 0.9
 CLEAN_KEYS = ("step_time_s", "search_step_time_s", "frozen_step_time_s", "seconds")
 
 
@@ -865,6 +868,30 @@ def cold_compiles() -> None:
     jax.config.update("jax_enable_compilation_cache", False)
 
 
+def merge_timings(old: dict | None, timings: dict, clean: dict, recipes: dict) -> dict:
+    """``timings`` of the suites in ``recipes`` (their clean runs ``clean``) over the ``old``
+    ones of ``speed.json``: a re-timed suite keeps none of its old entries, clean runs included
+    (none when it trains no run at the goal sparsity), so none is judged under the new recipe."""
+    old = old or {"models": {}}
+    timings["models"] = {**old.get("models", {}), **timings["models"]}
+    kept = {s: runs for s, runs in old.get("clean_runs", {}).items() if s not in recipes}
+    timings["clean_runs"] = {**kept, **clean}
+    timings["recipes"] = {**old.get("recipes", {}), **recipes}
+    return timings
+
+
+def clean_specs(config, suites) -> list[tuple[str, str, float, int]]:
+    """``(suite, method, sparsity, seed)`` of the clean runs: :data:`CLEAN_METHODS` at
+    ``config.goal_sparsity`` (dense at 0), seed 0, for the ``suites`` that train that sparsity."""
+    goal = float(config.goal_sparsity)
+    return [
+        (name, method, goal if method != "dense" else 0.0, 0)
+        for name in suites
+        if goal in [float(s) for s in config.models[name].sparsities]
+        for method in CLEAN_METHODS
+    ]
+
+
 def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) -> dict:
     """``{suite: {method: {key: value}}}`` of :data:`CLEAN_METHODS` trained afresh with
     ``compile_first`` under ``workdir/clean_runs``, each in a new process (logged step times
@@ -881,12 +908,7 @@ def clean_runs(config, suites, workdir: pathlib.Path, *, progress: bool = True) 
     Such spells only ever add time, so the fastest run is the closest to the steps' own. Values:
     the keys :data:`CLEAN_KEYS` of the records (and ``<key>_runs``, every repeat's value, in
     order), ``allocator`` and ``repeats``."""
-    specs = [
-        (name, method, CLEAN_SPARSITY if method != "dense" else 0.0, 0)
-        for name in suites
-        if CLEAN_SPARSITY in [float(s) for s in config.models[name].sparsities]
-        for method in CLEAN_METHODS
-    ]
+    specs = clean_specs(config, suites)
     repeats = int(config.speed.clean_repeats)
     runs = {}
     spawn = multiprocessing.get_context("spawn")

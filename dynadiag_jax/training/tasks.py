@@ -241,12 +241,15 @@ class LanguageModeling(NamedTuple):
 
     @staticmethod
     def summarise(sums):
-        """``{"loss", "perplexity", "bits_per_token", "count"}`` from summed :meth:`eval_sums`."""
+        """``{"loss", "perplexity", "bits_per_token", "count"}`` from summed :meth:`eval_sums`; a
+        NaN loss (a diverged model) has an infinite perplexity and bits per token, so that it ranks
+        last wherever runs are compared (NaN compares as neither better nor worse)."""
         n = max(float(sums["count"]), 1.0)
         loss = float(sums["loss"]) / n
+        worst = math.isnan(loss)
         return {
             "loss": loss,
-            "perplexity": math.exp(min(loss, 700.0)),
-            "bits_per_token": loss / math.log(2),
+            "perplexity": math.inf if worst else math.exp(min(loss, 700.0)),
+            "bits_per_token": math.inf if worst else loss / math.log(2),
             "count": int(sums["count"]),
         }
