@@ -271,13 +271,25 @@ def workspace_bytes(
 
     Raises:
       ValueError: for ``in_features + out_features >= 2**31`` (see :func:`check_index_range`),
-        and for widths, a block size, rows or a diagonal count the kernels cannot take.
+        for widths, a block size, rows or a diagonal count the kernels cannot take, and for
+        sizes beyond one launch's grid (e.g. element ``dvalues`` of more than 524,280 diagonals,
+        which repeated offsets allow): the handler's own message, here at lowering instead of
+        as a run-time error.
     """
     _check_kind(kind, ("fwd", "dx", "dvalues"))
     _check_shape(in_features, out_features, block_size, rows=rows, num_diagonals=num_diagonals)
     check_index_range(in_features, out_features)
     paths = (False, True) if dtype is None else (_tensor_cores(dtype),)
     ext = _ext()
+    for tc in paths:
+        limit = ext.launch_limits(
+            kind, rows, in_features, out_features, num_diagonals, tc, block_size
+        )
+        if limit is not None:
+            raise ValueError(
+                f"the CUDA {kind} target cannot take rows={rows}, {in_features} -> {out_features}, "
+                f"K={num_diagonals}, block_size={block_size}: {limit}"
+            )
     return max(
         ext.workspace_bytes(kind, rows, in_features, out_features, num_diagonals, tc, block_size)
         for tc in paths

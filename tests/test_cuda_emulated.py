@@ -459,3 +459,78 @@ def test_handlers_reject_a_small_workspace_and_a_foreign_dtype():
         Exception, match=r"values must have the dtype of x \(float32\), got bfloat16"
     ):
         jax.block_until_ready(mixed(jnp.ones((3, 8)), jnp.ones((2, 8), jnp.bfloat16), off))
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dx", "dvalues"])
+def test_handlers_name_a_foreign_offsets_or_workspace_dtype(kind):
+    """Bound as typed buffers, they were refused by XLA's decoder as "bad operands at: 2" /
+    "at: 4" (the workspace is a result); an int32 x was "an unsupported dtype"."""
+    a, b, out = {"fwd": ((3, 8), (2, 8), (3, 12)), "dx": ((3, 12), (2, 8), (3, 8))}.get(
+        kind, ((3, 12), (3, 8), (2, 8))
+    )
+
+    def call(offsets, workspace=jnp.uint8, a_dtype=jnp.float32):
+        f = jax.ffi.ffi_call(
+            f"{cuda.EMULATED_PREFIX}_{kind}",
+            (jax.ShapeDtypeStruct(out, jnp.float32), jax.ShapeDtypeStruct((4096,), workspace)),
+        )
+        return jax.block_until_ready(f(jnp.ones(a, a_dtype), jnp.ones(b), offsets))
+
+    for dtype, name in ((jnp.uint32, "uint32"), (jnp.float32, "float32")):
+        with pytest.raises(Exception, match=f"offsets must be an int32 array \\[K\\], got {name}"):
+            call(jnp.asarray([0, 5], dtype))
+    with pytest.raises(
+        Exception, match=r"workspace must be a uint8 array \[W\], got int8 \[4096\]"
+    ):
+        call(jnp.asarray([0, 5], jnp.int32), workspace=jnp.int8)
+    first = "x" if kind == "fwd" else "dy"
+    with pytest.raises(Exception, match=f"{first} must be float32, bfloat16 or float16, got int32"):
+        call(jnp.asarray([0, 5], jnp.int32), a_dtype=jnp.int32)
+
+
+@pytest.mark.parametrize(
+    "kind, aliases, message",
+    [
+        ("fwd", {0: 0}, "y must not share memory with x"),
+        ("dx", {0: 0}, "dx must not share memory with dy"),
+        ("dvalues", {1: 0}, "dvalues must not share memory with x"),
+    ],
+)
+def test_handlers_refuse_a_result_aliased_to_an_operand(kind, aliases, message):
+    """A result aliased to an operand (input_output_aliases) gave garbage (63901 against outputs
+    of at most 26), where the CPU targets refuse it."""
+    n = 64
+    shapes = {"fwd": (n, n), "dx": (n, n), "dvalues": (n, n)}
+    call = jax.ffi.ffi_call(
+        f"{cuda.EMULATED_PREFIX}_{kind}",
+        (
+            jax.ShapeDtypeStruct((130, n), jnp.float32)
+            if kind != "dvalues"
+            else jax.ShapeDtypeStruct(shapes[kind], jnp.float32),
+            jax.ShapeDtypeStruct((1 << 16,), jnp.uint8),
+        ),
+        input_output_aliases=aliases,
+    )
+    a = jnp.ones((130, n)) if kind != "dvalues" else jnp.ones((n, n))
+    b = jnp.ones((n, n))
+    offsets = jnp.arange(n, dtype=jnp.int32)
+    donate = next(iter(aliases))
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(jax.jit(call, donate_argnums=donate)(a + 0, b + 0, offsets))
+
+
+def test_more_diagonals_than_one_dvalues_launch_is_refused_at_lowering():
+    """524,281 diagonals (repeated offsets) failed at run time, after compiling; the lowering
+    now gives the handler's limit."""
+    k = 524_281
+    with pytest.raises(ValueError, match=r"dvalues target .*too many diagonals for one launch"):
+        launch_plan.workspace_bytes("dvalues", 2, 1, 2, k, jnp.float32)
+    x, values = jnp.ones((2, 1)), jnp.ones((k, 1))
+    offsets = jnp.asarray(np.arange(k) % 2, jnp.int32)
+
+    def loss(v):
+        return dd.diag_matmul(x, v, offsets, out_features=2, impl=IMPL).sum()
+
+    with pytest.raises(ValueError, match="too many diagonals for one launch"):
+        jax.jit(jax.grad(loss)).lower(values)
+    assert launch_plan.workspace_bytes("dvalues", 2, 1, 2, k - 1, jnp.float32) >= 0

@@ -3,7 +3,8 @@
 The CUDA handlers (``xla_ext/cuda``) take no scratch memory of their own: XLA allocates a ``u8[W]``
 workspace as an extra result of each custom call, and
 :func:`dynadiag_jax.launch_plan.workspace_bytes` gives ``W`` from the launch plan the handlers
-compile (``xla_ext/cuda/launch_plan.h``); the handlers reject a workspace smaller than their plan.
+compile (``xla_ext/cuda/launch_plan.h``); ``fwd``/``dx`` reject a workspace smaller than their
+plan, ``dvalues`` splits its rows less (block ``fwd``/``dx`` take none).
 
 The same kernels compiled for the host against a SIMT emulation (``xla_ext/emu``) are registered for
 the CPU as ``dynadiag_emu_diag_matmul_v2_{fwd,dx,dvalues}`` and reached with

@@ -5,9 +5,11 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "cuda/diag_launch.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -29,6 +31,15 @@ inline const char* dtype_name(ffi::DataType t) {
     case ffi::DataType::BF16: return "bfloat16";
     case ffi::DataType::F16: return "float16";
     case ffi::DataType::F64: return "float64";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::PRED: return "bool";
     default: return "an unsupported dtype";
   }
 }
@@ -84,10 +95,36 @@ inline ffi::Error check_same_dtype(ffi::DataType want, const char* name, ffi::Da
                  dtype_name(got));
 }
 
-inline ffi::Error check_offsets(ffi::Buffer<ffi::S32> offsets, int64_t K) {
+// offsets[K] int32 (bound as AnyBuffer: XLA's own dtype check names the operand by its index).
+inline ffi::Error check_offsets(const ffi::AnyBuffer& offsets, int64_t K) {
+  if (offsets.element_type() != ffi::DataType::S32)
+    return invalid(std::string("offsets must be an int32 array [K], got ") + dtype_name(offsets.element_type()));
   auto d = offsets.dimensions();
-  if (d.size() != 1 || d[0] != K)
-    return invalid("offsets must have shape [K] = [" + std::to_string(K) + "], got " + shape_str(d));
+  if (d.size() != 1 || (K >= 0 && d[0] != K))
+    return invalid("offsets must have shape [K]" + (K >= 0 ? " = [" + std::to_string(K) + "]" : std::string()) +
+                   ", got " + shape_str(d));
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_workspace(const ffi::AnyBuffer& workspace) {
+  if (workspace.element_type() != ffi::DataType::U8 || workspace.dimensions().size() != 1)
+    return invalid(std::string("workspace must be a uint8 array [W], got ") + dtype_name(workspace.element_type()) +
+                   " " + shape_str(workspace.dimensions()));
+  return ffi::Error::Success();
+}
+
+// A result sharing memory with an operand (input_output_aliases) would be read while it is
+// written: refused as on the CPU. Device addresses compare like host ones, without a sync.
+inline ffi::Error check_no_alias(const char* result_name, const ffi::AnyBuffer& result,
+                                 std::initializer_list<std::pair<const char*, const ffi::AnyBuffer*>> operands) {
+  const char* lo = static_cast<const char*>(result.untyped_data());
+  const char* hi = lo + result.size_bytes();
+  for (const auto& [name, operand] : operands) {
+    if (operand->size_bytes() == 0 || result.size_bytes() == 0) continue;
+    const char* a = static_cast<const char*>(operand->untyped_data());
+    if (a < hi && lo < a + operand->size_bytes())
+      return invalid(std::string(result_name) + " must not share memory with " + name + " (no input_output_aliases)");
+  }
   return ffi::Error::Success();
 }
 
@@ -124,12 +161,12 @@ inline ffi::Error check_block_values(const char* name, ffi::AnyBuffer::Dimension
 // The operands and sizes shared by ProductArgs and BlockProductArgs.
 template <class Args>
 void set_product_operands(Args& a, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer>& out, ffi::AnyBuffer values,
-                          ffi::Buffer<ffi::S32> offsets, int64_t rows, int64_t q_dim, int64_t o_dim, int64_t K) {
+                          ffi::AnyBuffer offsets, int64_t rows, int64_t q_dim, int64_t o_dim, int64_t K) {
   using T = std::remove_const_t<std::remove_pointer_t<decltype(a.in)>>;
   a.in = static_cast<const T*>(in.untyped_data());
   a.out = static_cast<T*>(out->untyped_data());
   a.values = static_cast<const T*>(values.untyped_data());
-  a.offsets = offsets.typed_data();
+  a.offsets = static_cast<const int32_t*>(offsets.untyped_data());
   a.rows = rows;
   a.q_dim = static_cast<int32_t>(q_dim);
   a.o_dim = static_cast<int32_t>(o_dim);
@@ -141,8 +178,7 @@ void set_product_operands(Args& a, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer
 // Element diagonals for values[K, D], block diagonals for values[K, L_b, b, b].
 template <class Launcher>
 ffi::Error product(Launcher& launch, bool transpose, ffi::AnyBuffer in, ffi::AnyBuffer values,
-                   ffi::Buffer<ffi::S32> offsets, ffi::Result<ffi::AnyBuffer> out,
-                   ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+                   ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
   const char* in_name = transpose ? "dy" : "x";
   const char* out_name = transpose ? "dx" : "y";
   const ffi::DataType dt = in.element_type();
@@ -150,6 +186,12 @@ ffi::Error product(Launcher& launch, bool transpose, ffi::AnyBuffer in, ffi::Any
     return invalid(std::string(in_name) + " must be float32, bfloat16 or float16, got " + dtype_name(dt));
   if (auto e = check_same_dtype(dt, "values", values.element_type(), in_name); e.failure()) return e;
   if (auto e = check_same_dtype(dt, out_name, out->element_type(), in_name); e.failure()) return e;
+  if (auto e = check_offsets(offsets, -1); e.failure()) return e;
+  if (auto e = check_workspace(*workspace); e.failure()) return e;
+  for (const auto& [name, result] : {std::pair{out_name, &*out}, std::pair{"workspace", &*workspace}})
+    if (auto e = check_no_alias(name, *result, {{in_name, &in}, {"values", &values}, {"offsets", &offsets}});
+        e.failure())
+      return e;
   int64_t rows = 0;
   if (auto e = check_rows(in_name, in.dimensions(), out_name, out->dimensions(), &rows); e.failure())
     return e;
@@ -170,7 +212,7 @@ ffi::Error product(Launcher& launch, bool transpose, ffi::AnyBuffer in, ffi::Any
   if (K > std::numeric_limits<int32_t>::max()) return invalid("too many diagonals");
   if (auto e = check_offsets(offsets, K); e.failure()) return e;
   const bool tc = dt != ffi::DataType::F32;
-  uint8_t* ws = workspace->typed_data();
+  uint8_t* ws = static_cast<uint8_t*>(workspace->untyped_data());
   if (blocked) {
     const BlockProductPlan plan = plan_block_product(in_f, out_f, transpose, g.b, tc);
     if (const char* e = block_product_limits(plan, rows)) return invalid(e);
@@ -187,10 +229,10 @@ ffi::Error product(Launcher& launch, bool transpose, ffi::AnyBuffer in, ffi::Any
     });
   }
   const ProductPlan plan = plan_product(in_f, out_f, transpose, K, tc);
-  if (workspace->element_count() < plan.workspace_bytes)
+  if (workspace->size_bytes() < plan.workspace_bytes)
     return invalid("workspace must have at least " + std::to_string(plan.workspace_bytes) +
                    " bytes (dynadiag_jax.launch_plan.workspace_bytes), got " +
-                   std::to_string(workspace->element_count()));
+                   std::to_string(workspace->size_bytes()));
   if (const char* e = product_limits(plan, rows)) return invalid(e);
   return dispatch(dt, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -206,37 +248,40 @@ ffi::Error product(Launcher& launch, bool transpose, ffi::AnyBuffer in, ffi::Any
 // dvalues[K, D] (element) or dvalues[K, L_b, b, b] (block; b read from the result) from dy[..., out]
 // and x[..., in].
 template <class Launcher>
-ffi::Error dvalues(Launcher& launch, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> offsets,
-                   ffi::Result<ffi::AnyBuffer> dvalues, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+ffi::Error dvalues(Launcher& launch, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer offsets,
+                   ffi::Result<ffi::AnyBuffer> dvalues, ffi::Result<ffi::AnyBuffer> workspace) {
   const ffi::DataType dt = dy.element_type();
   if (!supported_dtype(dt))
     return invalid(std::string("dy must be float32, bfloat16 or float16, got ") + dtype_name(dt));
   if (auto e = check_same_dtype(dt, "x", x.element_type(), "dy"); e.failure()) return e;
   if (auto e = check_same_dtype(dt, "dvalues", dvalues->element_type(), "dy"); e.failure()) return e;
+  if (auto e = check_offsets(offsets, -1); e.failure()) return e;
+  if (auto e = check_workspace(*workspace); e.failure()) return e;
+  for (const auto& [name, result] : {std::pair{"dvalues", &*dvalues}, std::pair{"workspace", &*workspace}})
+    if (auto e = check_no_alias(name, *result, {{"dy", &dy}, {"x", &x}, {"offsets", &offsets}}); e.failure())
+      return e;
   int64_t rows = 0;
   if (auto e = check_rows("dy", dy.dimensions(), "x", x.dimensions(), &rows); e.failure()) return e;
   const int64_t out_f = dy.dimensions().back(), in_f = x.dimensions().back();
   if (auto e = check_index_range(in_f, out_f); e.failure()) return e;
   const int64_t D = in_f < out_f ? in_f : out_f, P = in_f < out_f ? out_f : in_f;
-  auto od = offsets.dimensions();
-  if (od.size() != 1) return invalid("offsets must have shape [K], got " + shape_str(od));
-  const int64_t K = od[0];
+  const int64_t K = offsets.dimensions()[0];
   if (K > std::numeric_limits<int32_t>::max()) return invalid("too many diagonals");
   auto vd = dvalues->dimensions();
-  uint8_t* ws = workspace->typed_data();
+  uint8_t* ws = static_cast<uint8_t*>(workspace->untyped_data());
   const bool tc = dt != ffi::DataType::F32;
   if (vd.size() == 4) {
     BlockGeometry g{};
     if (auto e = check_block_values("dvalues", vd, in_f, out_f, K, &g); e.failure()) return e;
     const size_t itemsize = dt == ffi::DataType::F32 ? 4 : 2;
-    const BlockSddmmPlan plan = plan_block_sddmm(rows, in_f, out_f, K, g.b, itemsize, tc, workspace->element_count());
+    const BlockSddmmPlan plan = plan_block_sddmm(rows, in_f, out_f, K, g.b, itemsize, tc, workspace->size_bytes());
     if (const char* e = block_sddmm_limits(plan)) return invalid(e);
     return dispatch(dt, [&](auto tag) {
       using T = typename decltype(tag)::type;
       BlockSddmmArgs<T> a{};
       a.dy = static_cast<const T*>(dy.untyped_data());
       a.x = static_cast<const T*>(x.untyped_data());
-      a.offsets = offsets.typed_data();
+      a.offsets = static_cast<const int32_t*>(offsets.untyped_data());
       a.out = static_cast<T*>(dvalues->untyped_data());
       a.rows = rows;
       a.in_f = static_cast<int32_t>(in_f);
@@ -250,14 +295,14 @@ ffi::Error dvalues(Launcher& launch, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::B
     return invalid("dvalues must have shape [K, min(in, out)] = [" + std::to_string(K) + ", " +
                    std::to_string(D) + "] or [K, L_b, b, b], got " + shape_str(vd));
   if (const char* e = sddmm_limits(K, D)) return invalid(e);
-  const SddmmPlan plan = plan_sddmm(rows, in_f, out_f, K, workspace->element_count());
+  const SddmmPlan plan = plan_sddmm(rows, in_f, out_f, K, workspace->size_bytes());
   const bool tall = out_f >= in_f;
   return dispatch(dt, [&](auto tag) {
     using T = typename decltype(tag)::type;
     SddmmArgs<T> a{};
     a.fixed = static_cast<const T*>(tall ? x.untyped_data() : dy.untyped_data());
     a.moving = static_cast<const T*>(tall ? dy.untyped_data() : x.untyped_data());
-    a.offsets = offsets.typed_data();
+    a.offsets = static_cast<const int32_t*>(offsets.untyped_data());
     a.out = static_cast<T*>(dvalues->untyped_data());
     a.rows = rows;
     a.P = static_cast<int32_t>(P);

@@ -39,20 +39,20 @@ class CudaLauncher {
   cudaError_t error_ = cudaSuccess;
 };
 
-ffi::Error Fwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> offsets,
-               ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+ffi::Error Fwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::AnyBuffer offsets,
+               ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> workspace) {
   CudaLauncher launch(stream);
   return dynadiag::cuda::product(launch, false, x, values, offsets, y, workspace);
 }
 
-ffi::Error Dx(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> offsets,
-              ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+ffi::Error Dx(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer values, ffi::AnyBuffer offsets,
+              ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> workspace) {
   CudaLauncher launch(stream);
   return dynadiag::cuda::product(launch, true, dy, values, offsets, dx, workspace);
 }
 
-ffi::Error Dvalues(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> offsets,
-                   ffi::Result<ffi::AnyBuffer> dvalues, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+ffi::Error Dvalues(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer offsets,
+                   ffi::Result<ffi::AnyBuffer> dvalues, ffi::Result<ffi::AnyBuffer> workspace) {
   CudaLauncher launch(stream);
   return dynadiag::cuda::dvalues(launch, dy, x, offsets, dvalues, workspace);
 }
@@ -65,25 +65,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagCudaFwd, Fwd,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()            // x[..., in]
                                   .Arg<ffi::AnyBuffer>()            // values[K, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // offsets[K]
+                                  .Arg<ffi::AnyBuffer>()            // offsets[K] (int32, checked)
                                   .Ret<ffi::AnyBuffer>()            // y[..., out]
-                                  .Ret<ffi::Buffer<ffi::U8>>(),     // workspace
+                                  .Ret<ffi::AnyBuffer>(),            // workspace (uint8, checked)
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagCudaDx, Dx,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()            // dy[..., out]
                                   .Arg<ffi::AnyBuffer>()            // values[K, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // offsets[K]
+                                  .Arg<ffi::AnyBuffer>()            // offsets[K] (int32, checked)
                                   .Ret<ffi::AnyBuffer>()            // dx[..., in]
-                                  .Ret<ffi::Buffer<ffi::U8>>(),     // workspace
+                                  .Ret<ffi::AnyBuffer>(),            // workspace (uint8, checked)
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagCudaDvalues, Dvalues,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()            // dy[..., out]
                                   .Arg<ffi::AnyBuffer>()            // x[..., in]
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // offsets[K]
+                                  .Arg<ffi::AnyBuffer>()            // offsets[K] (int32, checked)
                                   .Ret<ffi::AnyBuffer>()            // dvalues[K, D]
-                                  .Ret<ffi::Buffer<ffi::U8>>(),     // workspace
+                                  .Ret<ffi::AnyBuffer>(),            // workspace (uint8, checked)
                               {ffi::Traits::kCmdBufferCompatible});

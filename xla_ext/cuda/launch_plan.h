@@ -278,5 +278,21 @@ inline size_t workspace_bytes(std::string_view op, int64_t rows, int64_t in_feat
   return plan_product(in_features, out_features, op == "dx", num_diagonals, tensor_cores).workspace_bytes;
 }
 
+// Why the target `op` cannot run in one launch at these sizes (the message its handler returns), or
+// nullptr: the lowering asks first, so a size beyond a grid limit is an error at trace time.
+inline const char* launch_limits(std::string_view op, int64_t rows, int64_t in_features, int64_t out_features,
+                                 int64_t num_diagonals, bool tensor_cores, int64_t block_size) {
+  if (block_size > 1) {
+    if (op == "dvalues")
+      return block_sddmm_limits(plan_block_sddmm(rows, in_features, out_features, num_diagonals, block_size,
+                                                 tensor_cores ? 2 : 4, tensor_cores));
+    return block_product_limits(plan_block_product(in_features, out_features, op == "dx", block_size, tensor_cores),
+                                rows);
+  }
+  if (op == "dvalues")
+    return sddmm_limits(num_diagonals, in_features < out_features ? in_features : out_features);
+  return product_limits(plan_product(in_features, out_features, op == "dx", num_diagonals, tensor_cores), rows);
+}
+
 }  // namespace cuda
 }  // namespace dynadiag

@@ -24,20 +24,20 @@ class FfiLauncher : public EmuLauncher {
   }
 };
 
-ffi::Error Fwd(ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> offsets,
-               ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+ffi::Error Fwd(ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::AnyBuffer offsets,
+               ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> workspace) {
   FfiLauncher launch;
   return cuda::product(launch, false, x, values, offsets, y, workspace);
 }
 
-ffi::Error Dx(ffi::AnyBuffer dy, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> offsets,
-              ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+ffi::Error Dx(ffi::AnyBuffer dy, ffi::AnyBuffer values, ffi::AnyBuffer offsets,
+              ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> workspace) {
   FfiLauncher launch;
   return cuda::product(launch, true, dy, values, offsets, dx, workspace);
 }
 
-ffi::Error Dvalues(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> offsets,
-                   ffi::Result<ffi::AnyBuffer> dvalues, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+ffi::Error Dvalues(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer offsets,
+                   ffi::Result<ffi::AnyBuffer> dvalues, ffi::Result<ffi::AnyBuffer> workspace) {
   FfiLauncher launch;
   return cuda::dvalues(launch, dy, x, offsets, dvalues, workspace);
 }
@@ -52,23 +52,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagEmuFwd, dynadiag::emu_host::Fwd,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()            // x[..., in]
                                   .Arg<ffi::AnyBuffer>()            // values[K, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // offsets[K]
+                                  .Arg<ffi::AnyBuffer>()            // offsets[K] (int32, checked)
                                   .Ret<ffi::AnyBuffer>()            // y[..., out]
-                                  .Ret<ffi::Buffer<ffi::U8>>());    // workspace
+                                  .Ret<ffi::AnyBuffer>());           // workspace (uint8, checked)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagEmuDx, dynadiag::emu_host::Dx,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()            // dy[..., out]
                                   .Arg<ffi::AnyBuffer>()            // values[K, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // offsets[K]
+                                  .Arg<ffi::AnyBuffer>()            // offsets[K] (int32, checked)
                                   .Ret<ffi::AnyBuffer>()            // dx[..., in]
-                                  .Ret<ffi::Buffer<ffi::U8>>());    // workspace
+                                  .Ret<ffi::AnyBuffer>());           // workspace (uint8, checked)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DynadiagEmuDvalues, dynadiag::emu_host::Dvalues,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()            // dy[..., out]
                                   .Arg<ffi::AnyBuffer>()            // x[..., in]
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // offsets[K]
+                                  .Arg<ffi::AnyBuffer>()            // offsets[K] (int32, checked)
                                   .Ret<ffi::AnyBuffer>()            // dvalues[K, D]
-                                  .Ret<ffi::Buffer<ffi::U8>>());    // workspace
+                                  .Ret<ffi::AnyBuffer>());           // workspace (uint8, checked)
 
 namespace dynadiag {
 namespace emu_host {

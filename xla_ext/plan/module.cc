@@ -95,6 +95,14 @@ nb::dict block_sddmm_plan(int64_t rows, int64_t in_features, int64_t out_feature
   return d;
 }
 
+// The handler's message for sizes beyond one launch, or None.
+nb::object launch_limits(std::string_view op, int64_t rows, int64_t in_features, int64_t out_features, int64_t K,
+                         bool tensor_cores, int64_t block_size) {
+  const char* e = c::launch_limits(op, rows, in_features, out_features, K, tensor_cores, block_size);
+  if (e) return nb::str(e);
+  return nb::none();
+}
+
 }  // namespace
 
 NB_MODULE(_plan_ext, m) {
@@ -108,6 +116,8 @@ NB_MODULE(_plan_ext, m) {
   m.def("block_sddmm_plan", &block_sddmm_plan, nb::arg("rows"), nb::arg("in_features"), nb::arg("out_features"),
         nb::arg("num_diagonals"), nb::arg("block_size"), nb::arg("itemsize"), nb::arg("tensor_core_dtype"),
         nb::arg("available") = kUnlimited);
+  m.def("launch_limits", &launch_limits, nb::arg("op"), nb::arg("rows"), nb::arg("in_features"),
+        nb::arg("out_features"), nb::arg("num_diagonals"), nb::arg("tensor_cores"), nb::arg("block_size") = 1);
   m.def("workspace_bytes", &c::workspace_bytes, nb::arg("op"), nb::arg("rows"), nb::arg("in_features"),
         nb::arg("out_features"), nb::arg("num_diagonals"), nb::arg("tensor_cores"), nb::arg("block_size") = 1);
 }
