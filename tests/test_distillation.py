@@ -58,7 +58,10 @@ def test_language_modelling_distils_every_position():
     p = jax.nn.softmax(t / 2.0)
     soft = -jnp.mean(jnp.sum(p * jax.nn.log_softmax(logits / 2.0), axis=-1)) * 4.0
     np.testing.assert_allclose(loss, 0.3 * task_loss + 0.7 * soft, rtol=1e-5)
-    assert "perplexity" in metrics
+    # the task's own loss stays beside the mixed one: the record's perplexity is of it
+    np.testing.assert_allclose(metrics["token_loss"], task_loss, rtol=1e-6)
+    record = distill.summarise_train({k: float(v) for k, v in metrics.items()})
+    np.testing.assert_allclose(record["perplexity"], np.exp(task_loss), rtol=1e-5)
 
 
 def test_a_student_equal_to_its_teacher_gets_no_gradient_from_the_soft_term():

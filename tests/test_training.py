@@ -180,8 +180,8 @@ def test_crash_at_the_last_step_resumes_before_the_final_evaluation(tmp_path):
     with pytest.raises(Crash):
         train_tiny(tmp_path / "cut", num_steps=12, eval_every=4, hooks=[crash_at(12)])
     resumed = train_tiny(tmp_path / "cut", num_steps=12, eval_every=4)
-    # The checkpoint of step 12 comes after the final evaluation's record, so the crashed run
-    # left none: the resumed run redoes steps 11-12 and logs that evaluation itself.
+    # The crash at step 12 came before its checkpoint (which precedes the final evaluation): the
+    # resumed run redoes steps 11-12 and logs that evaluation itself.
     assert resumed.start_step == 10 and resumed.eval_metrics == full.eval_metrics
     a = comparable(T.read_jsonl(tmp_path / "full" / "metrics.jsonl"))
     b = comparable(T.read_jsonl(tmp_path / "cut" / "metrics.jsonl"))
@@ -220,6 +220,138 @@ def test_a_loss_that_stops_being_finite_is_said_once(caplog):
         caplog.clear()
         train_tiny(num_steps=4)
     assert not [r for r in caplog.records if "the training loss is" in r.getMessage()]
+
+
+def _events(directory) -> list:
+    """Every TensorBoard event of the event files in ``directory`` (TFRecord framing: length,
+    its CRC, the event, its CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            n = int.from_bytes(data[at : at + 8], "little")
+            events.append(event_pb2.Event.FromString(data[at + 12 : at + 12 + n]))
+            at += 12 + n + 4
+    return events
+
+
+def test_a_diverged_run_keeps_its_finite_checkpoints_and_logs_its_nan_loss(tmp_path, caplog):
+    """Non-finite parameters were saved every checkpoint_every steps and rotated every finite
+    checkpoint out (keep_checkpoints); TensorBoard dropped every non-finite scalar, so a
+    diverged run showed no loss there; the warning named the logging step as the step."""
+    rate = optax.piecewise_constant_schedule(1e-2, {5: 1e32})  # step 6 blows up
+    with caplog.at_level("WARNING", logger=loop.__name__):
+        train_tiny(
+            tmp_path, num_steps=12, optimizer=optax.sgd(rate), checkpoint_every=2, log_every=4
+        )
+    said = [r.getMessage() for r in caplog.records]
+    assert any("the training loss is nan in the steps up to 8" in m for m in said), said
+    ckpt = T.Checkpointer(tmp_path / "checkpoints", read_only=True)
+    steps = ckpt.all_steps()
+    assert steps and max(steps) < 12, steps  # 12 saved nothing, and nothing rotated 2-6 out
+    last = "the parameters are not finite, so no checkpoint is saved from here on (the last "
+    assert any(f"{last}saved step, {max(steps)}, stays" in m for m in said), said
+    for step in steps:
+        params = ckpt.restore_variables(step)["params"]
+        assert all(np.isfinite(x).all() for x in jax.tree.leaves(params)), step
+    losses = {(e.step, v.tag): v.simple_value for e in _events(tmp_path) for v in e.summary.value}
+    assert np.isnan(losses[(8, "train/loss")]) and np.isnan(losses[(12, "eval/loss")])
+
+
+def test_metric_write_failures_raise_naming_the_file_and_start_no_thread(tmp_path, monkeypatch):
+    """tensorboardX's writer thread died on a full disk and its queue then blocked the training
+    loop for good (SIGTERM could not stop it)."""
+    import threading
+
+    from tensorboardX.event_file_writer import EventsWriter
+
+    before = threading.active_count()
+    writer = T.MetricWriter(tmp_path)
+    assert threading.active_count() == before  # events written in the caller's thread
+    writer.write(1, "train", {"loss": 1.0})
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(EventsWriter, "write_event", full)
+    with pytest.raises(OSError, match=f"cannot write the TensorBoard events of {tmp_path}: No"):
+        writer.write(2, "train", {"loss": 0.5})
+    writer.close()  # no second error hiding the first
+    monkeypatch.undo()
+    writer = T.MetricWriter(tmp_path, start_step=1, tensorboard=False)
+
+    class Full:
+        def write(self, text):
+            full()
+
+        def close(self):
+            full()
+
+    writer._file.close()
+    writer._file = Full()
+    with pytest.raises(OSError, match=f"cannot write the metrics.jsonl of {tmp_path}: No space"):
+        writer.write(2, "train", {"loss": 0.5})
+    writer.close()
+
+
+def test_a_second_run_in_a_workdir_in_use_is_refused(tmp_path):
+    """Two runs in one workdir deleted each other's checkpoints and log (the second, started
+    later, silently resumed from the first's checkpoint)."""
+    from dynadiag_jax.training.checkpoint import exclusive_workdir
+
+    with (
+        exclusive_workdir(tmp_path),
+        pytest.raises(
+            T.CheckpointMismatch,
+            match=f"another run \\(process {os.getpid()}\\) is training in {tmp_path}",
+        ),
+    ):
+        train_tiny(tmp_path, num_steps=2)
+    assert train_tiny(tmp_path, num_steps=2).start_step == 0  # released: the run goes ahead
+    assert train_tiny(tmp_path, num_steps=2).start_step == 2  # and after a run, too
+
+
+def test_eval_labels_are_checked_and_a_task_may_log_no_loss(tmp_path):
+    """A label no class of the task's gave a NaN eval loss without a word; a task whose metrics
+    named no "loss" failed with KeyError after its last step, before the final save."""
+    bad = blobs(100, seed=1)
+    bad["label"][5] = 7
+    with pytest.raises(ValueError, match=r"eval_data: Classification: labels must be in \[0, "):
+        train_tiny(num_steps=2, eval_data=D.EvalBatches(bad, 32))
+
+    class Renamed(T.Classification):
+        def loss(self, logits, targets, batch):
+            loss, metrics = super().loss(logits, targets, batch)
+            return loss, {"xent": metrics["loss"]}
+
+    result = T.train(
+        model=models.MLP(4, hidden=(8,)),
+        optimizer=optax.sgd(1e-2),
+        task=Renamed(4),
+        train_data=D.ArrayBatches(blobs(), 16, seed=0),
+        num_steps=3,
+        example_input=jax.ShapeDtypeStruct((16, 16), jnp.float32),
+        seed=0,
+        workdir=tmp_path,
+        log_every=1,
+        checkpoint_every=0,
+    )
+    assert result.state.step == 3
+    assert [r["step"] for r in T.read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert T.Checkpointer(tmp_path / "checkpoints", read_only=True).latest_step() == 3
+
+
+def test_a_language_models_train_perplexity_is_that_of_the_mean_loss():
+    """It was the mean of the steps' perplexities (110.8 against exp(4.44) = 85.0)."""
+    means = {"loss": 4.0, "token_loss": 2.0, "soft_loss": 1.0}
+    lm = T.LanguageModeling()
+    assert lm.summarise_train(means) == {"loss": 4.0, "soft_loss": 1.0, "perplexity": np.exp(2.0)}
+    assert lm.summarise_train({"token_loss": float("nan")})["perplexity"] == float("inf")
+    distilled = T.Distillation(lm, teacher=lambda x: x)
+    assert distilled.summarise_train(means)["perplexity"] == np.exp(2.0)
+    assert T.Distillation(T.Classification(4), teacher=lambda x: x).summarise_train(means) == means
 
 
 def test_run_killed_before_its_first_checkpoint_starts_a_new_log(tmp_path):

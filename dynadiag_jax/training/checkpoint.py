@@ -13,6 +13,7 @@ when the :class:`Checkpointer` is made, not at its first (background) save.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import logging
 import os
@@ -33,6 +34,7 @@ from dynadiag_jax.training.state import TrainState
 __all__ = [
     "CheckpointMismatch",
     "Checkpointer",
+    "exclusive_workdir",
     "UnreadableCheckpoint",
     "run_differences",
     "usable_directory",
@@ -92,6 +94,46 @@ def usable_directory(directory, *, create: bool = True) -> pathlib.Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{path} is not writable")
     return path
+
+
+LOCK_NAME = ".lock"
+
+
+@contextlib.contextmanager
+def exclusive_workdir(workdir):
+    """Hold ``workdir`` for one run: an exclusive ``flock`` of ``<workdir>/.lock`` (released by
+    the kernel if the process dies), which holds the holder's pid. Two runs in one workdir
+    deleted each other's checkpoints (``max_to_keep``) and log (a fresh ``metrics.jsonl``).
+
+    Raises:
+      CheckpointMismatch: another process holds it (naming its pid), or the path cannot be a
+        directory. A file system without locks (``ENOLCK``) runs unlocked, with a warning.
+    """
+    try:  # the checkpoints' directory, checked as Checkpointer checks it
+        path = usable_directory(pathlib.Path(workdir) / "checkpoints").parent
+    except ValueError as e:
+        raise CheckpointMismatch(f"checkpoint directory: {e}") from None
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise CheckpointMismatch(
+                f"another run (process {pid}) is training in {path}: two runs in one workdir "
+                f"would delete each other's checkpoints and log; wait for it to end, or use "
+                f"another workdir"
+            ) from None
+        except OSError as e:
+            logging.getLogger(__name__).warning(
+                "%s cannot be locked (%s): nothing keeps a second run out of it", path, e.strerror
+            )
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def run_differences(stored: Mapping, current: Mapping, where: str = "the checkpoint") -> list[str]:

@@ -46,6 +46,7 @@ from dynadiag_jax.training.checkpoint import (
     Checkpointer,
     CheckpointMismatch,
     UnreadableCheckpoint,
+    exclusive_workdir,
 )
 from dynadiag_jax.training.finetune import Finetune, enter_finetune
 from dynadiag_jax.training.metrics import MetricWriter
@@ -545,11 +546,16 @@ def log_train(
     *,
     batch_size: int,
     learning_rate: Callable | None = None,
+    task=None,
 ) -> dict:
     """Write and return the ``"train"`` record of ``step``: the metrics averaged since the last
-    record, the step time, and the learning rate of the step just taken (``learning_rate(step -
-    1)``). Starts the next interval of ``sums`` and ``timer``."""
+    record (through ``task.summarise_train`` where the task has one, e.g. a language model's
+    perplexity of the mean loss), the step time, and the learning rate of the step just taken
+    (``learning_rate(step - 1)``). Starts the next interval of ``sums`` and ``timer``."""
     record = sums.means()
+    summarise = getattr(task, "summarise_train", None)
+    if summarise is not None:
+        record = summarise(record)
     record.update(timer.rates(batch_size))
     if learning_rate is not None:
         record["learning_rate"] = float(learning_rate(step - 1))
@@ -559,9 +565,17 @@ def log_train(
 
 
 def evaluate(eval_step, state: TrainState, eval_data: Iterable, mesh, task) -> dict:
-    """Run the jitted ``eval_step`` over ``eval_data`` and summarise with ``task.summarise``."""
+    """Run the jitted ``eval_step`` over ``eval_data`` and summarise with ``task.summarise``.
+    Each host batch passes ``task.check_batch`` first, where the task has one (a label no class
+    of the task's gave a NaN loss)."""
     total = None
+    check = getattr(task, "check_batch", None)
     for local in eval_data:
+        if check is not None:
+            try:
+                check(local)
+            except ValueError as e:
+                raise ValueError(f"eval_data: {e}") from None
         # said by name: JAX's IndivisibleError named a sharding, not eval_data
         rows = global_batch_shape(np.shape(jax.tree.leaves(local)[0]), mesh)[0]
         check_batch_size(rows, mesh, name="an eval_data batch's rows")
@@ -576,6 +590,17 @@ def record_selection(writer, state: TrainState) -> None:
     """Write a ``"selection"`` record: each layer's current top-K offsets (the kept ones once
     frozen)."""
     writer.write(int(state.step), "selection", {"offsets": kept_offsets(state.collections)})
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """Whether every floating entry of ``tree`` is finite (a bool scalar)."""
+    leaves = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
 def save_checkpoint(
@@ -751,8 +776,9 @@ class Schedule(NamedTuple):
         ``tuning``: it is in the fine-tuning phase.
 
         The last step is logged, but evaluated and saved only after the loop: its checkpoint comes
-        after the final evaluation's record, so a run resumed from it finds that record. The freeze
-        step saves the frozen state, and its selection record is what the freeze kept. The
+        before the final evaluation (a failing evaluation then costs a rerun of itself, not of the
+        steps), and a run resumed from it writes that evaluation's record if the log lacks it. The
+        freeze step saves the frozen state, and its selection record is what the freeze kept. The
         fine-tuning phase's start is evaluated (the model before it; the loop evaluates only with
         evaluation data) and saved once switched. The working set is not refreshed at the freeze
         (the freeze reads all ``P`` candidates anyway).
@@ -1118,14 +1144,13 @@ def train(
         0 if working_set is None else working_set.refresh_every,
     )
 
-    ckpt = (
-        Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=keep_checkpoints)
-        if workdir is not None
-        else None
-    )
-    writer = _NullWriter()
-    ahead = CompileAhead()
+    held = contextlib.ExitStack()  # the workdir, for this run alone
+    if workdir is not None and is_main:
+        held.enter_context(exclusive_workdir(workdir))
+    ckpt, writer, ahead = None, _NullWriter(), CompileAhead()
     try:
+        if workdir is not None:
+            ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=keep_checkpoints)
         programs = jit_programs(model, optimizer, task, mesh, gate=gate, working_set=working_set)
         tuned_programs, enter, tuned_abstract = finetune_programs(
             finetune, abstract, task, mesh, example_input=example_input, seed=seed
@@ -1197,7 +1222,21 @@ def train(
         # comes before the save of its step).
         tuning = finetune is not None and resumed_step is not None and start >= finetune.start_step
 
+        unsaved = []  # the steps whose non-finite parameters were not saved
+
         def save(state):
+            if ckpt is not None and not bool(all_finite(state.params)):
+                # a diverged run would rotate every finite checkpoint out (keep_checkpoints)
+                if not unsaved:
+                    logging.getLogger(__name__).warning(
+                        "step %d: the parameters are not finite, so no checkpoint is saved from "
+                        "here on (the last saved step, %s, stays in %s)",
+                        int(state.step),
+                        ckpt.latest_step(),
+                        workdir,
+                    )
+                unsaved.append(int(state.step))
+                return
             save_checkpoint(
                 ckpt,
                 writer,
@@ -1313,8 +1352,10 @@ def train(
                         timer,
                         batch_size=train_data.global_batch_size,
                         learning_rate=phase_learning_rate(),
+                        task=task,
                     )
-                    postfix = {"loss": f"{record['loss']:.4f}"}
+                    loss = record.get("loss")  # a custom task's metrics may not name one
+                    postfix = {} if loss is None else {"loss": f"{loss:.4f}"}
                     waiting = timer.input_bound()
                     if waiting is not None:
                         postfix["input wait"] = f"{100 * waiting:.0f}%"
@@ -1328,12 +1369,14 @@ def train(
                                 100 * waiting,
                             )
                     bar.set_postfix(postfix, refresh=False)
-                    if not (diverged or np.isfinite(record["loss"])):
+                    if not (diverged or loss is None or np.isfinite(loss)):
                         diverged = True  # said once: every later record would repeat it
                         logging.getLogger(__name__).warning(
-                            "the training loss is %s at step %d (learning rate %s); the run goes "
-                            "on, but has likely diverged: a lower learning rate, or the data?",
-                            record["loss"],
+                            "the training loss is %s in the steps up to %d (learning rate %s); "
+                            "the run goes on, but has likely diverged: a lower learning rate, or "
+                            "the data? Checkpoints of non-finite parameters are not saved: the "
+                            "last finite ones stay",
+                            loss,
                             step,
                             record.get("learning_rate", "not logged"),
                         )
@@ -1379,10 +1422,15 @@ def train(
                     # instead of failing Orbax's save thread after "saved" was printed
                     ckpt.wait()
                 last = " (the last; its final evaluation was not run)" if step == num_steps else ""
+                if not workdir:
+                    kept = "no workdir, nothing saved"
+                elif unsaved and unsaved[-1] == step:
+                    kept = f"not saved (non-finite parameters; {workdir} keeps step "
+                    kept += f"{ckpt.latest_step()})"
+                else:
+                    kept = f"saved in {workdir}"
                 raise Interrupted(
-                    f"stopped at step {step} of {num_steps}{last}; "
-                    f"{'saved in ' + str(workdir) if workdir else 'no workdir, nothing saved'}",
-                    stop.signum,
+                    f"stopped at step {step} of {num_steps}{last}; {kept}", stop.signum
                 )
         # Saved before the final evaluation: an evaluation that fails (a bad validation file)
         # then costs a rerun of the evaluation, not the steps since the last checkpoint.
@@ -1404,3 +1452,4 @@ def train(
         writer.close()
         if ckpt is not None:
             ckpt.close()
+        held.close()

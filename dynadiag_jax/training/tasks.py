@@ -212,6 +212,10 @@ class Distillation:
     def summarise(self, sums):
         return self.task.summarise(sums)
 
+    def summarise_train(self, means):
+        summarise = getattr(self.task, "summarise_train", None)
+        return means if summarise is None else summarise(means)
+
 
 class LanguageModeling(NamedTuple):
     """Next-token prediction from ``{"tokens": [B, T + 1] int}``.
@@ -226,9 +230,23 @@ class LanguageModeling(NamedTuple):
         return batch["tokens"][:, :-1], batch["tokens"][:, 1:]
 
     def loss(self, logits, targets, batch):
+        """The mean token cross-entropy; metrics ``loss`` and ``token_loss`` (the same here; a
+        :class:`Distillation` replaces ``loss`` by its mixed loss and keeps this one), from which
+        :meth:`summarise_train` derives the interval's perplexity."""
         del batch
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-        return loss, {"loss": loss, "perplexity": jnp.exp(loss)}
+        return loss, {"loss": loss, "token_loss": loss}
+
+    @staticmethod
+    def summarise_train(means):
+        """A ``"train"`` record's metrics (means over the logging interval) with ``token_loss``
+        replaced by the interval's ``perplexity``, ``exp`` of the mean token loss (a mean of
+        per-step perplexities overstates it wherever the loss moves in the interval)."""
+        means = dict(means)
+        if "token_loss" in means:
+            loss = means.pop("token_loss")
+            means["perplexity"] = math.inf if math.isnan(loss) else math.exp(min(loss, 700.0))
+        return means
 
     def eval_inputs(self, batch):
         return batch["tokens"][:, :-1]
