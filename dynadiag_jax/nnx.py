@@ -51,6 +51,7 @@ from dynadiag_jax.nn.gate_state import check_score
 from dynadiag_jax.nn.lora import adapter_rules, check_rank, default_a_init, low_rank_term
 from dynadiag_jax.nn.search import gate_inputs, search_forward
 from dynadiag_jax.nn.sparsify import first_match, parse_rules, unmatched_message
+from dynadiag_jax.ops.diag_matmul import check_impl
 from dynadiag_jax.topk import check_gate_value, nan_if_nan
 
 __all__ = [
@@ -152,6 +153,7 @@ class DiagonalDense(nnx.Module):
             use_bias=use_bias,
         )
         F.check_init_and_search(fan_in, scale)
+        check_impl(impl)
         perms.check_permutation_args(
             permutation, permutation_penalty, permutation_start, permutation_relaxation
         )

@@ -607,3 +607,13 @@ def test_the_readme_nnx_export_round_trips_through_a_plain_dict():
     blob = dd.export(jax.jit(apply))(pure, x).serialize()
     np.testing.assert_allclose(jax.export.deserialize(blob).call(pure, x), model(x), rtol=1e-6)
     assert not isinstance(model.values.get_value(), jax.core.Tracer)  # no tracer leaked into it
+
+
+def test_a_misspelt_impl_is_refused_when_either_layer_is_made():
+    """It was accepted and first refused at the layer's first call."""
+    with pytest.raises(ValueError, match="impl must be one of .*got 'bogus'"):
+        dd.nn.DiagonalDense(8, sparsity=0.5, impl="bogus")
+    with pytest.raises(ValueError, match="impl must be one of .*got 'bogus'"):
+        dd.nnx.DiagonalDense(8, 8, sparsity=0.5, impl="bogus", rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="impl must be a str"):
+        dd.nnx.DiagonalDense(8, 8, sparsity=0.5, impl=None, rngs=nnx.Rngs(0))

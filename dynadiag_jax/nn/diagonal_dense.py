@@ -49,6 +49,7 @@ from dynadiag_jax.nn.search import (
     working_set_forward,
     working_set_problem,
 )
+from dynadiag_jax.ops.diag_matmul import check_impl
 from dynadiag_jax.topk import check_gate_value, nan_if_nan
 
 __all__ = ["DiagonalDense"]
@@ -235,6 +236,7 @@ class DiagonalDense(nn.Module):
             use_bias=self.use_bias,
         )
         F.check_init_and_search(self.fan_in, self.scale)
+        check_impl(self.impl)
         perms.check_permutation_args(
             self.permutation,
             self.permutation_penalty,

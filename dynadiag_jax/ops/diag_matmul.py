@@ -225,21 +225,13 @@ def _supports(impl: str, dtype) -> bool:
     return any(dtype == d for d in products.backend(impl).dtypes())
 
 
-def resolve_impl(impl: str, dtype, geo, rows: int | None, num_diagonals: int) -> str:
-    """The implementation ``diag_matmul(impl=impl)`` runs for these static facts.
-
-    ``geo``: the product's :class:`dynadiag_jax.layout.DiagGeometry`; ``rows``: the number of
-    rows of ``x`` (leading dimensions flattened), None where they are symbolic. Raises as
-    :func:`diag_matmul` does for an impl that cannot run the dtype or block size.
-    """
-    block_size = geo.block_size
+def check_impl(impl) -> None:
+    """Raises unless ``impl`` names an implementation of this installation (``TypeError``: not a
+    str; ``ValueError``: unknown, or kernels this installation was built without). The layers
+    call it when made, so a misspelt ``impl`` is not first seen at their first call."""
     if not isinstance(impl, str):
         raise TypeError(f"impl must be a str, one of {available_impls()}, got {impl!r}")
-    if impl == "auto":  # the default platform's choice; diag_matmul decides per lowering platform
-        return auto.decide_for_lowering(
-            auto.current_platform(), rows=rows, geo=geo, dtype=dtype, num_diagonals=num_diagonals
-        ).impl
-    if impl != "dense" and impl not in products.available_backends():
+    if impl not in ("auto", "dense") and impl not in products.available_backends():
         unbuilt = {"ffi": "C++/CUDA kernels", "cuda_emulated": "emulated CUDA kernels"}
         why = (
             f" ({impl!r} runs the {unbuilt[impl]}, which this installation does not have: "
@@ -248,6 +240,21 @@ def resolve_impl(impl: str, dtype, geo, rows: int | None, num_diagonals: int) ->
             else ""
         )
         raise ValueError(f"impl must be one of {available_impls()}, got {impl!r}{why}")
+
+
+def resolve_impl(impl: str, dtype, geo, rows: int | None, num_diagonals: int) -> str:
+    """The implementation ``diag_matmul(impl=impl)`` runs for these static facts.
+
+    ``geo``: the product's :class:`dynadiag_jax.layout.DiagGeometry`; ``rows``: the number of
+    rows of ``x`` (leading dimensions flattened), None where they are symbolic. Raises as
+    :func:`diag_matmul` does for an impl that cannot run the dtype or block size.
+    """
+    block_size = geo.block_size
+    check_impl(impl)
+    if impl == "auto":  # the default platform's choice; diag_matmul decides per lowering platform
+        return auto.decide_for_lowering(
+            auto.current_platform(), rows=rows, geo=geo, dtype=dtype, num_diagonals=num_diagonals
+        ).impl
     if impl == "dense":
         return impl
     if not _supports(impl, dtype):
