@@ -91,6 +91,31 @@ def test_phase_from_frozen_variables_starts_at_once(tmp_path):
     }
 
 
+def test_a_run_crashed_before_its_first_checkpoint_resumes_into_a_phase_at_step_0(tmp_path):
+    """Frozen at step 0 and switched into the phase there, the run saved step 0 at the freeze
+    and skipped the switch's save (a step is saved once): the resumed run read the frozen model
+    without adapters as the phase's and failed ("the patterns ['.*/lora_b'] match no param")."""
+    run = dict(num_steps=8, sparsity=SPARSITY, freeze_step=0, checkpoint_every=4)
+    full = train_tiny(tmp_path / "full", **run, finetune=phase(0))
+    with pytest.raises(Crash):
+        train_tiny(tmp_path / "cut", **run, finetune=phase(0), hooks=[crash_at(1)])
+    saved = T.Checkpointer(tmp_path / "cut" / "checkpoints").restore_variables(0)
+    assert "lora_b" in saved["params"]["hidden_0"]  # step 0 holds the phase's form
+    resumed = train_tiny(tmp_path / "cut", **run, finetune=phase(0))
+    assert resumed.start_step == 0
+    assert_resumed_as_uninterrupted(resumed, full, tmp_path / "cut", tmp_path / "full")
+
+
+def test_a_phase_added_to_a_finished_run_is_refused_naming_it(tmp_path):
+    """It failed inside the first step's trace ("match no param")."""
+    train_tiny(tmp_path, num_steps=8, sparsity=SPARSITY, freeze_step=4)
+    with pytest.raises(
+        T.CheckpointMismatch,
+        match="step 8 .* without this run.s fine-tuning phase, which starts at step 6",
+    ):
+        train_tiny(tmp_path, num_steps=12, sparsity=SPARSITY, freeze_step=4, finetune=phase(6))
+
+
 def test_bad_phases_are_refused_before_compiling(tmp_path):
     with pytest.raises(ValueError, match=r"finetune.start_step must be an integer in \[0, num"):
         train_tiny(tmp_path, **RUN, finetune=phase(12))

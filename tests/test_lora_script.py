@@ -261,3 +261,30 @@ def test_the_adapters_follow_the_diagonal_layers_by_default():
     )
     adapted = sorted(k for k in variables["params"] if "lora_b" in variables["params"][k])
     assert adapted == ["hidden_0"]
+
+
+def test_fashion_mnist_names_the_values_control_apart_and_checks_every_workdir_first(
+    tmp_path, monkeypatch
+):
+    """The rank-0 control (values alone) took the plain run's subdirectory, whose checkpoint it
+    was refused against; another recipe in the sparse run's workdir was refused only after the
+    dense run had trained."""
+    config = fashion_config.get_config()
+    config.data.source = "mnist5k"
+    config.lora.update(steps=5, rank=0, train_values=True)
+    names = list(fashion_mnist.prepare(config)[3])
+    assert names == ["dense", "dynadiag_s90_lorafa_r0_values"]
+    config.lora.update(rank=8, train_values=False)
+    assert list(fashion_mnist.prepare(config)[3])[-1] == "dynadiag_s90_lorafa_r8"
+    checked, trained = [], []
+
+    def check(workdir, run_info):
+        checked.append(workdir.name)
+        if workdir.name != "dense":
+            raise common.ConfigError(f"checkpoint of {workdir.name} was written by another run")
+
+    monkeypatch.setattr(common, "check_workdir", check)
+    monkeypatch.setattr(common, "train_from_config", lambda *a, **k: trained.append(k))
+    with pytest.raises(common.ConfigError, match="dynadiag_s90_lorafa_r8 was written"):
+        fashion_mnist.run(config, tmp_path, progress=False)
+    assert checked == ["dense", "dynadiag_s90_lorafa_r8"] and not trained

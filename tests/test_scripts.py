@@ -814,7 +814,8 @@ def test_results_smoke_run_reports_in_its_workdir_and_never_writes_docs(run_pyth
     accuracy.write_text(accuracy.read_text() + json.dumps(extra) + "\n")
     proc = run_python([*args, "--report_only"], timeout=300)
     assert (
-        "1 runs of" in proc.stdout and "outside this config's sparsities and seeds" in proc.stdout
+        "1 runs of" in proc.stdout
+        and "outside this config's methods, sparsities and seeds" in proc.stdout
     )
     assert "over 1 runs" in (run / "RESULTS.md").read_text()
     missing = [*args[:-2], f"--workdir={tmp_path / 'typo'}", "--noprogress", "--report_only"]

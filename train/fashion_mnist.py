@@ -95,8 +95,8 @@ def prepare(config):
             )
         if run_method != "dense":  # dynadiag_s90, dynadiag_b16_s90 (as results.py names blocks)
             name = f"{name}{f'_b{block}' if block > 1 else ''}_s{round(100 * run_sparsity)}"
-        if phase is not None and int(config.lora.rank):  # dynadiag_s90_lorafa_r8 (results.py's)
-            name += f"_lorafa_r{config.lora.rank}"
+        if phase is not None:  # dynadiag_s90_lorafa_r8 (results.py's); the values too: _values
+            name += f"_lorafa_r{config.lora.rank}" + ("_values" if config.lora.train_values else "")
         models[name] = Run(built, dyn, phase, total)
     return data, steps, example, models
 
@@ -121,6 +121,9 @@ def run(config, workdir, *, progress: bool = True) -> list[tuple[str, float, int
     )
     if config.method != "dense" and not common.sparsity_of(config.dynadiag):
         print(f"sparsity 0: no {config.method} run, the dense model only")
+    for name, (built, _, phase, _) in models.items():  # refused before any of them trains
+        run_info = common.recipe(config, built, phase=phase is not None)
+        common.check_workdir(workdir / name, {**run_info, "seed": int(config.seed)})
     summary = []
     for name, (built, dyn, phase, total) in models.items():
         print(f"== {name}")

@@ -1218,9 +1218,21 @@ def train(
                 f"(another freeze step or number of steps); resume with that run's settings, or "
                 f"use another workdir"
             )
-        # A checkpoint at or after the phase's start was written after the switch (the switch
-        # comes before the save of its step).
-        tuning = finetune is not None and resumed_step is not None and start >= finetune.start_step
+        # In the phase if the checkpoint was written in it (its params are the phase's form),
+        # whatever its step: a checkpoint of the phase's start step may have been saved before
+        # the switch, and a finished run given a phase it did not have holds none.
+        tuning = (
+            finetune is not None
+            and resumed_step is not None
+            and jax.tree.structure(state.params) == jax.tree.structure(tuned_abstract.params)
+        )
+        if finetune is not None and not tuning and start > finetune.start_step:
+            raise CheckpointMismatch(
+                f"the checkpoint at step {start} in {workdir} was written without this run's "
+                f"fine-tuning phase, which starts at step {finetune.start_step}: it was written by "
+                f"a run without that phase (or with a later one); resume with that run's "
+                f"settings, or use another workdir"
+            )
 
         unsaved = []  # the steps whose non-finite parameters were not saved
 
@@ -1257,12 +1269,13 @@ def train(
         ):
             ahead.wait("enter_working_set")
             state = programs.enter_working_set(state)
+        switched = False  # saved once after both switches: a step is saved only once
         if searching and freeze_step == start:
             ahead.wait("freeze")
-            state, searching = programs.freeze(state), False
-            save(state)
+            state, searching, switched = programs.freeze(state), False, True
         if finetune is not None and not tuning and finetune.start_step == start:
-            state, tuning = enter(state), True
+            state, tuning, switched = enter(state), True, True
+        if switched:
             save(state)
 
         # Updated where the form changes, not read from the state's collections every step (a
