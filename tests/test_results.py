@@ -1143,15 +1143,17 @@ def test_fingerprint_of_sparse_lr_scale_none_hashes_as_before_it_existed():
     assert fp() == before
 
 
-def test_timing_only_and_report_only_together_are_refused(run_python, tmp_path):
-    """Both once ran as --report_only and said "speed.json is missing: run with --timing_only
-    first", although --timing_only was given."""
+def test_contradicting_mode_flags_are_refused(run_python, tmp_path):
+    """--timing_only --report_only ran as --report_only ("speed.json is missing: run with
+    --timing_only first"); --timing_only --notiming timed against the --notiming given."""
     script = pathlib.Path(__file__).resolve().parents[1] / "train" / "results.py"
     run = tmp_path / "run"
-    proc = run_python(
-        [str(script), "--timing_only", "--report_only", f"--workdir={run}"], check=False
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: --report_only and --timing_only exclude each other"), last
-    assert "Traceback" not in proc.stderr and not run.exists()
+    for flags, message in (
+        (["--timing_only", "--report_only"], "--report_only and --timing_only exclude each other"),
+        (["--timing_only", "--notiming"], "--timing_only and --notiming exclude each other"),
+    ):
+        proc = run_python([str(script), *flags, f"--workdir={run}"], check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: {message}"), last
+        assert "Traceback" not in proc.stderr and not run.exists()

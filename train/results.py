@@ -153,6 +153,11 @@ def main(argv):
             "--report_only and --timing_only exclude each other: --timing_only times the suites "
             "and then rewrites the report, --report_only only rewrites it; give one"
         )
+    if _TIMING_ONLY.value and not _TIMING.value:  # it timed, against the --notiming given
+        common.die(
+            "--timing_only and --notiming exclude each other: --timing_only only times; "
+            "--notiming trains without timing; give one"
+        )
     logging.set_verbosity(logging.WARNING)
     cold_compiles()  # whole runs are timed with their compilation
     config = _CONFIG.value
