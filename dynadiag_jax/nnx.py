@@ -502,6 +502,8 @@ def permutation_penalty(model):
     """The sum of every :class:`DiagonalDense`'s :meth:`~DiagonalDense.penalty` in ``model``
     (float32 scalar): the term a loss adds for learned permutations (linen layers sow it into
     their ``"losses"`` collection instead)."""
+    if not isinstance(model, nnx.Module):  # a dict of variables would give 0 without a word
+        raise TypeError(f"permutation_penalty takes an NNX module, got {type(model).__name__}")
     total = jnp.zeros((), jnp.float32)
     for _, m in _layers(model):
         total = total + m.penalty()
@@ -691,8 +693,8 @@ def _diagonal_layer(layer, path: str, kwargs: dict, rngs):
                 in_shape, out_shape, axis=layer.axis, path=path, rngs=rngs, **kwargs
             )
         return DiagonalDense(in_shape[0], out_shape[0], rngs=rngs, **kwargs)
-    except ValueError as e:  # e.g. a block size that does not divide this layer's widths
-        raise ValueError(f"dd.nnx.sparsify: {path}: {e}") from None
+    except (TypeError, ValueError) as e:  # e.g. a block size that does not divide the widths
+        raise type(e)(f"dd.nnx.sparsify: {path}: {e}") from None
 
 
 def _references(nodes):

@@ -617,3 +617,14 @@ def test_a_misspelt_impl_is_refused_when_either_layer_is_made():
         dd.nnx.DiagonalDense(8, 8, sparsity=0.5, impl="bogus", rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="impl must be a str"):
         dd.nnx.DiagonalDense(8, 8, sparsity=0.5, impl=None, rngs=nnx.Rngs(0))
+
+
+def test_sparsify_names_the_layer_of_a_type_error_and_the_penalty_takes_modules_only():
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(16, 8, rngs=rngs)
+
+    with pytest.raises(TypeError, match="dd.nnx.sparsify: fc: k must be an int"):
+        dd.nnx.sparsify(Model(nnx.Rngs(0)), [("fc", {"k": 2.5})], rngs=nnx.Rngs(1))
+    with pytest.raises(TypeError, match="permutation_penalty takes an NNX module, got dict"):
+        dd.nnx.permutation_penalty({"a": 1})
