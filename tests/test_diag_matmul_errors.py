@@ -654,3 +654,19 @@ def test_bad_shape_cases_cover_every_registered_cpu_target():
     assert set(_cpu_ext.registrations()) == covered | {ranking.TARGET}
     # every product target has a zero or out-of-range feature width among its cases
     assert {c[0] for c in RAW_SHAPE_ERRORS.values() if c[4].startswith(_WIDTHS)} == kinds
+
+
+@pytest.mark.parametrize(
+    "block_size, error, match",
+    [
+        (True, TypeError, "block_size must be an int, got bool"),
+        (1.5, TypeError, "block_size must be an int, got float"),
+        ("16", TypeError, "block_size must be an int, got str"),
+        (0, ValueError, "block_size must be >= 1, got 0"),
+        (-1, ValueError, "block_size must be >= 1, got -1"),
+    ],
+)
+def test_available_impls_checks_its_block_size(block_size, error, match):
+    """It listed jax and dense as able to run b = 0, -1 or 1.5."""
+    with pytest.raises(error, match=match):
+        dd.available_impls(block_size=block_size)

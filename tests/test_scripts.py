@@ -87,6 +87,11 @@ def _on_tfds(config, root: pathlib.Path):
         (lambda c: c.data.update(source="cifar"), "unknown data source"),
         (lambda c: c.dynadiag.update(sparsity=1.5), "dynadiag.sparsity must be 0"),
         (lambda c: c.dynadiag.update(layers=(r"head",)), "match no replaceable layer"),
+        # it trained the dense model and reported it as DynaDiag at 90%
+        (
+            lambda c: c.dynadiag.update(layers=()),
+            r"dynadiag.layers=\(\) selects no layer, so a sparsity of 0.9 would train the dense",
+        ),
         (lambda c: c.dynadiag.update(sparsity=float("nan")), "dynadiag.sparsity must be 0"),
         (lambda c: c.dynadiag.update(explore="wide"), "dynadiag: unknown explore 'wide'"),
         (lambda c: c.dynadiag.update(slack=-1.0), "dynadiag: slack must be >= 0"),

@@ -172,8 +172,9 @@ def dense_kernel_init(model_cfg):
 def check_layer_patterns(
     model: nn.Module, example_input, dynadiag_cfg, *, block_size: int = 1
 ) -> list[str]:
-    """The replaceable layers that the patterns select; raises if a pattern selects nothing, or if
-    ``block_size`` (:func:`train.baselines.block_size`) does not divide both widths of every one."""
+    """The replaceable layers that the patterns select; raises if a pattern or all of them select
+    nothing, or if ``block_size`` (:func:`train.baselines.block_size`) does not divide both
+    widths of every one."""
     paths = models.replaceable_layers(model, example_input)
     if float(dynadiag_cfg.sparsity) == 0.0:
         return []
@@ -186,6 +187,12 @@ def check_layer_patterns(
     selected = [
         p for p in paths if models.ByPath(tuple(dynadiag_cfg.layers), sparse=nn.Dense).matches(p)
     ]
+    if not selected:  # a sparse run of the dense model, reported at its sparsity
+        raise ConfigError(
+            f"dynadiag.layers={tuple(dynadiag_cfg.layers)} selects no layer, so a sparsity of "
+            f"{float(dynadiag_cfg.sparsity):g} would train the dense model; the model's "
+            f"replaceable layers are: {', '.join(paths)}"
+        )
     if block_size > 1:
         _check_block_size(layer_shapes(model, example_input), selected, block_size)
     return selected

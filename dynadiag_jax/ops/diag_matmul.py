@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynadiag_jax._checks import as_int32, host_array, permutation_problem
+from dynadiag_jax._checks import as_int32, host_array, int_at_least, permutation_problem
 from dynadiag_jax.layout import KERNEL_BLOCK_SIZES, geometry
 from dynadiag_jax.ops import auto, products, reference
 
@@ -35,6 +35,7 @@ def available_impls(*, block_size: int = 1) -> tuple[str, ...]:
     platform (``"jax"`` and ``"dense"`` take any ``b``; the kernels ``b`` in
     ``layout.KERNEL_BLOCK_SIZES`` where their platform has block kernels).
     """
+    block_size = int_at_least(block_size, "block_size", 1)
     backends = products.available_backends()
     return ("auto", "dense", *(n for n, be in backends.items() if be.block_size_ok(block_size)))
 
