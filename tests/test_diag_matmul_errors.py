@@ -670,3 +670,13 @@ def test_available_impls_checks_its_block_size(block_size, error, match):
     """It listed jax and dense as able to run b = 0, -1 or 1.5."""
     with pytest.raises(error, match=match):
         dd.available_impls(block_size=block_size)
+
+
+def test_float8_runs_on_the_jax_path_by_name_as_auto_runs_it():
+    """impl='jax' refused float8, which impl='auto' ran on that very path."""
+    x = jnp.ones((2, 9), jnp.float8_e4m3fn)
+    v = jnp.ones((3, 9), jnp.float8_e4m3fn)
+    offsets = jnp.asarray([0, 3, 10], jnp.int32)
+    y = dd.diag_matmul(x, v, offsets, out_features=17, impl="jax")
+    ref = dd.diag_matmul(x, v, offsets, out_features=17, impl="dense")
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ref, np.float32))

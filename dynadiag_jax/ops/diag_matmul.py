@@ -223,7 +223,10 @@ def _check_perm(perm, host_perm, in_features):
 
 
 def _supports(impl: str, dtype) -> bool:
-    return any(dtype == d for d in products.backend(impl).dtypes())
+    backend = products.backend(impl)
+    if backend.dtypes is products.every_float_dtype:  # float8 too: written in JAX
+        return jnp.issubdtype(dtype, jnp.floating)
+    return any(dtype == d for d in backend.dtypes())
 
 
 def check_impl(impl) -> None:
@@ -289,7 +292,10 @@ def diag_matmul(x, values, offsets, *, out_features: int, impl: str = "auto", pe
         (block diagonals: ``[0, P_b)``, ``P_b = min(in, out_features) / b``); repeats add up.
       out_features: the output width.
       impl: ``"auto"`` (decided from the static shapes, dtype, K and b: on CPU the compiled
-        kernel where it supports the dtype and block size, else ``"jax"``; on GPU the CUDA kernel
+        kernel where it supports the dtype and block size, else ``"jax"``, and ``"dense"`` for
+        element diagonals keeping at least ``auto.CPU_DENSE_DENSITY`` of the ``P`` candidates on
+        at least ``auto.CPU_DENSE_ROWS`` rows (where XLA's dot is faster; a non-finite input
+        then reaches every output of its row); on GPU the CUDA kernel
         only where the cost model predicts it faster than ``"dense"``; elsewhere ``"dense"``;
         for symbolic rows, the choice made at both 1 and 2**20 rows where the two agree, else
         ``"dense"``, and ``"dense"`` on GPU; see ``ops/auto.py``), ``"ffi"``, ``"jax"`` or

@@ -113,7 +113,9 @@ def _jax_dvalues(dy, x, offsets, *, block_size, perm=None):
 
 
 def every_float_dtype() -> tuple:
-    """``Backend.dtypes`` of the implementations written in JAX: every floating dtype."""
+    """``Backend.dtypes`` of the implementations written in JAX: every floating dtype (the
+    float8 types too, which ``diag_matmul`` accepts for these backends by kind; listed here are
+    the usual ones)."""
     return (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
