@@ -217,6 +217,12 @@ class Distillation:
         return means if summarise is None else summarise(means)
 
 
+def _perplexity(loss: float) -> float:
+    """``exp(loss)`` (capped below float overflow); inf for a NaN loss (a diverged model), so that
+    it ranks last wherever runs are compared (NaN compares as neither better nor worse)."""
+    return math.inf if math.isnan(loss) else math.exp(min(loss, 700.0))
+
+
 class LanguageModeling(NamedTuple):
     """Next-token prediction from ``{"tokens": [B, T + 1] int}``.
 
@@ -245,7 +251,7 @@ class LanguageModeling(NamedTuple):
         means = dict(means)
         if "token_loss" in means:
             loss = means.pop("token_loss")
-            means["perplexity"] = math.inf if math.isnan(loss) else math.exp(min(loss, 700.0))
+            means["perplexity"] = _perplexity(loss)
         return means
 
     def eval_inputs(self, batch):
@@ -267,7 +273,7 @@ class LanguageModeling(NamedTuple):
         worst = math.isnan(loss)
         return {
             "loss": loss,
-            "perplexity": math.inf if worst else math.exp(min(loss, 700.0)),
+            "perplexity": _perplexity(loss),
             "bits_per_token": math.inf if worst else loss / math.log(2),
             "count": int(sums["count"]),
         }
